@@ -1,0 +1,184 @@
+"""Rollout generator: a vLLM engine that turns prompts into an Experience record.
+
+A plain class: usable in a script or a test without Ray; ``cluster/`` wraps it in an actor.
+vLLM runs in-process (no engine subprocess, eager mode): on CPU it starts in seconds and lets
+weight updates pass tensors directly instead of pickled bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any, Iterable
+
+import torch
+
+from learners.experience import Experience
+
+log = logging.getLogger("rayrlhf.generator")
+
+
+def configure_vllm_env(kv_cache_gib: float, threads: int = 0) -> None:
+    """Environment vLLM reads at import time; must run before ``import vllm``."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(kv_cache_gib)))))
+    n = threads or os.cpu_count() or 1
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{n - 1}" if n > 1 else "0")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+class Generator:
+    """Samples responses with vLLM and reports per-token rollout log-probs.
+
+    Args:
+        model_path: local transformers folder (safetensors).
+        dtype: 'bfloat16' or 'float32' weights in the engine.
+        max_model_len: prompt + response token budget per sequence.
+        seed: engine seed (per-request seeds crash the CPU sampler).
+        kv_cache_gib: CPU KV-cache size.
+        trust_remote_code: forwarded to vLLM / transformers; off by default.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        dtype: str = "bfloat16",
+        max_model_len: int = 512,
+        seed: int = 0,
+        kv_cache_gib: float = 1.0,
+        threads: int = 0,
+        system_prompt: str = "",
+        trust_remote_code: bool = False,
+    ) -> None:
+        configure_vllm_env(kv_cache_gib, threads)
+        from vllm import LLM  # heavy import at the edge: only generator processes pay it
+
+        t0 = time.time()
+        self.llm = LLM(
+            model=model_path,
+            dtype=dtype,
+            seed=seed,
+            max_model_len=max_model_len,
+            enforce_eager=True,
+            distributed_executor_backend="uni",
+            worker_extension_cls="actors.vllm_ext.WeightReloadExtension",
+            logprobs_mode="processed_logprobs",
+            trust_remote_code=trust_remote_code,
+            enable_prefix_caching=True,
+        )
+        self.tokenizer = self.llm.get_tokenizer()
+        self.max_model_len = max_model_len
+        self.system_prompt = system_prompt
+        self.version = 0
+        self.eos_token_id = self.tokenizer.eos_token_id
+        self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_token_id
+        self.startup_s = time.time() - t0
+        log.info("vLLM engine ready in %.1fs (%s, %s)", self.startup_s, model_path, dtype)
+
+    # -- prompts ---------------------------------------------------------------------------------
+    def encode_prompt(self, text: str) -> list[int]:
+        """Chat template applied, generation prompt added, as token ids."""
+        messages = ([{"role": "system", "content": self.system_prompt}] if self.system_prompt else []) + [
+            {"role": "user", "content": text}
+        ]
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    # -- sampling --------------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: list[str],
+        meta: list[dict[str, Any]] | None = None,
+        group_ids: list[int] | None = None,
+        *,
+        max_new_tokens: int = 64,
+        max_prompt_tokens: int = 256,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        n: int = 1,
+    ) -> Experience:
+        """Samples ``n`` responses per prompt.
+
+        Prompts that are empty or longer than ``max_prompt_tokens`` (after the chat template)
+        are skipped and counted in ``Experience.skipped``. Returns the record with
+        ``input_ids``, masks, ``rollout_logprobs``, ``truncated`` and texts filled.
+        """
+        from vllm import SamplingParams
+
+        meta = meta if meta is not None else [{} for _ in prompts]
+        group_ids = group_ids if group_ids is not None else list(range(len(prompts)))
+        if not (len(prompts) == len(meta) == len(group_ids)):
+            raise ValueError("prompts, meta and group_ids must have the same length")
+        skipped = {"empty_prompt": 0, "prompt_too_long": 0}
+        kept: list[tuple[list[int], dict, int]] = []
+        budget = min(max_prompt_tokens, self.max_model_len - max_new_tokens)
+        for text, m, g in zip(prompts, meta, group_ids):
+            if not isinstance(text, str) or not text.strip():
+                skipped["empty_prompt"] += 1
+                continue
+            ids = self.encode_prompt(text)
+            if len(ids) > budget:
+                skipped["prompt_too_long"] += 1
+                log.warning("skipping prompt of %d tokens (limit %d): %.60r", len(ids), budget, text)
+                continue
+            kept.append((ids, m, g))
+        if not kept:
+            raise ValueError(f"no usable prompt in a batch of {len(prompts)}: {skipped}")
+
+        params = SamplingParams(
+            n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, logprobs=1,
+            stop_token_ids=[self.eos_token_id] if self.eos_token_id is not None else None,
+        )
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": ids} for ids, _, _ in kept], params, use_tqdm=False
+        )
+        rows: list[tuple[list[int], list[int], list[float], bool, str, dict, int]] = []
+        for (ids, m, g), out in zip(kept, outputs):
+            for comp in out.outputs:
+                resp = list(comp.token_ids)
+                lps = [float(step[tok].logprob) for tok, step in zip(resp, comp.logprobs)]
+                truncated = comp.finish_reason == "length"
+                rows.append((ids, resp, lps, truncated, comp.text, m, g))
+        return self._to_experience(rows, skipped)
+
+    def _to_experience(self, rows, skipped: dict[str, int]) -> Experience:
+        length = max(len(p) + len(r) for p, r, *_ in rows)
+        b = len(rows)
+        input_ids = torch.full((b, length), self.pad_token_id, dtype=torch.long)
+        attention = torch.zeros((b, length), dtype=torch.bool)
+        response = torch.zeros((b, length), dtype=torch.bool)
+        logprobs = torch.zeros((b, length), dtype=torch.float32)
+        for i, (p, r, lps, *_rest) in enumerate(rows):
+            n_p, n_r = len(p), len(r)
+            input_ids[i, : n_p + n_r] = torch.tensor(p + r, dtype=torch.long)
+            attention[i, : n_p + n_r] = True
+            response[i, n_p : n_p + n_r] = True
+            logprobs[i, n_p : n_p + n_r] = torch.tensor(lps, dtype=torch.float32)
+        truncated = torch.tensor([row[3] for row in rows], dtype=torch.bool)
+        skipped = dict(skipped, truncated=int(truncated.sum()))
+        return Experience(
+            input_ids=input_ids,
+            attention_mask=attention,
+            response_mask=response,
+            rollout_logprobs=logprobs,
+            group_ids=torch.tensor([row[6] for row in rows], dtype=torch.long),
+            truncated=truncated,
+            policy_version=self.version,
+            completions=[row[4] for row in rows],
+            meta=[row[5] for row in rows],
+            skipped=skipped,
+        ).validate()
+
+    # -- weights ---------------------------------------------------------------------------------
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> float:
+        """Replaces the engine's weights in place; returns seconds taken."""
+        t0 = time.perf_counter()
+        self.llm.collective_rpc("rayrlhf_load_weights", args=(list(named_tensors),))
+        # Cached KV blocks were computed with the old weights.
+        self.llm.reset_prefix_cache()
+        self.version = int(version)
+        return time.perf_counter() - t0

@@ -1,0 +1,53 @@
+"""Reference policy: a frozen copy of the initial policy that scores sequences.
+
+Its log-probs anchor the KL penalty. Plain class; ``cluster/`` wraps it in a Ray actor.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from learners.experience import Experience
+from learners.modeling import sequence_logprobs
+
+
+class Reference:
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        bf16: bool = False,
+        micro_batch_size: int = 8,
+        chunk: int = 1024,
+        temperature: float = 1.0,
+        threads: int = 0,
+        trust_remote_code: bool = False,
+    ) -> None:
+        from transformers import AutoModelForCausalLM
+
+        if threads:
+            torch.set_num_threads(threads)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=torch.float32, trust_remote_code=trust_remote_code
+        )
+        self.model.eval().requires_grad_(False)
+        self.bf16 = bf16
+        self.micro_batch_size = micro_batch_size
+        self.chunk = chunk
+        self.temperature = temperature
+
+    def logprobs(self, exp: Experience) -> torch.Tensor:
+        """(B, L) reference log-probs at the response positions of ``exp``."""
+        return sequence_logprobs(
+            self.model, exp.input_ids, exp.attention_mask, exp.response_mask,
+            temperature=self.temperature, micro_batch_size=self.micro_batch_size,
+            chunk=self.chunk, bf16=self.bf16,
+        )
+
+    def annotate(self, exp: Experience) -> tuple[Experience, float]:
+        """Returns the record with ``ref_logprobs`` filled, and the seconds it took."""
+        t0 = time.perf_counter()
+        out = exp.replace(ref_logprobs=self.logprobs(exp)).validate()
+        return out, time.perf_counter() - t0

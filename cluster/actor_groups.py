@@ -1,0 +1,152 @@
+"""Ray actors around the plain role classes, and the group that places them.
+
+Every method that produces experience returns ``(record, stats)`` with ``num_returns=2``: the
+record stays in the object store and flows actor to actor by reference, while the driver only
+fetches the small stats dict.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import ray
+import torch
+
+from cluster.config import Config
+from cluster.weight_sync import PackedWeights, unpack
+from learners.experience import Experience
+
+
+def _threads(n: int) -> int:
+    return n or os.cpu_count() or 1
+
+
+class GeneratorWorker:
+    def __init__(self, model_path: str, cfg: Config, rank: int) -> None:
+        from actors.generator import Generator
+
+        torch.set_num_threads(_threads(cfg.rollout.threads))
+        self.gen = Generator(
+            model_path,
+            dtype=cfg.model.generator_dtype,
+            max_model_len=cfg.model.max_prompt_tokens + cfg.model.max_new_tokens,
+            seed=cfg.run.seed * 1000 + rank,
+            kv_cache_gib=cfg.rollout.kv_cache_gib,
+            threads=cfg.rollout.threads,
+            system_prompt=cfg.data.system_prompt,
+            trust_remote_code=cfg.model.trust_remote_code,
+        )
+        self.cfg = cfg
+
+    def ready(self) -> float:
+        return self.gen.startup_s
+
+    def generate(self, rows: list[dict[str, Any]], group_ids: list[int], greedy: bool = False) -> tuple[Experience, dict]:
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        exp = self.gen.generate(
+            [r["prompt"] for r in rows], [r["meta"] for r in rows], group_ids,
+            max_new_tokens=cfg.model.max_new_tokens, max_prompt_tokens=cfg.model.max_prompt_tokens,
+            temperature=0.0 if greedy else cfg.rollout.temperature,
+            top_p=1.0 if greedy else cfg.rollout.top_p,
+            n=1 if greedy else cfg.rollout.samples_per_prompt,
+        )
+        dt = time.perf_counter() - t0
+        lengths = exp.response_lengths()
+        stats = {
+            "seconds": dt,
+            "tokens": int(lengths.sum()),
+            "sequences": exp.batch_size,
+            "response_lengths": lengths.tolist(),
+            "truncated": int(exp.truncated.sum()),
+            "skipped": dict(exp.skipped),
+            "policy_version": exp.policy_version,
+            "samples": [(r, c) for r, c in zip([m.get("question", "") for m in exp.meta[:2]], exp.completions[:2])],
+        }
+        return exp, stats
+
+    def load_weights(self, packed: list[PackedWeights]) -> float:
+        """``packed`` arrives wrapped in a list so that Ray hands over the ref, not a copy."""
+        p = ray.get(packed[0]) if isinstance(packed[0], ray.ObjectRef) else packed[0]
+        return self.gen.load_weights(unpack(p), p.version)
+
+    def version(self) -> int:
+        return self.gen.version
+
+
+class ScorerWorker:
+    def __init__(self, cfg: Config) -> None:
+        from actors.scorer import Scorer
+
+        self.scorer = Scorer(cfg.reward.function, cfg.reward.kwargs, cfg.reward.on_error)
+
+    def score(self, exp: Experience) -> tuple[Experience, dict]:
+        t0 = time.perf_counter()
+        out = self.scorer.score(exp)
+        return out, {"seconds": time.perf_counter() - t0, "scores": out.scores.tolist(), "skipped": dict(out.skipped)}
+
+
+class ReferenceWorker:
+    def __init__(self, model_path: str, cfg: Config) -> None:
+        from actors.reference import Reference
+
+        torch.set_num_threads(_threads(cfg.cluster.threads))
+        self.ref = Reference(
+            model_path, bf16=cfg.ppo.bf16, micro_batch_size=cfg.ppo.micro_batch_size,
+            chunk=cfg.ppo.logprob_chunk, temperature=cfg.rollout.temperature or 1.0,
+            trust_remote_code=cfg.model.trust_remote_code,
+        )
+
+    def annotate(self, exp: Experience) -> tuple[Experience, dict]:
+        out, dt = self.ref.annotate(exp)
+        return out, {"seconds": dt}
+
+
+class RolloutGroup:
+    """The inference-side roles: N generators, one scorer, one reference."""
+
+    def __init__(self, cfg: Config, model_path: str) -> None:
+        self.cfg = cfg
+        env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "WARNING"}}
+        gen_cls = ray.remote(GeneratorWorker)
+        self.generators = [
+            gen_cls.options(num_cpus=cfg.rollout.cpus_per_generator, runtime_env=env, name=None).remote(model_path, cfg, i)
+            for i in range(cfg.rollout.num_generators)
+        ]
+        self.scorer = ray.remote(ScorerWorker).options(num_cpus=0.1).remote(cfg)
+        self.reference = ray.remote(ReferenceWorker).options(num_cpus=cfg.cluster.cpus_per_reference).remote(model_path, cfg)
+
+    def wait_ready(self) -> list[float]:
+        ray.get(self.reference.__ray_ready__.remote())
+        return ray.get([g.ready.remote() for g in self.generators])
+
+    def _shards(self, rows: list[dict], group_ids: list[int]) -> list[tuple[list[dict], list[int]]]:
+        n = len(self.generators)
+        # Contiguous shards keep each prompt's samples on one generator (n is per prompt).
+        size = -(-len(rows) // n)
+        return [(rows[i : i + size], group_ids[i : i + size]) for i in range(0, len(rows), size)]
+
+    def generate(self, rows: list[dict], group_ids: list[int], greedy: bool = False) -> tuple[list, list]:
+        exp_refs, stat_refs = [], []
+        for gen, (r, g) in zip(self.generators, self._shards(rows, group_ids)):
+            e, s = gen.generate.options(num_returns=2).remote(r, g, greedy)
+            exp_refs.append(e)
+            stat_refs.append(s)
+        return exp_refs, stat_refs
+
+    def score(self, exp_refs: list) -> tuple[list, list]:
+        pairs = [self.scorer.score.options(num_returns=2).remote(e) for e in exp_refs]
+        return [p[0] for p in pairs], [p[1] for p in pairs]
+
+    def annotate_reference(self, exp_refs: list) -> tuple[list, list]:
+        pairs = [self.reference.annotate.options(num_returns=2).remote(e) for e in exp_refs]
+        return [p[0] for p in pairs], [p[1] for p in pairs]
+
+    def sync_weights(self, weights_ref) -> list[float]:
+        return ray.get([g.load_weights.remote([weights_ref]) for g in self.generators])
+
+    def shutdown(self) -> None:
+        for a in [*self.generators, self.scorer, self.reference]:
+            ray.kill(a)

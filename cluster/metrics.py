@@ -1,0 +1,80 @@
+"""Run directory, per-step metrics (JSONL), a live progress line, and the reward/KL plot."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class RunLog:
+    def __init__(self, run_dir: Path, total_steps: int, stream=None) -> None:
+        self.dir = run_dir
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.dir / "metrics.jsonl"
+        self.total = total_steps
+        self.stream = stream or sys.stdout
+        self.t0 = time.time()
+        self.rows: list[dict[str, Any]] = []
+
+    def save_config(self, cfg_dict: dict) -> None:
+        (self.dir / "config.yaml").write_text(yaml.safe_dump(cfg_dict, sort_keys=False))
+
+    def log(self, row: dict[str, Any]) -> None:
+        row = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+        self.rows.append(row)
+        with self.path.open("a") as fh:
+            fh.write(json.dumps(row) + "\n")
+
+    def progress(self, row: dict[str, Any]) -> None:
+        step = row["step"]
+        elapsed = time.time() - self.t0
+        eta = elapsed / step * (self.total - step)
+        width = 20
+        filled = int(width * step / self.total)
+        bar = "#" * filled + "-" * (width - filled)
+        line = (
+            f"[{bar}] step {step}/{self.total} | reward {row.get('reward/mean', float('nan')):.3f}"
+            f"±{row.get('reward/std', float('nan')):.2f} | kl {row.get('kl/ref_k1', float('nan')):.4f}"
+            f" | len {row.get('response/length_mean', float('nan')):.1f}"
+            f" | {row.get('generate/tokens_per_s', float('nan')):.0f} tok/s"
+            f" | gen {row.get('time/generate_s', 0):.1f}s score {row.get('time/score_s', 0):.1f}s"
+            f" ref {row.get('time/reference_s', 0):.1f}s learn {row.get('time/learn_s', 0):.1f}s"
+            f" sync {row.get('time/sync_s', 0):.2f}s | {elapsed:.0f}s elapsed, eta {eta:.0f}s"
+        )
+        if "eval/accuracy" in row:
+            line += f" | eval acc {row['eval/accuracy']:.3f}"
+        print(line, file=self.stream, flush=True)
+
+    def plot(self) -> Path | None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        if not self.rows:
+            return None
+        steps = [r["step"] for r in self.rows]
+        fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+        axes[0].plot(steps, [r.get("reward/mean") for r in self.rows], label="train reward (mean)")
+        ev = [(r["step"], r["eval/accuracy"]) for r in self.rows if r.get("eval/accuracy") is not None]
+        if ev:
+            axes[0].plot(*zip(*ev), "o-", label="held-out greedy accuracy")
+        axes[0].set_xlabel("step")
+        axes[0].set_title("reward")
+        axes[0].legend()
+        axes[1].plot(steps, [r.get("kl/ref_k1") for r in self.rows], label="KL to reference (k1)")
+        axes[1].plot(steps, [r.get("policy/approx_kl") for r in self.rows], label="KL old->new (approx)")
+        axes[1].set_xlabel("step")
+        axes[1].set_title("KL")
+        axes[1].legend()
+        fig.tight_layout()
+        out = self.dir / "curves.png"
+        fig.savefig(out, dpi=100)
+        plt.close(fig)
+        return out

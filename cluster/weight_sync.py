@@ -1,0 +1,65 @@
+"""Weight sync learner -> generators: one flat buffer, one ``ray.put`` per sync.
+
+A dict of hundreds of tensors pickles slowly; one contiguous buffer, stored as a numpy array,
+goes through the object store zero-copy (readers get a shared-memory view). The same
+``pack``/``unpack`` pair frames a future NCCL broadcast on GPU clusters: the transport
+changes, the framing and the generator's ``load_weights`` do not.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+import torch
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+# numpy has no bfloat16: bf16 and fp16 travel as int16 bit patterns.
+_CARRIER = {torch.bfloat16: np.int16, torch.float16: np.int16, torch.float32: np.float32}
+
+
+@dataclass
+class PackedWeights:
+    # 1-D numpy array with every tensor's elements back to back (dtype: the carrier of `dtype`).
+    buffer: np.ndarray
+    # torch dtype name of the packed values ("bfloat16", "float32").
+    dtype: str
+    # (name, shape, offset in elements) of each tensor, in checkpoint (transformers) naming.
+    layout: list[tuple[str, tuple[int, ...], int]]
+    # Policy version these weights belong to.
+    version: int
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.buffer.nbytes)
+
+
+def pack(state_dict: dict[str, torch.Tensor], dtype: str, version: int) -> PackedWeights:
+    tdtype = _DTYPES[dtype]
+    total = sum(t.numel() for t in state_dict.values())
+    flat = torch.empty(total, dtype=tdtype)
+    layout = []
+    offset = 0
+    for name, t in state_dict.items():
+        n = t.numel()
+        flat[offset : offset + n].copy_(t.detach().reshape(-1))
+        layout.append((name, tuple(t.shape), offset))
+        offset += n
+    carrier = flat.view(torch.int16) if tdtype != torch.float32 else flat
+    return PackedWeights(buffer=carrier.numpy(), dtype=dtype, layout=layout, version=version)
+
+
+def unpack(packed: PackedWeights) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) views into the buffer; no copy (the receiver's loader copies)."""
+    tdtype = _DTYPES[packed.dtype]
+    with warnings.catch_warnings():
+        # Object-store views are read-only; the loader only reads them, so no copy is needed.
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.from_numpy(packed.buffer)
+    if tdtype != torch.float32:
+        flat = flat.view(tdtype)
+    for name, shape, offset in packed.layout:
+        n = int(np.prod(shape)) if shape else 1
+        yield name, flat[offset : offset + n].view(shape)

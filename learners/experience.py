@@ -1,0 +1,147 @@
+"""The one experience record that crosses every process boundary.
+
+Generators create it, the scorer and the reference fill in their fields, learners consume
+it. It travels as a Ray ObjectRef, so the driver never holds its tensors. Every per-token
+tensor is (B, L) and aligned with ``input_ids``: position t holds the quantity for token
+``input_ids[:, t]`` (its log-prob given the tokens before it, its value, ...). Prompt and
+padding positions hold 0 and are excluded by ``response_mask``.
+
+The record is algorithm-neutral on purpose: PPO uses values and GAE, GRPO-style estimators
+use ``group_ids``, DPO pairs two rows of one group, Q-learning reads rewards per token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_TOKEN_FIELDS = ("rollout_logprobs", "ref_logprobs", "values")
+
+
+class ExperienceError(ValueError):
+    """An experience record whose fields do not fit together."""
+
+
+@dataclass
+class Experience:
+    # (B, L) int64: prompt tokens then response tokens, right-padded with pad_token_id.
+    input_ids: torch.Tensor
+    # (B, L) bool: True at real (non-padding) tokens, prompt and response.
+    attention_mask: torch.Tensor
+    # (B, L) bool: True at response tokens the loss trains on (prompt and padding False).
+    response_mask: torch.Tensor
+    # (B, L) float32: the generator's log-prob of each response token when it was sampled.
+    rollout_logprobs: torch.Tensor
+    # (B,) int64: index of the prompt in the dataset; samples of one prompt share it (a group).
+    group_ids: torch.Tensor
+    # (B,) bool: response hit the length limit without emitting EOS.
+    truncated: torch.Tensor
+    # int: weight version of the generator that sampled this batch (for staleness checks).
+    policy_version: int
+    # Response texts, for scorers and logs (B entries).
+    completions: list[str]
+    # Per-row JSON-able task metadata for reward functions (question, answer, ...).
+    meta: list[dict[str, Any]]
+    # (B,) float32: task reward of each response; filled by the scorer.
+    scores: torch.Tensor | None = None
+    # (B, L) float32: the frozen reference policy's log-probs; filled by the reference.
+    ref_logprobs: torch.Tensor | None = None
+    # (B, L) float32: critic values; filled by the learner when it uses a critic.
+    values: torch.Tensor | None = None
+    # Counters of samples dropped or flagged on the way (bad reward, over-long prompt, ...).
+    skipped: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    def response_lengths(self) -> torch.Tensor:
+        """(B,) number of response tokens per row."""
+        return self.response_mask.sum(dim=1)
+
+    def validate(self) -> "Experience":
+        """Checks shapes, dtypes and finiteness once, where the record is built or extended."""
+        b, length = self.input_ids.shape if self.input_ids.dim() == 2 else (None, None)
+        if b is None:
+            raise ExperienceError(f"input_ids must be (B, L), got shape {tuple(self.input_ids.shape)}")
+        if self.input_ids.dtype != torch.long:
+            raise ExperienceError(f"input_ids must be int64, got {self.input_ids.dtype}")
+        for name in ("attention_mask", "response_mask", *_TOKEN_FIELDS):
+            t = getattr(self, name)
+            if t is None:
+                continue
+            if tuple(t.shape) != (b, length):
+                raise ExperienceError(f"{name} must have shape {(b, length)}, got {tuple(t.shape)}")
+        for name in ("attention_mask", "response_mask"):
+            if getattr(self, name).dtype != torch.bool:
+                raise ExperienceError(f"{name} must be bool")
+        if bool((self.response_mask & ~self.attention_mask).any()):
+            raise ExperienceError("response_mask marks padding positions")
+        for name in ("group_ids", "truncated", "scores"):
+            t = getattr(self, name)
+            if t is not None and tuple(t.shape) != (b,):
+                raise ExperienceError(f"{name} must have shape ({b},), got {tuple(t.shape)}")
+        for name in ("rollout_logprobs", "ref_logprobs", "values", "scores"):
+            t = getattr(self, name)
+            if t is not None and not bool(torch.isfinite(t).all()):
+                raise ExperienceError(f"{name} holds NaN or inf")
+        if len(self.completions) != b or len(self.meta) != b:
+            raise ExperienceError(f"completions/meta must have {b} entries")
+        return self
+
+    def select(self, index: torch.Tensor | list[int]) -> "Experience":
+        """Rows ``index`` (a subset or reordering), all fields kept consistent."""
+        idx = torch.as_tensor(index, dtype=torch.long)
+        rows = idx.tolist()
+        out = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, torch.Tensor):
+                out[f.name] = v[idx]
+            elif isinstance(v, list):
+                out[f.name] = [v[i] for i in rows]
+            else:
+                out[f.name] = v
+        return Experience(**out)
+
+    @staticmethod
+    def concat(parts: list["Experience"], pad_token_id: int = 0) -> "Experience":
+        """Stacks records (e.g. one per generator), right-padding to the longest sequence."""
+        if not parts:
+            raise ExperienceError("cannot concatenate zero experience records")
+        if len(parts) == 1:
+            return parts[0]
+        length = max(p.seq_len for p in parts)
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(Experience):
+            vals = [getattr(p, f.name) for p in parts]
+            if f.name == "policy_version":
+                out[f.name] = min(vals)
+            elif f.name == "skipped":
+                merged: dict[str, int] = {}
+                for d in vals:
+                    for k, n in d.items():
+                        merged[k] = merged.get(k, 0) + n
+                out[f.name] = merged
+            elif isinstance(vals[0], list):
+                out[f.name] = [x for v in vals for x in v]
+            elif vals[0] is None or any(v is None for v in vals):
+                out[f.name] = None
+            elif vals[0].dim() == 2:
+                fill = pad_token_id if f.name == "input_ids" else 0
+                out[f.name] = torch.cat(
+                    [torch.nn.functional.pad(v, (0, length - v.shape[1]), value=fill) for v in vals]
+                )
+            else:
+                out[f.name] = torch.cat(vals)
+        return Experience(**out)
+
+    def replace(self, **changes: Any) -> "Experience":
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,298 @@
+"""Loss functions and masked reductions for policy-gradient RLHF.
+
+Layout convention: every per-token tensor is ``(B, T)`` and aligned to token
+positions of the full sequence. ``mask`` ``(B, T)`` is 1.0 / True at response
+tokens that train and 0 elsewhere (prompt, padding, interior masked tokens).
+Masks may be bool or float.
+
+Every masked reduction divides by ``clamp(sum(mask), min=1)`` so that an
+all-zero mask yields 0, never NaN.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "masked_sum",
+    "masked_mean",
+    "masked_var",
+    "masked_whiten",
+    "kl_penalty",
+    "KL_KINDS",
+    "policy_loss_clipped",
+    "value_loss_clipped",
+    "entropy_from_logits",
+    "logprobs_from_logits",
+]
+
+KL_KINDS: tuple[str, ...] = ("k1", "k2", "k3", "abs")
+
+# exp(20) ~ 4.9e8: far beyond any ratio a sane update produces, yet small
+# enough that exp() never overflows to inf (which would turn 0 * inf into NaN).
+_LOG_RATIO_CLAMP: float = 20.0
+
+
+def masked_sum(x: Tensor, mask: Tensor, dim: Optional[int] = None) -> Tensor:
+    """Sum of ``x * mask``, over all elements or along ``dim``.
+
+    Args:
+        x: ``(B, T)`` (any shape works).
+        mask: same shape as ``x``; bool or float.
+        dim: reduce only along this dimension if given.
+
+    Returns:
+        Scalar if ``dim`` is None, else ``x`` with ``dim`` reduced.
+    """
+    m = mask.to(x.dtype)
+    # torch.where instead of a bare multiply: masked-out positions may hold
+    # inf/NaN (e.g. log-probs of padding) and 0 * inf = NaN would leak through,
+    # in the forward pass and in the gradient.
+    masked = torch.where(m != 0, x * m, torch.zeros_like(x))
+    return masked.sum() if dim is None else masked.sum(dim=dim)
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: Optional[int] = None) -> Tensor:
+    """Mean of ``x`` over masked entries: ``sum(x*mask) / clamp(sum(mask), min=1)``.
+
+    Args:
+        x: ``(B, T)`` (any shape works).
+        mask: same shape as ``x``; bool or float.
+        dim: reduce only along this dimension if given.
+
+    Returns:
+        Scalar if ``dim`` is None, else ``x`` with ``dim`` reduced. Rows / tensors
+        with an all-zero mask give 0.
+    """
+    m = mask.to(x.dtype)
+    count = m.sum() if dim is None else m.sum(dim=dim)
+    return masked_sum(x, m, dim) / count.clamp(min=1)
+
+
+def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
+    """Variance of ``x`` over masked entries (scalar).
+
+    Args:
+        x: ``(B, T)``.
+        mask: ``(B, T)``; bool or float.
+        unbiased: apply Bessel's correction ``n / (n - 1)`` where
+            ``n = sum(mask) > 1``; with ``n <= 1`` the biased value (0) is kept.
+
+    Returns:
+        Scalar tensor; 0 for an all-zero mask.
+    """
+    m = mask.to(x.dtype)
+    mean = masked_mean(x, m)
+    var = masked_mean((x - mean) ** 2, m)
+    if unbiased:
+        n = m.sum()
+        # Branch-free so no host sync; clamp keeps the unused branch finite.
+        correction = torch.where(n > 1, n / (n - 1).clamp(min=1), torch.ones_like(n))
+        var = var * correction
+    return var
+
+
+def masked_whiten(
+    x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8
+) -> Tensor:
+    """Normalise ``x`` to zero mean / unit variance using masked statistics.
+
+    ``(x - mean) / sqrt(var + eps)`` with mean and (unbiased) variance taken
+    over the masked entries only. If ``shift_mean`` is False the mean is added
+    back, i.e. only the scale is normalised.
+
+    The result is returned at EVERY position, including masked-out ones
+    (those values are meaningless); callers must multiply by / select with
+    ``mask`` before using them.
+
+    Args:
+        x: ``(B, T)``.
+        mask: ``(B, T)``; bool or float.
+        shift_mean: if False, return ``(x - mean) / std + mean``.
+        eps: added to the variance for numerical stability.
+
+    Returns:
+        ``(B, T)``, same dtype as ``x``.
+    """
+    mean = masked_mean(x, mask)
+    var = masked_var(x, mask, unbiased=True)
+    whitened = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened
+
+
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: str = "k1") -> Tensor:
+    """Per-token sample estimator of KL(pi || ref) from tokens sampled from pi.
+
+    With ``log_ratio = logprobs - ref_logprobs`` = log(pi / ref)
+    (J. Schulman, "Approximating KL divergence", 2020):
+
+    * ``"k1"``: ``log_ratio`` -- unbiased, high variance, can be negative.
+    * ``"k2"``: ``0.5 * log_ratio**2`` -- biased, low variance, >= 0.
+    * ``"k3"``: ``exp(-log_ratio) - 1 + log_ratio`` -- unbiased, >= 0.
+      ``log_ratio`` is clamped to [-20, 20] first so ``exp`` cannot overflow;
+      beyond that range the estimate (and its gradient) saturates.
+    * ``"abs"``: ``|log_ratio|``.
+
+    Args:
+        logprobs: ``(B, T)`` log pi(a_t | s_t) of the sampled tokens.
+        ref_logprobs: ``(B, T)`` log ref(a_t | s_t) of the same tokens.
+        kind: one of ``KL_KINDS``.
+
+    Returns:
+        ``(B, T)`` per-token estimate (not masked).
+
+    Raises:
+        ValueError: for an unknown ``kind``.
+    """
+    log_ratio = logprobs - ref_logprobs
+    if kind == "k1":
+        return log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio.square()
+    if kind == "k3":
+        lr = log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+        # expm1 keeps precision near lr = 0, where exp(-lr) - 1 + lr cancels
+        # catastrophically; the final clamp only absorbs last-ulp rounding so
+        # the estimator is >= 0 as it is mathematically.
+        return (torch.expm1(-lr) + lr).clamp(min=0)
+    if kind == "abs":
+        return log_ratio.abs()
+    raise ValueError(f"Unknown KL estimator kind {kind!r}; expected one of {KL_KINDS}")
+
+
+def policy_loss_clipped(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_eps: float = 0.2,
+    clip_eps_high: Optional[float] = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO clipped surrogate loss (Schulman et al. 2017, eq. 7), token-mean.
+
+    ``ratio = exp(logprobs - old_logprobs)``;
+    ``loss = masked_mean(max(-A * ratio, -A * clip(ratio, 1 - clip_eps, 1 + clip_eps_high)))``
+    which is the negation of L^CLIP (max of negatives == min of positives).
+
+    ``clip_eps_high`` defaults to ``clip_eps`` (symmetric PPO); setting it
+    larger gives the decoupled "clip-higher" variant (DAPO, Yu et al. 2025).
+    The log-ratio is zeroed at masked positions and clamped to [-20, 20]
+    before ``exp`` so garbage at padding can never produce inf/NaN in the
+    loss or its gradient.
+
+    Args:
+        logprobs: ``(B, T)`` log-probs of the taken tokens under the current
+            policy (requires grad).
+        old_logprobs: ``(B, T)`` log-probs under the behaviour policy.
+        advantages: ``(B, T)`` advantage estimates A_t (treated as constants).
+        mask: ``(B, T)``; bool or float.
+        clip_eps: lower clip range, epsilon in eq. 7.
+        clip_eps_high: upper clip range; None -> ``clip_eps``.
+
+    Returns:
+        ``(loss, stats)``: scalar loss, and detached scalars
+        ``"clip_frac"`` (masked fraction of tokens where the clipped branch is
+        strictly active, i.e. ``-A*clipped > -A*ratio``),
+        ``"approx_kl"`` (masked mean of the k2 estimator
+        ``0.5 * (logprobs - old_logprobs)**2`` of KL(old || new)), and
+        ``"ratio_mean"`` (masked mean of ``ratio``).
+    """
+    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+    valid = mask.to(logprobs.dtype) != 0
+    log_ratio = torch.where(valid, logprobs - old_logprobs, torch.zeros_like(logprobs))
+    log_ratio = log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    adv = torch.where(valid, advantages.detach(), torch.zeros_like(advantages))
+
+    loss_unclipped = -adv * ratio
+    loss_clipped = -adv * ratio.clamp(1.0 - clip_eps, 1.0 + eps_high)
+    per_token = torch.maximum(loss_unclipped, loss_clipped)
+    loss = masked_mean(per_token, valid)
+
+    with torch.no_grad():
+        stats = {
+            "clip_frac": masked_mean((loss_clipped > loss_unclipped).to(logprobs.dtype), valid),
+            "approx_kl": masked_mean(0.5 * log_ratio.square(), valid),
+            "ratio_mean": masked_mean(ratio, valid),
+        }
+    return loss, {k: v.detach() for k, v in stats.items()}
+
+
+def value_loss_clipped(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    clip_eps: float = 0.2,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clipped value-function loss (PPO2 baselines / Schulman et al. 2017 code).
+
+    ``values_clipped = old_values + clamp(values - old_values, -clip_eps, clip_eps)``;
+    ``loss = 0.5 * masked_mean(max((values - returns)**2, (values_clipped - returns)**2))``.
+    Taking the max makes the loss pessimistic: the value head gets no credit
+    for moving further than ``clip_eps`` from the rollout-time estimate.
+
+    Args:
+        values: ``(B, T)`` current value predictions (requires grad).
+        old_values: ``(B, T)`` value predictions at rollout time.
+        returns: ``(B, T)`` regression targets (e.g. GAE returns).
+        mask: ``(B, T)``; bool or float.
+        clip_eps: value clip range (absolute, in value units).
+
+    Returns:
+        ``(loss, stats)``: scalar loss and detached scalar ``"vf_clip_frac"``
+        (masked fraction of tokens where the clipped loss is strictly larger).
+    """
+    values_clipped = old_values + (values - old_values).clamp(-clip_eps, clip_eps)
+    loss_unclipped = (values - returns).square()
+    loss_clipped = (values_clipped - returns).square()
+    loss = 0.5 * masked_mean(torch.maximum(loss_unclipped, loss_clipped), mask)
+    with torch.no_grad():
+        vf_clip_frac = masked_mean((loss_clipped > loss_unclipped).to(values.dtype), mask)
+    return loss, {"vf_clip_frac": vf_clip_frac.detach()}
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy of ``softmax(logits)`` along the last dimension.
+
+    ``H = logsumexp(z) - sum(softmax(z) * z)``, which is
+    ``-sum p log p`` rewritten so no ``log`` of an underflowed probability is
+    ever taken. Logits are shifted by their (detached) row max first: H is
+    shift-invariant, and without the shift ``logsumexp(z)`` and
+    ``sum(p*z)`` are both ~max(z) and cancel catastrophically for large
+    logits. Logits must be finite (``-inf`` gives ``0 * -inf = NaN``); mask
+    vocabulary entries with a large negative number instead. Computed in the
+    dtype of ``logits``; upcast bf16 logits first if precision matters.
+
+    Args:
+        logits: ``(..., V)``, e.g. ``(B, T, V)``.
+
+    Returns:
+        ``(...)``, e.g. ``(B, T)``.
+    """
+    z = logits - logits.amax(dim=-1, keepdim=True).detach()
+    probs = torch.softmax(z, dim=-1)
+    return torch.logsumexp(z, dim=-1) - (probs * z).sum(dim=-1)
+
+
+def logprobs_from_logits(logits: Tensor, labels: Tensor) -> Tensor:
+    """Log-probability of ``labels`` under ``softmax(logits)``.
+
+    Equal to ``log_softmax(logits).gather(-1, labels)`` but computed as
+    ``gather(logits) - logsumexp(logits)`` so that no second V-sized tensor
+    (the full log-softmax) is materialised -- V is ~1e5 for LLMs.
+
+    Args:
+        logits: ``(..., V)``, e.g. ``(B, T, V)``.
+        labels: ``(...)`` int64 token ids, e.g. ``(B, T)``.
+
+    Returns:
+        ``(...)`` log-probs, same dtype as ``logits``.
+    """
+    picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
