@@ -25,7 +25,7 @@ def configure_vllm_env(kv_cache_gib: float, threads: int = 0) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(kv_cache_gib)))))
     n = threads or os.cpu_count() or 1
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{n - 1}" if n > 1 else "0")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 

@@ -109,7 +109,7 @@ class RolloutGroup:
 
     def __init__(self, cfg: Config, model_path: str) -> None:
         self.cfg = cfg
-        env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "WARNING"}}
+        env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR")}}
         gen_cls = ray.remote(GeneratorWorker)
         self.generators = [
             gen_cls.options(num_cpus=cfg.rollout.cpus_per_generator, runtime_env=env, name=None).remote(model_path, cfg, i)

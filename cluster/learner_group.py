@@ -61,6 +61,9 @@ def _shard(exp, rank: int, world: int):
     return shard
 
 
+_REPORTED = ("loss/policy", "loss/value", "kl/ref_k1", "policy/clip_frac", "logprob_gap/mean_abs")
+
+
 def learner_loop(config: dict[str, Any]) -> None:
     """The Ray Train worker function (runs on every rank)."""
     import torch
@@ -112,7 +115,8 @@ def learner_loop(config: dict[str, Any]) -> None:
             raise
         if rank == 0:
             ray.get(channel.report.remote(reply))
-        ray.train.report({k: v for k, v in metrics.items()})
+        # A compact subset: Ray Train logs every report, the full set goes to the run's JSONL.
+        ray.train.report({k: round(metrics[k], 6) for k in _REPORTED if k in metrics})
 
 
 class LearnerGroup:

@@ -136,7 +136,7 @@ class PPOLearner:
         stats: dict[str, list[float]] = {}
 
         def add(name: str, value: torch.Tensor | float, weight: float = 1.0) -> None:
-            stats.setdefault(name, []).append(float(value) * weight)
+            stats.setdefault(name, []).append(float(value.detach() if isinstance(value, torch.Tensor) else value) * weight)
 
         b = exp.batch_size
         mb = min(hp.minibatch_size, b)

@@ -1,0 +1,77 @@
+"""Shared, expensive fixtures: one tiny-model asset and one local Ray cluster per session.
+
+The cluster is started with the ``ray`` CLI (not ``ray.init()``), with a dashboard on
+127.0.0.1, so tests exercise the same paths users take: joining a running cluster and
+submitting jobs to it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAYRLHF_CACHE", str(ROOT / ".cache" / "rayrlhf"))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path() -> str:
+    from cluster.assets import build_tiny
+
+    return str(build_tiny(Path(os.environ["RAYRLHF_CACHE"])))
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(tiny_model_path):
+    """A local head node with a dashboard; yields its addresses and connects this process."""
+    import ray
+
+    port, dash = _free_port(), _free_port()
+    temp = tempfile.mkdtemp(prefix="rrt-", dir="/tmp")
+    env = dict(os.environ)
+    bindir = str(Path(sys.executable).parent)
+    env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
+    # Workers import test helpers (misbehaving reward functions) by module name.
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    ray_bin = str(Path(bindir) / "ray")
+    cmd = [
+        ray_bin, "start", "--head", f"--port={port}", "--num-cpus=8",
+        "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
+        f"--temp-dir={temp}", "--disable-usage-stats",
+    ]
+    subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=120)
+    address = f"127.0.0.1:{port}"
+    info = {"address": address, "dashboard": f"http://127.0.0.1:{dash}", "env": env}
+    try:
+        ray.init(address=address, log_to_driver=True)
+        yield info
+    finally:
+        ray.shutdown()
+        subprocess.run([ray_bin, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.5):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError("condition not met in time")

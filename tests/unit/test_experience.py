@@ -1,0 +1,61 @@
+import pytest
+import torch
+
+from learners.experience import Experience, ExperienceError
+
+
+def make(b=2, length=5, resp_start=2, nresp=(3, 2)):
+    ids = torch.arange(b * length, dtype=torch.long).view(b, length)
+    att = torch.zeros(b, length, dtype=torch.bool)
+    resp = torch.zeros(b, length, dtype=torch.bool)
+    for i, n in enumerate(nresp):
+        att[i, : resp_start + n] = True
+        resp[i, resp_start : resp_start + n] = True
+    return Experience(
+        input_ids=ids, attention_mask=att, response_mask=resp,
+        rollout_logprobs=torch.where(resp, -1.0, 0.0), group_ids=torch.arange(b),
+        truncated=torch.zeros(b, dtype=torch.bool), policy_version=3,
+        completions=[f"c{i}" for i in range(b)], meta=[{"i": i} for i in range(b)],
+    )
+
+
+def test_validate_accepts_good_record():
+    exp = make().validate()
+    assert exp.response_lengths().tolist() == [3, 2]
+
+
+@pytest.mark.parametrize(
+    "change, msg",
+    [
+        ({"rollout_logprobs": torch.zeros(2, 4)}, "rollout_logprobs"),
+        ({"scores": torch.tensor([1.0, float("nan")])}, "NaN"),
+        ({"scores": torch.tensor([1.0])}, "scores"),
+        ({"completions": ["only one"]}, "completions"),
+        ({"input_ids": torch.zeros(2, 5)}, "int64"),
+    ],
+)
+def test_validate_rejects_inconsistent_fields(change, msg):
+    with pytest.raises(ExperienceError, match=msg):
+        make().replace(**change).validate()
+
+
+def test_response_mask_cannot_cover_padding():
+    exp = make()
+    rm = exp.response_mask.clone()
+    rm[1, 4] = True
+    with pytest.raises(ExperienceError, match="padding"):
+        exp.replace(response_mask=rm).validate()
+
+
+def test_select_and_concat_keep_rows_aligned():
+    a = make()
+    b = make(b=1, length=8, nresp=(5,)).replace(policy_version=2, skipped={"truncated": 1})
+    both = Experience.concat([a, b], pad_token_id=-7).validate()
+    assert both.input_ids.shape == (3, 8)
+    assert both.input_ids[0, 5:].tolist() == [-7, -7, -7]
+    assert not both.response_mask[0, 5:].any()
+    assert both.completions == ["c0", "c1", "c0"]
+    assert both.policy_version == 2 and both.skipped == {"truncated": 1}
+    sub = both.select([2, 0])
+    assert sub.completions == ["c0", "c0"] and sub.input_ids.shape == (2, 8)
+    assert torch.equal(sub.input_ids[1, :5], a.input_ids[0])
