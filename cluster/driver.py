@@ -144,7 +144,7 @@ def train(cfg: Config, run_dir: str | Path | None = None) -> RunResult:
     final: Path | None = None
     try:
         for step in range(1, cfg.run.steps + 1):
-            row: dict[str, Any] = {"step": step}
+            row: dict[str, Any] = {"step": step, "skipped_at_load": dict(train_set.skipped)}
             rows, group_ids = sampler.next()
 
             t = time.perf_counter()

