@@ -29,8 +29,10 @@ class Reference:
 
         if threads:
             torch.set_num_threads(threads)
+        # A frozen model needs no fp32 master copy: bf16 weights halve memory and skip autocast's
+        # per-call weight casts.
         self.model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=torch.float32, trust_remote_code=trust_remote_code
+            model_path, dtype=torch.bfloat16 if bf16 else torch.float32, trust_remote_code=trust_remote_code
         )
         self.model.eval().requires_grad_(False)
         self.bf16 = bf16
