@@ -116,10 +116,17 @@ class RolloutGroup:
             for i in range(cfg.rollout.num_generators)
         ]
         self.scorer = ray.remote(ScorerWorker).options(num_cpus=0.1).remote(cfg)
-        self.reference = ray.remote(ReferenceWorker).options(num_cpus=cfg.cluster.cpus_per_reference).remote(model_path, cfg)
+        # With LoRA the learner scores the reference itself (its base model, adapter disabled):
+        # no second copy of the weights, so no reference actor.
+        self.reference = None
+        if not cfg.lora.enabled:
+            self.reference = ray.remote(ReferenceWorker).options(
+                num_cpus=cfg.cluster.cpus_per_reference
+            ).remote(model_path, cfg)
 
     def wait_ready(self) -> list[float]:
-        ray.get(self.reference.__ray_ready__.remote())
+        if self.reference is not None:
+            ray.get(self.reference.__ray_ready__.remote())
         return ray.get([g.ready.remote() for g in self.generators])
 
     def _shards(self, rows: list[dict], group_ids: list[int]) -> list[tuple[list[dict], list[int]]]:
@@ -141,6 +148,8 @@ class RolloutGroup:
         return [p[0] for p in pairs], [p[1] for p in pairs]
 
     def annotate_reference(self, exp_refs: list) -> tuple[list, list]:
+        if self.reference is None:
+            return exp_refs, []
         pairs = [self.reference.annotate.options(num_returns=2).remote(e) for e in exp_refs]
         return [p[0] for p in pairs], [p[1] for p in pairs]
 
@@ -149,4 +158,5 @@ class RolloutGroup:
 
     def shutdown(self) -> None:
         for a in [*self.generators, self.scorer, self.reference]:
-            ray.kill(a)
+            if a is not None:
+                ray.kill(a)

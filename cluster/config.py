@@ -100,6 +100,12 @@ class RolloutConfig:
     temperature: float = _f(1.0, "Sampling temperature of the rollouts.")
     top_p: float = _f(1.0, "Nucleus sampling threshold of the rollouts.")
     kv_cache_gib: float = _f(1.0, "vLLM CPU KV-cache size per generator (VLLM_CPU_KVCACHE_SPACE, GiB).")
+    truncation: str = _f(
+        "keep",
+        "Responses cut at max_new_tokens without EOS: keep (train on them as they are), penalize (add "
+        "truncation_penalty to their reward) or mask (leave them out of the loss); always counted.",
+    )
+    truncation_penalty: float = _f(-1.0, "Added to the reward of truncated responses when truncation=penalize.")
     cpus_per_generator: float = _f(1.0, "Ray CPUs reserved by each generator actor.")
     threads: int = _f(0, "Torch/OpenMP threads of each generator (0: all cores of the node).")
 
@@ -125,6 +131,34 @@ class PPOConfig:
     max_grad_norm: float = _f(1.0, "Gradient clipping norm.")
     bf16: bool = _f(True, "bf16 autocast in learner forward passes (master weights stay fp32).")
     logprob_chunk: int = _f(1024, "Positions per chunk when turning hidden states into log-probs (memory cap).")
+    advantage_estimator: str = _f(
+        "gae",
+        "gae (PPO with critic), grpo (group mean/std), dr_grpo (group mean, no std), rloo (leave-one-out), "
+        "reinforce_pp (global batch whitening). Group estimators need rollout.samples_per_prompt > 1 "
+        "(reinforce_pp does not).",
+    )
+    loss_agg: str = _f(
+        "token_mean",
+        "Policy-loss aggregation: token_mean, seq_mean_token_mean, or seq_mean_token_sum_norm (divides each "
+        "sequence's token sum by loss_agg_constant, default model.max_new_tokens).",
+    )
+    loss_agg_constant: float = _f(0.0, "Normaliser of seq_mean_token_sum_norm (0: model.max_new_tokens).")
+    kl_controller: str = _f("fixed", "KL coefficient control: fixed (kl_coef) or adaptive (towards kl_target).")
+    kl_target: float = _f(0.1, "Target KL per sequence of the adaptive controller.")
+    kl_horizon: int = _f(10000, "Horizon (samples) of the adaptive controller.")
+    gradient_checkpointing: bool = _f(False, "Recompute activations in the backward pass (less memory, ~30% slower).")
+
+
+@dataclass
+class LoRAConfig:
+    enabled: bool = _f(False, "Train LoRA adapters (peft) instead of all policy weights.")
+    r: int = _f(16, "LoRA rank.")
+    alpha: float = _f(32.0, "LoRA scaling numerator (scale = alpha / r).")
+    dropout: float = _f(0.0, "Dropout on the LoRA input (0 keeps trainer and vLLM log-probs identical).")
+    target_modules: list = _f(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        "Module names that get adapters.",
+    )
 
 
 @dataclass
@@ -140,7 +174,7 @@ class ClusterConfig:
     cpus_per_reference: float = _f(0.5, "Ray CPUs reserved by the reference actor.")
     threads: int = _f(0, "Torch threads of learners and the reference (0: all cores of the node).")
     dashboard_host: str = _f("127.0.0.1", "Interface of a locally started Ray Dashboard.")
-    include_dashboard: bool = _f(False, "Start the Ray Dashboard with a local cluster.")
+    include_dashboard: bool = _f(True, "Start the Ray Dashboard (bound to dashboard_host) with a local cluster.")
     temp_dir: str = _f("", "Ray session folder of a locally started cluster (default: Ray's).")
 
 
@@ -152,6 +186,7 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def validate(self) -> "Config":
@@ -179,6 +214,17 @@ class Config:
             (self.ppo.kl_estimator in ("k1", "k2", "k3", "abs"), "ppo.kl_estimator must be k1, k2, k3 or abs"),
             (0 <= self.ppo.gamma <= 1 and 0 <= self.ppo.lam <= 1, "ppo.gamma and ppo.lam must be in [0, 1]"),
             (self.cluster.num_learners >= 1, "cluster.num_learners must be >= 1"),
+            (self.ppo.advantage_estimator in ("gae", "grpo", "dr_grpo", "rloo", "reinforce_pp"),
+             "ppo.advantage_estimator must be one of gae, grpo, dr_grpo, rloo, reinforce_pp"),
+            (self.ppo.advantage_estimator not in ("grpo", "dr_grpo", "rloo") or self.rollout.samples_per_prompt > 1,
+             f"ppo.advantage_estimator={self.ppo.advantage_estimator} needs rollout.samples_per_prompt > 1 (a group)"),
+            (self.ppo.loss_agg in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),
+             "ppo.loss_agg must be token_mean, seq_mean_token_mean or seq_mean_token_sum_norm"),
+            (self.ppo.kl_controller in ("fixed", "adaptive"), "ppo.kl_controller must be fixed or adaptive"),
+            (self.ppo.kl_controller == "fixed" or (self.ppo.kl_target > 0 and self.ppo.kl_horizon > 0),
+             "ppo.kl_target and ppo.kl_horizon must be > 0 for the adaptive controller"),
+            (self.rollout.truncation in ("keep", "penalize", "mask"), "rollout.truncation must be keep, penalize or mask"),
+            (not self.lora.enabled or self.lora.r >= 1, "lora.r must be >= 1"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -225,6 +271,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return value
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)
+    elif tp is list or origin is list:
+        if isinstance(value, (list, tuple)):
+            return list(value)
+        if isinstance(value, str):
+            return [v.strip() for v in value.split(",") if v.strip()]
     elif tp is dict or origin is dict:
         if isinstance(value, dict):
             return dict(value)

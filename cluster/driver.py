@@ -136,9 +136,11 @@ def train(cfg: Config, run_dir: str | Path | None = None) -> RunResult:
     rollout = RolloutGroup(cfg, model_path)
     learners = LearnerGroup(cfg, model_path, pad_id, run_path / "ray_train")
     rollout.wait_ready()
-    learners.wait_ready()
+    info = learners.wait_ready()
+    ref_role = "reference = base model with the LoRA adapter disabled, in the learner" if cfg.lora.enabled else "1 reference"
     print(f"[rayrlhf] roles ready in {time.time() - t0:.1f}s: {cfg.rollout.num_generators} generator(s), "
-          f"1 scorer, 1 reference, {cfg.cluster.num_learners} learner(s)", flush=True)
+          f"1 scorer, {ref_role}, {cfg.cluster.num_learners} learner(s); "
+          f"{cfg.ppo.advantage_estimator} advantages, trainable fraction {info['trainable_fraction']:.4f}", flush=True)
 
     sampler = PromptSampler(train_set.rows, cfg.rollout.prompts_per_step, cfg.run.seed)
     final: Path | None = None
@@ -161,6 +163,7 @@ def train(cfg: Config, run_dir: str | Path | None = None) -> RunResult:
             exp_refs, ref_stats_refs = rollout.annotate_reference(exp_refs)
             _wait(exp_refs)
             row["time/reference_s"] = time.perf_counter() - t
+            row["reference/in_learner"] = rollout.reference is None
 
             last = step == cfg.run.steps
             save = (cfg.run.save_every and step % cfg.run.save_every == 0) or (last and cfg.run.save_final)
@@ -168,6 +171,7 @@ def train(cfg: Config, run_dir: str | Path | None = None) -> RunResult:
             t = time.perf_counter()
             result = learners.learn(step, exp_refs, save_dir=save_dir)
             row["time/learn_s"] = time.perf_counter() - t
+            row["learner/trainable_fraction"] = info["trainable_fraction"]
 
             t = time.perf_counter()
             load_times = rollout.sync_weights(result["weights"][0])

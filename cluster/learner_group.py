@@ -46,12 +46,17 @@ class LearnerChannel:
 
 
 def _shard(exp, rank: int, world: int):
-    """Rows rank::world, padded to equal size with fully masked rows so that every rank takes
-    the same number of optimiser steps (DDP all-reduces would otherwise hang)."""
-    import torch
-
-    rows = list(range(rank, exp.batch_size, world))
-    per_rank = -(-exp.batch_size // world)
+    """This rank's rows: whole groups (all samples of a prompt) dealt round-robin, so group
+    baselines see complete groups. Padded to the largest shard with fully masked rows, so that
+    every rank takes the same number of optimiser steps (DDP all-reduces would otherwise hang)."""
+    groups: dict[int, list[int]] = {}
+    for i, g in enumerate(exp.group_ids.tolist()):
+        groups.setdefault(g, []).append(i)
+    shards: list[list[int]] = [[] for _ in range(world)]
+    for k, members in enumerate(groups.values()):
+        shards[k % world].extend(members)
+    rows = shards[rank]
+    per_rank = max(len(s) for s in shards)
     pad = per_rank - len(rows)
     shard = exp.select(rows + [0] * pad)
     if pad:
@@ -80,10 +85,14 @@ def learner_loop(config: dict[str, Any]) -> None:
     torch.set_num_threads(cfg.cluster.threads or os.cpu_count() or 1)
     learner = PPOLearner(
         config["model_path"], cfg.ppo, temperature=cfg.rollout.temperature or 1.0,
-        score_clip=cfg.reward.clip, seed=cfg.run.seed,
+        score_clip=cfg.reward.clip, seed=cfg.run.seed, lora=cfg.lora,
+        truncation=cfg.rollout.truncation, truncation_penalty=cfg.rollout.truncation_penalty,
+        max_new_tokens=cfg.model.max_new_tokens,
     )
     if rank == 0:
-        ray.get(channel.report.remote({"ready": True, "world": world}))
+        ray.get(channel.report.remote(
+            {"ready": True, "world": world, "trainable_fraction": learner.trainable_fraction, "lora": learner.lora}
+        ))
     while True:
         item = ray.get(channel.get.remote(rank))
         if item.get("stop"):
@@ -101,7 +110,8 @@ def learner_loop(config: dict[str, Any]) -> None:
             reply: dict[str, Any] = {"step": step, "metrics": metrics}
             if rank == 0:
                 t0 = time.perf_counter()
-                packed = pack(learner.policy_state_dict(), cfg.model.generator_dtype, version=step)
+                with learner.policy_weights() as weights:
+                    packed = pack(weights, cfg.model.generator_dtype, version=step)
                 reply["weights"] = [ray.put(packed)]
                 reply["metrics"]["sync/pack_s"] = time.perf_counter() - t0
                 reply["metrics"]["sync/bytes"] = float(packed.nbytes)

@@ -12,9 +12,16 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from learners.losses import kl_penalty
+from learners.losses import kl_penalty, masked_whiten
 
-__all__ = ["kl_shaped_rewards", "gae_advantages"]
+__all__ = [
+    "kl_shaped_rewards",
+    "gae_advantages",
+    "ESTIMATORS",
+    "GROUP_ESTIMATORS",
+    "group_baseline_advantages",
+    "reinforce_pp_advantages",
+]
 
 
 def kl_shaped_rewards(
@@ -135,3 +142,218 @@ def gae_advantages(
         )
         returns = torch.where(valid, advantages + v, torch.zeros_like(advantages))
     return advantages, returns
+
+
+# --------------------------------------------------- critic-free estimators --
+
+#: Every advantage estimator the framework knows. ``"gae"`` needs a critic
+#: (``gae_advantages``); the others are critic-free.
+ESTIMATORS: tuple[str, ...] = ("gae", "grpo", "dr_grpo", "rloo", "reinforce_pp")
+
+#: The estimators ``group_baseline_advantages`` implements: one scalar
+#: advantage per sequence, baselined against the other samples of its prompt.
+GROUP_ESTIMATORS: tuple[str, ...] = ("grpo", "dr_grpo", "rloo")
+
+
+def group_baseline_advantages(
+    scores: Tensor,
+    group_ids: Tensor,
+    mask: Tensor,
+    *,
+    estimator: str,
+    eps: float = 1e-6,
+) -> Tensor:
+    """Critic-free per-sequence advantages with a per-prompt (group) baseline.
+
+    Rows sharing a value of ``group_ids`` are samples of the same prompt (a
+    "group" g with ``n_g`` members). With ``r`` the score of a row and
+    ``mean_g`` / ``std_g`` the mean / unbiased standard deviation of the
+    scores of its group:
+
+    * ``"grpo"`` -- GRPO outcome supervision (Shao et al. 2024, DeepSeekMath,
+      sec. 4.1.2): ``A = (r - mean_g) / (std_g + eps)``. ``std_g`` uses
+      Bessel's correction (``torch.std``'s default, as the reference
+      implementations do).
+    * ``"dr_grpo"`` -- Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like
+      Training: A Critical Perspective"): ``A = r - mean_g``. Dropping the std
+      division removes GRPO's question-level difficulty bias (groups with
+      nearly equal scores are no longer up-weighted).
+    * ``"rloo"`` -- REINFORCE leave-one-out (Kool et al. 2019; Ahmadian et al.
+      2024, "Back to Basics"): ``A_i = r_i - (sum_g r - r_i) / (n_g - 1)
+      = n_g / (n_g - 1) * (r_i - mean_g)``. The baseline excludes the sample
+      itself, so it is independent of that sample and the estimator unbiased.
+
+    A group of size 1 has no baseline to compare against and gets advantage 0
+    under every estimator, as does a group whose scores are all equal (exactly
+    0, not merely small: the scores are shifted by their group max before
+    averaging, because the float mean of n copies of x is not always x, and
+    GRPO's ``/ (std_g + eps)`` would amplify that rounding error by up to
+    ``1 / eps``). The result is never NaN, even with ``eps = 0``: where
+    ``std_g == 0`` the GRPO advantage is 0.
+
+    Group membership need not be contiguous and ids are arbitrary integers;
+    grouping is vectorised with ``torch.unique(return_inverse=True)`` plus
+    ``index_add_`` (``torch.unique`` synchronises with the host once).
+
+    The per-sequence advantage is broadcast to every response token (the same
+    value at each position where ``mask`` is nonzero, 0 elsewhere), ready for
+    ``policy_loss_clipped``. Scores are detached and the computation runs in
+    at least float32. A sequence-level KL term, if wanted, must already be in
+    ``scores``.
+
+    Args:
+        scores: ``(B,)`` task reward per sequence.
+        group_ids: ``(B,)`` integer prompt/group id per sequence.
+        mask: ``(B, T)``; bool or float.
+        estimator: one of ``GROUP_ESTIMATORS``.
+        eps: added to ``std_g`` for ``"grpo"`` (ignored otherwise); >= 0.
+
+    Returns:
+        ``(B, T)`` advantages, 0 at masked positions, dtype
+        ``promote(scores, float32)``.
+
+    Raises:
+        ValueError: for an unknown estimator, mismatched shapes, floating
+            point ``group_ids`` or negative ``eps``.
+    """
+    if estimator not in GROUP_ESTIMATORS:
+        hint = ""
+        if estimator == "gae":
+            hint = " ('gae' needs a critic: use gae_advantages)"
+        elif estimator == "reinforce_pp":
+            hint = " ('reinforce_pp' is token-level: use reinforce_pp_advantages)"
+        raise ValueError(
+            f"Unknown group-baseline estimator {estimator!r}; expected one of {GROUP_ESTIMATORS}{hint}"
+        )
+    if mask.dim() != 2:
+        raise ValueError(f"mask must be (B, T), got {tuple(mask.shape)}")
+    B = mask.shape[0]
+    if scores.shape != (B,) or group_ids.shape != (B,):
+        raise ValueError(
+            f"scores and group_ids must be (B,)=({B},), "
+            f"got {tuple(scores.shape)} and {tuple(group_ids.shape)}"
+        )
+    if group_ids.is_floating_point() or group_ids.is_complex():
+        raise ValueError(f"group_ids must be an integer tensor, got {group_ids.dtype}")
+    if eps < 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+
+    dtype = torch.promote_types(scores.dtype, torch.float32)
+    with torch.no_grad():
+        r = scores.detach().to(dtype)
+        valid = mask.detach() != 0
+        unique_ids, inverse = torch.unique(group_ids.detach(), return_inverse=True)
+        num_groups = unique_ids.numel()
+        group_zeros = torch.zeros(num_groups, dtype=dtype, device=r.device)
+
+        # Shift by the group max: exact 0 for all-equal groups (see docstring)
+        # and less cancellation in the sums when scores are large.
+        shift = group_zeros.scatter_reduce(0, inverse, r, reduce="amax", include_self=False)
+        x = r - shift[inverse]
+        counts = group_zeros.index_add(0, inverse, torch.ones_like(r))
+        mean = group_zeros.index_add(0, inverse, x) / counts.clamp(min=1)
+        centered = x - mean[inverse]
+        n = counts[inverse]
+
+        if estimator == "grpo":
+            # Two-pass (centered) variance: no E[x^2] - E[x]^2 cancellation.
+            sq = group_zeros.index_add(0, inverse, centered.square())
+            std = (sq / (counts - 1).clamp(min=1)).sqrt()[inverse]
+            # n == 1 gives centered == 0 and std == 0; where() keeps 0/0 out
+            # when eps == 0.
+            adv = torch.where(std > 0, centered / (std + eps), torch.zeros_like(centered))
+        elif estimator == "dr_grpo":
+            adv = centered
+        else:  # "rloo"
+            # n/(n-1) * (r - mean) is the leave-one-out form rewritten so that
+            # it needs only the group sum; n == 1 -> centered == 0 -> 0.
+            adv = torch.where(n > 1, centered * n / (n - 1).clamp(min=1), torch.zeros_like(centered))
+
+        advantages = torch.where(valid, adv.unsqueeze(1), torch.zeros((), dtype=dtype, device=r.device))
+    return advantages
+
+
+def _discounted_returns(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
+    """Masked return-to-go ``G_t = r_t + gamma * G_{t+1}`` over valid tokens.
+
+    Positions with ``mask == 0`` are skipped exactly as in ``gae_advantages``:
+    they add no reward, do not discount, output 0, and pass the running
+    return of the next valid token through. Rows are independent; the last
+    valid token of each row is terminal (``G = r``). Loop over T, vectorised
+    over B. Inputs are detached; computed in ``promote(rewards, float32)``.
+
+    Args:
+        rewards: ``(B, T)`` per-token rewards.
+        mask: ``(B, T)``; bool or float.
+        gamma: discount factor.
+
+    Returns:
+        ``(B, T)`` returns, 0 at masked positions.
+    """
+    if rewards.shape != mask.shape or rewards.dim() != 2:
+        raise ValueError(
+            f"expected matching (B, T) shapes: rewards {tuple(rewards.shape)}, mask {tuple(mask.shape)}"
+        )
+    dtype = torch.promote_types(rewards.dtype, torch.float32)
+    with torch.no_grad():
+        r = rewards.detach().to(dtype)
+        valid = mask.detach() != 0
+        B, T = r.shape
+        zeros = torch.zeros(B, dtype=dtype, device=r.device)
+        next_return = zeros
+        returns_reversed: list[Tensor] = []
+        for t in range(T - 1, -1, -1):
+            m_t = valid[:, t]
+            ret_t = r[:, t] + gamma * next_return
+            # where (not multiply) so inf/NaN rewards at skipped positions
+            # cannot leak into the carry.
+            returns_reversed.append(torch.where(m_t, ret_t, zeros))
+            next_return = torch.where(m_t, ret_t, next_return)
+        returns = (
+            torch.stack(returns_reversed[::-1], dim=1)
+            if T > 0
+            else torch.zeros(B, 0, dtype=dtype, device=r.device)
+        )
+    return returns
+
+
+def reinforce_pp_advantages(rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Tensor:
+    """REINFORCE++ advantages (Hu 2025, arXiv:2501.03262): no critic, global whitening.
+
+    ``G_t = sum_{s >= t, mask_s != 0} gamma^(k(s) - k(t)) * r_s`` is the
+    discounted return-to-go over valid tokens (``k`` counts valid tokens, so
+    masked positions are skipped exactly as in ``gae_advantages``: they carry
+    the running return through without adding reward or discount), and
+
+    ``A_t = (G_t - mean(G)) / std(G)``
+
+    with the masked mean and unbiased std taken over ALL valid tokens of the
+    batch (``masked_whiten``). Normalising across the whole batch instead of
+    per prompt is what distinguishes REINFORCE++ from GRPO: the paper argues
+    the per-prompt std overfits easy prompts and a global statistic is more
+    stable. Hence the caller must pass the WHOLE batch (all prompts and all
+    samples of the update), not micro-batches or single groups, or the
+    statistics are no longer global. The per-token rewards are typically the
+    KL-shaped ones from ``kl_shaped_rewards`` (``-beta * KL_t`` at each token,
+    the score added at the last response token).
+
+    Inputs are detached and computed in at least float32. No NaN: an all-zero
+    mask, a single valid token or constant returns give 0 (the whitening
+    variance is 0 and ``masked_whiten`` adds eps 1e-8 before rsqrt).
+
+    Args:
+        rewards: ``(B, T)`` per-token rewards r_t.
+        mask: ``(B, T)``; bool or float (nonzero = valid; masked output is
+            zeroed with ``where``, equal to multiplying by a 0/1 mask).
+        gamma: discount factor.
+
+    Returns:
+        ``(B, T)`` advantages, 0 at masked positions, dtype
+        ``promote(rewards, float32)``.
+    """
+    returns = _discounted_returns(rewards, mask, gamma)
+    with torch.no_grad():
+        valid = mask.detach() != 0
+        whitened = masked_whiten(returns, valid.to(returns.dtype))
+        advantages = torch.where(valid, whitened, torch.zeros_like(whitened))
+    return advantages

@@ -21,6 +21,8 @@ __all__ = [
     "masked_mean",
     "masked_var",
     "masked_whiten",
+    "agg_loss",
+    "LOSS_AGG_MODES",
     "kl_penalty",
     "KL_KINDS",
     "policy_loss_clipped",
@@ -30,6 +32,8 @@ __all__ = [
 ]
 
 KL_KINDS: tuple[str, ...] = ("k1", "k2", "k3", "abs")
+
+LOSS_AGG_MODES: tuple[str, ...] = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 
 # exp(20) ~ 4.9e8: far beyond any ratio a sane update produces, yet small
 # enough that exp() never overflows to inf (which would turn 0 * inf into NaN).
@@ -125,6 +129,75 @@ def masked_whiten(
     return whitened
 
 
+def agg_loss(
+    per_token: Tensor,
+    mask: Tensor,
+    mode: str = "token_mean",
+    constant: Optional[float] = None,
+) -> Tensor:
+    """Reduce a per-token loss ``(B, T)`` to a scalar; the choice sets how
+    sequences of different lengths are weighted in the gradient.
+
+    With ``n_b = sum_t mask[b, t]`` the masked token count of row ``b`` and
+    ``S = {b : n_b > 0}`` the rows that have at least one masked token:
+
+    * ``"token_mean"``: ``sum_{b,t} mask*x / sum_b n_b`` -- every token weighs
+      the same, so long responses are not down-weighted (DAPO, Yu et al. 2025,
+      "token-level policy gradient loss", eq. 12). Identical to
+      ``masked_mean(x, mask)``.
+    * ``"seq_mean_token_mean"``: ``(1/|S|) sum_{b in S} (1/n_b) sum_t mask*x`` --
+      every sequence weighs the same, so a token of a long response gets less
+      gradient than one of a short response (original GRPO, Shao et al. 2024,
+      DeepSeekMath eq. 3).
+    * ``"seq_mean_token_sum_norm"``: ``(1/|S|) sum_{b in S} (1/constant) sum_t mask*x``
+      -- the per-sequence ``1/n_b`` of GRPO is replaced by one constant
+      (e.g. the maximum response length), which removes GRPO's response-length
+      bias (Dr. GRPO, Liu et al. 2025, "Understanding R1-Zero-Like Training",
+      sec. 3.1). Requires ``constant``.
+
+    Rows with an all-zero mask are excluded from the sequence mean in both
+    ``seq_*`` modes (they would otherwise dilute it with zeros). An all-zero
+    mask gives 0 (never NaN) with zero gradient in every mode, and
+    non-finite values at masked-out positions never leak into the result or
+    its gradient (see ``masked_sum``).
+
+    Args:
+        per_token: ``(B, T)`` per-token loss; the last dimension is the token
+            axis (any leading shape works, all of it counts as "sequences").
+        mask: same shape as ``per_token``; bool or float.
+        mode: one of ``LOSS_AGG_MODES``.
+        constant: the normaliser of ``"seq_mean_token_sum_norm"``; must be
+            finite and > 0. Ignored by the other modes.
+
+    Returns:
+        Scalar tensor.
+
+    Raises:
+        ValueError: for an unknown ``mode``, or a missing / non-positive /
+            non-finite ``constant`` in ``"seq_mean_token_sum_norm"``.
+    """
+    if mode not in LOSS_AGG_MODES:
+        raise ValueError(f"Unknown loss aggregation mode {mode!r}; expected one of {LOSS_AGG_MODES}")
+    if mode == "token_mean":
+        # Exactly masked_mean, so that it is bit-identical to the behaviour of
+        # the losses before the aggregation mode became configurable.
+        return masked_mean(per_token, mask)
+
+    m = mask.to(per_token.dtype)
+    has_tokens = m.sum(dim=-1) > 0
+    if mode == "seq_mean_token_mean":
+        per_seq = masked_mean(per_token, m, dim=-1)  # empty rows -> 0, then excluded
+    else:
+        # `not (0 < c < inf)` also rejects NaN, which compares False to everything.
+        if constant is None or not (0.0 < constant < float("inf")):
+            raise ValueError(
+                f"loss aggregation mode {mode!r} needs a finite constant > 0 "
+                f"(e.g. the max response length), got {constant!r}"
+            )
+        per_seq = masked_sum(per_token, m, dim=-1) / constant
+    return masked_mean(per_seq, has_tokens)
+
+
 def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: str = "k1") -> Tensor:
     """Per-token sample estimator of KL(pi || ref) from tokens sampled from pi.
 
@@ -172,8 +245,11 @@ def policy_loss_clipped(
     mask: Tensor,
     clip_eps: float = 0.2,
     clip_eps_high: Optional[float] = None,
+    *,
+    loss_agg: str = "token_mean",
+    loss_agg_constant: Optional[float] = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """PPO clipped surrogate loss (Schulman et al. 2017, eq. 7), token-mean.
+    """PPO clipped surrogate loss (Schulman et al. 2017, eq. 7), token-mean by default.
 
     ``ratio = exp(logprobs - old_logprobs)``;
     ``loss = masked_mean(max(-A * ratio, -A * clip(ratio, 1 - clip_eps, 1 + clip_eps_high)))``
@@ -181,6 +257,8 @@ def policy_loss_clipped(
 
     ``clip_eps_high`` defaults to ``clip_eps`` (symmetric PPO); setting it
     larger gives the decoupled "clip-higher" variant (DAPO, Yu et al. 2025).
+    ``loss_agg`` picks how the per-token losses are reduced (``agg_loss``);
+    the default ``"token_mean"`` is the ``masked_mean`` above.
     The log-ratio is zeroed at masked positions and clamped to [-20, 20]
     before ``exp`` so garbage at padding can never produce inf/NaN in the
     loss or its gradient.
@@ -193,9 +271,13 @@ def policy_loss_clipped(
         mask: ``(B, T)``; bool or float.
         clip_eps: lower clip range, epsilon in eq. 7.
         clip_eps_high: upper clip range; None -> ``clip_eps``.
+        loss_agg: reduction of the per-token loss, one of ``LOSS_AGG_MODES``.
+        loss_agg_constant: ``constant`` of ``agg_loss`` (needed by
+            ``"seq_mean_token_sum_norm"``).
 
     Returns:
-        ``(loss, stats)``: scalar loss, and detached scalars
+        ``(loss, stats)``: scalar loss, and detached scalars -- token means
+        over the mask whatever ``loss_agg`` is --
         ``"clip_frac"`` (masked fraction of tokens where the clipped branch is
         strictly active, i.e. ``-A*clipped > -A*ratio``),
         ``"approx_kl"`` (masked mean of the k2 estimator
@@ -212,7 +294,7 @@ def policy_loss_clipped(
     loss_unclipped = -adv * ratio
     loss_clipped = -adv * ratio.clamp(1.0 - clip_eps, 1.0 + eps_high)
     per_token = torch.maximum(loss_unclipped, loss_clipped)
-    loss = masked_mean(per_token, valid)
+    loss = agg_loss(per_token, valid, loss_agg, loss_agg_constant)
 
     with torch.no_grad():
         stats = {
@@ -229,6 +311,9 @@ def value_loss_clipped(
     returns: Tensor,
     mask: Tensor,
     clip_eps: float = 0.2,
+    *,
+    loss_agg: str = "token_mean",
+    loss_agg_constant: Optional[float] = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped value-function loss (PPO2 baselines / Schulman et al. 2017 code).
 
@@ -236,6 +321,7 @@ def value_loss_clipped(
     ``loss = 0.5 * masked_mean(max((values - returns)**2, (values_clipped - returns)**2))``.
     Taking the max makes the loss pessimistic: the value head gets no credit
     for moving further than ``clip_eps`` from the rollout-time estimate.
+    ``loss_agg`` replaces the ``masked_mean`` by another ``agg_loss`` mode.
 
     Args:
         values: ``(B, T)`` current value predictions (requires grad).
@@ -243,15 +329,20 @@ def value_loss_clipped(
         returns: ``(B, T)`` regression targets (e.g. GAE returns).
         mask: ``(B, T)``; bool or float.
         clip_eps: value clip range (absolute, in value units).
+        loss_agg: reduction of the per-token loss, one of ``LOSS_AGG_MODES``.
+        loss_agg_constant: ``constant`` of ``agg_loss`` (needed by
+            ``"seq_mean_token_sum_norm"``).
 
     Returns:
         ``(loss, stats)``: scalar loss and detached scalar ``"vf_clip_frac"``
-        (masked fraction of tokens where the clipped loss is strictly larger).
+        (masked fraction of tokens where the clipped loss is strictly larger;
+        a token mean whatever ``loss_agg`` is).
     """
     values_clipped = old_values + (values - old_values).clamp(-clip_eps, clip_eps)
     loss_unclipped = (values - returns).square()
     loss_clipped = (values_clipped - returns).square()
-    loss = 0.5 * masked_mean(torch.maximum(loss_unclipped, loss_clipped), mask)
+    per_token = torch.maximum(loss_unclipped, loss_clipped)
+    loss = 0.5 * agg_loss(per_token, mask, loss_agg, loss_agg_constant)
     with torch.no_grad():
         vf_clip_frac = masked_mean((loss_clipped > loss_unclipped).to(values.dtype), mask)
     return loss, {"vf_clip_frac": vf_clip_frac.detach()}

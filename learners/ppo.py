@@ -1,4 +1,5 @@
-"""PPO learner: policy + critic update on one Experience batch (Ouyang et al. 2022 recipe).
+"""Policy-gradient learner: PPO with a critic (Ouyang et al. 2022 recipe) or critic-free
+group/batch baselines (GRPO, Dr. GRPO, RLOO, REINFORCE++), full fine-tuning or LoRA.
 
 Plain torch: runs inside a Ray Train worker (``cluster/learner_group.py``) or in a test.
 One ``train_step`` is: recompute old log-probs and values with the current weights, fold
@@ -9,15 +10,21 @@ the model is wrapped in DDP and every rank takes the same number of optimiser st
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Iterator, Protocol
 
 import torch
 from torch import nn
 
-from learners.advantages import gae_advantages, kl_shaped_rewards
+from learners.advantages import (
+    gae_advantages,
+    group_baseline_advantages,
+    kl_shaped_rewards,
+    reinforce_pp_advantages,
+)
 from learners.experience import Experience
 from learners.losses import (
     kl_penalty,
@@ -26,7 +33,8 @@ from learners.losses import (
     policy_loss_clipped,
     value_loss_clipped,
 )
-from learners.modeling import PolicyWithValueHead, autocast
+from learners.kl_control import make_kl_controller
+from learners.modeling import PolicyWithValueHead, autocast, sequence_logprobs
 
 
 class PPOHyperParams(Protocol):
@@ -51,6 +59,23 @@ class PPOHyperParams(Protocol):
     max_grad_norm: float
     bf16: bool
     logprob_chunk: int
+    advantage_estimator: str
+    loss_agg: str
+    loss_agg_constant: float
+    kl_controller: str
+    kl_target: float
+    kl_horizon: int
+    gradient_checkpointing: bool
+
+
+class LoRAParams(Protocol):
+    """The fields of ``cluster.config.LoRAConfig`` the learner reads."""
+
+    enabled: bool
+    r: int
+    alpha: float
+    dropout: float
+    target_modules: list
 
 
 def _dist_info() -> tuple[int, int]:
@@ -68,6 +93,10 @@ class PPOLearner:
         temperature: float = 1.0,
         score_clip: float | None = None,
         seed: int = 0,
+        lora: LoRAParams | None = None,
+        truncation: str = "keep",
+        truncation_penalty: float = 0.0,
+        max_new_tokens: int = 0,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -75,14 +104,36 @@ class PPOLearner:
         self.hp = hp
         self.temperature = temperature
         self.score_clip = score_clip
+        self.truncation = truncation
+        self.truncation_penalty = truncation_penalty
+        self.use_critic = hp.advantage_estimator == "gae"
+        self.loss_agg_constant = hp.loss_agg_constant or float(max_new_tokens) or None
         lm = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         lm.config.use_cache = False
+        self.lora = bool(lora is not None and lora.enabled)
+        if self.lora:
+            from peft import LoraConfig, get_peft_model
+
+            lm = get_peft_model(
+                lm,
+                LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                           target_modules=list(lora.target_modules), task_type="CAUSAL_LM", bias="none"),
+            )
+        if hp.gradient_checkpointing:
+            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.kl_ctl = make_kl_controller(hp.kl_controller, hp.kl_coef, hp.kl_target, hp.kl_horizon)
         self.model = PolicyWithValueHead(lm)
         self.rank, self.world = _dist_info()
         self.module: nn.Module = self.model
         if self.world > 1:
             self.module = nn.parallel.DistributedDataParallel(self.model)
-        policy_params = [p for n, p in self.model.named_parameters() if not n.startswith("value_head.")]
+        # With LoRA, peft has frozen the base weights: only adapters (and the value head) train.
+        policy_params = [
+            p for n, p in self.model.named_parameters() if not n.startswith("value_head.") and p.requires_grad
+        ]
+        self.trainable_fraction = sum(p.numel() for p in policy_params) / sum(
+            p.numel() for n, p in self.model.named_parameters() if not n.startswith("value_head.")
+        )
         self.optimizer = torch.optim.AdamW(
             [
                 {"params": policy_params, "lr": hp.lr},
@@ -99,7 +150,7 @@ class PPOLearner:
             return module(
                 exp.input_ids, exp.attention_mask, exp.response_mask,
                 temperature=self.temperature, chunk=self.hp.logprob_chunk,
-                with_values=True, with_entropy=True,
+                with_values=self.use_critic, with_entropy=True,
             )
 
     @torch.no_grad()
@@ -109,18 +160,47 @@ class PPOLearner:
         for s in range(0, exp.batch_size, self.hp.micro_batch_size):
             out = self._forward(exp.select(list(range(s, min(s + self.hp.micro_batch_size, exp.batch_size)))), grad=False, module=self.model)
             lps.append(out["logprobs"])
-            vals.append(out["values"])
+            vals.append(out["values"] if self.use_critic else torch.zeros_like(out["logprobs"]))
         return torch.cat(lps), torch.cat(vals)
+
+    @torch.no_grad()
+    def reference_logprobs(self, exp: Experience) -> torch.Tensor:
+        """(B, L) log-probs of the frozen base model: the LoRA policy with its adapter disabled,
+        so the reference costs no second copy of the weights."""
+        if not self.lora:
+            raise RuntimeError("reference_logprobs() in the learner needs LoRA (else a Reference actor serves it)")
+        with self.model.lm.disable_adapter():
+            return sequence_logprobs(
+                self.model.lm, exp.input_ids, exp.attention_mask, exp.response_mask,
+                temperature=self.temperature, micro_batch_size=self.hp.micro_batch_size,
+                chunk=self.hp.logprob_chunk, bf16=self.hp.bf16,
+            )
+
+    def _apply_truncation(self, exp: Experience) -> Experience:
+        """Responses cut at the length limit: kept, penalised, or left out of the loss."""
+        if self.truncation == "keep" or not bool(exp.truncated.any()):
+            return exp
+        if self.truncation == "penalize":
+            return exp.replace(scores=exp.scores + self.truncation_penalty * exp.truncated.float())
+        rm = exp.response_mask & ~exp.truncated[:, None]
+        return exp.replace(response_mask=rm)
 
     # -- the update ------------------------------------------------------------------------------
     def train_step(self, exp: Experience) -> dict[str, float]:
         """One PPO iteration on this rank's shard; returns scalar metrics."""
         hp = self.hp
         t0 = time.perf_counter()
-        if exp.ref_logprobs is None or exp.scores is None:
-            raise ValueError("PPO needs ref_logprobs and scores in the experience record")
+        if exp.scores is None:
+            raise ValueError("the learner needs scores in the experience record")
+        t_ref = 0.0
+        if exp.ref_logprobs is None:
+            exp = exp.replace(ref_logprobs=self.reference_logprobs(exp))
+            t_ref = time.perf_counter() - t0
+        n_truncated = int(exp.truncated.sum())
+        exp = self._apply_truncation(exp)
         self.model.train()
         mask = exp.response_mask
+        kl_coef = float(self.kl_ctl.value)
         b = exp.batch_size
         mb = min(hp.minibatch_size, b)
         # On-policy single update (one epoch, one minibatch, one micro-batch): the "old" policy is
@@ -131,17 +211,29 @@ class PPOLearner:
         if fused:
             fused_out = self._forward(exp, grad=True)
             old_logprobs = fused_out["logprobs"].detach()
-            old_values = fused_out["values"].detach()
+            old_values = fused_out["values"].detach() if self.use_critic else torch.zeros_like(old_logprobs)
         else:
             old_logprobs, old_values = self.evaluate_old(exp)
         gap = (old_logprobs - exp.rollout_logprobs).abs()
-        rewards, kl = kl_shaped_rewards(
-            exp.scores, old_logprobs, exp.ref_logprobs, mask, hp.kl_coef,
-            kl_kind=hp.kl_estimator, score_clip=self.score_clip,
-        )
-        advantages, returns = gae_advantages(rewards, old_values, mask, gamma=hp.gamma, lam=hp.lam)
-        if hp.whiten_advantages and int(mask.sum()) > 1:
-            advantages = masked_whiten(advantages, mask) * mask
+        estimator = hp.advantage_estimator
+        returns = torch.zeros_like(old_logprobs)
+        if estimator in ("gae", "reinforce_pp"):
+            rewards, kl = kl_shaped_rewards(
+                exp.scores, old_logprobs, exp.ref_logprobs, mask, kl_coef,
+                kl_kind=hp.kl_estimator, score_clip=self.score_clip,
+            )
+            if estimator == "gae":
+                advantages, returns = gae_advantages(rewards, old_values, mask, gamma=hp.gamma, lam=hp.lam)
+                if hp.whiten_advantages and int(mask.sum()) > 1:
+                    advantages = masked_whiten(advantages, mask) * mask
+            else:
+                advantages = reinforce_pp_advantages(rewards, mask, gamma=hp.gamma)
+        else:
+            # Group baselines work on sequence rewards: the KL penalty enters as its sequence sum.
+            kl = kl_penalty(old_logprobs, exp.ref_logprobs, hp.kl_estimator) * mask
+            scores = exp.scores if self.score_clip is None else exp.scores.clamp(-self.score_clip, self.score_clip)
+            seq_rewards = scores - kl_coef * kl.sum(1)
+            advantages = group_baseline_advantages(seq_rewards, exp.group_ids, mask, estimator=estimator)
         exp = exp.replace(values=old_values)
         t_prep = time.perf_counter() - t0
 
@@ -158,25 +250,35 @@ class PPOLearner:
             for m in range(n_mini):
                 mini = order[m * mb : (m + 1) * mb]
                 mini_tokens = max(int(mask[mini].sum()), 1)
+                mini_seqs = max(int(mask[mini].any(1).sum()), 1)
                 self.optimizer.zero_grad(set_to_none=True)
                 micro_chunks = [mini[i : i + hp.micro_batch_size] for i in range(0, len(mini), hp.micro_batch_size)]
                 for k, micro in enumerate(micro_chunks):
                     part = exp.select(micro)
                     mmask = part.response_mask
-                    # Token-mean over the whole minibatch, whatever the micro-batch split.
-                    weight = float(mmask.sum()) / mini_tokens
+                    # Each micro-batch's share of the minibatch loss, so that the aggregate is
+                    # the same whatever the micro-batch split (gradient accumulation).
+                    if hp.loss_agg == "token_mean":
+                        weight = float(mmask.sum()) / mini_tokens
+                    else:
+                        weight = float(mmask.any(1).sum()) / mini_seqs
                     sync = self.world == 1 or k == len(micro_chunks) - 1
                     ctx = self.module.no_sync() if not sync and hasattr(self.module, "no_sync") else _null()
                     with ctx:
                         out = fused_out if fused_out is not None else self._forward(part, grad=True)
                         pg_loss, pg_stats = policy_loss_clipped(
-                            out["logprobs"], old_logprobs[micro], advantages[micro], mmask, clip_eps=hp.clip_eps
-                        )
-                        vf_loss, vf_stats = value_loss_clipped(
-                            out["values"], old_values[micro], returns[micro], mmask, clip_eps=hp.value_clip_eps
+                            out["logprobs"], old_logprobs[micro], advantages[micro], mmask, clip_eps=hp.clip_eps,
+                            loss_agg=hp.loss_agg, loss_agg_constant=self.loss_agg_constant,
                         )
                         entropy = masked_mean(out["entropy"], mmask)
-                        loss = pg_loss + hp.vf_coef * vf_loss
+                        loss = pg_loss
+                        if self.use_critic:
+                            vf_loss, vf_stats = value_loss_clipped(
+                                out["values"], old_values[micro], returns[micro], mmask, clip_eps=hp.value_clip_eps
+                            )
+                            loss = loss + hp.vf_coef * vf_loss
+                            add("loss/value", vf_loss, weight)
+                            add("value/clip_frac", vf_stats["vf_clip_frac"], weight)
                         if hp.entropy_coef:
                             # Entropy is measured detached; the bonus uses -logprob as its estimator.
                             loss = loss + hp.entropy_coef * masked_mean(out["logprobs"], mmask)
@@ -187,30 +289,40 @@ class PPOLearner:
                             raise FloatingPointError(f"non-finite PPO loss at minibatch {m}: {float(loss)}")
                         (loss * weight).backward()
                     add("loss/policy", pg_loss, weight)
-                    add("loss/value", vf_loss, weight)
                     add("loss/total", loss, weight)
                     add("policy/entropy", entropy, weight)
                     add("policy/clip_frac", pg_stats["clip_frac"], weight)
                     add("policy/approx_kl", pg_stats["approx_kl"], weight)
-                    add("value/clip_frac", vf_stats["vf_clip_frac"], weight)
-                gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), hp.max_grad_norm)
+                gn = torch.nn.utils.clip_grad_norm_(
+                    [p for p in self.model.parameters() if p.grad is not None], hp.max_grad_norm
+                )
                 grad_norms.append(float(gn))
                 self.optimizer.step()
         self.version += 1
         n_updates = hp.epochs * n_mini
         metrics = {k: sum(v) / n_updates for k, v in stats.items()}
         resp = mask.sum(1).float()
+        seq_kl = float((kl_penalty(old_logprobs, exp.ref_logprobs, "k1") * mask).sum(1).mean()) if b else 0.0
+        self.kl_ctl.update(seq_kl, n_steps=b)
         metrics.update(
             {
+                "kl/coef": kl_coef,
+                "kl/coef_next": float(self.kl_ctl.value),
+                "kl/ref_seq_k1": seq_kl,
+                "response/truncated": float(n_truncated),
+                "learner/ref_s": t_ref,
+                "learner/trainable_fraction": self.trainable_fraction,
                 "policy/grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
                 "kl/ref_k1": float(masked_mean(kl_penalty(old_logprobs, exp.ref_logprobs, "k1"), mask)),
                 "kl/ref_k3": float(masked_mean(kl_penalty(old_logprobs, exp.ref_logprobs, "k3"), mask)),
-                "kl/penalty_per_seq": float((kl * mask).sum(1).mean()) * hp.kl_coef,
+                "kl/penalty_per_seq": float((kl * mask).sum(1).mean()) * kl_coef if b else 0.0,
                 "logprob_gap/mean_abs": float(masked_mean(gap, mask)),
                 "logprob_gap/max_abs": float(gap[mask].max()) if bool(mask.any()) else 0.0,
-                "value/mean": float(masked_mean(old_values, mask)),
-                "value/returns_mean": float(masked_mean(returns, mask)),
-                "value/explained_var": _explained_variance(old_values, returns, mask),
+                **({
+                    "value/mean": float(masked_mean(old_values, mask)),
+                    "value/returns_mean": float(masked_mean(returns, mask)),
+                    "value/explained_var": _explained_variance(old_values, returns, mask),
+                } if self.use_critic else {}),
                 "advantage/mean": float(masked_mean(advantages, mask)),
                 "response/length_mean": float(resp.mean()) if len(resp) else 0.0,
                 "learner/prep_s": t_prep,
@@ -223,22 +335,58 @@ class PPOLearner:
         return metrics
 
     # -- weights out -----------------------------------------------------------------------------
-    def policy_state_dict(self) -> dict[str, torch.Tensor]:
-        """Policy weights in transformers (checkpoint) naming, without the value head or tied copies."""
+    @contextlib.contextmanager
+    def policy_weights(self) -> Iterator[dict[str, torch.Tensor]]:
+        """Policy weights in transformers (checkpoint) naming, without the value head or a tied
+        lm_head copy. With LoRA the adapters are merged into the base weights for the duration of
+        the context (vLLM gets plain dense weights) and unmerged after: consume them inside."""
         lm = self.model.lm
-        sd = lm.state_dict()
-        if getattr(lm.config, "tie_word_embeddings", False):
-            sd.pop("lm_head.weight", None)
-        return sd
+        tied = bool(getattr(lm.config, "tie_word_embeddings", False))
+        if not self.lora:
+            sd = lm.state_dict()
+            if tied:
+                sd.pop("lm_head.weight", None)
+            yield sd
+            return
+        lm.merge_adapter()
+        try:
+            sd = {}
+            for k, v in lm.get_base_model().state_dict().items():
+                if "lora_" in k:
+                    continue
+                name = k.replace(".base_layer.", ".")
+                if tied and name == "lm_head.weight":
+                    continue
+                sd[name] = v
+            yield sd
+        finally:
+            lm.unmerge_adapter()
+
+    def policy_state_dict(self) -> dict[str, torch.Tensor]:
+        """A detached copy of ``policy_weights()``."""
+        with self.policy_weights() as sd:
+            return {k: v.detach().clone() for k, v in sd.items()}
+
+    def trainer_state(self) -> dict[str, Any]:
+        return {"version": self.version, "kl_controller": self.kl_ctl.state_dict(), "lora": self.lora}
 
     def save(self, folder: str | Path, tokenizer_from: str | None = None) -> Path:
-        """transformers-loadable safetensors folder (+ the value head beside it)."""
+        """transformers-loadable safetensors folder (LoRA merged), plus the value head, the LoRA
+        adapter (``adapter/``) and the trainer state (KL controller) beside it."""
+        import json
+
         from safetensors.torch import save_file
 
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        self.model.lm.save_pretrained(str(folder), safe_serialization=True)
+        base = self.model.lm.get_base_model() if self.lora else self.model.lm
+        with self.policy_weights() as sd:
+            base.save_pretrained(str(folder), state_dict={k: v.detach().clone() for k, v in sd.items()},
+                                 safe_serialization=True)
+        if self.lora:
+            self.model.lm.save_pretrained(str(folder / "adapter"))
         save_file({k: v.detach().contiguous() for k, v in self.model.value_head.state_dict().items()}, str(folder / "value_head.safetensors"))
+        (folder / "trainer_state.json").write_text(json.dumps(self.trainer_state(), indent=1))
         if tokenizer_from:
             from transformers import AutoTokenizer
 

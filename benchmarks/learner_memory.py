@@ -1,0 +1,83 @@
+"""Peak memory (RSS) and step time of one learner update: full fine-tuning vs LoRA.
+
+Each mode runs in a fresh subprocess (peak RSS is per process), on the same synthetic batch
+shaped like the main job's (16 sequences, 60 prompt + 48 response tokens), bf16 autocast.
+
+    .venv/bin/python benchmarks/learner_memory.py [--model smollm2-135m] [--out docs/results/learner_memory.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def one(model: str, mode: str, steps: int) -> dict:
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from cluster.assets import resolve_model
+    from cluster.config import LoRAConfig, PPOConfig
+    from learners.experience import Experience
+    from learners.ppo import PPOLearner
+
+    torch.manual_seed(0)
+    path = resolve_model(model)
+    hp = PPOConfig(minibatch_size=16, micro_batch_size=16, bf16=True)
+    lora = LoRAConfig(enabled=mode == "lora")
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    learner = PPOLearner(path, hp, lora=lora)
+    b, p, r = 16, 60, 48
+    vocab = learner.model.lm.config.vocab_size
+    ids = torch.randint(10, vocab - 1, (b, p + r))
+    att = torch.ones_like(ids, dtype=torch.bool)
+    rm = att.clone()
+    rm[:, :p] = False
+    zeros = torch.zeros(b, p + r)
+    exp = Experience(ids, att, rm, zeros, torch.arange(b), torch.zeros(b, dtype=torch.bool), 0, [""] * b, [{}] * b,
+                     scores=torch.rand(b), ref_logprobs=None if mode == "lora" else zeros)
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        learner.train_step(exp)
+        times.append(time.perf_counter() - t)
+    return {
+        "mode": mode, "model": model, "trainable_fraction": learner.trainable_fraction,
+        "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+        "rss_before_model_gb": rss0 / 1e6, "step_s": times,
+        "note": "lora step includes the reference pass (adapter disabled); full step does not",
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "learner_memory.json"))
+    ap.add_argument("--child", default=None)
+    a = ap.parse_args()
+    if a.child:
+        print(json.dumps(one(a.model, a.child, a.steps)))
+        return
+    results = []
+    for mode in ("full", "lora"):
+        out = subprocess.run([sys.executable, __file__, "--child", mode, "--model", a.model, "--steps", str(a.steps)],
+                             capture_output=True, text=True, check=True)
+        results.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        print(results[-1], flush=True)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(results, indent=1))
+    full, lora = results
+    print(f"peak RSS: full {full['peak_rss_gb']:.2f} GB, LoRA {lora['peak_rss_gb']:.2f} GB "
+          f"({lora['peak_rss_gb'] / full['peak_rss_gb']:.2f}x); trainable {lora['trainable_fraction']:.4f}")
+
+
+if __name__ == "__main__":
+    main()
