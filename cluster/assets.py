@@ -22,7 +22,8 @@ from pathlib import Path
 
 BUILTIN_ASSETS = ("smollm2-135m", "tiny")
 _MARKER = "rayrlhf_asset.json"
-_ASSET_VERSION = 2
+# Bumped per asset when its recipe changes, so that only that asset is rebuilt.
+_ASSET_VERSIONS = {"smollm2-135m": 2, "tiny": 3}
 
 # ChatML, as SmolLM2-Instruct uses: the tiny model gets the same template so that prompt
 # handling is exercised identically in fast tests and real runs.
@@ -61,7 +62,7 @@ def _is_complete(folder: Path) -> bool:
         info = json.loads(marker.read_text())
     except (OSError, json.JSONDecodeError):
         return False
-    if info.get("version") != _ASSET_VERSION:
+    if info.get("version") != _ASSET_VERSIONS.get(folder.name):
         return False
     for name, size in info.get("files", {}).items():
         f = folder / name
@@ -84,7 +85,8 @@ def _locked(cache: Path, name: str):
 
 def _finish(tmp: Path, final: Path, extra: dict) -> Path:
     files = {p.name: p.stat().st_size for p in tmp.iterdir() if p.is_file()}
-    (tmp / _MARKER).write_text(json.dumps({"version": _ASSET_VERSION, "files": files, **extra}, indent=1))
+    info = {"version": _ASSET_VERSIONS[final.name], "files": files, **extra}
+    (tmp / _MARKER).write_text(json.dumps(info, indent=1))
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)
@@ -201,6 +203,10 @@ def build_tiny(cache: Path) -> Path:
             pad_token_id=tok.pad_token_id, rms_norm_eps=1e-5, initializer_range=0.02,
         )
         model = LlamaForCausalLM(cfg).to(torch.float32)
+        with torch.no_grad():
+            # Pretrained models have large embedding norms; at std 0.02 the tied output head gives
+            # near-uniform logits that LoRA adapters (which cannot touch it) can barely move.
+            model.model.embed_tokens.weight.normal_(0.0, 0.1)
         model.save_pretrained(str(tmp), safe_serialization=True)
         return {"parameters": sum(p.numel() for p in model.parameters())}
 

@@ -38,6 +38,7 @@ def test_grpo_learns_the_tiny_task(ray_cluster, tiny_model_path, tmp_path):
 def test_lora_learns_with_reference_from_disabled_adapter(ray_cluster, tiny_model_path, tmp_path):
     cfg = load_config(ROOT / "configs" / "ppo_tiny.yaml", [
         "run.steps=20", "lora.enabled=true", "lora.r=8", "lora.alpha=16", "ppo.lr=2e-2", "run.plot=false",
+        "ppo.gradient_checkpointing=true",
     ])
     result = train(cfg, run_dir=tmp_path / "run")
     rows = _rows(tmp_path / "run")
