@@ -100,8 +100,9 @@ class Generator:
         temperature: float = 1.0,
         top_p: float = 1.0,
         n: int = 1,
+        ignore_eos: bool = False,
     ) -> Experience:
-        """Samples ``n`` responses per prompt.
+        """Samples ``n`` responses per prompt (``ignore_eos``: fixed-length, for benchmarks).
 
         Prompts that are empty or longer than ``max_prompt_tokens`` (after the chat template)
         are skipped and counted in ``Experience.skipped``. Returns the record with
@@ -131,7 +132,8 @@ class Generator:
 
         params = SamplingParams(
             n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, logprobs=1,
-            stop_token_ids=[self.eos_token_id] if self.eos_token_id is not None else None,
+            stop_token_ids=[self.eos_token_id] if self.eos_token_id is not None and not ignore_eos else None,
+            ignore_eos=ignore_eos,
         )
         outputs = self.llm.generate(
             [{"prompt_token_ids": ids} for ids, _, _ in kept], params, use_tqdm=False

@@ -192,6 +192,9 @@ class PPOLearner:
         t0 = time.perf_counter()
         if exp.scores is None:
             raise ValueError("the learner needs scores in the experience record")
+        if exp.batch_size == 0 or not bool(exp.response_mask.any()):
+            # Every sample was dropped upstream (failed rewards, over-long prompts): nothing to learn.
+            return {"learner/empty_batch": 1.0, "learner/sequences": float(exp.batch_size)}
         t_ref = 0.0
         if exp.ref_logprobs is None:
             exp = exp.replace(ref_logprobs=self.reference_logprobs(exp))

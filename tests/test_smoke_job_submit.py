@@ -4,6 +4,7 @@ running test cluster (dashboard on 127.0.0.1); the job joins that cluster."""
 import json
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -15,7 +16,13 @@ pytestmark = pytest.mark.smoke
 
 
 def test_ray_job_submit_runs_the_cli(ray_cluster, tmp_path):
-    with urllib.request.urlopen(f"{ray_cluster['dashboard']}/api/version", timeout=30) as r:
+    url = f"{ray_cluster['dashboard']}/api/version"
+    # The dashboard answers only requests carrying the cluster's token.
+    with pytest.raises(urllib.error.HTTPError, match="401"):
+        urllib.request.urlopen(url, timeout=30)
+    token = Path(ray_cluster["env"]["RAY_AUTH_TOKEN_PATH"]).read_text().strip()
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=30) as r:
         assert "ray_version" in json.loads(r.read())
     out_dir = tmp_path / "runs"
     ray_bin = str(Path(sys.executable).parent / "ray")
@@ -27,7 +34,7 @@ def test_ray_job_submit_runs_the_cli(ray_cluster, tmp_path):
     proc = subprocess.run(cmd, env=ray_cluster["env"], capture_output=True, text=True, timeout=600, cwd=ROOT)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
-    assert "SUCCEEDED" in log, log[-4000:]
+    assert "succeeded" in log, log[-4000:]
     # The job joined the running cluster rather than starting its own.
     assert "Connecting to existing Ray cluster" in log or "Connected to Ray cluster" in log, log[-4000:]
     assert "step 2/2" in log

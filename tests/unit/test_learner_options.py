@@ -94,3 +94,12 @@ def test_adaptive_kl_controller_state_is_checkpointed(tiny_model_path, tmp_path)
     state = json.loads((folder / "trainer_state.json").read_text())
     assert state["kl_controller"]["value"] == pytest.approx(m["kl/coef_next"])
     assert (folder / "model.safetensors").is_file()
+
+
+def test_empty_batch_is_a_counted_no_op(tiny_model_path):
+    learner = PPOLearner(tiny_model_path, PPOConfig(bf16=False))
+    exp = _exp(learner.model.lm, [1, 0, 1, 0, 1, 0])
+    before = [p.detach().clone() for p in learner.model.parameters()]
+    m = learner.train_step(exp.select([]))
+    assert m["learner/empty_batch"] == 1.0
+    assert all(torch.equal(a, b) for a, b in zip(before, learner.model.parameters()))

@@ -1,0 +1,163 @@
+"""Rollout throughput, side by side in one run: transformers `generate`, a bare vLLM engine,
+rayrlhf's Generator class, and the Generator inside a Ray actor (what training uses).
+
+Same model (SmolLM2-135M-Instruct), prompts (reasoning-gym basic_arithmetic, chat template),
+dtype (bf16), sampling (temperature 1, logprobs of the sampled tokens), and a fixed number of
+new tokens per sequence (EOS ignored) so every contender produces the same token count.
+
+    .venv/bin/python benchmarks/rollout.py [--batch-sizes 16 64] [--new-tokens 64] [--out docs/results/rollout.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def prompts(n: int) -> list[str]:
+    from actors.tasks import load_prompts
+
+    train, _ = load_prompts("basic_arithmetic", max(n, 16), 1, 0,
+                            {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
+                            "Answer with just the final answer.")
+    return [r["prompt"] for r in train.rows][:n]
+
+
+def bench_hf(model_path: str, texts: list[str], new_tokens: int, repeats: int) -> list[float]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    tok = AutoTokenizer.from_pretrained(model_path)
+    tok.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).eval()
+    chats = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False) for t in texts]
+    batch = tok(chats, return_tensors="pt", padding=True, add_special_tokens=False)
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            gen = model.generate(**batch, do_sample=True, temperature=1.0, top_p=1.0, max_new_tokens=new_tokens,
+                                 min_new_tokens=new_tokens, output_scores=True, return_dict_in_generate=True,
+                                 pad_token_id=tok.pad_token_id)
+            # The same per-token log-probs a trainer needs (vLLM returns them with logprobs=1).
+            steps = torch.stack(gen.scores, 1).float().log_softmax(-1)
+            _ = steps.gather(-1, gen.sequences[:, -new_tokens:, None])
+        dt = time.perf_counter() - t0
+        out.append(len(texts) * new_tokens / dt)
+    del model
+    gc.collect()
+    return out
+
+
+def bench_bare_vllm(model_path: str, texts: list[str], new_tokens: int, repeats: int, llm=None) -> list[float]:
+    from vllm import SamplingParams
+
+    tok = llm.get_tokenizer()
+    ids = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True) for t in texts]
+    ids = [x["input_ids"] if isinstance(x, dict) or hasattr(x, "input_ids") else x for x in ids]
+    sp = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=new_tokens, ignore_eos=True, logprobs=1)
+    out = []
+    for _ in range(repeats):
+        llm.reset_prefix_cache()
+        t0 = time.perf_counter()
+        res = llm.generate([{"prompt_token_ids": list(i)} for i in ids], sp, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        out.append(sum(len(r.outputs[0].token_ids) for r in res) / dt)
+    return out
+
+
+def bench_generator(gen, texts: list[str], new_tokens: int, repeats: int) -> list[float]:
+    out = []
+    for _ in range(repeats):
+        gen.llm.reset_prefix_cache()
+        t0 = time.perf_counter()
+        exp = gen.generate(texts, max_new_tokens=new_tokens, max_prompt_tokens=256, ignore_eos=True)
+        dt = time.perf_counter() - t0
+        out.append(int(exp.response_mask.sum()) / dt)
+    return out
+
+
+def bench_actor(model_path: str, texts: list[str], new_tokens: int, repeats: int, batch_sizes: list[int]) -> dict:
+    import ray
+
+    from cluster.actor_groups import GeneratorWorker
+    from cluster.config import load_config
+
+    cfg = load_config(overrides=[f"model.max_new_tokens={new_tokens}", "model.max_prompt_tokens=256",
+                                 "rollout.temperature=1.0"])
+    ray.init(num_cpus=4, include_dashboard=False)
+    try:
+        actor = ray.remote(GeneratorWorker).options(num_cpus=1).remote(model_path, cfg, 0)
+        ray.get(actor.ready.remote())
+        rows = [{"prompt": t, "meta": {}} for t in texts]
+        results = {}
+        for bs in batch_sizes:
+            ray.get(actor.generate.options(num_returns=2).remote(rows[:bs], list(range(bs)))[1])  # warm-up
+            vals = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                exp_ref, stats_ref = actor.generate.options(num_returns=2).remote(rows[:bs], list(range(bs)))
+                stats = ray.get(stats_ref)
+                ray.wait([exp_ref], fetch_local=False)
+                vals.append(stats["tokens"] / (time.perf_counter() - t0))
+            results[bs] = vals
+        return results
+    finally:
+        ray.shutdown()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--skip-hf-above", type=int, default=64, help="transformers generate is slow: skip larger batches")
+    ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "rollout.json"))
+    a = ap.parse_args()
+
+    from actors.generator import Generator, configure_vllm_env
+    from cluster.assets import resolve_model
+
+    model_path = resolve_model(a.model)
+    texts = prompts(max(a.batch_sizes))
+    configure_vllm_env(kv_cache_gib=2)
+    results: dict = {"model": a.model, "dtype": "bfloat16", "new_tokens": a.new_tokens, "cpus": os.cpu_count(), "rows": []}
+
+    gen = Generator(model_path, dtype="bfloat16", max_model_len=256 + a.new_tokens, seed=0, kv_cache_gib=2)
+    for bs in a.batch_sizes:
+        bench_generator(gen, texts[:bs], a.new_tokens, 1)  # warm-up
+        row = {"batch": bs,
+               "bare_vllm": bench_bare_vllm(model_path, texts[:bs], a.new_tokens, a.repeats, llm=gen.llm),
+               "generator": bench_generator(gen, texts[:bs], a.new_tokens, a.repeats)}
+        results["rows"].append(row)
+        print(row, flush=True)
+    del gen
+    gc.collect()
+    actor = bench_actor(model_path, texts, a.new_tokens, a.repeats, a.batch_sizes)
+    for row in results["rows"]:
+        row["generator_actor"] = actor[row["batch"]]
+        if row["batch"] <= a.skip_hf_above:
+            row["hf_generate"] = bench_hf(model_path, texts[: row["batch"]], a.new_tokens, 1)
+        best = {k: max(v) for k, v in row.items() if isinstance(v, list)}
+        row["best_tokens_per_s"] = best
+        if "hf_generate" in best:
+            row["actor_vs_hf"] = best["generator_actor"] / best["hf_generate"]
+        row["actor_vs_bare_vllm"] = best["generator_actor"] / best["bare_vllm"]
+        print(row, flush=True)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(results, indent=1))
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
