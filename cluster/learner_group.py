@@ -45,27 +45,6 @@ class LearnerChannel:
         return await self.outbox.get()
 
 
-def _shard(exp, rank: int, world: int):
-    """This rank's rows: whole groups (all samples of a prompt) dealt round-robin, so group
-    baselines see complete groups. Padded to the largest shard with fully masked rows, so that
-    every rank takes the same number of optimiser steps (DDP all-reduces would otherwise hang)."""
-    groups: dict[int, list[int]] = {}
-    for i, g in enumerate(exp.group_ids.tolist()):
-        groups.setdefault(g, []).append(i)
-    shards: list[list[int]] = [[] for _ in range(world)]
-    for k, members in enumerate(groups.values()):
-        shards[k % world].extend(members)
-    rows = shards[rank]
-    per_rank = max(len(s) for s in shards)
-    pad = per_rank - len(rows)
-    shard = exp.select(rows + [0] * pad)
-    if pad:
-        rm = shard.response_mask.clone()
-        rm[len(rows):] = False
-        shard = shard.replace(response_mask=rm)
-    return shard
-
-
 _REPORTED = ("loss/policy", "loss/value", "kl/ref_k1", "policy/clip_frac", "logprob_gap/mean_abs")
 
 
@@ -101,7 +80,7 @@ def learner_loop(config: dict[str, Any]) -> None:
         try:
             parts = ray.get(item["exp_refs"])
             exp = Experience.concat(parts, pad_token_id=config["pad_token_id"])
-            metrics = learner.train_step(_shard(exp, rank, world))
+            metrics = learner.train_step(exp.shard(rank, world))
             if world > 1:
                 keys = sorted(metrics)
                 t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64)

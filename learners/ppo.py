@@ -123,6 +123,10 @@ class PPOLearner:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.kl_ctl = make_kl_controller(hp.kl_controller, hp.kl_coef, hp.kl_target, hp.kl_horizon)
         self.model = PolicyWithValueHead(lm)
+        if not self.use_critic:
+            # Critic-free estimators never touch the value head; DDP requires every trainable
+            # parameter to receive a gradient, so freeze it.
+            self.model.value_head.requires_grad_(False)
         self.rank, self.world = _dist_info()
         self.module: nn.Module = self.model
         if self.world > 1:
@@ -137,7 +141,7 @@ class PPOLearner:
         self.optimizer = torch.optim.AdamW(
             [
                 {"params": policy_params, "lr": hp.lr},
-                {"params": list(self.model.value_head.parameters()), "lr": hp.critic_lr},
+                {"params": [p for p in self.model.value_head.parameters() if p.requires_grad], "lr": hp.critic_lr},
             ],
             weight_decay=hp.weight_decay,
         )

@@ -59,3 +59,13 @@ def test_select_and_concat_keep_rows_aligned():
     sub = both.select([2, 0])
     assert sub.completions == ["c0", "c0"] and sub.input_ids.shape == (2, 8)
     assert torch.equal(sub.input_ids[1, :5], a.input_ids[0])
+
+
+def test_shard_keeps_groups_whole_and_pads_with_masked_rows():
+    exp = make(b=5, nresp=(3, 2, 3, 2, 3)).replace(group_ids=torch.tensor([4, 9, 4, 9, 7]))
+    shards = [exp.shard(r, 2) for r in range(2)]
+    assert shards[0].group_ids.tolist() == [4, 4, 7]
+    assert shards[1].group_ids.tolist()[:2] == [9, 9] and shards[1].batch_size == 3
+    # The padding row trains on nothing.
+    assert not shards[1].response_mask[2].any() and shards[1].response_mask[:2].any()
+    assert exp.shard(0, 1) is exp
