@@ -89,14 +89,14 @@ def bench_generator(gen, texts: list[str], new_tokens: int, repeats: int) -> lis
 def bench_actor(model_path: str, texts: list[str], new_tokens: int, repeats: int, batch_sizes: list[int]) -> dict:
     import ray
 
-    from cluster.actor_groups import GeneratorWorker
+    from cluster.actor_groups import GeneratorWorker, role_env
     from cluster.config import load_config
 
     cfg = load_config(overrides=[f"model.max_new_tokens={new_tokens}", "model.max_prompt_tokens=256",
                                  "rollout.temperature=1.0"])
     ray.init(num_cpus=4, include_dashboard=False)
     try:
-        actor = ray.remote(GeneratorWorker).options(num_cpus=1).remote(model_path, cfg, 0)
+        actor = ray.remote(GeneratorWorker).options(num_cpus=1, runtime_env=role_env(0)).remote(model_path, cfg, 0)
         ray.get(actor.ready.remote())
         rows = [{"prompt": t, "meta": {}} for t in texts]
         results = {}
@@ -123,7 +123,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--skip-hf-above", type=int, default=64, help="transformers generate is slow: skip larger batches")
     ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "rollout.json"))
+    ap.add_argument("--actor-only", action="store_true", help="only the Ray-actor contender (quick check)")
     a = ap.parse_args()
+    if a.actor_only:
+        from cluster.assets import resolve_model
+
+        print(bench_actor(resolve_model(a.model), prompts(max(a.batch_sizes)), a.new_tokens, a.repeats, a.batch_sizes))
+        return
 
     from actors.generator import Generator, configure_vllm_env
     from cluster.assets import resolve_model

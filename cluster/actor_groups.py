@@ -104,15 +104,26 @@ class ReferenceWorker:
         return out, {"seconds": dt}
 
 
+def role_env(threads: int) -> dict:
+    """Runtime env of an inference actor. Ray sets OMP_NUM_THREADS to the CPUs an actor
+    reserves (1 for a fractional reservation); OpenMP reads it once at start-up, and vLLM's CPU
+    worker then runs single-threaded whatever torch is told later. The phases of a step run one
+    after another, so each role may use every core of the node while it works."""
+    return {"env_vars": {
+        "OMP_NUM_THREADS": str(_threads(threads)),
+        "TOKENIZERS_PARALLELISM": "false",
+        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"),
+    }}
+
+
 class RolloutGroup:
     """The inference-side roles: N generators, one scorer, one reference."""
 
     def __init__(self, cfg: Config, model_path: str) -> None:
         self.cfg = cfg
-        env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR")}}
         gen_cls = ray.remote(GeneratorWorker)
         self.generators = [
-            gen_cls.options(num_cpus=cfg.rollout.cpus_per_generator, runtime_env=env, name=None).remote(model_path, cfg, i)
+            gen_cls.options(num_cpus=cfg.rollout.cpus_per_generator, runtime_env=role_env(cfg.rollout.threads)).remote(model_path, cfg, i)
             for i in range(cfg.rollout.num_generators)
         ]
         self.scorer = ray.remote(ScorerWorker).options(num_cpus=0.1).remote(cfg)
@@ -121,7 +132,7 @@ class RolloutGroup:
         self.reference = None
         if not cfg.lora.enabled:
             self.reference = ray.remote(ReferenceWorker).options(
-                num_cpus=cfg.cluster.cpus_per_reference
+                num_cpus=cfg.cluster.cpus_per_reference, runtime_env=role_env(cfg.cluster.threads)
             ).remote(model_path, cfg)
 
     def wait_ready(self) -> list[float]:

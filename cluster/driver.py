@@ -42,7 +42,12 @@ def connect(cfg: Config) -> bool:
         return False
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     address = cfg.cluster.address or os.environ.get("RAY_ADDRESS", "")
-    env_vars = {"RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false"}
+    # Job-wide default for every worker, Ray Train's included: Ray would otherwise pin each
+    # process's OpenMP pool to its reserved CPUs (often 1); the roles work one phase at a time.
+    env_vars = {
+        "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": str(cfg.cluster.threads or os.cpu_count() or 1),
+    }
     if address:
         ray.init(address=address, runtime_env={"env_vars": env_vars}, log_to_driver=True)
         return False
