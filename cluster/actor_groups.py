@@ -23,6 +23,13 @@ def _threads(n: int) -> int:
     return n or os.cpu_count() or 1
 
 
+def peak_rss_gb() -> float:
+    """This process's peak resident memory (Linux reports ru_maxrss in KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
 class GeneratorWorker:
     def __init__(self, model_path: str, cfg: Config, rank: int) -> None:
         from actors.generator import Generator
@@ -63,6 +70,7 @@ class GeneratorWorker:
             "truncated": int(exp.truncated.sum()),
             "skipped": dict(exp.skipped),
             "policy_version": exp.policy_version,
+            "peak_rss_gb": peak_rss_gb(),
             "samples": [(r, c) for r, c in zip([m.get("question", "") for m in exp.meta[:2]], exp.completions[:2])],
         }
         return exp, stats
@@ -85,7 +93,8 @@ class ScorerWorker:
     def score(self, exp: Experience) -> tuple[Experience, dict]:
         t0 = time.perf_counter()
         out = self.scorer.score(exp)
-        return out, {"seconds": time.perf_counter() - t0, "scores": out.scores.tolist(), "skipped": dict(out.skipped)}
+        return out, {"seconds": time.perf_counter() - t0, "scores": out.scores.tolist(), "skipped": dict(out.skipped),
+                     "peak_rss_gb": peak_rss_gb()}
 
 
 class ReferenceWorker:
@@ -101,7 +110,7 @@ class ReferenceWorker:
 
     def annotate(self, exp: Experience) -> tuple[Experience, dict]:
         out, dt = self.ref.annotate(exp)
-        return out, {"seconds": dt}
+        return out, {"seconds": dt, "peak_rss_gb": peak_rss_gb()}
 
 
 def role_env(threads: int) -> dict:

@@ -86,12 +86,6 @@ class PromptSampler:
         return [self.rows[i] for i in idx], idx
 
 
-def _wait(refs: list) -> None:
-    """Blocks until objects exist, without pulling them into the driver."""
-    if refs:
-        ray.wait(refs, num_returns=len(refs), fetch_local=False)
-
-
 def _merge_counts(stats: list[dict], key: str = "skipped") -> dict[str, int]:
     out: dict[str, int] = {}
     for s in stats:
@@ -166,7 +160,7 @@ def train(cfg: Config, run_dir: str | Path | None = None) -> RunResult:
 
             t = time.perf_counter()
             exp_refs, ref_stats_refs = rollout.annotate_reference(exp_refs)
-            _wait(exp_refs)
+            ref_stats = ray.get(ref_stats_refs)
             row["time/reference_s"] = time.perf_counter() - t
             row["reference/in_learner"] = rollout.reference is None
 
@@ -184,6 +178,10 @@ def train(cfg: Config, run_dir: str | Path | None = None) -> RunResult:
             row["sync/load_s"] = max(load_times)
 
             row.update(_step_metrics(gen_stats, score_stats, result["metrics"]))
+            row["memory/generator_peak_gb"] = max(s["peak_rss_gb"] for s in gen_stats)
+            row["memory/scorer_peak_gb"] = max(s["peak_rss_gb"] for s in score_stats)
+            if ref_stats:
+                row["memory/reference_peak_gb"] = max(s["peak_rss_gb"] for s in ref_stats)
             if result.get("saved"):
                 final = Path(result["saved"])
                 row["checkpoint"] = result["saved"]

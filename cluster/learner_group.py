@@ -52,6 +52,7 @@ def learner_loop(config: dict[str, Any]) -> None:
     """The Ray Train worker function (runs on every rank)."""
     import torch
 
+    from cluster.actor_groups import peak_rss_gb
     from cluster.weight_sync import pack
     from learners.experience import Experience
     from learners.ppo import PPOLearner
@@ -81,6 +82,7 @@ def learner_loop(config: dict[str, Any]) -> None:
             parts = ray.get(item["exp_refs"])
             exp = Experience.concat(parts, pad_token_id=config["pad_token_id"])
             metrics = learner.train_step(exp.shard(rank, world))
+            metrics["memory/learner_peak_gb"] = peak_rss_gb()
             if world > 1:
                 keys = sorted(metrics)
                 t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64)

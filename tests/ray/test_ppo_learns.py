@@ -29,6 +29,9 @@ def test_ppo_tiny_reward_rises(ray_cluster, tiny_model_path, tmp_path):
                 "kl/ref_k1", "policy/clip_frac", "reward/std", "response/length_mean"):
         assert all(key in r and r[key] is not None for r in rows), key
     assert rows[-1]["kl/ref_k1"] > 0  # the policy moved away from the reference
+    # Peak memory of each role's process is recorded (the generator holds a vLLM engine).
+    for role in ("generator", "scorer", "reference", "learner"):
+        assert all(0.05 < r[f"memory/{role}_peak_gb"] < 24 for r in rows), role
     assert any("eval/accuracy" in r for r in rows)
     assert (tmp_path / "run" / "curves.png").stat().st_size > 1000
     # The final checkpoint is a plain transformers folder with safetensors.
