@@ -346,9 +346,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 def config_help() -> str:
     """Every field with its default and help string, for ``rayrlhf config``."""
     lines = []
+    sections = typing.get_type_hints(Config)
     for section in dataclasses.fields(Config):
         lines.append(f"{section.name}:")
-        for f in dataclasses.fields(section.type if isinstance(section.type, type) else typing.get_type_hints(Config)[section.name]):
+        for f in dataclasses.fields(sections[section.name]):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
             lines.append(f"  {f.name}: {default!r}\n      {f.metadata.get('help', '')}")
     return "\n".join(lines)

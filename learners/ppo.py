@@ -270,7 +270,7 @@ class PPOLearner:
                     else:
                         weight = float(mmask.any(1).sum()) / mini_seqs
                     sync = self.world == 1 or k == len(micro_chunks) - 1
-                    ctx = self.module.no_sync() if not sync and hasattr(self.module, "no_sync") else _null()
+                    ctx = self.module.no_sync() if not sync and hasattr(self.module, "no_sync") else contextlib.nullcontext()
                     with ctx:
                         out = fused_out if fused_out is not None else self._forward(part, grad=True)
                         pg_loss, pg_stats = policy_loss_clipped(
@@ -408,11 +408,3 @@ def _explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch
     if var_r == 0:
         return 0.0
     return 1.0 - float((returns - values)[mask].var()) / var_r
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *a: Any) -> None:
-        return None
