@@ -6,7 +6,7 @@ VENV ?= .venv
 STAMP := $(VENV)/.rayrlhf-installed
 EXTRA ?= cpu
 
-.PHONY: setup train test test-fast clean-cache
+.PHONY: setup train test test-fast clean-cache trl-env bench-trl
 
 setup: $(STAMP)
 
@@ -29,6 +29,18 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(VENV)/bin/python -m pytest -q tests -m "not ray and not smoke" $(ARGS)
+
+# Benchmarks only: TRL in its own venv, so its dependencies never touch the project's.
+TRL_STAMP := .venv-trl/.installed
+trl-env: $(TRL_STAMP)
+
+$(TRL_STAMP):
+	$(PY) -m venv .venv-trl
+	.venv-trl/bin/pip install -q trl==1.16.0 torch==2.13.0 transformers==5.19.0 accelerate==1.15.0 reasoning-gym==0.1.25
+	touch $(TRL_STAMP)
+
+bench-trl: $(STAMP) $(TRL_STAMP)
+	$(VENV)/bin/python benchmarks/vs_trl.py $(ARGS)
 
 clean-cache:
 	rm -rf .cache/rayrlhf

@@ -138,8 +138,9 @@ class RolloutGroup:
         self.scorer = ray.remote(ScorerWorker).options(num_cpus=0.1).remote(cfg)
         # With LoRA the learner scores the reference itself (its base model, adapter disabled):
         # no second copy of the weights, so no reference actor.
+        # Without any KL term (beta = 0) nothing needs the reference, so it is not started.
         self.reference = None
-        if not cfg.lora.enabled:
+        if not cfg.lora.enabled and cfg.ppo.uses_reference:
             self.reference = ray.remote(ReferenceWorker).options(
                 num_cpus=cfg.cluster.cpus_per_reference, runtime_env=role_env(cfg.cluster.threads)
             ).remote(model_path, cfg)

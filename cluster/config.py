@@ -148,6 +148,12 @@ class PPOConfig:
     kl_horizon: int = _f(10000, "Horizon (samples) of the adaptive controller.")
     gradient_checkpointing: bool = _f(False, "Recompute activations in the backward pass (less memory, ~30% slower).")
 
+    @property
+    def uses_reference(self) -> bool:
+        """Whether any term needs reference log-probs; without one the reference model is not run
+        (as with beta=0 in TRL's GRPO or verl without a KL loss), saving its pass and its memory."""
+        return self.kl_coef != 0 or self.kl_loss_coef != 0 or self.kl_controller == "adaptive"
+
 
 @dataclass
 class LoRAConfig:

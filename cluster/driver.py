@@ -136,7 +136,12 @@ def train(cfg: Config, run_dir: str | Path | None = None) -> RunResult:
     learners = LearnerGroup(cfg, model_path, pad_id, run_path / "ray_train")
     rollout.wait_ready()
     info = learners.wait_ready()
-    ref_role = "reference = base model with the LoRA adapter disabled, in the learner" if cfg.lora.enabled else "1 reference"
+    if not cfg.ppo.uses_reference:
+        ref_role = "no reference (no KL term)"
+    elif cfg.lora.enabled:
+        ref_role = "reference = base model with the LoRA adapter disabled, in the learner"
+    else:
+        ref_role = "1 reference"
     print(f"[rayrlhf] roles ready in {time.time() - t0:.1f}s: {cfg.rollout.num_generators} generator(s), "
           f"1 scorer, {ref_role}, {cfg.cluster.num_learners} learner(s); "
           f"{cfg.ppo.advantage_estimator} advantages, trainable fraction {info['trainable_fraction']:.4f}", flush=True)
@@ -162,7 +167,7 @@ def train(cfg: Config, run_dir: str | Path | None = None) -> RunResult:
             exp_refs, ref_stats_refs = rollout.annotate_reference(exp_refs)
             ref_stats = ray.get(ref_stats_refs)
             row["time/reference_s"] = time.perf_counter() - t
-            row["reference/in_learner"] = rollout.reference is None
+            row["reference/in_learner"] = rollout.reference is None and cfg.ppo.uses_reference
 
             last = step == cfg.run.steps
             save = (cfg.run.save_every and step % cfg.run.save_every == 0) or (last and cfg.run.save_final)

@@ -40,8 +40,9 @@ class RunLog:
         bar = "#" * filled + "-" * (width - filled)
         line = (
             f"[{bar}] step {step}/{self.total} | reward {row.get('reward/mean', float('nan')):.3f}"
-            f"±{row.get('reward/std', float('nan')):.2f} | kl {row.get('kl/ref_k1', float('nan')):.4f}"
-            f" | len {row.get('response/length_mean', float('nan')):.1f}"
+            f"±{row.get('reward/std', float('nan')):.2f}"
+            + (f" | kl {row['kl/ref_k1']:.4f}" if "kl/ref_k1" in row else " | no ref")
+            + f" | len {row.get('response/length_mean', float('nan')):.1f}"
             f" | {row.get('generate/tokens_per_s', float('nan')):.0f} tok/s"
             f" | gen {row.get('time/generate_s', 0):.1f}s score {row.get('time/score_s', 0):.1f}s"
             f" ref {row.get('time/reference_s', 0):.1f}s learn {row.get('time/learn_s', 0):.1f}s"

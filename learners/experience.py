@@ -111,6 +111,19 @@ class Experience:
                 out[f.name] = v
         return Experience(**out)
 
+    def trimmed(self) -> "Experience":
+        """The same rows without the trailing columns that are padding in every row (rows are
+        right-padded, so a length-sorted micro-batch sheds most of its padding)."""
+        used = self.attention_mask.any(0).nonzero()
+        length = int(used.max()) + 1 if len(used) else 1
+        if length == self.seq_len:
+            return self
+        return dataclasses.replace(
+            self,
+            **{f.name: getattr(self, f.name)[:, :length] for f in dataclasses.fields(self)
+               if isinstance(getattr(self, f.name), torch.Tensor) and getattr(self, f.name).dim() == 2},
+        )
+
     @staticmethod
     def concat(parts: list["Experience"], pad_token_id: int = 0) -> "Experience":
         """Stacks records (e.g. one per generator), right-padding to the longest sequence."""

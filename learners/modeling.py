@@ -126,16 +126,21 @@ def sequence_logprobs(
     chunk: int = 1024,
     bf16: bool = False,
 ) -> torch.Tensor:
-    """(B, L) log-probs of a plain causal LM at ``positions_mask``, in micro-batches (no grad)."""
-    parts = []
+    """(B, L) log-probs of a plain causal LM at ``positions_mask``, in micro-batches (no grad).
+
+    Rows are right-padded; micro-batches take rows of similar length and drop the columns that
+    are padding in all of them, so padding costs (almost) no compute."""
+    out = torch.zeros_like(input_ids, dtype=torch.float32)
+    lengths = attention_mask.sum(1)
+    order = torch.argsort(lengths, stable=True)
     for s in range(0, input_ids.shape[0], micro_batch_size):
-        sl = slice(s, s + micro_batch_size)
+        idx = order[s : s + micro_batch_size]
+        width = max(int(lengths[idx].max()), 1)
+        ids = input_ids[idx, :width]
         with autocast(bf16):
-            hidden = lm.get_decoder()(input_ids=input_ids[sl], attention_mask=attention_mask[sl].long()).last_hidden_state
-            parts.append(
-                heads_at_positions(
-                    hidden, input_ids[sl], positions_mask[sl], lm.get_output_embeddings(),
-                    temperature=temperature, chunk=chunk,
-                )["logprobs"]
-            )
-    return torch.cat(parts) if parts else torch.zeros_like(input_ids, dtype=torch.float32)
+            hidden = lm.get_decoder()(input_ids=ids, attention_mask=attention_mask[idx, :width].long()).last_hidden_state
+            out[idx, :width] = heads_at_positions(
+                hidden, ids, positions_mask[idx, :width], lm.get_output_embeddings(),
+                temperature=temperature, chunk=chunk,
+            )["logprobs"]
+    return out

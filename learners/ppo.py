@@ -67,6 +67,9 @@ class PPOHyperParams(Protocol):
     kl_horizon: int
     gradient_checkpointing: bool
 
+    @property
+    def uses_reference(self) -> bool: ...
+
 
 class LoRAParams(Protocol):
     """The fields of ``cluster.config.LoRAConfig`` the learner reads."""
@@ -160,12 +163,18 @@ class PPOLearner:
     @torch.no_grad()
     def evaluate_old(self, exp: Experience) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, L) log-probs and values of the current weights, before any update."""
-        lps, vals = [], []
+        lps = torch.zeros(exp.batch_size, exp.seq_len)
+        vals = torch.zeros_like(lps)
+        # Length-sorted, trimmed micro-batches (see train_step); results go back to their rows.
+        order = torch.argsort(exp.attention_mask.sum(1), stable=True)
         for s in range(0, exp.batch_size, self.hp.micro_batch_size):
-            out = self._forward(exp.select(list(range(s, min(s + self.hp.micro_batch_size, exp.batch_size)))), grad=False, module=self.model)
-            lps.append(out["logprobs"])
-            vals.append(out["values"] if self.use_critic else torch.zeros_like(out["logprobs"]))
-        return torch.cat(lps), torch.cat(vals)
+            idx = order[s : s + self.hp.micro_batch_size]
+            part = exp.select(idx).trimmed()
+            out = self._forward(part, grad=False, module=self.model)
+            lps[idx, : part.seq_len] = out["logprobs"]
+            if self.use_critic:
+                vals[idx, : part.seq_len] = out["values"]
+        return lps, vals
 
     @torch.no_grad()
     def reference_logprobs(self, exp: Experience) -> torch.Tensor:
@@ -200,7 +209,7 @@ class PPOLearner:
             # Every sample was dropped upstream (failed rewards, over-long prompts): nothing to learn.
             return {"learner/empty_batch": 1.0, "learner/sequences": float(exp.batch_size)}
         t_ref = 0.0
-        if exp.ref_logprobs is None:
+        if exp.ref_logprobs is None and hp.uses_reference:
             exp = exp.replace(ref_logprobs=self.reference_logprobs(exp))
             t_ref = time.perf_counter() - t0
         n_truncated = int(exp.truncated.sum())
@@ -210,23 +219,36 @@ class PPOLearner:
         kl_coef = float(self.kl_ctl.value)
         b = exp.batch_size
         mb = min(hp.minibatch_size, b)
-        # On-policy single update (one epoch, one minibatch, one micro-batch): the "old" policy is
-        # the current one, so its log-probs and values come from the training forward pass itself
-        # instead of a second pass over the batch (a quarter of the learner's time on CPU).
-        fused = hp.epochs == 1 and mb == b and hp.micro_batch_size >= b
+        # One update on the whole batch (one epoch, one minibatch) is on-policy: the "old" policy
+        # is the current one, so its log-probs come from the training forward pass itself instead
+        # of a second pass over the batch (a quarter to a third of the learner's time on CPU).
+        # In one micro-batch ("fused") that pass also gives the values and KL the advantages need;
+        # over several micro-batches ("streamed") it works when the advantages depend on the
+        # scores alone (no critic, no KL in the reward), and each micro-batch's own forward then
+        # serves as both the old and the new policy.
+        on_policy = hp.epochs == 1 and mb == b
+        fused = on_policy and hp.micro_batch_size >= b
+        streamed = on_policy and not fused and not self.use_critic and kl_coef == 0
         fused_out: dict[str, torch.Tensor] | None = None
         if fused:
             fused_out = self._forward(exp, grad=True)
             old_logprobs = fused_out["logprobs"].detach()
             old_values = fused_out["values"].detach() if self.use_critic else torch.zeros_like(old_logprobs)
+        elif streamed:
+            # Filled in micro-batch by micro-batch below; until then the advantages read them only
+            # multiplied by kl_coef = 0.
+            old_logprobs = torch.zeros_like(exp.rollout_logprobs)
+            old_values = torch.zeros_like(old_logprobs)
         else:
             old_logprobs, old_values = self.evaluate_old(exp)
-        gap = (old_logprobs - exp.rollout_logprobs).abs()
+        # No KL term (beta = 0, no KL loss): no reference pass ran, and the penalty below is an exact 0.
+        has_ref = exp.ref_logprobs is not None
+        ref_logprobs = exp.ref_logprobs if has_ref else old_logprobs
         estimator = hp.advantage_estimator
         returns = torch.zeros_like(old_logprobs)
         if estimator in ("gae", "reinforce_pp"):
             rewards, kl = kl_shaped_rewards(
-                exp.scores, old_logprobs, exp.ref_logprobs, mask, kl_coef,
+                exp.scores, old_logprobs, ref_logprobs, mask, kl_coef,
                 kl_kind=hp.kl_estimator, score_clip=self.score_clip,
             )
             if estimator == "gae":
@@ -237,7 +259,7 @@ class PPOLearner:
                 advantages = reinforce_pp_advantages(rewards, mask, gamma=hp.gamma)
         else:
             # Group baselines work on sequence rewards: the KL penalty enters as its sequence sum.
-            kl = kl_penalty(old_logprobs, exp.ref_logprobs, hp.kl_estimator) * mask
+            kl = kl_penalty(old_logprobs, ref_logprobs, hp.kl_estimator) * mask
             scores = exp.scores if self.score_clip is None else exp.scores.clamp(-self.score_clip, self.score_clip)
             seq_rewards = scores - kl_coef * kl.sum(1)
             advantages = group_baseline_advantages(seq_rewards, exp.group_ids, mask, estimator=estimator)
@@ -251,17 +273,23 @@ class PPOLearner:
 
         n_mini = math.ceil(b / mb)
         gen = torch.Generator().manual_seed(self.version)
+        lengths = exp.attention_mask.sum(1)
         grad_norms = []
         for _epoch in range(hp.epochs):
-            order = torch.arange(b) if fused else torch.randperm(b, generator=gen)
+            order = torch.arange(b) if on_policy else torch.randperm(b, generator=gen)
             for m in range(n_mini):
                 mini = order[m * mb : (m + 1) * mb]
                 mini_tokens = max(int(mask[mini].sum()), 1)
                 mini_seqs = max(int(mask[mini].any(1).sum()), 1)
                 self.optimizer.zero_grad(set_to_none=True)
+                if fused_out is None:
+                    # Micro-batches of similar length, each trimmed to its longest row: responses
+                    # vary a lot in length, and padding costs as much compute as tokens.
+                    mini = mini[torch.argsort(lengths[mini], stable=True)]
                 micro_chunks = [mini[i : i + hp.micro_batch_size] for i in range(0, len(mini), hp.micro_batch_size)]
                 for k, micro in enumerate(micro_chunks):
-                    part = exp.select(micro)
+                    part = exp if fused_out is not None else exp.select(micro).trimmed()
+                    width = part.seq_len
                     mmask = part.response_mask
                     # Each micro-batch's share of the minibatch loss, so that the aggregate is
                     # the same whatever the micro-batch split (gradient accumulation).
@@ -273,15 +301,19 @@ class PPOLearner:
                     ctx = self.module.no_sync() if not sync and hasattr(self.module, "no_sync") else contextlib.nullcontext()
                     with ctx:
                         out = fused_out if fused_out is not None else self._forward(part, grad=True)
+                        if streamed:
+                            old_logprobs[micro, :width] = out["logprobs"].detach()
                         pg_loss, pg_stats = policy_loss_clipped(
-                            out["logprobs"], old_logprobs[micro], advantages[micro], mmask, clip_eps=hp.clip_eps,
+                            out["logprobs"], old_logprobs[micro, :width], advantages[micro, :width], mmask,
+                            clip_eps=hp.clip_eps,
                             loss_agg=hp.loss_agg, loss_agg_constant=self.loss_agg_constant,
                         )
                         entropy = masked_mean(out["entropy"], mmask)
                         loss = pg_loss
                         if self.use_critic:
                             vf_loss, vf_stats = value_loss_clipped(
-                                out["values"], old_values[micro], returns[micro], mmask, clip_eps=hp.value_clip_eps
+                                out["values"], old_values[micro, :width], returns[micro, :width], mmask,
+                                clip_eps=hp.value_clip_eps,
                             )
                             loss = loss + hp.vf_coef * vf_loss
                             add("loss/value", vf_loss, weight)
@@ -306,22 +338,27 @@ class PPOLearner:
                 grad_norms.append(float(gn))
                 self.optimizer.step()
         self.version += 1
+        gap = (old_logprobs - exp.rollout_logprobs).abs()
         n_updates = hp.epochs * n_mini
         metrics = {k: sum(v) / n_updates for k, v in stats.items()}
         resp = mask.sum(1).float()
-        seq_kl = float((kl_penalty(old_logprobs, exp.ref_logprobs, "k1") * mask).sum(1).mean()) if b else 0.0
-        self.kl_ctl.update(seq_kl, n_steps=b)
+        seq_kl = float((kl_penalty(old_logprobs, ref_logprobs, "k1") * mask).sum(1).mean()) if b else 0.0
+        if has_ref:
+            self.kl_ctl.update(seq_kl, n_steps=b)
+        if has_ref:
+            metrics.update({
+                "kl/ref_seq_k1": seq_kl,
+                "kl/ref_k1": float(masked_mean(kl_penalty(old_logprobs, ref_logprobs, "k1"), mask)),
+                "kl/ref_k3": float(masked_mean(kl_penalty(old_logprobs, ref_logprobs, "k3"), mask)),
+            })
         metrics.update(
             {
                 "kl/coef": kl_coef,
                 "kl/coef_next": float(self.kl_ctl.value),
-                "kl/ref_seq_k1": seq_kl,
                 "response/truncated": float(n_truncated),
                 "learner/ref_s": t_ref,
                 "learner/trainable_fraction": self.trainable_fraction,
                 "policy/grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
-                "kl/ref_k1": float(masked_mean(kl_penalty(old_logprobs, exp.ref_logprobs, "k1"), mask)),
-                "kl/ref_k3": float(masked_mean(kl_penalty(old_logprobs, exp.ref_logprobs, "k3"), mask)),
                 "kl/penalty_per_seq": float((kl * mask).sum(1).mean()) * kl_coef if b else 0.0,
                 "logprob_gap/mean_abs": float(masked_mean(gap, mask)),
                 "logprob_gap/max_abs": float(gap[mask].max()) if bool(mask.any()) else 0.0,
@@ -336,6 +373,7 @@ class PPOLearner:
                 "learner/update_s": time.perf_counter() - t0 - t_prep,
                 "learner/tokens": float(mask.sum()),
                 "learner/fused_old_pass": float(fused),
+                "learner/streamed_old_pass": float(streamed),
                 "learner/sequences": float(b),
             }
         )

@@ -69,3 +69,19 @@ def test_shard_keeps_groups_whole_and_pads_with_masked_rows():
     # The padding row trains on nothing.
     assert not shards[1].response_mask[2].any() and shards[1].response_mask[:2].any()
     assert exp.shard(0, 1) is exp
+
+
+def test_trimmed_drops_only_all_padding_columns():
+    from learners.experience import Experience
+
+    ids = torch.tensor([[5, 6, 7, 0, 0], [5, 6, 0, 0, 0]])
+    att = ids != 0
+    rm = torch.tensor([[False, True, True, False, False], [False, True, False, False, False]])
+    exp = Experience(ids, att, rm, rm.float() * -1.0, torch.arange(2), torch.zeros(2, dtype=torch.bool), 0,
+                     ["a", "b"], [{}, {}], scores=torch.ones(2))
+    t = exp.trimmed()
+    assert t.seq_len == 3 and t.batch_size == 2
+    assert torch.equal(t.input_ids, ids[:, :3]) and torch.equal(t.response_mask, rm[:, :3])
+    assert torch.equal(t.rollout_logprobs, exp.rollout_logprobs[:, :3]) and torch.equal(t.scores, exp.scores)
+    t.validate()
+    assert exp.select([1]).trimmed().seq_len == 2

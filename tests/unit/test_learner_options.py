@@ -103,3 +103,24 @@ def test_empty_batch_is_a_counted_no_op(tiny_model_path):
     m = learner.train_step(exp.select([]))
     assert m["learner/empty_batch"] == 1.0
     assert all(torch.equal(a, b) for a, b in zip(before, learner.model.parameters()))
+
+
+def test_no_kl_term_means_no_reference(tiny_model_path):
+    """beta = 0 and no KL loss: the learner trains without reference log-probs (none is run) and
+    reports no KL-to-reference; with a KL term, missing reference log-probs are an error."""
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    hp = PPOConfig(bf16=False, minibatch_size=6, micro_batch_size=6, advantage_estimator="grpo", kl_coef=0.0, lr=1e-2)
+    assert not hp.uses_reference
+    learner = PPOLearner(tiny_model_path, hp)
+    before = {n: p.detach().clone() for n, p in learner.model.lm.named_parameters()}
+    metrics = learner.train_step(_exp(base, [1, 0, 1, 0, 1, 0], ref=False, groups=[0, 0, 1, 1, 2, 2]))
+    assert not any(k.startswith("kl/ref") for k in metrics)
+    assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
+    assert any(not torch.equal(before[n], p) for n, p in learner.model.lm.named_parameters())
+
+    with_kl = PPOConfig(bf16=False, minibatch_size=6, micro_batch_size=6, advantage_estimator="grpo", kl_coef=0.1)
+    assert with_kl.uses_reference and PPOConfig(kl_coef=0, kl_controller="adaptive").uses_reference
+    with pytest.raises(RuntimeError, match="needs LoRA"):
+        PPOLearner(tiny_model_path, with_kl).train_step(_exp(base, [1, 0, 1, 0, 1, 0], ref=False, groups=[0, 0, 1, 1, 2, 2]))

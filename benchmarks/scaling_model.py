@@ -1,0 +1,201 @@
+"""Step time on paper: larger models and GPU clusters, from the costs measured on this machine.
+
+A roofline model of one synchronous RL step (generate -> score -> reference -> learn -> sync),
+phase by phase. It is calibrated on the measured per-phase times of rayrlhf GRPO on SmolLM2-135M
+(``docs/results/vs_trl.json``, written by ``benchmarks/vs_trl.py``): the calibration gives this
+CPU's effective FLOP/s for training and its effective decode rate, and the model must reproduce
+the measured step before it is trusted for anything else. GPU projections replace those effective
+rates with hardware peaks times stated efficiencies.
+
+    .venv/bin/python benchmarks/scaling_model.py [--measured docs/results/vs_trl.json] [--out docs/results/scaling.json]
+
+Assumptions (each is a named constant below):
+* Training costs 6 N FLOPs per token (forward + backward over every token of prompt + response),
+  a reference or old-policy forward 2 N; N counts all parameters, as the LM head runs on every
+  response token.
+* Decoding is a sequence of ``max_new_tokens`` engine iterations (the longest response decides;
+  continuous batching keeps the batch full until then). Each iteration reads the weights once
+  plus the KV cache of every running sequence, or computes 2 N FLOPs per sequence, whichever
+  takes longer (memory- vs compute-bound); prefill is compute-bound.
+* Weight sync sends the bf16 weights once per step over the slowest link on the path
+  (NCCL broadcast: every generator receives the whole model).
+* Learners shard (ZeRO/FSDP) and split the batch evenly; generators split the prompts evenly;
+  no overlap between phases (the synchronous loop of today). The last column shows the
+  one-step-off-policy pipeline, where generation overlaps learning on separate GPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# --- hardware (vendor peaks) and the efficiencies assumed against them ---------------------------
+H100_BF16_FLOPS = 989e12      # dense bf16 tensor-core peak, SXM
+H100_HBM_BPS = 3.35e12        # HBM3 bandwidth
+NVLINK_BPS = 450e9            # NVLink 4, per GPU per direction
+IB_BPS = 50e9                 # 400 Gb/s NDR per GPU
+MFU_TRAIN = 0.40              # typical for FSDP training of dense decoders
+MFU_FORWARD = 0.50            # prefill and log-prob passes
+DECODE_BW_EFF = 0.60          # share of HBM bandwidth a decode iteration reaches
+LINK_EFF = 0.70               # NCCL broadcast vs link peak
+
+
+@dataclass
+class Arch:
+    name: str
+    params: float             # N
+    layers: int
+    kv_dim: int               # kv heads x head dim
+
+
+# SmolLM2-135M as measured; the others follow Qwen2.5's published shapes (GQA).
+ARCHS = {
+    "smollm2-135m": Arch("SmolLM2-135M", 134.5e6, 30, 192),
+    "1.5b": Arch("1.5B (Qwen2.5-1.5B shape)", 1.54e9, 28, 256),
+    "7b": Arch("7B (Qwen2.5-7B shape)", 7.6e9, 28, 512),
+    "72b": Arch("72B (Qwen2.5-72B shape)", 72.7e9, 80, 1024),
+}
+
+
+@dataclass
+class Workload:
+    completions: int          # per step (prompts x samples)
+    prompt_tokens: float      # mean
+    response_tokens: float    # mean
+    max_new_tokens: int
+    reference: bool           # KL term on: a reference forward runs
+
+
+@dataclass
+class Cluster:
+    name: str
+    generators: int           # engines
+    gpus_per_generator: int   # tensor parallel
+    learner_gpus: int
+    sync_bps: float           # slowest link weights cross
+
+
+def kv_bytes_per_token(a: Arch) -> float:
+    return 2 * a.layers * a.kv_dim * 2  # K and V, bf16
+
+
+def gpu_phases(a: Arch, w: Workload, c: Cluster) -> dict[str, float]:
+    n = a.params
+    tokens = w.completions * (w.prompt_tokens + w.response_tokens)
+    per_engine = w.completions / c.generators
+    flops_g = H100_BF16_FLOPS * c.gpus_per_generator
+    prefill = 2 * n * per_engine * w.prompt_tokens / (flops_g * MFU_FORWARD)
+    mean_ctx = w.prompt_tokens + w.response_tokens / 2
+    read = 2 * n + per_engine * mean_ctx * kv_bytes_per_token(a)
+    iteration = max(read / (H100_HBM_BPS * c.gpus_per_generator * DECODE_BW_EFF),
+                    2 * n * per_engine / (flops_g * MFU_FORWARD))
+    learn = 6 * n * tokens / (H100_BF16_FLOPS * c.learner_gpus * MFU_TRAIN)
+    ref = 2 * n * tokens / (H100_BF16_FLOPS * c.learner_gpus * MFU_FORWARD) if w.reference else 0.0
+    sync = 2 * n / (c.sync_bps * LINK_EFF)
+    return {"generate": prefill + w.max_new_tokens * iteration, "reference": ref, "learn": learn, "sync": sync}
+
+
+def calibrate(measured: dict, a: Arch, w: Workload) -> dict[str, float]:
+    """Effective rates of this CPU from the measured phases, and the model's step against them."""
+    tokens = w.completions * (w.prompt_tokens + w.response_tokens)
+    learn_flops = 6 * a.params * tokens
+    eff_train = learn_flops / measured["learn"]
+    # Decode: the same max_new_tokens iterations; one effective seconds-per-iteration.
+    per_iter = measured["generate"] / w.max_new_tokens
+    return {"train_flops_per_s": eff_train, "decode_s_per_iteration": per_iter,
+            "measured_step_s": sum(measured.values())}
+
+
+def prompt_tokens_of_task() -> float:
+    sys.path.insert(0, str(ROOT))
+    from transformers import AutoTokenizer
+
+    from actors.tasks import load_prompts
+    from benchmarks.vs_trl import load_cfg
+    from cluster.assets import resolve_model
+
+    cfg = load_cfg(1, 0)
+    tok = AutoTokenizer.from_pretrained(resolve_model(cfg.model.path, cfg.model.cache_dir or None))
+    rows, _ = load_prompts(cfg.data.task, 64, 0, 0, cfg.data.task_kwargs, cfg.data.instruction)
+    return statistics.fmean(
+        len(tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True,
+                                    tokenize=True, return_dict=False)) for r in rows.rows
+    )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--measured", default=str(ROOT / "docs" / "results" / "vs_trl.json"))
+    ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "scaling.json"))
+    args = ap.parse_args()
+    res = json.loads(Path(args.measured).read_text())
+    s = res["settings"]
+    steps = res["rayrlhf"]["steps"][1:]  # the first step includes one-off warm-up
+    measured = {k: statistics.median(st["phases"][k] for st in steps) for k in ("generate", "score", "reference", "learn", "sync")}
+    small = Workload(s["prompts_per_step"] * s["samples_per_prompt"], prompt_tokens_of_task(),
+                     res["rayrlhf"]["summary"]["response_length_mean"], s["max_new_tokens"], reference=s["beta"] != 0)
+    cpu = calibrate(measured, ARCHS["smollm2-135m"], small)
+    # Validation on a workload the calibration did not see: the learner benchmark's update
+    # (16 sequences x 108 tokens, separate process, benchmarks/learner_memory.py).
+    lm_file = ROOT / "docs" / "results" / "learner_memory.json"
+    if lm_file.exists():
+        full = next(r for r in json.loads(lm_file.read_text()) if r["mode"] == "full")
+        cpu["check_learner_benchmark"] = {
+            "predicted_s": 6 * ARCHS["smollm2-135m"].params * 16 * 108 / cpu["train_flops_per_s"],
+            "measured_s": statistics.median(full["step_s"][1:] or full["step_s"]),
+        }
+
+    # A typical reasoning-RL step: 256 prompts x 8 samples, 256-token prompts, 1,024-token
+    # mean responses capped at 4,096, KL to a reference on.
+    big = Workload(2048, 256, 1024, 4096, reference=True)
+    plans = [
+        ("smollm2-135m", small, Cluster("1x H100 (all roles time-share it)", 1, 1, 1, H100_HBM_BPS)),
+        ("smollm2-135m", big, Cluster("1x H100 (all roles time-share it)", 1, 1, 1, H100_HBM_BPS)),
+        ("1.5b", big, Cluster("8x H100, 1 node: 4 engines + 4 learners", 4, 1, 4, NVLINK_BPS)),
+        ("7b", big, Cluster("8x H100, 1 node: 4 engines + 4 learners", 4, 1, 4, NVLINK_BPS)),
+        ("7b", big, Cluster("32x H100, 4 nodes: 16 engines + 16 learners", 16, 1, 16, IB_BPS)),
+        ("72b", big, Cluster("64x H100, 8 nodes: 4 engines (TP8) + 32 learners", 4, 8, 32, IB_BPS)),
+    ]
+    rows = []
+    for arch_key, w, c in plans:
+        a = ARCHS[arch_key]
+        ph = gpu_phases(a, w, c)
+        sync_step = sum(ph.values())
+        rows.append({
+            "model": a.name, "cluster": c.name, "completions": w.completions,
+            "tokens_per_step": w.completions * (w.prompt_tokens + w.response_tokens),
+            **{f"{k}_s": v for k, v in ph.items()},
+            "step_s": sync_step,
+            "step_s_async": max(ph["generate"], ph["reference"] + ph["learn"]) + ph["sync"],
+            "completions_per_s": w.completions / sync_step,
+        })
+    out = {
+        "measured_cpu_phases_s": measured, "cpu_calibration": cpu, "small_workload": asdict(small),
+        "big_workload": asdict(big),
+        "assumptions": {"H100_BF16_FLOPS": H100_BF16_FLOPS, "H100_HBM_BPS": H100_HBM_BPS, "NVLINK_BPS": NVLINK_BPS,
+                        "IB_BPS": IB_BPS, "MFU_TRAIN": MFU_TRAIN, "MFU_FORWARD": MFU_FORWARD,
+                        "DECODE_BW_EFF": DECODE_BW_EFF, "LINK_EFF": LINK_EFF},
+        "projections": rows,
+    }
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    print(f"CPU calibration: training at {cpu['train_flops_per_s'] / 1e9:.0f} GFLOP/s effective, "
+          f"{cpu['decode_s_per_iteration'] * 1e3:.0f} ms per decode iteration; measured step {cpu['measured_step_s']:.1f} s")
+    if "check_learner_benchmark" in cpu:
+        chk = cpu["check_learner_benchmark"]
+        print(f"check: learner benchmark update predicted {chk['predicted_s']:.1f} s, measured {chk['measured_s']:.1f} s")
+    print("| model | cluster | completions | generate s | reference s | learn s | sync s | step s | step s, async | completions/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['model']} | {r['cluster']} | {r['completions']} | {r['generate_s']:.2f} | {r['reference_s']:.2f} | "
+              f"{r['learn_s']:.2f} | {r['sync_s']:.3f} | {r['step_s']:.1f} | {r['step_s_async']:.1f} | {r['completions_per_s']:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

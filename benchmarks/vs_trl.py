@@ -1,0 +1,219 @@
+"""End to end against TRL: rayrlhf GRPO and TRL's GRPOTrainer on the same workload, one run.
+
+Same model (SmolLM2-135M-Instruct, fp32 master weights, bf16 autocast), task (reasoning-gym
+basic_arithmetic, easy setting), prompts in the same order, prompts per step, samples per prompt,
+completion length, sampling (temperature 1, no top-k/top-p), reward function, loss (token mean
+over the batch, group-std advantages, clip 0.2, beta 0), optimiser (AdamW, constant lr, clip 1.0)
+and one on-policy update per batch. Each tool runs in its own process, one after the other, on
+an otherwise idle machine. Afterwards both trained policies (and the base model) get the same
+held-out greedy evaluation.
+
+    make trl-env                      # once: .venv-trl with TRL (kept apart from the project's venv)
+    .venv/bin/python benchmarks/vs_trl.py [--steps 10] [--out docs/results/vs_trl.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+CONFIG = ROOT / "configs" / "grpo_smollm2.yaml"
+
+
+def load_cfg(steps: int, seed: int):
+    from cluster.config import load_config
+
+    return load_config(str(CONFIG), [f"run.steps={steps}", f"run.seed={seed}", "run.eval_every=0", "run.plot=false"])
+
+
+def schedule(cfg) -> tuple[list[list[dict]], list[dict]]:
+    """The prompts rayrlhf's driver will draw, step by step (same loader, sampler and seed), and
+    the held-out rows."""
+    from actors.tasks import load_prompts
+    from cluster.driver import PromptSampler
+
+    train_set, eval_set = load_prompts(
+        cfg.data.task, cfg.data.train_size, cfg.data.eval_size, cfg.run.seed, cfg.data.task_kwargs, cfg.data.instruction
+    )
+    sampler = PromptSampler(train_set.rows, cfg.rollout.prompts_per_step, cfg.run.seed)
+    return [sampler.next()[0] for _ in range(cfg.run.steps)], eval_set.rows
+
+
+def run_rayrlhf(cfg, run_dir: Path) -> dict:
+    cmd = [sys.executable, "-m", "cluster.cli", "train", str(CONFIG), "--run-dir", str(run_dir),
+           "--set", f"run.steps={cfg.run.steps}", "--set", f"run.seed={cfg.run.seed}",
+           "--set", "run.eval_every=0", "--set", "run.plot=false"]
+    t0 = time.perf_counter()
+    subprocess.run(cmd, cwd=ROOT, check=True)
+    wall = time.perf_counter() - t0
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    ckpts = sorted((run_dir / "checkpoints").iterdir())
+    return {
+        "tool": "rayrlhf",
+        "process_wall_s": wall,
+        "steps": [
+            {"step": r["step"], "step_s": r["time/step_s"], "reward": r["reward/mean"],
+             "length": r["response/length_mean"], "truncated_frac": r["response/truncated_frac"],
+             "phases": {k.split("/")[1][:-2]: r[k] for k in r if k.startswith("time/") and k.endswith("_s")
+                        and k not in ("time/step_s", "time/elapsed_s")}}
+            for r in rows
+        ],
+        "checkpoint": str(ckpts[-1]),
+    }
+
+
+def run_trl(python: str, prompts_file: Path, model_path: str, out: Path, save: Path, generation: str) -> dict:
+    cmd = [python, str(ROOT / "benchmarks" / "trl_grpo.py"), "--prompts", str(prompts_file), "--model", model_path,
+           "--out", str(out), "--save", str(save), "--generation", generation]
+    t0 = time.perf_counter()
+    subprocess.run(cmd, cwd=ROOT, check=True)
+    wall = time.perf_counter() - t0
+    res = json.loads(out.read_text())
+    res["process_wall_s"] = wall
+    res["steps"] = [
+        {"step": r["step"], "step_s": r["step_s"], "reward": float(r["reward"]),
+         "length": float(r["completions/mean_length"]), "truncated_frac": float(r["completions/clipped_ratio"])}
+        for r in res["steps"]
+    ]
+    res["checkpoint"] = str(save)
+    return res
+
+
+def greedy_accuracy(model_dir: str, rows: list[dict], max_new_tokens: int) -> float:
+    """The same evaluator for every policy: transformers greedy decoding, bf16, chat template,
+    the task's checker on the extracted answer."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from actors.rewards import reasoning_gym
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    chats = [tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True,
+                                     tokenize=False) for r in rows]
+    batch = tok(chats, return_tensors="pt", padding=True, add_special_tokens=False)
+    with torch.no_grad():
+        out = model.generate(**batch, do_sample=False, max_new_tokens=max_new_tokens,
+                             pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+    texts = tok.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+    meta = {k: [r["meta"][k] for r in rows] for k in ("task", "task_kwargs", "entry")}
+    scores = reasoning_gym([r["prompt"] for r in rows], texts, **meta)
+    return sum(s >= 1 for s in scores) / len(scores)
+
+
+def summarise(res: dict, completions_per_step: int) -> dict:
+    steps = res["steps"]
+    times = [s["step_s"] for s in steps]
+    rewards = [s["reward"] for s in steps]
+    half = len(steps) // 2
+    return {
+        "median_step_s": statistics.median(times),
+        "median_step_s_after_first": statistics.median(times[1:]) if len(times) > 1 else times[0],
+        "completions_per_s": completions_per_step * len(steps) / sum(times),
+        "train_loop_s": sum(times),
+        "process_wall_s": res["process_wall_s"],
+        "reward_mean_all": statistics.fmean(rewards),
+        "reward_mean_first_half": statistics.fmean(rewards[:half]) if half else rewards[0],
+        "reward_mean_second_half": statistics.fmean(rewards[half:]),
+        "response_length_mean": statistics.fmean(s["length"] for s in steps),
+    }
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+    per = results["settings"]["prompts_per_step"] * results["settings"]["samples_per_prompt"]
+    for name in ("rayrlhf", "trl"):
+        steps = results[name]["steps"]
+        seen = [s["step"] * per for s in steps]
+        a.plot(seen, [s["reward"] for s in steps], marker="o", label=name)
+        b.bar(name, results[name]["summary"]["completions_per_s"])
+    a.set_xlabel("completions sampled")
+    a.set_ylabel("mean train reward of the step")
+    a.set_title("reward per sample (same prompts)")
+    a.legend()
+    b.set_ylabel("completions / s")
+    b.set_title(f"throughput, {per} completions per step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--trl-python", default=str(ROOT / ".venv-trl" / "bin" / "python"))
+    ap.add_argument("--trl-generation", default="generate", choices=["generate", "continuous_batching"])
+    ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "vs_trl.json"))
+    ap.add_argument("--skip-eval", action="store_true", help="no held-out greedy evaluation of the policies")
+    args = ap.parse_args()
+    if not Path(args.trl_python).exists():
+        print(f"no TRL environment at {args.trl_python}: run `make trl-env` first", file=sys.stderr)
+        return 2
+
+    from cluster.assets import resolve_model
+
+    cfg = load_cfg(args.steps, args.seed)
+    model_path = resolve_model(cfg.model.path, cfg.model.cache_dir or None)
+    steps, eval_rows = schedule(cfg)
+    settings = {
+        "model": cfg.model.path, "task": cfg.data.task, "task_kwargs": cfg.data.task_kwargs, "seed": cfg.run.seed,
+        "steps": cfg.run.steps, "prompts_per_step": cfg.rollout.prompts_per_step,
+        "samples_per_prompt": cfg.rollout.samples_per_prompt, "max_new_tokens": cfg.model.max_new_tokens,
+        "temperature": cfg.rollout.temperature, "lr": cfg.ppo.lr, "max_grad_norm": cfg.ppo.max_grad_norm,
+        "clip_eps": cfg.ppo.clip_eps, "beta": cfg.ppo.kl_coef, "loss": "token mean over the batch (TRL: dapo)",
+        "advantages": "group mean / std (TRL: scale_rewards=group)", "precision": "fp32 weights, bf16 autocast",
+        "cpus": os.cpu_count(),
+    }
+    per_step = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
+    results: dict = {"settings": settings, "date": time.strftime("%Y-%m-%d")}
+    with tempfile.TemporaryDirectory(prefix="vs_trl_") as tmp:
+        tmp_path = Path(tmp)
+        prompts_file = tmp_path / "prompts.json"
+        prompts_file.write_text(json.dumps({"settings": settings, "steps": steps}))
+        print(f"[vs_trl] rayrlhf GRPO: {cfg.run.steps} steps x {per_step} completions", flush=True)
+        results["rayrlhf"] = run_rayrlhf(cfg, tmp_path / "rayrlhf_run")
+        print(f"[vs_trl] TRL GRPOTrainer ({args.trl_generation}): same workload", flush=True)
+        results["trl"] = run_trl(args.trl_python, prompts_file, model_path, tmp_path / "trl.json",
+                                 tmp_path / "trl_model", args.trl_generation)
+        for name in ("rayrlhf", "trl"):
+            results[name]["summary"] = summarise(results[name], per_step)
+        if not args.skip_eval:
+            results["heldout_greedy_accuracy"] = {
+                name: greedy_accuracy(path, eval_rows, cfg.model.max_new_tokens)
+                for name, path in (("base", model_path), ("rayrlhf", results["rayrlhf"]["checkpoint"]),
+                                   ("trl", results["trl"]["checkpoint"]))
+            }
+        for name in ("rayrlhf", "trl"):
+            results[name].pop("checkpoint")
+    r, t = results["rayrlhf"]["summary"], results["trl"]["summary"]
+    results["ratios"] = {
+        "completions_per_s": r["completions_per_s"] / t["completions_per_s"],
+        "median_step_s": t["median_step_s"] / r["median_step_s"],
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1))
+    plot(results, out.with_suffix(".png"))
+    print(json.dumps({k: results[k] for k in ("ratios",)} | {n: results[n]["summary"] for n in ("rayrlhf", "trl")}
+                     | {"heldout_greedy_accuracy": results.get("heldout_greedy_accuracy")}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
