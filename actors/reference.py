@@ -24,6 +24,7 @@ class Reference:
         temperature: float = 1.0,
         threads: int = 0,
         trust_remote_code: bool = False,
+        shared_prefix: bool = True,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -39,6 +40,7 @@ class Reference:
         self.micro_batch_size = micro_batch_size
         self.chunk = chunk
         self.temperature = temperature
+        self.shared_prefix = shared_prefix
 
     def logprobs(self, exp: Experience) -> torch.Tensor:
         """(B, L) reference log-probs at the response positions of ``exp``."""
@@ -46,6 +48,7 @@ class Reference:
             self.model, exp.input_ids, exp.attention_mask, exp.response_mask,
             temperature=self.temperature, micro_batch_size=self.micro_batch_size,
             chunk=self.chunk, bf16=self.bf16,
+            group_ids=exp.group_ids if self.shared_prefix else None,
         )
 
     def annotate(self, exp: Experience) -> tuple[Experience, float]:

@@ -105,7 +105,7 @@ class ReferenceWorker:
         self.ref = Reference(
             model_path, bf16=cfg.ppo.bf16, micro_batch_size=cfg.ppo.micro_batch_size,
             chunk=cfg.ppo.logprob_chunk, temperature=cfg.rollout.temperature or 1.0,
-            trust_remote_code=cfg.model.trust_remote_code,
+            trust_remote_code=cfg.model.trust_remote_code, shared_prefix=cfg.ppo.shared_prefix,
         )
 
     def annotate(self, exp: Experience) -> tuple[Experience, dict]:

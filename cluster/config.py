@@ -147,6 +147,11 @@ class PPOConfig:
     kl_target: float = _f(0.1, "Target KL per sequence of the adaptive controller.")
     kl_horizon: int = _f(10000, "Horizon (samples) of the adaptive controller.")
     gradient_checkpointing: bool = _f(False, "Recompute activations in the backward pass (less memory, ~30% slower).")
+    shared_prefix: bool = _f(
+        True,
+        "Learner forward passes run each prompt once for all its samples (samples_per_prompt > 1): its "
+        "continuations attend to its cached keys/values. Same result, fewer FLOPs.",
+    )
 
     @property
     def uses_reference(self) -> bool:

@@ -51,8 +51,13 @@ class PolicyWithValueHead(nn.Module):
         chunk: int = 1024,
         with_values: bool = False,
         with_entropy: bool = False,
+        group_ids: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         """Per-token log-probs (and values / entropy) at ``positions_mask``.
+
+        With ``group_ids`` (B,), rows of one group that share their prefix up to the first
+        ``positions_mask`` position (a prompt's samples) run that prefix once
+        (``shared_prefix_hidden``); the outputs are the same.
 
         Args:
             input_ids: (B, L) int64.
@@ -63,12 +68,78 @@ class PolicyWithValueHead(nn.Module):
             ``entropy`` (B, L) float32 (detached), zero outside ``positions_mask``.
         """
         decoder = self.lm.get_decoder()
-        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask.long()).last_hidden_state
+        hidden = None
+        if group_ids is not None and not getattr(self.lm, "is_gradient_checkpointing", False):
+            hidden = shared_prefix_hidden(decoder, input_ids, attention_mask, positions_mask, group_ids)
+        if hidden is None:
+            hidden = decoder(input_ids=input_ids, attention_mask=attention_mask.long()).last_hidden_state
         return heads_at_positions(
             hidden, input_ids, positions_mask, self.lm.get_output_embeddings(),
             self.value_head if with_values else None,
             temperature=temperature, chunk=chunk, with_entropy=with_entropy,
         )
+
+
+def shared_prefix_hidden(
+    decoder: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    positions_mask: torch.Tensor,
+    group_ids: torch.Tensor,
+) -> torch.Tensor | None:
+    """Decoder hidden states for rows that share prompts, each prompt run once per group.
+
+    GRPO-style batches hold ``n`` samples of every prompt, and prompts are often longer than
+    responses: running each prompt once and letting its ``n`` continuations attend to its cached
+    keys/values (gradients flow back through the cache) removes ``(n - 1) / n`` of the prompt
+    compute, forward and backward.
+
+    Args:
+        input_ids, attention_mask, positions_mask: (B, L), rows right-padded; a row's prefix is
+            everything before its first ``positions_mask`` position.
+        group_ids: (B,) rows with one id must have identical prefixes (checked).
+    Returns:
+        (B, L, H) hidden states where ``[:, t-1]`` predicts token ``t`` at every position of
+        ``positions_mask`` (other positions are zero), or None when no two rows share a prefix,
+        a row has no output position, or the check fails; callers then run rows in full.
+    """
+    b, length = input_ids.shape
+    if b < 2 or not bool(positions_mask.any(1).all()) or not bool(positions_mask[:, 0].logical_not().all()):
+        return None
+    uniq, inv = torch.unique(group_ids, return_inverse=True)
+    g = len(uniq)
+    if g == b:
+        return None
+    arange_b = torch.arange(b)
+    rep = torch.full((g,), b, dtype=torch.long).scatter_reduce(0, inv, arange_b, reduce="amin")
+    plen = positions_mask.long().argmax(1)  # first output position = prefix length
+    if not torch.equal(plen, plen[rep][inv]):
+        return None
+    pmax = int(plen.max())
+    prefix_cols = torch.arange(pmax)[None, :] < plen[:, None]
+    if not bool(((input_ids[:, :pmax] == input_ids[rep][inv][:, :pmax]) | ~prefix_cols).all()):
+        return None
+    # 1. Each group's prefix once, right-padded (padding keys are masked below).
+    rep_mask = prefix_cols[rep]
+    first = decoder(input_ids=input_ids[rep, :pmax], attention_mask=rep_mask.long(), use_cache=True)
+    cache = first.past_key_values
+    cache.batch_select_indices(inv)  # one copy of its group's keys/values per row (differentiable)
+    # 2. Every row's continuation against its prefix's cache, at its true positions.
+    cont_len = attention_mask.sum(1) - plen
+    rmax = max(int(cont_len.max()), 1)
+    steps = torch.arange(rmax)[None, :]
+    cont_mask = steps < cont_len[:, None]
+    cont_ids = torch.where(cont_mask, input_ids.gather(1, (plen[:, None] + steps).clamp(max=length - 1)), 0)
+    second = decoder(
+        input_ids=cont_ids, attention_mask=torch.cat([rep_mask[inv], cont_mask], 1).long(),
+        position_ids=plen[:, None] + steps, past_key_values=cache, use_cache=True,
+    )
+    h_prefix, h_cont = first.last_hidden_state, second.last_hidden_state
+    # 3. Back to the (B, L) layout: the prefix's last state predicts the first output token.
+    hidden = h_cont.new_zeros(b, length, h_cont.shape[-1])
+    hidden = hidden.index_put((arange_b, plen - 1), h_prefix[inv, plen - 1].to(h_cont.dtype))
+    rows, ks = cont_mask.nonzero(as_tuple=True)
+    return hidden.index_put((rows, plen[rows] + ks), h_cont[rows, ks])
 
 
 def heads_at_positions(
@@ -125,20 +196,35 @@ def sequence_logprobs(
     micro_batch_size: int = 8,
     chunk: int = 1024,
     bf16: bool = False,
+    group_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """(B, L) log-probs of a plain causal LM at ``positions_mask``, in micro-batches (no grad).
 
     Rows are right-padded; micro-batches take rows of similar length and drop the columns that
-    are padding in all of them, so padding costs (almost) no compute."""
+    are padding in all of them, so padding costs (almost) no compute. With ``group_ids`` a
+    prompt's samples stay in one micro-batch and run the prompt once (``shared_prefix_hidden``)."""
     out = torch.zeros_like(input_ids, dtype=torch.float32)
     lengths = attention_mask.sum(1)
-    order = torch.argsort(lengths, stable=True)
+    order = torch.arange(input_ids.shape[0])
+    key = lengths
+    if group_ids is not None:
+        order = torch.argsort(group_ids, stable=True)
+        _, index = torch.unique(group_ids, return_inverse=True)
+        key = torch.zeros(int(index.max()) + 1, dtype=lengths.dtype).scatter_reduce(0, index, lengths, reduce="amax")[index]
+    order = order[torch.argsort(key[order], stable=True)]
     for s in range(0, input_ids.shape[0], micro_batch_size):
         idx = order[s : s + micro_batch_size]
         width = max(int(lengths[idx].max()), 1)
         ids = input_ids[idx, :width]
         with autocast(bf16):
-            hidden = lm.get_decoder()(input_ids=ids, attention_mask=attention_mask[idx, :width].long()).last_hidden_state
+            decoder = lm.get_decoder()
+            hidden = None
+            if group_ids is not None:
+                hidden = shared_prefix_hidden(
+                    decoder, ids, attention_mask[idx, :width], positions_mask[idx, :width], group_ids[idx]
+                )
+            if hidden is None:
+                hidden = decoder(input_ids=ids, attention_mask=attention_mask[idx, :width].long()).last_hidden_state
             out[idx, :width] = heads_at_positions(
                 hidden, ids, positions_mask[idx, :width], lm.get_output_embeddings(),
                 temperature=temperature, chunk=chunk,

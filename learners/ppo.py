@@ -66,6 +66,7 @@ class PPOHyperParams(Protocol):
     kl_target: float
     kl_horizon: int
     gradient_checkpointing: bool
+    shared_prefix: bool
 
     @property
     def uses_reference(self) -> bool: ...
@@ -85,6 +86,15 @@ def _dist_info() -> tuple[int, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
     return 0, 1
+
+
+def _group_lengths(exp: Experience) -> torch.Tensor:
+    """(B,) the longest sequence of each row's group: the key that orders micro-batches by
+    length while keeping a prompt's samples together."""
+    lengths = exp.attention_mask.sum(1)
+    _, index = torch.unique(exp.group_ids, return_inverse=True)
+    longest = torch.zeros(int(index.max()) + 1, dtype=lengths.dtype).scatter_reduce(0, index, lengths, reduce="amax")
+    return longest[index]
 
 
 class PPOLearner:
@@ -158,6 +168,7 @@ class PPOLearner:
                 exp.input_ids, exp.attention_mask, exp.response_mask,
                 temperature=self.temperature, chunk=self.hp.logprob_chunk,
                 with_values=self.use_critic, with_entropy=True,
+                group_ids=exp.group_ids if self.hp.shared_prefix else None,
             )
 
     @torch.no_grad()
@@ -166,7 +177,8 @@ class PPOLearner:
         lps = torch.zeros(exp.batch_size, exp.seq_len)
         vals = torch.zeros_like(lps)
         # Length-sorted, trimmed micro-batches (see train_step); results go back to their rows.
-        order = torch.argsort(exp.attention_mask.sum(1), stable=True)
+        order = torch.argsort(exp.group_ids, stable=True)
+        order = order[torch.argsort(_group_lengths(exp)[order], stable=True)]
         for s in range(0, exp.batch_size, self.hp.micro_batch_size):
             idx = order[s : s + self.hp.micro_batch_size]
             part = exp.select(idx).trimmed()
@@ -187,6 +199,7 @@ class PPOLearner:
                 self.model.lm, exp.input_ids, exp.attention_mask, exp.response_mask,
                 temperature=self.temperature, micro_batch_size=self.hp.micro_batch_size,
                 chunk=self.hp.logprob_chunk, bf16=self.hp.bf16,
+                group_ids=exp.group_ids if self.hp.shared_prefix else None,
             )
 
     def _apply_truncation(self, exp: Experience) -> Experience:
@@ -273,7 +286,7 @@ class PPOLearner:
 
         n_mini = math.ceil(b / mb)
         gen = torch.Generator().manual_seed(self.version)
-        lengths = exp.attention_mask.sum(1)
+        group_lengths = _group_lengths(exp)
         grad_norms = []
         for _epoch in range(hp.epochs):
             order = torch.arange(b) if on_policy else torch.randperm(b, generator=gen)
@@ -283,9 +296,11 @@ class PPOLearner:
                 mini_seqs = max(int(mask[mini].any(1).sum()), 1)
                 self.optimizer.zero_grad(set_to_none=True)
                 if fused_out is None:
-                    # Micro-batches of similar length, each trimmed to its longest row: responses
-                    # vary a lot in length, and padding costs as much compute as tokens.
-                    mini = mini[torch.argsort(lengths[mini], stable=True)]
+                    # Micro-batches of similar length, each trimmed to its longest row (responses
+                    # vary a lot in length, and padding costs as much compute as tokens), with a
+                    # prompt's samples kept together so that they can share its forward pass.
+                    mini = mini[torch.argsort(exp.group_ids[mini], stable=True)]
+                    mini = mini[torch.argsort(group_lengths[mini], stable=True)]
                 micro_chunks = [mini[i : i + hp.micro_batch_size] for i in range(0, len(mini), hp.micro_batch_size)]
                 for k, micro in enumerate(micro_chunks):
                     part = exp if fused_out is not None else exp.select(micro).trimmed()
