@@ -5,7 +5,7 @@ Same model (SmolLM2-135M-Instruct), prompts (reasoning-gym basic_arithmetic, cha
 dtype (bf16), sampling (temperature 1, logprobs of the sampled tokens), and a fixed number of
 new tokens per sequence (EOS ignored) so every contender produces the same token count.
 
-    .venv/bin/python benchmarks/rollout.py [--batch-sizes 16 64] [--new-tokens 64] [--out docs/results/rollout.json]
+    .venv/bin/python benchmarks/rollout.py [--batch-sizes 16 64 256] [--new-tokens 64] [--out docs/results/rollout.json]
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def bench_actor(model_path: str, texts: list[str], new_tokens: int, repeats: int
     from cluster.config import load_config
 
     cfg = load_config(overrides=[f"model.max_new_tokens={new_tokens}", "model.max_prompt_tokens=256",
-                                 "rollout.temperature=1.0"])
+                                 "rollout.temperature=1.0", "rollout.kv_cache_gib=2"])
     ray.init(num_cpus=4, include_dashboard=False)
     try:
         actor = ray.remote(GeneratorWorker).options(num_cpus=1, runtime_env=role_env(0)).remote(model_path, cfg, 0)
@@ -101,7 +101,8 @@ def bench_actor(model_path: str, texts: list[str], new_tokens: int, repeats: int
         rows = [{"prompt": t, "meta": {}} for t in texts]
         results = {}
         for bs in batch_sizes:
-            ray.get(actor.generate.options(num_returns=2).remote(rows[:bs], list(range(bs)))[1])  # warm-up
+            warm = min(bs, 16)
+            ray.get(actor.generate.options(num_returns=2).remote(rows[:warm], list(range(warm)))[1])  # warm-up
             vals = []
             for _ in range(repeats):
                 t0 = time.perf_counter()
@@ -118,10 +119,10 @@ def bench_actor(model_path: str, texts: list[str], new_tokens: int, repeats: int
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[16, 64, 256])
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--skip-hf-above", type=int, default=64, help="transformers generate is slow: skip larger batches")
+    ap.add_argument("--skip-hf-above", type=int, default=256, help="transformers generate is slow: skip larger batches")
     ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "rollout.json"))
     ap.add_argument("--actor-only", action="store_true", help="only the Ray-actor contender (quick check)")
     a = ap.parse_args()
@@ -141,7 +142,7 @@ def main() -> None:
 
     gen = Generator(model_path, dtype="bfloat16", max_model_len=256 + a.new_tokens, seed=0, kv_cache_gib=2)
     for bs in a.batch_sizes:
-        bench_generator(gen, texts[:bs], a.new_tokens, 1)  # warm-up
+        bench_generator(gen, texts[: min(bs, 16)], a.new_tokens, 1)  # warm-up
         row = {"batch": bs,
                "bare_vllm": bench_bare_vllm(model_path, texts[:bs], a.new_tokens, a.repeats, llm=gen.llm),
                "generator": bench_generator(gen, texts[:bs], a.new_tokens, a.repeats)}

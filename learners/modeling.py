@@ -37,6 +37,8 @@ class PolicyWithValueHead(nn.Module):
         self.lm = lm
         hidden = lm.config.hidden_size
         self.value_head = nn.Linear(hidden, 1) if with_value_head else None
+        self.rows_shared = 0
+        self.rows_total = 0
         if self.value_head is not None:
             nn.init.zeros_(self.value_head.weight)
             nn.init.zeros_(self.value_head.bias)
@@ -71,6 +73,9 @@ class PolicyWithValueHead(nn.Module):
         hidden = None
         if group_ids is not None and not getattr(self.lm, "is_gradient_checkpointing", False):
             hidden = shared_prefix_hidden(decoder, input_ids, attention_mask, positions_mask, group_ids)
+        # Rows that ran through the shared-prefix path, for the learner's metrics.
+        self.rows_shared += input_ids.shape[0] if hidden is not None else 0
+        self.rows_total += input_ids.shape[0]
         if hidden is None:
             hidden = decoder(input_ids=input_ids, attention_mask=attention_mask.long()).last_hidden_state
         return heads_at_positions(

@@ -222,6 +222,7 @@ class PPOLearner:
             # Every sample was dropped upstream (failed rewards, over-long prompts): nothing to learn.
             return {"learner/empty_batch": 1.0, "learner/sequences": float(exp.batch_size)}
         t_ref = 0.0
+        self.model.rows_shared = self.model.rows_total = 0
         if exp.ref_logprobs is None and hp.uses_reference:
             exp = exp.replace(ref_logprobs=self.reference_logprobs(exp))
             t_ref = time.perf_counter() - t0
@@ -389,6 +390,7 @@ class PPOLearner:
                 "learner/tokens": float(mask.sum()),
                 "learner/fused_old_pass": float(fused),
                 "learner/streamed_old_pass": float(streamed),
+                "learner/prefix_shared_frac": self.model.rows_shared / max(self.model.rows_total, 1),
                 "learner/sequences": float(b),
             }
         )

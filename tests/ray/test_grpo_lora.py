@@ -33,6 +33,8 @@ def test_grpo_learns_the_tiny_task(ray_cluster, tiny_model_path, tmp_path):
     assert end > start + 0.15, (start, end)
     assert all("value/mean" not in r for r in rows)  # no critic
     assert all(r["reward/n"] == 32 for r in rows)
+    # The 4 samples of a prompt share its forward pass in the learner (identical prefixes found).
+    assert all(r["learner/prefix_shared_frac"] == 1.0 for r in rows), [r["learner/prefix_shared_frac"] for r in rows]
 
 
 def test_lora_learns_with_reference_from_disabled_adapter(ray_cluster, tiny_model_path, tmp_path):

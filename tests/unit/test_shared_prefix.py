@@ -86,3 +86,28 @@ def test_sequence_logprobs_with_groups_matches(tiny_model_path):
         grouped = sequence_logprobs(model.lm, ids, att, rm, micro_batch_size=4, group_ids=groups)
     torch.testing.assert_close(grouped, plain, atol=1e-5, rtol=1e-5)
     assert (grouped[~rm] == 0).all() and (grouped[rm] < 0).all()
+
+
+def test_learner_update_is_the_same_with_and_without_sharing(tiny_model_path):
+    from cluster.config import PPOConfig
+    from learners.experience import Experience
+    from learners.modeling import sequence_logprobs
+    from learners.ppo import PPOLearner
+
+    results = []
+    for shared in (False, True):
+        hp = PPOConfig(lr=1e-2, epochs=1, minibatch_size=6, micro_batch_size=3, bf16=False,
+                       advantage_estimator="grpo", kl_coef=0.0, shared_prefix=shared)
+        learner = PPOLearner(tiny_model_path, hp, seed=0)
+        ids, att, rm, groups = _grouped_batch(learner.model.lm.config.vocab_size, seed=2)
+        with torch.no_grad():
+            lp0 = sequence_logprobs(learner.model.lm, ids, att, rm)
+        exp = Experience(ids, att, rm, lp0, groups, torch.zeros(6, dtype=torch.bool), 0, [""] * 6, [{}] * 6,
+                         scores=torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 0.5]))
+        m = learner.train_step(exp)
+        # Micro-batches of 3 rows keep groups together (sizes 3, 2, 1): the two multi-row groups share.
+        assert m["learner/prefix_shared_frac"] == (0.0 if not shared else 1.0), m["learner/prefix_shared_frac"]
+        assert m["logprob_gap/max_abs"] < 1e-5
+        results.append([p.detach().clone() for p in learner.model.lm.parameters()])
+    for x, y in zip(*results):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=0)
