@@ -14,6 +14,7 @@ import argparse
 import gc
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -116,6 +117,30 @@ def bench_actor(model_path: str, texts: list[str], new_tokens: int, repeats: int
         ray.shutdown()
 
 
+def run_part(part: str, a) -> dict:
+    """One contender family in this process: 'vllm' (bare engine + Generator class, one engine),
+    'actor' (the Generator in a Ray actor) or 'hf' (transformers generate)."""
+    from cluster.assets import resolve_model
+
+    model_path = resolve_model(a.model)
+    texts = prompts(max(a.batch_sizes))
+    if part == "actor":
+        return {str(k): v for k, v in bench_actor(model_path, texts, a.new_tokens, a.repeats, a.batch_sizes).items()}
+    if part == "hf":
+        return {str(bs): bench_hf(model_path, texts[:bs], a.new_tokens, 1) for bs in a.batch_sizes if bs <= a.skip_hf_above}
+    from actors.generator import Generator, configure_vllm_env
+
+    configure_vllm_env(kv_cache_gib=2)
+    gen = Generator(model_path, dtype="bfloat16", max_model_len=256 + a.new_tokens, seed=0, kv_cache_gib=2)
+    out = {}
+    for bs in a.batch_sizes:
+        bench_generator(gen, texts[: min(bs, 16)], a.new_tokens, 1)  # warm-up
+        out[str(bs)] = {"bare_vllm": bench_bare_vllm(model_path, texts[:bs], a.new_tokens, a.repeats, llm=gen.llm),
+                        "generator": bench_generator(gen, texts[:bs], a.new_tokens, a.repeats)}
+        print(bs, out[str(bs)], flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m")
@@ -124,42 +149,34 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--skip-hf-above", type=int, default=256, help="transformers generate is slow: skip larger batches")
     ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "rollout.json"))
-    ap.add_argument("--actor-only", action="store_true", help="only the Ray-actor contender (quick check)")
+    ap.add_argument("--part", choices=["vllm", "actor", "hf"], help="internal: run one contender family, print JSON")
     a = ap.parse_args()
-    if a.actor_only:
-        from cluster.assets import resolve_model
-
-        print(bench_actor(resolve_model(a.model), prompts(max(a.batch_sizes)), a.new_tokens, a.repeats, a.batch_sizes))
+    if a.part:
+        print("RESULT " + json.dumps(run_part(a.part, a)), flush=True)
         return
-
-    from actors.generator import Generator, configure_vllm_env
-    from cluster.assets import resolve_model
-
-    model_path = resolve_model(a.model)
-    texts = prompts(max(a.batch_sizes))
-    configure_vllm_env(kv_cache_gib=2)
-    results: dict = {"model": a.model, "dtype": "bfloat16", "new_tokens": a.new_tokens, "cpus": os.cpu_count(), "rows": []}
-
-    gen = Generator(model_path, dtype="bfloat16", max_model_len=256 + a.new_tokens, seed=0, kv_cache_gib=2)
+    # Each family in a fresh process, one after the other: an engine (or its OpenMP threads)
+    # left alive in the benchmark process would take cores from the next contender.
+    parts = {}
+    for part in ("vllm", "actor", "hf"):
+        cmd = [sys.executable, __file__, "--part", part, "--model", a.model, "--new-tokens", str(a.new_tokens),
+               "--repeats", str(a.repeats), "--skip-hf-above", str(a.skip_hf_above), "--batch-sizes",
+               *map(str, a.batch_sizes)]
+        proc = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True)
+        line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+        parts[part] = json.loads(line[len("RESULT "):])
+        print(part, parts[part], flush=True)
+    results: dict = {"model": a.model, "dtype": "bfloat16", "new_tokens": a.new_tokens, "cpus": os.cpu_count(),
+                     "note": "each contender family ran in its own fresh process", "rows": []}
     for bs in a.batch_sizes:
-        bench_generator(gen, texts[: min(bs, 16)], a.new_tokens, 1)  # warm-up
-        row = {"batch": bs,
-               "bare_vllm": bench_bare_vllm(model_path, texts[:bs], a.new_tokens, a.repeats, llm=gen.llm),
-               "generator": bench_generator(gen, texts[:bs], a.new_tokens, a.repeats)}
-        results["rows"].append(row)
-        print(row, flush=True)
-    del gen
-    gc.collect()
-    actor = bench_actor(model_path, texts, a.new_tokens, a.repeats, a.batch_sizes)
-    for row in results["rows"]:
-        row["generator_actor"] = actor[row["batch"]]
-        if row["batch"] <= a.skip_hf_above:
-            row["hf_generate"] = bench_hf(model_path, texts[: row["batch"]], a.new_tokens, 1)
+        row = {"batch": bs, **parts["vllm"][str(bs)], "generator_actor": parts["actor"][str(bs)]}
+        if str(bs) in parts["hf"]:
+            row["hf_generate"] = parts["hf"][str(bs)]
         best = {k: max(v) for k, v in row.items() if isinstance(v, list)}
         row["best_tokens_per_s"] = best
         if "hf_generate" in best:
             row["actor_vs_hf"] = best["generator_actor"] / best["hf_generate"]
         row["actor_vs_bare_vllm"] = best["generator_actor"] / best["bare_vllm"]
+        results["rows"].append(row)
         print(row, flush=True)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(results, indent=1))

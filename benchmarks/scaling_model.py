@@ -44,6 +44,7 @@ MFU_TRAIN = 0.40              # typical for FSDP training of dense decoders
 MFU_FORWARD = 0.50            # prefill and log-prob passes
 DECODE_BW_EFF = 0.60          # share of HBM bandwidth a decode iteration reaches
 LINK_EFF = 0.70               # NCCL broadcast vs link peak
+DECODE_ITER_OVERHEAD_S = 0.002  # scheduling + kernel launches per engine iteration (CUDA graphs on)
 
 
 @dataclass
@@ -98,7 +99,7 @@ def gpu_phases(a: Arch, w: Workload, c: Cluster) -> dict[str, float]:
     learn = 6 * n * tokens / (H100_BF16_FLOPS * c.learner_gpus * MFU_TRAIN)
     ref = 2 * n * tokens / (H100_BF16_FLOPS * c.learner_gpus * MFU_FORWARD) if w.reference else 0.0
     sync = 2 * n / (c.sync_bps * LINK_EFF)
-    return {"generate": prefill + w.max_new_tokens * iteration, "reference": ref, "learn": learn, "sync": sync}
+    return {"generate": prefill + w.max_new_tokens * (iteration + DECODE_ITER_OVERHEAD_S), "reference": ref, "learn": learn, "sync": sync}
 
 
 def calibrate(measured: dict, a: Arch, w: Workload) -> dict[str, float]:
@@ -180,7 +181,8 @@ def main() -> int:
         "big_workload": asdict(big),
         "assumptions": {"H100_BF16_FLOPS": H100_BF16_FLOPS, "H100_HBM_BPS": H100_HBM_BPS, "NVLINK_BPS": NVLINK_BPS,
                         "IB_BPS": IB_BPS, "MFU_TRAIN": MFU_TRAIN, "MFU_FORWARD": MFU_FORWARD,
-                        "DECODE_BW_EFF": DECODE_BW_EFF, "LINK_EFF": LINK_EFF},
+                        "DECODE_BW_EFF": DECODE_BW_EFF, "LINK_EFF": LINK_EFF,
+                        "DECODE_ITER_OVERHEAD_S": DECODE_ITER_OVERHEAD_S},
         "projections": rows,
     }
     Path(args.out).write_text(json.dumps(out, indent=1))
@@ -192,8 +194,8 @@ def main() -> int:
     print("| model | cluster | completions | generate s | reference s | learn s | sync s | step s | step s, async | completions/s |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['model']} | {r['cluster']} | {r['completions']} | {r['generate_s']:.2f} | {r['reference_s']:.2f} | "
-              f"{r['learn_s']:.2f} | {r['sync_s']:.3f} | {r['step_s']:.1f} | {r['step_s_async']:.1f} | {r['completions_per_s']:.1f} |")
+        print(f"| {r['model']} | {r['cluster']} | {r['completions']} | {r['generate_s']:.3g} | {r['reference_s']:.3g} | "
+              f"{r['learn_s']:.3g} | {r['sync_s']:.2g} | {r['step_s']:.3g} | {r['step_s_async']:.3g} | {r['completions_per_s']:.3g} |")
     return 0
 
 

@@ -64,6 +64,8 @@ def run_rayrlhf(cfg, run_dir: Path) -> dict:
         "steps": [
             {"step": r["step"], "step_s": r["time/step_s"], "reward": r["reward/mean"],
              "length": r["response/length_mean"], "truncated_frac": r["response/truncated_frac"],
+             "learner_compute_s": r.get("learner/prep_s", 0.0) + r.get("learner/update_s", 0.0),
+             "prefix_shared_frac": r.get("learner/prefix_shared_frac"),
              "phases": {k.split("/")[1][:-2]: r[k] for k in r if k.startswith("time/") and k.endswith("_s")
                         and k not in ("time/step_s", "time/elapsed_s")}}
             for r in rows
@@ -121,6 +123,8 @@ def summarise(res: dict, completions_per_step: int) -> dict:
         "median_step_s": statistics.median(times),
         "median_step_s_after_first": statistics.median(times[1:]) if len(times) > 1 else times[0],
         "completions_per_s": completions_per_step * len(steps) / sum(times),
+        # Steady state: without the first two steps (one-off warm-ups of engines and kernels).
+        "completions_per_s_steady": completions_per_step * len(times[2:]) / sum(times[2:]) if len(times) > 2 else None,
         "train_loop_s": sum(times),
         "process_wall_s": res["process_wall_s"],
         "reward_mean_all": statistics.fmean(rewards),
@@ -204,6 +208,8 @@ def main() -> int:
     r, t = results["rayrlhf"]["summary"], results["trl"]["summary"]
     results["ratios"] = {
         "completions_per_s": r["completions_per_s"] / t["completions_per_s"],
+        "completions_per_s_steady": (r["completions_per_s_steady"] / t["completions_per_s_steady"]
+                                     if r["completions_per_s_steady"] else None),
         "median_step_s": t["median_step_s"] / r["median_step_s"],
     }
     out = Path(args.out)
