@@ -24,6 +24,13 @@ def _plt():
     return plt
 
 
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    out = path.with_suffix(".png")
+    fig.savefig(out, dpi=110)
+    return out
+
+
 def rollout(path: Path) -> Path:
     plt = _plt()
     res = json.loads(path.read_text())
@@ -39,10 +46,7 @@ def rollout(path: Path) -> Path:
     ax.set_ylabel("generated tokens / s")
     ax.set_title(f"Rollout, SmolLM2-135M {res['dtype']}, {res['new_tokens']} new tokens, {res['cpus']} CPUs")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    out = path.with_suffix(".png")
-    fig.savefig(out, dpi=110)
-    return out
+    return _save(fig, path)
 
 
 def weight_sync(path: Path) -> Path:
@@ -57,10 +61,7 @@ def weight_sync(path: Path) -> Path:
     ax.invert_yaxis()
     ax.set_xlabel("ms (median)")
     ax.set_title(f"Weight sync, SmolLM2-135M ({res['bytes_bf16'] / 1e6:.0f} MB bf16)")
-    fig.tight_layout()
-    out = path.with_suffix(".png")
-    fig.savefig(out, dpi=110)
-    return out
+    return _save(fig, path)
 
 
 def learner_memory(path: Path) -> Path:
@@ -73,10 +74,7 @@ def learner_memory(path: Path) -> Path:
     b.bar(modes, [min(r["step_s"]) for r in res])
     b.set_ylabel("learner step (s)")
     fig.suptitle("Learner, SmolLM2-135M: full fine-tuning vs LoRA")
-    fig.tight_layout()
-    out = path.with_suffix(".png")
-    fig.savefig(out, dpi=110)
-    return out
+    return _save(fig, path)
 
 
 def main() -> None:

@@ -191,6 +191,24 @@ def heads_at_positions(
 
 
 @torch.no_grad()
+def micro_batch_order(
+    lengths: torch.Tensor, group_ids: torch.Tensor | None = None, rows: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``rows`` (default: all) ordered for micro-batching: by length, so that trimmed
+    micro-batches carry little padding, and, with ``group_ids``, by their group's longest row
+    with a group's rows kept together (so they can share their prompt's forward pass).
+
+    lengths: (B,) tokens per row; group_ids: (B,); returns a permutation of ``rows``.
+    """
+    rows = torch.arange(len(lengths)) if rows is None else rows
+    key = lengths
+    if group_ids is not None:
+        _, index = torch.unique(group_ids, return_inverse=True)
+        key = torch.zeros(int(index.max()) + 1, dtype=lengths.dtype).scatter_reduce(0, index, lengths, reduce="amax")[index]
+        rows = rows[torch.argsort(group_ids[rows], stable=True)]
+    return rows[torch.argsort(key[rows], stable=True)]
+
+
 def sequence_logprobs(
     lm: nn.Module,
     input_ids: torch.Tensor,
@@ -210,13 +228,7 @@ def sequence_logprobs(
     prompt's samples stay in one micro-batch and run the prompt once (``shared_prefix_hidden``)."""
     out = torch.zeros_like(input_ids, dtype=torch.float32)
     lengths = attention_mask.sum(1)
-    order = torch.arange(input_ids.shape[0])
-    key = lengths
-    if group_ids is not None:
-        order = torch.argsort(group_ids, stable=True)
-        _, index = torch.unique(group_ids, return_inverse=True)
-        key = torch.zeros(int(index.max()) + 1, dtype=lengths.dtype).scatter_reduce(0, index, lengths, reduce="amax")[index]
-    order = order[torch.argsort(key[order], stable=True)]
+    order = micro_batch_order(lengths, group_ids)
     for s in range(0, input_ids.shape[0], micro_batch_size):
         idx = order[s : s + micro_batch_size]
         width = max(int(lengths[idx].max()), 1)

@@ -34,7 +34,7 @@ from learners.losses import (
     value_loss_clipped,
 )
 from learners.kl_control import make_kl_controller
-from learners.modeling import PolicyWithValueHead, autocast, sequence_logprobs
+from learners.modeling import PolicyWithValueHead, autocast, micro_batch_order, sequence_logprobs
 
 
 class PPOHyperParams(Protocol):
@@ -86,15 +86,6 @@ def _dist_info() -> tuple[int, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
     return 0, 1
-
-
-def _group_lengths(exp: Experience) -> torch.Tensor:
-    """(B,) the longest sequence of each row's group: the key that orders micro-batches by
-    length while keeping a prompt's samples together."""
-    lengths = exp.attention_mask.sum(1)
-    _, index = torch.unique(exp.group_ids, return_inverse=True)
-    longest = torch.zeros(int(index.max()) + 1, dtype=lengths.dtype).scatter_reduce(0, index, lengths, reduce="amax")
-    return longest[index]
 
 
 class PPOLearner:
@@ -177,8 +168,7 @@ class PPOLearner:
         lps = torch.zeros(exp.batch_size, exp.seq_len)
         vals = torch.zeros_like(lps)
         # Length-sorted, trimmed micro-batches (see train_step); results go back to their rows.
-        order = torch.argsort(exp.group_ids, stable=True)
-        order = order[torch.argsort(_group_lengths(exp)[order], stable=True)]
+        order = micro_batch_order(exp.attention_mask.sum(1), exp.group_ids)
         for s in range(0, exp.batch_size, self.hp.micro_batch_size):
             idx = order[s : s + self.hp.micro_batch_size]
             part = exp.select(idx).trimmed()
@@ -287,7 +277,6 @@ class PPOLearner:
 
         n_mini = math.ceil(b / mb)
         gen = torch.Generator().manual_seed(self.version)
-        group_lengths = _group_lengths(exp)
         grad_norms = []
         for _epoch in range(hp.epochs):
             order = torch.arange(b) if on_policy else torch.randperm(b, generator=gen)
@@ -300,8 +289,7 @@ class PPOLearner:
                     # Micro-batches of similar length, each trimmed to its longest row (responses
                     # vary a lot in length, and padding costs as much compute as tokens), with a
                     # prompt's samples kept together so that they can share its forward pass.
-                    mini = mini[torch.argsort(exp.group_ids[mini], stable=True)]
-                    mini = mini[torch.argsort(group_lengths[mini], stable=True)]
+                    mini = micro_batch_order(exp.attention_mask.sum(1), exp.group_ids, mini)
                 micro_chunks = [mini[i : i + hp.micro_batch_size] for i in range(0, len(mini), hp.micro_batch_size)]
                 for k, micro in enumerate(micro_chunks):
                     part = exp if fused_out is not None else exp.select(micro).trimmed()
