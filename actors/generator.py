@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
@@ -27,6 +28,34 @@ def configure_vllm_env(kv_cache_gib: float, threads: int = 0) -> None:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{n - 1}" if n > 1 else "0")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@dataclass
+class GeneratorConfig:
+    """What a generator needs, and nothing else (serving and scripts build it directly)."""
+
+    # Local transformers folder (safetensors): the initial policy, or a checkpoint to continue from.
+    model_path: str
+    # Engine weight dtype: 'bfloat16' or 'float32'.
+    dtype: str = "bfloat16"
+    # Prompts longer than this (after the chat template) are skipped and counted.
+    max_prompt_tokens: int = 256
+    # Response length limit.
+    max_new_tokens: int = 64
+    # Sampling: temperature, nucleus threshold, samples per prompt.
+    temperature: float = 1.0
+    top_p: float = 1.0
+    samples_per_prompt: int = 1
+    # Engine seed; each call of ``generate`` may reseed with its own ``seed`` (reproducible steps).
+    seed: int = 0
+    # CPU KV-cache size (GiB) and OpenMP threads (0: every core).
+    kv_cache_gib: float = 1.0
+    threads: int = 0
+    # Optional system message of the chat template.
+    system_prompt: str = ""
+    trust_remote_code: bool = False
+    # Policy version of the weights in ``model_path`` (non-zero when resuming from a checkpoint).
+    initial_version: int = 0
 
 
 class Generator:
@@ -51,6 +80,7 @@ class Generator:
         threads: int = 0,
         system_prompt: str = "",
         trust_remote_code: bool = False,
+        initial_version: int = 0,
     ) -> None:
         configure_vllm_env(kv_cache_gib, threads)
         from vllm import LLM  # heavy import at the edge: only generator processes pay it
@@ -71,11 +101,19 @@ class Generator:
         self.tokenizer = self.llm.get_tokenizer()
         self.max_model_len = max_model_len
         self.system_prompt = system_prompt
-        self.version = 0
+        self.version = int(initial_version)
         self.eos_token_id = self.tokenizer.eos_token_id
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_token_id
         self.startup_s = time.time() - t0
         log.info("vLLM engine ready in %.1fs (%s, %s)", self.startup_s, model_path, dtype)
+
+    @classmethod
+    def from_config(cls, cfg: GeneratorConfig) -> "Generator":
+        return cls(
+            cfg.model_path, dtype=cfg.dtype, max_model_len=cfg.max_prompt_tokens + cfg.max_new_tokens,
+            seed=cfg.seed, kv_cache_gib=cfg.kv_cache_gib, threads=cfg.threads, system_prompt=cfg.system_prompt,
+            trust_remote_code=cfg.trust_remote_code, initial_version=cfg.initial_version,
+        )
 
     # -- prompts ---------------------------------------------------------------------------------
     def encode_prompt(self, text: str) -> list[int]:
@@ -101,8 +139,13 @@ class Generator:
         top_p: float = 1.0,
         n: int = 1,
         ignore_eos: bool = False,
+        seed: int | None = None,
     ) -> Experience:
         """Samples ``n`` responses per prompt (``ignore_eos``: fixed-length, for benchmarks).
+
+        ``seed`` reseeds the sampler first: vLLM's CPU sampler draws from torch's default
+        generator (per-request seeds crash it), and the engine runs in this process, so the same
+        seed, weights and prompts give the same samples (what makes a resumed run reproducible).
 
         Prompts that are empty or longer than ``max_prompt_tokens`` (after the chat template)
         are skipped and counted in ``Experience.skipped``. Returns the record with
@@ -135,6 +178,8 @@ class Generator:
             stop_token_ids=[self.eos_token_id] if self.eos_token_id is not None and not ignore_eos else None,
             ignore_eos=ignore_eos,
         )
+        if seed is not None:
+            torch.manual_seed(seed)
         outputs = self.llm.generate(
             [{"prompt_token_ids": ids} for ids, _, _ in kept], params, use_tqdm=False
         )

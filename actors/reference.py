@@ -6,11 +6,32 @@ Its log-probs anchor the KL penalty. Plain class; ``cluster/`` wraps it in a Ray
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
 from learners.experience import Experience
 from learners.modeling import sequence_logprobs
+
+
+@dataclass
+class ReferenceConfig:
+    """What the reference needs, and nothing else."""
+
+    # The frozen policy: a local transformers folder (safetensors).
+    model_path: str
+    # bf16 weights and autocast (halves memory; log-probs within ~1e-2 of fp32).
+    bf16: bool = False
+    # Sequences per forward pass, and positions per chunk of vocabulary-sized logits.
+    micro_batch_size: int = 8
+    chunk: int = 1024
+    # Sampling temperature of the generators (log-probs of logits / temperature).
+    temperature: float = 1.0
+    # Torch threads (0: leave as is).
+    threads: int = 0
+    trust_remote_code: bool = False
+    # A prompt's samples run the prompt once.
+    shared_prefix: bool = True
 
 
 class Reference:
@@ -41,6 +62,14 @@ class Reference:
         self.chunk = chunk
         self.temperature = temperature
         self.shared_prefix = shared_prefix
+
+    @classmethod
+    def from_config(cls, cfg: ReferenceConfig) -> "Reference":
+        return cls(
+            cfg.model_path, bf16=cfg.bf16, micro_batch_size=cfg.micro_batch_size, chunk=cfg.chunk,
+            temperature=cfg.temperature, threads=cfg.threads, trust_remote_code=cfg.trust_remote_code,
+            shared_prefix=cfg.shared_prefix,
+        )
 
     def logprobs(self, exp: Experience) -> torch.Tensor:
         """(B, L) reference log-probs at the response positions of ``exp``."""

@@ -14,6 +14,8 @@ from typing import Any
 import ray
 import torch
 
+from actors.generator import GeneratorConfig
+from actors.reference import ReferenceConfig
 from cluster.config import Config
 from cluster.weight_sync import PackedWeights, unpack
 from learners.experience import Experience
@@ -30,35 +32,50 @@ def peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+def generator_config(cfg: Config, model_path: str, rank: int = 0, initial_version: int = 0) -> GeneratorConfig:
+    """The generator's own settings, picked from the run's config."""
+    return GeneratorConfig(
+        model_path=model_path, dtype=cfg.model.generator_dtype, max_prompt_tokens=cfg.model.max_prompt_tokens,
+        max_new_tokens=cfg.model.max_new_tokens, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+        samples_per_prompt=cfg.rollout.samples_per_prompt, seed=cfg.run.seed * 1000 + rank,
+        kv_cache_gib=cfg.rollout.kv_cache_gib, threads=cfg.rollout.threads, system_prompt=cfg.data.system_prompt,
+        trust_remote_code=cfg.model.trust_remote_code, initial_version=initial_version,
+    )
+
+
+def reference_config(cfg: Config, model_path: str) -> ReferenceConfig:
+    """The reference's own settings: precision and chunking from the shared ``train`` section."""
+    return ReferenceConfig(
+        model_path=model_path, bf16=cfg.train.bf16, micro_batch_size=cfg.train.micro_batch_size,
+        chunk=cfg.train.logprob_chunk, temperature=cfg.rollout.temperature or 1.0,
+        threads=cfg.cluster.threads, trust_remote_code=cfg.model.trust_remote_code,
+        shared_prefix=cfg.train.shared_prefix,
+    )
+
+
 class GeneratorWorker:
-    def __init__(self, model_path: str, cfg: Config, rank: int) -> None:
+    def __init__(self, gcfg: GeneratorConfig) -> None:
         from actors.generator import Generator
 
-        torch.set_num_threads(_threads(cfg.rollout.threads))
-        self.gen = Generator(
-            model_path,
-            dtype=cfg.model.generator_dtype,
-            max_model_len=cfg.model.max_prompt_tokens + cfg.model.max_new_tokens,
-            seed=cfg.run.seed * 1000 + rank,
-            kv_cache_gib=cfg.rollout.kv_cache_gib,
-            threads=cfg.rollout.threads,
-            system_prompt=cfg.data.system_prompt,
-            trust_remote_code=cfg.model.trust_remote_code,
-        )
-        self.cfg = cfg
+        torch.set_num_threads(_threads(gcfg.threads))
+        self.gen = Generator.from_config(gcfg)
+        self.gcfg = gcfg
 
     def ready(self) -> float:
         return self.gen.startup_s
 
-    def generate(self, rows: list[dict[str, Any]], group_ids: list[int], greedy: bool = False) -> tuple[Experience, dict]:
-        cfg = self.cfg
+    def generate(
+        self, rows: list[dict[str, Any]], group_ids: list[int], greedy: bool = False, seed: int | None = None
+    ) -> tuple[Experience, dict]:
+        g = self.gcfg
         t0 = time.perf_counter()
         exp = self.gen.generate(
             [r["prompt"] for r in rows], [r["meta"] for r in rows], group_ids,
-            max_new_tokens=cfg.model.max_new_tokens, max_prompt_tokens=cfg.model.max_prompt_tokens,
-            temperature=0.0 if greedy else cfg.rollout.temperature,
-            top_p=1.0 if greedy else cfg.rollout.top_p,
-            n=1 if greedy else cfg.rollout.samples_per_prompt,
+            max_new_tokens=g.max_new_tokens, max_prompt_tokens=g.max_prompt_tokens,
+            temperature=0.0 if greedy else g.temperature,
+            top_p=1.0 if greedy else g.top_p,
+            n=1 if greedy else g.samples_per_prompt,
+            seed=seed,
         )
         dt = time.perf_counter() - t0
         lengths = exp.response_lengths()
@@ -85,10 +102,10 @@ class GeneratorWorker:
 
 
 class ScorerWorker:
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, function: str, kwargs: dict, on_error: str) -> None:
         from actors.scorer import Scorer
 
-        self.scorer = Scorer(cfg.reward.function, cfg.reward.kwargs, cfg.reward.on_error)
+        self.scorer = Scorer(function, kwargs, on_error)
 
     def score(self, exp: Experience) -> tuple[Experience, dict]:
         t0 = time.perf_counter()
@@ -98,15 +115,11 @@ class ScorerWorker:
 
 
 class ReferenceWorker:
-    def __init__(self, model_path: str, cfg: Config) -> None:
+    def __init__(self, rcfg: ReferenceConfig) -> None:
         from actors.reference import Reference
 
-        torch.set_num_threads(_threads(cfg.cluster.threads))
-        self.ref = Reference(
-            model_path, bf16=cfg.ppo.bf16, micro_batch_size=cfg.ppo.micro_batch_size,
-            chunk=cfg.ppo.logprob_chunk, temperature=cfg.rollout.temperature or 1.0,
-            trust_remote_code=cfg.model.trust_remote_code, shared_prefix=cfg.ppo.shared_prefix,
-        )
+        torch.set_num_threads(_threads(rcfg.threads))
+        self.ref = Reference.from_config(rcfg)
 
     def annotate(self, exp: Experience) -> tuple[Experience, dict]:
         out, dt = self.ref.annotate(exp)
@@ -128,14 +141,20 @@ def role_env(threads: int) -> dict:
 class RolloutGroup:
     """The inference-side roles: N generators, one scorer, one reference."""
 
-    def __init__(self, cfg: Config, model_path: str) -> None:
+    def __init__(self, cfg: Config, model_path: str, policy_path: str | None = None, policy_version: int = 0) -> None:
+        """``policy_path``/``policy_version``: weights the generators start from when they are not
+        the initial model (a resumed run's checkpoint); the reference always scores ``model_path``."""
         self.cfg = cfg
         gen_cls = ray.remote(GeneratorWorker)
         self.generators = [
-            gen_cls.options(num_cpus=cfg.rollout.cpus_per_generator, runtime_env=role_env(cfg.rollout.threads)).remote(model_path, cfg, i)
+            gen_cls.options(num_cpus=cfg.rollout.cpus_per_generator, runtime_env=role_env(cfg.rollout.threads)).remote(
+                generator_config(cfg, policy_path or model_path, i, policy_version)
+            )
             for i in range(cfg.rollout.num_generators)
         ]
-        self.scorer = ray.remote(ScorerWorker).options(num_cpus=0.1).remote(cfg)
+        self.scorer = ray.remote(ScorerWorker).options(num_cpus=0.1).remote(
+            cfg.reward.function, cfg.reward.kwargs, cfg.reward.on_error
+        )
         # With LoRA the learner scores the reference itself (its base model, adapter disabled):
         # no second copy of the weights, so no reference actor.
         # Without any KL term (beta = 0) nothing needs the reference, so it is not started.
@@ -143,7 +162,7 @@ class RolloutGroup:
         if not cfg.lora.enabled and cfg.ppo.uses_reference:
             self.reference = ray.remote(ReferenceWorker).options(
                 num_cpus=cfg.cluster.cpus_per_reference, runtime_env=role_env(cfg.cluster.threads)
-            ).remote(model_path, cfg)
+            ).remote(reference_config(cfg, model_path))
 
     def wait_ready(self) -> list[float]:
         if self.reference is not None:
@@ -156,10 +175,13 @@ class RolloutGroup:
         size = -(-len(rows) // n)
         return [(rows[i : i + size], group_ids[i : i + size]) for i in range(0, len(rows), size)]
 
-    def generate(self, rows: list[dict], group_ids: list[int], greedy: bool = False) -> tuple[list, list]:
+    def generate(
+        self, rows: list[dict], group_ids: list[int], greedy: bool = False, seed: int | None = None
+    ) -> tuple[list, list]:
+        """``seed``: reseeds every generator's sampler (each with its own offset) for this call."""
         exp_refs, stat_refs = [], []
-        for gen, (r, g) in zip(self.generators, self._shards(rows, group_ids)):
-            e, s = gen.generate.options(num_returns=2).remote(r, g, greedy)
+        for i, (gen, (r, g)) in enumerate(zip(self.generators, self._shards(rows, group_ids))):
+            e, s = gen.generate.options(num_returns=2).remote(r, g, greedy, None if seed is None else seed + 7919 * i)
             exp_refs.append(e)
             stat_refs.append(s)
         return exp_refs, stat_refs

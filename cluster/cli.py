@@ -1,23 +1,47 @@
-"""The ``rayrlhf`` command: ``rayrlhf train CONFIG [--set section.key=value ...]``."""
+"""The ``rayrlhf`` command.
+
+    rayrlhf train CONFIG [--set section.key=value ...]      a new run
+    rayrlhf train --resume RUN_DIR [--set run.steps=N ...]  continue a run from its latest checkpoint
+    rayrlhf config [--schema]                               every field, its default and meaning
+    rayrlhf validate CONFIG [--set ...]                     check a config without running it
+
+User errors (a bad config key, a missing prompt file, an unknown task, a reward function that
+does not import, a model folder that does not exist) end with one line and exit code 2.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
+from pathlib import Path
 
-from cluster.config import ConfigError, config_help, load_config
+from cluster.config import ConfigError, UserError, check_resume_compatible, config_help, config_schema, load_config, read_yaml
+
+
+def _resume_config(run_dir: str, config: str | None, overrides: list[str]):
+    saved_file = Path(run_dir) / "config.yaml"
+    if not saved_file.is_file():
+        raise UserError(f"--resume {run_dir}: not a run directory (no config.yaml)")
+    saved = load_config(saved_file)
+    cfg = load_config(config, overrides) if config else load_config(overrides=overrides, base=read_yaml(saved_file))
+    check_resume_compatible(saved, cfg)
+    return cfg
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rayrlhf", description="RL post-training of language models on Ray.")
     sub = parser.add_subparsers(dest="command", required=True)
     tr = sub.add_parser("train", help="run a training job (starts or joins a Ray cluster)")
-    tr.add_argument("config", nargs="?", help="YAML preset, e.g. configs/ppo_smollm2.yaml (default: built-in defaults)")
+    tr.add_argument("config", nargs="?", help="YAML preset, e.g. configs/ppo_smollm2.yaml (default: built-in "
+                                              "defaults, or the resumed run's config)")
     tr.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config field, e.g. --set run.steps=5 (repeatable)")
     tr.add_argument("--run-dir", default=None, help="exact run directory (default: <output_dir>/<name>-<timestamp>)")
-    sub.add_parser("config", help="print every config field with its default and meaning")
+    tr.add_argument("--resume", default=None, metavar="RUN_DIR",
+                    help="continue RUN_DIR from its latest checkpoint (its config, with --set changes)")
+    co = sub.add_parser("config", help="print every config field with its default and meaning")
+    co.add_argument("--schema", action="store_true", help="print the JSON schema instead")
     va = sub.add_parser("validate", help="check a config file without running it")
     va.add_argument("config")
     va.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -25,19 +49,27 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.command == "config":
-        print(config_help())
+        print(config_schema() if args.schema else config_help())
         return 0
     try:
-        cfg = load_config(args.config, args.overrides)
+        if args.command == "train" and args.resume:
+            if args.run_dir:
+                raise ConfigError("--resume names the run directory already; drop --run-dir")
+            cfg = _resume_config(args.resume, args.config, args.overrides)
+        else:
+            cfg = load_config(args.config, args.overrides)
+        if args.command == "validate":
+            print("config OK")
+            return 0
+        from cluster.driver import train
+
+        train(cfg, run_dir=args.resume or args.run_dir, resume=bool(args.resume))
     except ConfigError as e:
         print(f"rayrlhf: config error: {e}", file=sys.stderr)
         return 2
-    if args.command == "validate":
-        print("config OK")
-        return 0
-    from cluster.driver import train
-
-    train(cfg, run_dir=args.run_dir)
+    except UserError as e:
+        print(f"rayrlhf: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -1,47 +1,65 @@
-"""Typed run configuration: nested dataclasses, a help string per field, unknown keys rejected.
+"""Typed run configuration: pydantic models, a description per field, unknown keys rejected.
 
 A run is described by one YAML file (presets in ``configs/``) plus ``--set section.key=value``
-overrides on the command line. Everything is validated here, before any actor starts, so
-a typo fails in a second with the key named instead of twenty seconds into a cluster start.
+overrides on the command line. Everything is validated here, before any actor starts, so a
+typo fails in a second with the key named instead of twenty seconds into a cluster start.
+
+Sections follow roles: ``train`` holds the optimisation settings every learner shares (and the
+reference reads for its precision and chunking); each algorithm has its own section named after
+it (``ppo``), next to its learner in ``learners/``. ``rayrlhf config --schema`` prints the JSON
+schema.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import types
-import typing
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from typing_extensions import Annotated
 
 
 class ConfigError(ValueError):
     """A configuration that cannot run: names the offending key."""
 
 
+class UserError(RuntimeError):
+    """Something the user named does not exist or does not load (a prompt file, a task, a reward
+    function, a model folder): reported in one line before anything starts."""
+
+
 def _f(default: Any, help: str, **kw: Any) -> Any:
-    if isinstance(default, (dict, list)):
-        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help}, **kw)
-    return field(default=default, metadata={"help": help}, **kw)
+    return Field(default=default, description=help, **kw)
 
 
-@dataclass
-class RunConfig:
+def _split_commas(v: Any) -> Any:
+    return [s.strip() for s in v.split(",") if s.strip()] if isinstance(v, str) else v
+
+
+# `--set lora.target_modules=q_proj,v_proj` gives a string: accept it as a comma-separated list.
+CommaList = Annotated[list[str], BeforeValidator(_split_commas)]
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, coerce_numbers_to_str=True)
+
+
+class RunConfig(Section):
     name: str = _f("ppo", "Run name; the run directory is <output_dir>/<name>-<timestamp>.")
     output_dir: str = _f("runs", "Where run directories (metrics, plots, checkpoints) are written.")
+    algorithm: str = _f("ppo", "Training recipe and learner: 'ppo' (PPO with a critic and the GRPO family; see ppo.advantage_estimator).")
     seed: int = _f(0, "Seed for data order, sampling engines and learner initialisation.")
-    steps: int = _f(20, "Number of PPO iterations (generate, score, reference, learn, sync).")
-    eval_every: int = _f(10, "Evaluate greedy accuracy on the held-out split every K steps (0: never).")
-    save_every: int = _f(0, "Save a checkpoint every K steps (0: only at the end).")
-    save_final: bool = _f(True, "Save the trained policy (safetensors) at the end of the run.")
+    steps: int = _f(20, "Number of iterations (for ppo: generate, score, reference, learn, sync).", ge=1)
+    eval_every: int = _f(10, "Evaluate greedy accuracy on the held-out split every K steps (0: never).", ge=0)
+    save_every: int = _f(0, "Save a resumable checkpoint every K steps (0: only at the end).", ge=0)
+    keep_last: int = _f(3, "Periodic checkpoints kept (older ones are deleted; 0: keep all).", ge=0)
+    save_final: bool = _f(True, "Save a checkpoint at the end of the run.")
     plot: bool = _f(True, "Write a reward/KL curve PNG into the run directory.")
 
 
-@dataclass
-class ModelConfig:
+class ModelConfig(Section):
     path: str = _f(
         "smollm2-135m",
         "Policy checkpoint: a local transformers folder (safetensors), or a built-in asset name: "
@@ -49,14 +67,13 @@ class ModelConfig:
         "(random-weight test model). Built-in assets are built on first use into the cache.",
     )
     cache_dir: str = _f("", "Asset cache folder (default: $RAYRLHF_CACHE or ./.cache/rayrlhf).")
-    max_prompt_tokens: int = _f(256, "Prompts longer than this (after the chat template) are skipped and counted.")
-    max_new_tokens: int = _f(64, "Maximum response length; a response cut here without EOS is 'truncated'.")
-    generator_dtype: str = _f("bfloat16", "vLLM weight dtype: 'bfloat16' or 'float32'.")
+    max_prompt_tokens: int = _f(256, "Prompts longer than this (after the chat template) are skipped and counted.", ge=1)
+    max_new_tokens: int = _f(64, "Maximum response length; a response cut here without EOS is 'truncated'.", ge=1)
+    generator_dtype: Literal["bfloat16", "float32"] = _f("bfloat16", "vLLM weight dtype.")
     trust_remote_code: bool = _f(False, "Allow model repositories to run their own code (off: safe default).")
 
 
-@dataclass
-class DataConfig:
+class DataConfig(Section):
     task: str = _f(
         "basic_arithmetic",
         "reasoning-gym task name (e.g. basic_arithmetic, chain_sum, gsm_symbolic), or 'jsonl:<path>' for "
@@ -67,16 +84,15 @@ class DataConfig:
         "Keyword arguments for the reasoning-gym generator (difficulty). The defaults give SmolLM2-135M "
         "a 10-60% success rate, i.e. a learning signal.",
     )
-    train_size: int = _f(2000, "Number of training prompts generated.")
-    eval_size: int = _f(64, "Number of held-out prompts (generated with another seed, de-duplicated).")
+    train_size: int = _f(2000, "Number of training prompts generated.", ge=1)
+    eval_size: int = _f(64, "Number of held-out prompts (generated with another seed, de-duplicated).", ge=0)
     instruction: str = _f(
         "Answer with just the final answer.", "Text appended to each question before the chat template."
     )
     system_prompt: str = _f("", "Optional system message for the chat template.")
 
 
-@dataclass
-class RewardConfig:
+class RewardConfig(Section):
     function: str = _f(
         "reasoning_gym",
         "Reward function: 'reasoning_gym' (the task's answer checker on the last number of the reply), "
@@ -84,74 +100,91 @@ class RewardConfig:
         "(prompts, completions, **meta) -> list[float].",
     )
     kwargs: dict = _f({}, "Extra keyword arguments passed to the reward function.")
-    clip: float = _f(10.0, "Task rewards are clipped to [-clip, clip] before entering the return.")
-    on_error: str = _f(
+    on_error: Literal["skip", "raise"] = _f(
         "skip",
         "What to do when the reward function raises or returns NaN/inf for a sample: 'skip' (drop the "
         "sample from the batch, count and log it) or 'raise'.",
     )
 
 
-@dataclass
-class RolloutConfig:
-    num_generators: int = _f(1, "Number of vLLM generator actors; prompts are sharded across them.")
-    prompts_per_step: int = _f(16, "Prompts drawn from the dataset per iteration.")
-    samples_per_prompt: int = _f(1, "Responses sampled per prompt (groups stay together).")
-    temperature: float = _f(1.0, "Sampling temperature of the rollouts.")
-    top_p: float = _f(1.0, "Nucleus sampling threshold of the rollouts.")
-    kv_cache_gib: float = _f(1.0, "vLLM CPU KV-cache size per generator (VLLM_CPU_KVCACHE_SPACE, GiB).")
-    truncation: str = _f(
-        "keep",
-        "Responses cut at max_new_tokens without EOS: keep (train on them as they are), penalize (add "
-        "truncation_penalty to their reward) or mask (leave them out of the loss); always counted.",
+class RolloutConfig(Section):
+    num_generators: int = _f(1, "Number of vLLM generator actors; prompts are sharded across them.", ge=1)
+    prompts_per_step: int = _f(16, "Prompts drawn from the dataset per iteration.", ge=1)
+    samples_per_prompt: int = _f(1, "Responses sampled per prompt (groups stay together).", ge=1)
+    temperature: float = _f(1.0, "Sampling temperature of the rollouts.", ge=0)
+    top_p: float = _f(1.0, "Nucleus sampling threshold of the rollouts.", gt=0, le=1)
+    kv_cache_gib: float = _f(1.0, "vLLM CPU KV-cache size per generator (VLLM_CPU_KVCACHE_SPACE, GiB).", gt=0)
+    cpus_per_generator: float = _f(1.0, "Ray CPUs reserved by each generator actor.", ge=0)
+    threads: int = _f(0, "Torch/OpenMP threads of each generator (0: all cores of the node).", ge=0)
+
+
+class TrainConfig(Section):
+    """Optimisation settings shared by every learner (and the reference's precision/chunking)."""
+
+    optimizer: Literal["adamw"] = _f("adamw", "Optimiser of the policy (and critic).")
+    lr: float = _f(1e-6, "Peak policy learning rate.", gt=0)
+    weight_decay: float = _f(0.0, "AdamW weight decay.", ge=0)
+    adam_betas: list[float] = _f([0.9, 0.999], "AdamW betas (beta1, beta2).")
+    lr_schedule: Literal["constant", "linear", "cosine"] = _f(
+        "constant", "Learning-rate schedule after warm-up: constant, linear decay or cosine decay to min_lr_ratio * lr."
     )
-    truncation_penalty: float = _f(-1.0, "Added to the reward of truncated responses when truncation=penalize.")
-    cpus_per_generator: float = _f(1.0, "Ray CPUs reserved by each generator actor.")
-    threads: int = _f(0, "Torch/OpenMP threads of each generator (0: all cores of the node).")
+    warmup_steps: int = _f(0, "Optimiser steps of linear warm-up from 0 to lr.", ge=0)
+    min_lr_ratio: float = _f(0.0, "Final learning rate of the linear/cosine schedules, as a fraction of lr.", ge=0, le=1)
+    max_grad_norm: float = _f(1.0, "Gradient clipping norm (of the global gradient across learners).", gt=0)
+    epochs: int = _f(1, "Passes over each batch of experience.", ge=1)
+    num_minibatches: int = _f(
+        1,
+        "Optimiser steps per epoch: the batch is split into this many minibatches. 1 (with epochs=1) is "
+        "one on-policy update, whose training pass doubles as the old-policy pass.",
+        ge=1,
+    )
+    micro_batch_size: int = _f(8, "Sequences per forward/backward pass on each learner (gradient accumulation).", ge=1)
+    bf16: bool = _f(True, "bf16 autocast in forward passes (learner master weights stay fp32; the reference holds bf16 weights).")
+    gradient_checkpointing: bool = _f(False, "Recompute activations in the backward pass (less memory, ~30% slower).")
+    logprob_chunk: int = _f(1024, "Positions per chunk when turning hidden states into log-probs (memory cap).", ge=1)
+    shared_prefix: bool = _f(
+        True,
+        "Forward passes run each prompt once for all its samples (samples_per_prompt > 1): its "
+        "continuations attend to its cached keys/values. Same result, fewer FLOPs.",
+    )
 
 
-@dataclass
-class PPOConfig:
-    lr: float = _f(1e-6, "Policy learning rate (AdamW).")
-    critic_lr: float = _f(1e-5, "Learning rate of the value head (the critic shares the policy's trunk).")
-    weight_decay: float = _f(0.0, "AdamW weight decay.")
-    epochs: int = _f(1, "Passes over each batch of experience.")
-    minibatch_size: int = _f(8, "Sequences per optimiser step.")
-    micro_batch_size: int = _f(8, "Sequences per forward/backward pass (gradient accumulation inside a minibatch).")
-    clip_eps: float = _f(0.2, "PPO ratio clip epsilon.")
-    value_clip_eps: float = _f(0.2, "Value-function clip range around the old values.")
-    vf_coef: float = _f(0.1, "Weight of the value loss in the total loss.")
+class PPOConfig(Section):
+    """PPO (with a critic) and the critic-free GRPO family; read by ``learners/ppo.py``."""
+
+    critic_lr: float = _f(1e-5, "Learning rate of the value head (the critic shares the policy's trunk).", gt=0)
+    clip_eps: float = _f(0.2, "PPO ratio clip epsilon.", gt=0)
+    value_clip_eps: float = _f(0.2, "Value-function clip range around the old values.", gt=0)
+    vf_coef: float = _f(0.1, "Weight of the value loss in the total loss.", ge=0)
     entropy_coef: float = _f(0.0, "Weight of the entropy bonus (0: entropy is only measured).")
-    kl_coef: float = _f(0.05, "beta: KL-to-reference penalty folded into the per-token reward.")
-    kl_estimator: str = _f("k1", "Estimator of the reward KL penalty: k1, k2, k3 or abs.")
-    kl_loss_coef: float = _f(0.0, "Weight of an extra k3 KL-to-reference loss term (0: off).")
-    gamma: float = _f(1.0, "Discount factor of the return.")
-    lam: float = _f(0.95, "GAE lambda.")
-    whiten_advantages: bool = _f(True, "Whiten advantages over the batch's response tokens.")
-    max_grad_norm: float = _f(1.0, "Gradient clipping norm.")
-    bf16: bool = _f(True, "bf16 autocast in learner forward passes (master weights stay fp32).")
-    logprob_chunk: int = _f(1024, "Positions per chunk when turning hidden states into log-probs (memory cap).")
-    advantage_estimator: str = _f(
+    kl_coef: float = _f(0.05, "beta: KL-to-reference penalty folded into the per-token reward.", ge=0)
+    kl_estimator: Literal["k1", "k2", "k3", "abs"] = _f("k1", "Estimator of the reward KL penalty.")
+    kl_loss_coef: float = _f(0.0, "Weight of an extra k3 KL-to-reference loss term (0: off).", ge=0)
+    gamma: float = _f(1.0, "Discount factor of the return.", ge=0, le=1)
+    lam: float = _f(0.95, "GAE lambda.", ge=0, le=1)
+    whiten_advantages: bool = _f(True, "Whiten GAE advantages over the batch's response tokens.")
+    advantage_estimator: Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp"] = _f(
         "gae",
         "gae (PPO with critic), grpo (group mean/std), dr_grpo (group mean, no std), rloo (leave-one-out), "
         "reinforce_pp (global batch whitening). Group estimators need rollout.samples_per_prompt > 1 "
         "(reinforce_pp does not).",
     )
-    loss_agg: str = _f(
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = _f(
         "token_mean",
         "Policy-loss aggregation: token_mean, seq_mean_token_mean, or seq_mean_token_sum_norm (divides each "
         "sequence's token sum by loss_agg_constant, default model.max_new_tokens).",
     )
-    loss_agg_constant: float = _f(0.0, "Normaliser of seq_mean_token_sum_norm (0: model.max_new_tokens).")
-    kl_controller: str = _f("fixed", "KL coefficient control: fixed (kl_coef) or adaptive (towards kl_target).")
-    kl_target: float = _f(0.1, "Target KL per sequence of the adaptive controller.")
-    kl_horizon: int = _f(10000, "Horizon (samples) of the adaptive controller.")
-    gradient_checkpointing: bool = _f(False, "Recompute activations in the backward pass (less memory, ~30% slower).")
-    shared_prefix: bool = _f(
-        True,
-        "Learner forward passes run each prompt once for all its samples (samples_per_prompt > 1): its "
-        "continuations attend to its cached keys/values. Same result, fewer FLOPs.",
+    loss_agg_constant: float = _f(0.0, "Normaliser of seq_mean_token_sum_norm (0: model.max_new_tokens).", ge=0)
+    kl_controller: Literal["fixed", "adaptive"] = _f("fixed", "KL coefficient control: fixed (kl_coef) or adaptive (towards kl_target).")
+    kl_target: float = _f(0.1, "Target KL per sequence of the adaptive controller.", gt=0)
+    kl_horizon: int = _f(10000, "Horizon (samples) of the adaptive controller.", gt=0)
+    reward_clip: float = _f(10.0, "Task rewards are clipped to [-reward_clip, reward_clip] before entering the return.", gt=0)
+    truncation: Literal["keep", "penalize", "mask"] = _f(
+        "keep",
+        "Responses cut at max_new_tokens without EOS: keep (train on them as they are), penalize (add "
+        "truncation_penalty to their reward) or mask (leave them out of the loss); always counted.",
     )
+    truncation_penalty: float = _f(-1.0, "Added to the reward of truncated responses when truncation=penalize.")
 
     @property
     def uses_reference(self) -> bool:
@@ -160,82 +193,81 @@ class PPOConfig:
         return self.kl_coef != 0 or self.kl_loss_coef != 0 or self.kl_controller == "adaptive"
 
 
-@dataclass
-class LoRAConfig:
+class LoRAConfig(Section):
     enabled: bool = _f(False, "Train LoRA adapters (peft) instead of all policy weights.")
-    r: int = _f(16, "LoRA rank.")
-    alpha: float = _f(32.0, "LoRA scaling numerator (scale = alpha / r).")
-    dropout: float = _f(0.0, "Dropout on the LoRA input (0 keeps trainer and vLLM log-probs identical).")
-    target_modules: list = _f(
+    r: int = _f(16, "LoRA rank.", ge=1)
+    alpha: float = _f(32.0, "LoRA scaling numerator (scale = alpha / r).", gt=0)
+    dropout: float = _f(0.0, "Dropout on the LoRA input (0 keeps trainer and vLLM log-probs identical).", ge=0, lt=1)
+    target_modules: CommaList = _f(
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         "Module names that get adapters.",
     )
 
 
-@dataclass
-class ClusterConfig:
+class ClusterConfig(Section):
     address: str = _f(
         "",
         "Ray cluster to join ('auto', 'ray://...', or host:port). Empty: join the cluster in RAY_ADDRESS "
         "(as under `ray job submit`) or else start a local one.",
     )
-    num_cpus: int = _f(0, "CPUs of a locally started cluster (0: enough logical CPUs for all roles).")
-    num_learners: int = _f(1, "Ray Train learner workers (data-parallel, gloo on CPU / NCCL on GPU).")
-    cpus_per_learner: float = _f(1.0, "Ray CPUs reserved by each learner worker.")
-    cpus_per_reference: float = _f(0.5, "Ray CPUs reserved by the reference actor.")
-    threads: int = _f(0, "Torch threads of learners and the reference (0: all cores of the node).")
+    num_cpus: int = _f(0, "CPUs of a locally started cluster (0: enough logical CPUs for all roles).", ge=0)
+    num_learners: int = _f(1, "Ray Train learner workers (data-parallel, gloo on CPU).", ge=1)
+    cpus_per_learner: float = _f(1.0, "Ray CPUs reserved by each learner worker.", ge=0)
+    cpus_per_reference: float = _f(0.5, "Ray CPUs reserved by the reference actor.", ge=0)
+    threads: int = _f(0, "Torch threads of learners and the reference (0: all cores of the node).", ge=0)
     dashboard_host: str = _f("127.0.0.1", "Interface of a locally started Ray Dashboard.")
     include_dashboard: bool = _f(True, "Start the Ray Dashboard (bound to dashboard_host) with a local cluster.")
     temp_dir: str = _f("", "Ray session folder of a locally started cluster (default: Ray's).")
 
 
-@dataclass
-class Config:
-    run: RunConfig = field(default_factory=RunConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    ppo: PPOConfig = field(default_factory=PPOConfig)
-    lora: LoRAConfig = field(default_factory=LoRAConfig)
-    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+# Keys that moved when the shared `train` section was introduced: a clear hint instead of a bare
+# "unknown key" for presets written before.
+MOVED_KEYS = {
+    **{f"ppo.{k}": f"train.{k}" for k in (
+        "lr", "weight_decay", "epochs", "micro_batch_size", "max_grad_norm", "bf16", "logprob_chunk",
+        "gradient_checkpointing", "shared_prefix",
+    )},
+    "ppo.minibatch_size": "train.num_minibatches (number of minibatches per batch)",
+    "reward.clip": "ppo.reward_clip",
+    "rollout.truncation": "ppo.truncation",
+    "rollout.truncation_penalty": "ppo.truncation_penalty",
+}
 
-    def validate(self) -> "Config":
+# Settings a resumed run may not change: the weights, optimiser state and checkpoints it
+# continues from were made with them.
+IMMUTABLE_ON_RESUME = ("run.algorithm", "model.path", "lora.enabled", "lora.r", "lora.target_modules",
+                       "ppo.advantage_estimator")
+
+
+class Config(Section):
+    run: RunConfig = Field(default_factory=RunConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    ppo: PPOConfig = Field(default_factory=PPOConfig)
+    lora: LoRAConfig = Field(default_factory=LoRAConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+
+    def validate_run(self) -> "Config":
         """Cross-field checks; raises ConfigError naming the key."""
+        from cluster.recipes import RECIPES
+
+        rollout, ppo = self.rollout, self.ppo
+        batch = rollout.prompts_per_step * rollout.samples_per_prompt
         checks = [
-            (self.run.steps >= 1, "run.steps must be >= 1"),
-            (self.run.eval_every >= 0, "run.eval_every must be >= 0"),
-            (self.model.max_new_tokens >= 1, "model.max_new_tokens must be >= 1"),
-            (self.model.max_prompt_tokens >= 1, "model.max_prompt_tokens must be >= 1"),
-            (self.model.generator_dtype in ("bfloat16", "float32"), "model.generator_dtype must be bfloat16 or float32"),
-            (self.data.train_size >= self.rollout.prompts_per_step, "data.train_size must be >= rollout.prompts_per_step"),
-            (self.reward.on_error in ("skip", "raise"), "reward.on_error must be 'skip' or 'raise'"),
-            (self.reward.clip > 0, "reward.clip must be > 0"),
-            (self.rollout.num_generators >= 1, "rollout.num_generators must be >= 1"),
-            (self.rollout.prompts_per_step >= self.rollout.num_generators,
+            (self.run.algorithm in RECIPES,
+             f"run.algorithm must be one of {', '.join(sorted(RECIPES))}, got {self.run.algorithm!r}"),
+            (self.data.train_size >= rollout.prompts_per_step, "data.train_size must be >= rollout.prompts_per_step"),
+            (rollout.prompts_per_step >= rollout.num_generators,
              "rollout.prompts_per_step must be >= rollout.num_generators"),
-            (self.rollout.samples_per_prompt >= 1, "rollout.samples_per_prompt must be >= 1"),
-            (self.rollout.temperature >= 0, "rollout.temperature must be >= 0"),
-            (0 < self.rollout.top_p <= 1, "rollout.top_p must be in (0, 1]"),
-            (self.ppo.epochs >= 1, "ppo.epochs must be >= 1"),
-            (self.ppo.minibatch_size >= 1, "ppo.minibatch_size must be >= 1"),
-            (1 <= self.ppo.micro_batch_size <= self.ppo.minibatch_size,
-             "ppo.micro_batch_size must be in [1, ppo.minibatch_size]"),
-            (self.ppo.clip_eps > 0, "ppo.clip_eps must be > 0"),
-            (self.ppo.kl_estimator in ("k1", "k2", "k3", "abs"), "ppo.kl_estimator must be k1, k2, k3 or abs"),
-            (0 <= self.ppo.gamma <= 1 and 0 <= self.ppo.lam <= 1, "ppo.gamma and ppo.lam must be in [0, 1]"),
-            (self.cluster.num_learners >= 1, "cluster.num_learners must be >= 1"),
-            (self.ppo.advantage_estimator in ("gae", "grpo", "dr_grpo", "rloo", "reinforce_pp"),
-             "ppo.advantage_estimator must be one of gae, grpo, dr_grpo, rloo, reinforce_pp"),
-            (self.ppo.advantage_estimator not in ("grpo", "dr_grpo", "rloo") or self.rollout.samples_per_prompt > 1,
-             f"ppo.advantage_estimator={self.ppo.advantage_estimator} needs rollout.samples_per_prompt > 1 (a group)"),
-            (self.ppo.loss_agg in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),
-             "ppo.loss_agg must be token_mean, seq_mean_token_mean or seq_mean_token_sum_norm"),
-            (self.ppo.kl_controller in ("fixed", "adaptive"), "ppo.kl_controller must be fixed or adaptive"),
-            (self.ppo.kl_controller == "fixed" or (self.ppo.kl_target > 0 and self.ppo.kl_horizon > 0),
-             "ppo.kl_target and ppo.kl_horizon must be > 0 for the adaptive controller"),
-            (self.rollout.truncation in ("keep", "penalize", "mask"), "rollout.truncation must be keep, penalize or mask"),
-            (not self.lora.enabled or self.lora.r >= 1, "lora.r must be >= 1"),
+            (self.train.num_minibatches <= batch,
+             f"train.num_minibatches must be <= the batch ({batch} sequences per step)"),
+            (len(self.train.adam_betas) == 2 and all(0 <= b < 1 for b in self.train.adam_betas),
+             "train.adam_betas must be two numbers in [0, 1)"),
+            (ppo.advantage_estimator not in ("grpo", "dr_grpo", "rloo") or rollout.samples_per_prompt > 1,
+             f"ppo.advantage_estimator={ppo.advantage_estimator} needs rollout.samples_per_prompt > 1 (a group)"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -243,86 +275,49 @@ class Config:
         return self
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return self.model_dump(mode="json")
+
+    def get(self, dotted: str) -> Any:
+        node: Any = self
+        for part in dotted.split("."):
+            node = getattr(node, part)
+        return node
 
 
-def _coerce(value: Any, tp: Any, key: str) -> Any:
-    """Checks (and gently converts) one leaf value against its annotated type."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if value is None:
-            return None
-        return _coerce(value, args[0], key)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
-            return value.lower() in ("true", "1", "yes")
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                pass
-    elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-    elif tp is str:
-        if isinstance(value, str):
-            return value
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return str(value)
-    elif tp is list or origin is list:
-        if isinstance(value, (list, tuple)):
-            return list(value)
-        if isinstance(value, str):
-            return [v.strip() for v in value.split(",") if v.strip()]
-    elif tp is dict or origin is dict:
-        if isinstance(value, dict):
-            return dict(value)
-        if isinstance(value, str):
-            try:
-                parsed = json.loads(value)
-                if isinstance(parsed, dict):
-                    return parsed
-            except json.JSONDecodeError:
-                pass
-    else:
-        return value
-    raise ConfigError(f"{key}: expected {getattr(tp, '__name__', tp)}, got {value!r}")
-
-
-def _build(cls: type, data: dict, prefix: str) -> Any:
-    if not isinstance(data, dict):
-        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        where = f" in section '{prefix}'" if prefix else ""
-        raise ConfigError(
-            f"unknown config key{'s' if len(unknown) > 1 else ''} {', '.join(repr(prefix + '.' + k if prefix else k) for k in unknown)}"
-            f"{where}; valid keys: {', '.join(sorted(names))}"
-        )
-    kwargs = {}
-    for name, value in data.items():
-        tp = hints[name]
-        key = f"{prefix}.{name}" if prefix else name
-        if dataclasses.is_dataclass(tp):
-            kwargs[name] = _build(tp, value or {}, key)
+def _format_error(err: ValidationError, data: dict) -> str:
+    msgs = []
+    for e in err.errors():
+        loc = [str(x) for x in e["loc"]]
+        key = ".".join(loc)
+        if e["type"] == "extra_forbidden":
+            moved = MOVED_KEYS.get(key)
+            if moved:
+                msgs.append(f"config key {key!r} has moved to {moved}")
+                continue
+            section_cls: Any = Config
+            for part in loc[:-1]:
+                section_cls = section_cls.model_fields[part].annotation
+            valid = ", ".join(sorted(section_cls.model_fields))
+            where = f" in section '{'.'.join(loc[:-1])}'" if len(loc) > 1 else ""
+            msgs.append(f"unknown config key {key!r}{where}; valid keys: {valid}")
         else:
-            kwargs[name] = _coerce(value, tp, key)
-    return cls(**kwargs)
+            got = e.get("input")
+            msgs.append(f"{key}: {e['msg']} (got {got!r})" if key else e["msg"])
+    return "; ".join(msgs)
+
+
+def build_config(data: dict) -> Config:
+    """Validates a nested mapping into a Config (ConfigError names every bad key)."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"config: expected a mapping of sections, got {type(data).__name__}")
+    for name, section in data.items():
+        if section is None:
+            data[name] = {}
+    try:
+        cfg = Config.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_error(e, data)) from None
+    return cfg.validate_run()
 
 
 def _apply_override(data: dict, assignment: str) -> None:
@@ -338,29 +333,49 @@ def _apply_override(data: dict, assignment: str) -> None:
     node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Reads a YAML preset (or the defaults), applies ``section.key=value`` overrides, validates."""
-    data: dict = {}
+def read_yaml(path: str | Path) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    loaded = yaml.safe_load(p.read_text())
+    if loaded is not None and not isinstance(loaded, dict):
+        raise ConfigError(f"{p}: top level must be a mapping of sections")
+    return loaded or {}
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None, base: dict | None = None) -> Config:
+    """Reads a YAML preset (or ``base``, or the defaults), applies ``section.key=value`` overrides,
+    validates."""
+    data: dict = dict(base or {})
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {p}")
-        loaded = yaml.safe_load(p.read_text())
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"{p}: top level must be a mapping of sections")
-        data = loaded or {}
+        data = read_yaml(path)
     for assignment in overrides or []:
         _apply_override(data, assignment)
-    return _build(Config, data, "").validate()
+    return build_config(data)
+
+
+def check_resume_compatible(saved: Config, new: Config) -> None:
+    """Refuses a resumed config that changes what a checkpoint cannot carry over."""
+    changed = [k for k in IMMUTABLE_ON_RESUME if saved.get(k) != new.get(k)]
+    if changed:
+        raise ConfigError(
+            "cannot resume with a different " + ", ".join(
+                f"{k} ({saved.get(k)!r} -> {new.get(k)!r})" for k in changed
+            ) + ": start a new run instead"
+        )
 
 
 def config_help() -> str:
-    """Every field with its default and help string, for ``rayrlhf config``."""
+    """Every field with its default and description, for ``rayrlhf config``."""
     lines = []
-    sections = typing.get_type_hints(Config)
-    for section in dataclasses.fields(Config):
-        lines.append(f"{section.name}:")
-        for f in dataclasses.fields(sections[section.name]):
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-            lines.append(f"  {f.name}: {default!r}\n      {f.metadata.get('help', '')}")
+    for section, info in Config.model_fields.items():
+        cls = info.annotation
+        lines.append(f"{section}:")
+        for name, f in cls.model_fields.items():  # type: ignore[union-attr]
+            default = f.get_default(call_default_factory=True)
+            lines.append(f"  {name}: {default!r}\n      {f.description or ''}")
     return "\n".join(lines)
+
+
+def config_schema() -> str:
+    return json.dumps(Config.model_json_schema(), indent=1)

@@ -9,16 +9,19 @@ trains, and answers with metrics and a reference to the packed new weights.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import ray
 
 from cluster.config import Config
+from learners.base import LearnerContext
 
 log = logging.getLogger("rayrlhf.learner")
 
@@ -48,31 +51,70 @@ class LearnerChannel:
 _REPORTED = ("loss/policy", "loss/value", "kl/ref_k1", "policy/clip_frac", "logprob_gap/mean_abs")
 
 
+@dataclass
+class LearnerSpec:
+    """Everything the learner workers need, and nothing else."""
+
+    # Registered learner name (``learners.base.LEARNERS``).
+    algorithm: str
+    # The shared ``train`` section and the algorithm's own section.
+    train: Any
+    algo: Any
+    # Where and how learners start (model path, seed, schedule length, temperature, LoRA).
+    context: LearnerContext
+    # Checkpoint folder to continue from (weights and training state), or None.
+    resume_from: str | None
+    # Tokenizer of the run (copied into checkpoints) and its padding id.
+    tokenizer_path: str
+    pad_token_id: int
+    # dtype of the weights sent to the generators.
+    sync_dtype: str
+    # Data-parallel workers, CPUs reserved by each, torch threads of each (0: every core).
+    num_learners: int = 1
+    cpus_per_learner: float = 1.0
+    threads: int = 0
+
+
+def learner_spec(cfg: Config, model_path: str, pad_token_id: int, resume_from: str | None = None) -> LearnerSpec:
+    """The learner's slice of the run's config."""
+    return LearnerSpec(
+        algorithm=cfg.run.algorithm, train=cfg.train, algo=getattr(cfg, cfg.run.algorithm),
+        context=LearnerContext(
+            model_path=model_path, seed=cfg.run.seed, total_steps=cfg.run.steps,
+            temperature=cfg.rollout.temperature or 1.0, max_new_tokens=cfg.model.max_new_tokens,
+            lora=cfg.lora if cfg.lora.enabled else None,
+        ),
+        resume_from=resume_from, tokenizer_path=model_path, pad_token_id=pad_token_id,
+        sync_dtype=cfg.model.generator_dtype, num_learners=cfg.cluster.num_learners,
+        cpus_per_learner=cfg.cluster.cpus_per_learner, threads=cfg.cluster.threads,
+    )
+
+
 def learner_loop(config: dict[str, Any]) -> None:
     """The Ray Train worker function (runs on every rank)."""
     import torch
 
     from cluster.actor_groups import peak_rss_gb
     from cluster.weight_sync import pack
+    from learners.base import get_learner
+    from learners.distributed import default_collective
     from learners.experience import Experience
-    from learners.ppo import PPOLearner
 
-    cfg: Config = config["cfg"]
+    spec: LearnerSpec = config["spec"]
     channel = config["channel"]
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    comm = default_collective()
+    rank = comm.rank
     # Ray sets OMP_NUM_THREADS to the reserved CPUs; learners run in their own phase and may use the node.
-    torch.set_num_threads(cfg.cluster.threads or os.cpu_count() or 1)
-    learner = PPOLearner(
-        config["model_path"], cfg.ppo, temperature=cfg.rollout.temperature or 1.0,
-        score_clip=cfg.reward.clip, seed=cfg.run.seed, lora=cfg.lora,
-        truncation=cfg.rollout.truncation, truncation_penalty=cfg.rollout.truncation_penalty,
-        max_new_tokens=cfg.model.max_new_tokens,
-    )
+    torch.set_num_threads(spec.threads or os.cpu_count() or 1)
+    ctx = dataclasses.replace(spec.context, comm=comm)
+    learner = get_learner(spec.algorithm).build(ctx, spec.train, spec.algo)
+    if spec.resume_from:
+        learner.restore(spec.resume_from)
     if rank == 0:
-        ray.get(channel.report.remote(
-            {"ready": True, "world": world, "trainable_fraction": learner.trainable_fraction, "lora": learner.lora}
-        ))
+        ray.get(channel.report.remote({
+            "ready": True, "world": comm.world, "trainable_fraction": learner.trainable_fraction,
+            "version": learner.version,
+        }))
     while True:
         item = ray.get(channel.get.remote(rank))
         if item.get("stop"):
@@ -80,24 +122,23 @@ def learner_loop(config: dict[str, Any]) -> None:
         step = item["step"]
         try:
             parts = ray.get(item["exp_refs"])
-            exp = Experience.concat(parts, pad_token_id=config["pad_token_id"])
-            metrics = learner.train_step(exp.shard(rank, world))
-            metrics["memory/learner_peak_gb"] = peak_rss_gb()
-            if world > 1:
-                keys = sorted(metrics)
-                t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64)
-                torch.distributed.all_reduce(t)
-                metrics = {k: float(v) / world for k, v in zip(keys, t.tolist())}
-            reply: dict[str, Any] = {"step": step, "metrics": metrics}
+            batch = Experience.concat(parts, pad_token_id=spec.pad_token_id)
+            # Every rank gets the global batch and takes its own rows inside the learner.
+            metrics = learner.train_step(batch)
+            peak = torch.tensor([peak_rss_gb()], dtype=torch.float64)
+            if comm.world > 1:
+                torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
+            metrics["memory/learner_peak_gb"] = float(peak)
+            reply: dict[str, Any] = {"step": step, "metrics": metrics, "version": learner.version}
             if rank == 0:
                 t0 = time.perf_counter()
                 with learner.policy_weights() as weights:
-                    packed = pack(weights, cfg.model.generator_dtype, version=step)
+                    packed = pack(weights, spec.sync_dtype, version=learner.version)
                 reply["weights"] = [ray.put(packed)]
                 reply["metrics"]["sync/pack_s"] = time.perf_counter() - t0
                 reply["metrics"]["sync/bytes"] = float(packed.nbytes)
                 if item.get("save_dir"):
-                    learner.save(item["save_dir"], tokenizer_from=config["model_path"])
+                    learner.save(item["save_dir"], tokenizer_from=spec.tokenizer_path)
                     reply["saved"] = item["save_dir"]
         except Exception as e:  # surface the error to the driver instead of hanging it
             log.exception("learner step %s failed", step)
@@ -113,23 +154,24 @@ def learner_loop(config: dict[str, Any]) -> None:
 class LearnerGroup:
     """Driver-side handle: start once, ``learn(step, exp_refs)`` per iteration, ``stop()``."""
 
-    def __init__(self, cfg: Config, model_path: str, pad_token_id: int, storage_dir: Path) -> None:
+    def __init__(self, spec: LearnerSpec, storage_dir: Path) -> None:
         from ray.train import RunConfig, ScalingConfig
         from ray.train.torch import TorchConfig, TorchTrainer
 
-        self.cfg = cfg
-        n = cfg.cluster.num_learners
+        self.spec = spec
+        n = spec.num_learners
         self.channel = LearnerChannel.remote(n)
         self.trainer = TorchTrainer(
             learner_loop,
-            train_loop_config={
-                "cfg": cfg, "channel": self.channel, "model_path": model_path, "pad_token_id": pad_token_id,
-            },
+            train_loop_config={"spec": spec, "channel": self.channel},
             scaling_config=ScalingConfig(
-                num_workers=n, use_gpu=False, resources_per_worker={"CPU": cfg.cluster.cpus_per_learner}
+                num_workers=n, use_gpu=False, resources_per_worker={"CPU": spec.cpus_per_learner}
             ),
             torch_config=TorchConfig(backend="gloo"),
-            run_config=RunConfig(name="learner", storage_path=str(Path(storage_dir).resolve())),
+            # A fresh name per start: Ray Train would otherwise treat a resumed run's learners as a
+            # restart of the old Train run. The run's own checkpoints are what a resume reads.
+            run_config=RunConfig(name=f"learner-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}",
+                                 storage_path=str(Path(storage_dir).resolve())),
         )
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._fit, name="rayrlhf-learner", daemon=True)

@@ -13,7 +13,9 @@ import yaml
 
 
 class RunLog:
-    def __init__(self, run_dir: Path, total_steps: int, stream=None) -> None:
+    def __init__(self, run_dir: Path, total_steps: int, stream=None, keep_until_step: int | None = None) -> None:
+        """``keep_until_step``: continue an existing log (a resumed run), dropping rows after that
+        step (they were logged after the checkpoint it resumes from and will be run again)."""
         self.dir = run_dir
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "metrics.jsonl"
@@ -21,6 +23,12 @@ class RunLog:
         self.stream = stream or sys.stdout
         self.t0 = time.time()
         self.rows: list[dict[str, Any]] = []
+        self.first_step = 1
+        if keep_until_step is not None and self.path.is_file():
+            old = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+            self.rows = [r for r in old if r.get("step", 0) <= keep_until_step]
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in self.rows))
+            self.first_step = keep_until_step + 1
 
     def save_config(self, cfg_dict: dict) -> None:
         (self.dir / "config.yaml").write_text(yaml.safe_dump(cfg_dict, sort_keys=False))
@@ -34,7 +42,7 @@ class RunLog:
     def progress(self, row: dict[str, Any]) -> None:
         step = row["step"]
         elapsed = time.time() - self.t0
-        eta = elapsed / step * (self.total - step)
+        eta = elapsed / max(step - self.first_step + 1, 1) * (self.total - step)
         width = 20
         filled = int(width * step / self.total)
         bar = "#" * filled + "-" * (width - filled)
@@ -79,3 +87,35 @@ class RunLog:
         fig.savefig(out, dpi=100)
         plt.close(fig)
         return out
+
+
+def _merge_counts(stats: list[dict], key: str = "skipped") -> dict[str, int]:
+    out: dict[str, int] = {}
+    for s in stats:
+        for k, v in s.get(key, {}).items():
+            out[k] = out.get(k, 0) + int(v)
+    return out
+
+
+def step_metrics(gen_stats: list[dict], score_stats: list[dict], learner: dict[str, float]) -> dict[str, Any]:
+    """One step's row from the generators', scorer's and learners' stats."""
+    lengths = [x for s in gen_stats for x in s["response_lengths"]]
+    scores = [x for s in score_stats for x in s["scores"]]
+    gen_s = max(s["seconds"] for s in gen_stats)
+    tokens = sum(s["tokens"] for s in gen_stats)
+    n = max(len(scores), 1)
+    mean = sum(scores) / n
+    out: dict[str, Any] = {
+        "reward/mean": mean,
+        "reward/std": math.sqrt(sum((x - mean) ** 2 for x in scores) / n),
+        "reward/n": len(scores),
+        "response/length_mean": sum(lengths) / max(len(lengths), 1),
+        "response/truncated_frac": sum(s["truncated"] for s in gen_stats) / max(len(lengths), 1),
+        "generate/tokens": tokens,
+        "generate/tokens_per_s": tokens / gen_s if gen_s > 0 else 0.0,
+        "generate/policy_version": min(s["policy_version"] for s in gen_stats),
+        "skipped": _merge_counts(score_stats),
+        "sample": gen_stats[0]["samples"][:1],
+    }
+    out.update({k: v for k, v in learner.items() if k != "response/length_mean"})
+    return out

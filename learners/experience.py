@@ -156,27 +156,17 @@ class Experience:
                 out[f.name] = torch.cat(vals)
         return Experience(**out)
 
-    def shard(self, rank: int, world: int) -> "Experience":
-        """This data-parallel rank's rows: whole groups (all samples of a prompt) dealt round-robin,
-        so group baselines see complete groups. Padded to the largest shard with fully masked rows,
-        so that every rank takes the same number of optimiser steps (DDP all-reduces would
-        otherwise hang)."""
+    def shard_rows(self, rank: int, world: int) -> list[int]:
+        """This data-parallel rank's rows: whole groups (all samples of a prompt) dealt
+        round-robin in order of first appearance, so each rank's rows are a fixed function of the
+        batch. No padding: shards may differ in size, even be empty (learners reduce gradients
+        and counts across ranks, see ``learners/distributed.py``)."""
         if world == 1:
-            return self
+            return list(range(self.batch_size))
         groups: dict[int, list[int]] = {}
         for i, g in enumerate(self.group_ids.tolist()):
             groups.setdefault(g, []).append(i)
-        shards: list[list[int]] = [[] for _ in range(world)]
-        for k, members in enumerate(groups.values()):
-            shards[k % world].extend(members)
-        rows = shards[rank]
-        pad = max(len(s) for s in shards) - len(rows)
-        if not pad:
-            return self.select(rows)
-        padded = self.select(rows + [0] * pad)
-        mask = padded.response_mask.clone()
-        mask[len(rows):] = False
-        return padded.replace(response_mask=mask)
+        return [i for k, members in enumerate(groups.values()) if k % world == rank for i in members]
 
     def replace(self, **changes: Any) -> "Experience":
         return dataclasses.replace(self, **changes)

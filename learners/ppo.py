@@ -1,23 +1,28 @@
 """Policy-gradient learner: PPO with a critic (Ouyang et al. 2022 recipe) or critic-free
 group/batch baselines (GRPO, Dr. GRPO, RLOO, REINFORCE++), full fine-tuning or LoRA.
 
-Plain torch: runs inside a Ray Train worker (``cluster/learner_group.py``) or in a test.
-One ``train_step`` is: recompute old log-probs and values with the current weights, fold
-the KL to the reference into per-token rewards, GAE, then clipped policy/value updates over
-minibatch epochs. Works on one data-parallel shard; when torch.distributed is initialised
-the model is wrapped in DDP and every rank takes the same number of optimiser steps.
+One ``train_step`` on the global batch of a step:
+
+1. each data-parallel rank takes its rows (whole groups, ``Experience.shard_rows``);
+2. old log-probs and values of the current weights for those rows (or, on-policy, the training
+   pass itself), summed across ranks into global tensors;
+3. rewards (KL to the reference folded in), advantages and every batch statistic (group
+   baselines, whitening, the KL controller's measurement) computed on the global batch, exactly
+   as one learner would;
+4. clipped policy/value updates over minibatch epochs; each loss is normalised by the global
+   token / sequence count of its minibatch and gradients are summed across ranks, so N learners
+   take the same step as one learner on the same batch.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
+import json
 import time
 from pathlib import Path
 from typing import Any, Iterator, Protocol
 
 import torch
-from torch import nn
 
 from learners.advantages import (
     gae_advantages,
@@ -25,27 +30,28 @@ from learners.advantages import (
     kl_shaped_rewards,
     reinforce_pp_advantages,
 )
-from learners.experience import Experience
-from learners.losses import (
-    kl_penalty,
-    masked_mean,
-    masked_whiten,
-    policy_loss_clipped,
-    value_loss_clipped,
+from learners.base import (
+    ADAPTER_DIR,
+    CRITIC_DIR,
+    Learner,
+    LearnerContext,
+    TrainParams,
+    load_learner_state,
+    load_model_weights,
+    save_learner_state,
 )
+from learners.distributed import Collective
+from learners.experience import Experience
 from learners.kl_control import make_kl_controller
+from learners.losses import kl_penalty, masked_mean, masked_whiten, policy_loss_clipped, value_loss_clipped
 from learners.modeling import PolicyWithValueHead, autocast, micro_batch_order, sequence_logprobs
+from learners.optim import make_scheduler
 
 
-class PPOHyperParams(Protocol):
+class PPOParams(Protocol):
     """The fields of ``cluster.config.PPOConfig`` the learner reads (documented there)."""
 
-    lr: float
     critic_lr: float
-    weight_decay: float
-    epochs: int
-    minibatch_size: int
-    micro_batch_size: int
     clip_eps: float
     value_clip_eps: float
     vf_coef: float
@@ -56,64 +62,43 @@ class PPOHyperParams(Protocol):
     gamma: float
     lam: float
     whiten_advantages: bool
-    max_grad_norm: float
-    bf16: bool
-    logprob_chunk: int
     advantage_estimator: str
     loss_agg: str
     loss_agg_constant: float
     kl_controller: str
     kl_target: float
     kl_horizon: int
-    gradient_checkpointing: bool
-    shared_prefix: bool
+    reward_clip: float
+    truncation: str
+    truncation_penalty: float
 
     @property
     def uses_reference(self) -> bool: ...
 
 
-class LoRAParams(Protocol):
-    """The fields of ``cluster.config.LoRAConfig`` the learner reads."""
-
-    enabled: bool
-    r: int
-    alpha: float
-    dropout: float
-    target_modules: list
+# Metrics accumulated over micro-batches; every rank reports all of them (zeros where it had no
+# rows) so that one all-reduce turns them into global values.
+_STATS = ("loss/policy", "loss/value", "loss/total", "policy/entropy", "policy/clip_frac", "policy/approx_kl",
+          "value/clip_frac")
 
 
-def _dist_info() -> tuple[int, int]:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
+class PPOLearner(Learner):
+    name = "ppo"
+    config_section = "ppo"
+    required_fields = ("scores",)
 
-
-class PPOLearner:
-    def __init__(
-        self,
-        model_path: str,
-        hp: PPOHyperParams,
-        *,
-        temperature: float = 1.0,
-        score_clip: float | None = None,
-        seed: int = 0,
-        lora: LoRAParams | None = None,
-        truncation: str = "keep",
-        truncation_penalty: float = 0.0,
-        max_new_tokens: int = 0,
-    ) -> None:
+    def __init__(self, ctx: LearnerContext, train: TrainParams, hp: PPOParams) -> None:
         from transformers import AutoModelForCausalLM
 
-        torch.manual_seed(seed)
-        self.hp = hp
-        self.temperature = temperature
-        self.score_clip = score_clip
-        self.truncation = truncation
-        self.truncation_penalty = truncation_penalty
+        torch.manual_seed(ctx.seed)
+        self.ctx, self.tr, self.hp = ctx, train, hp
+        self.comm = ctx.comm or Collective()
+        self.temperature = ctx.temperature or 1.0
         self.use_critic = hp.advantage_estimator == "gae"
-        self.loss_agg_constant = hp.loss_agg_constant or float(max_new_tokens) or None
-        lm = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        self.loss_agg_constant = hp.loss_agg_constant or float(ctx.max_new_tokens) or None
+        lm = AutoModelForCausalLM.from_pretrained(ctx.model_path, dtype=torch.float32)
         lm.config.use_cache = False
+        lora = ctx.lora
         self.lora = bool(lora is not None and lora.enabled)
         if self.lora:
             from peft import LoraConfig, get_peft_model
@@ -123,43 +108,49 @@ class PPOLearner:
                 LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                            target_modules=list(lora.target_modules), task_type="CAUSAL_LM", bias="none"),
             )
-        if hp.gradient_checkpointing:
+        if train.gradient_checkpointing:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.kl_ctl = make_kl_controller(hp.kl_controller, hp.kl_coef, hp.kl_target, hp.kl_horizon)
         self.model = PolicyWithValueHead(lm)
         if not self.use_critic:
-            # Critic-free estimators never touch the value head; DDP requires every trainable
-            # parameter to receive a gradient, so freeze it.
+            # Critic-free estimators never touch the value head.
             self.model.value_head.requires_grad_(False)
-        self.rank, self.world = _dist_info()
-        self.module: nn.Module = self.model
-        if self.world > 1:
-            self.module = nn.parallel.DistributedDataParallel(self.model)
         # With LoRA, peft has frozen the base weights: only adapters (and the value head) train.
         policy_params = [
             p for n, p in self.model.named_parameters() if not n.startswith("value_head.") and p.requires_grad
         ]
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.trainable_fraction = sum(p.numel() for p in policy_params) / sum(
             p.numel() for n, p in self.model.named_parameters() if not n.startswith("value_head.")
         )
         self.optimizer = torch.optim.AdamW(
             [
-                {"params": policy_params, "lr": hp.lr},
+                {"params": policy_params, "lr": train.lr},
                 {"params": [p for p in self.model.value_head.parameters() if p.requires_grad], "lr": hp.critic_lr},
             ],
-            weight_decay=hp.weight_decay,
+            weight_decay=train.weight_decay, betas=tuple(train.adam_betas),
+        )
+        self.scheduler = make_scheduler(
+            self.optimizer, schedule=train.lr_schedule, warmup_steps=train.warmup_steps,
+            total_steps=ctx.total_steps * train.epochs * train.num_minibatches, min_ratio=train.min_lr_ratio,
         )
         self.version = 0
+        # Called with the trainable parameters once their gradients are global, before clipping
+        # and the optimiser step (tests compare gradients here).
+        self.on_gradients = None
+
+    @classmethod
+    def build(cls, ctx: LearnerContext, train: TrainParams, algo: PPOParams) -> "PPOLearner":
+        return cls(ctx, train, algo)
 
     # -- forward helpers -------------------------------------------------------------------------
-    def _forward(self, exp: Experience, *, grad: bool, module: nn.Module | None = None) -> dict[str, torch.Tensor]:
-        module = module or self.module
-        with torch.set_grad_enabled(grad), autocast(self.hp.bf16):
-            return module(
+    def _forward(self, exp: Experience, *, grad: bool) -> dict[str, torch.Tensor]:
+        with torch.set_grad_enabled(grad), autocast(self.tr.bf16):
+            return self.model(
                 exp.input_ids, exp.attention_mask, exp.response_mask,
-                temperature=self.temperature, chunk=self.hp.logprob_chunk,
+                temperature=self.temperature, chunk=self.tr.logprob_chunk,
                 with_values=self.use_critic, with_entropy=True,
-                group_ids=exp.group_ids if self.hp.shared_prefix else None,
+                group_ids=exp.group_ids if self.tr.shared_prefix else None,
             )
 
     @torch.no_grad()
@@ -167,12 +158,12 @@ class PPOLearner:
         """(B, L) log-probs and values of the current weights, before any update."""
         lps = torch.zeros(exp.batch_size, exp.seq_len)
         vals = torch.zeros_like(lps)
-        # Length-sorted, trimmed micro-batches (see train_step); results go back to their rows.
+        # Length-sorted, trimmed micro-batches (see _update); results go back to their rows.
         order = micro_batch_order(exp.attention_mask.sum(1), exp.group_ids)
-        for s in range(0, exp.batch_size, self.hp.micro_batch_size):
-            idx = order[s : s + self.hp.micro_batch_size]
+        for s in range(0, exp.batch_size, self.tr.micro_batch_size):
+            idx = order[s : s + self.tr.micro_batch_size]
             part = exp.select(idx).trimmed()
-            out = self._forward(part, grad=False, module=self.model)
+            out = self._forward(part, grad=False)
             lps[idx, : part.seq_len] = out["logprobs"]
             if self.use_critic:
                 vals[idx, : part.seq_len] = out["values"]
@@ -187,75 +178,40 @@ class PPOLearner:
         with self.model.lm.disable_adapter():
             return sequence_logprobs(
                 self.model.lm, exp.input_ids, exp.attention_mask, exp.response_mask,
-                temperature=self.temperature, micro_batch_size=self.hp.micro_batch_size,
-                chunk=self.hp.logprob_chunk, bf16=self.hp.bf16,
-                group_ids=exp.group_ids if self.hp.shared_prefix else None,
+                temperature=self.temperature, micro_batch_size=self.tr.micro_batch_size,
+                chunk=self.tr.logprob_chunk, bf16=self.tr.bf16,
+                group_ids=exp.group_ids if self.tr.shared_prefix else None,
             )
+
+    def _gather(self, local: torch.Tensor, rows: list[int], shape: tuple[int, int]) -> torch.Tensor:
+        """Global (B, L) tensor from each rank's (n_local, <=L) rows."""
+        out = torch.zeros(shape, dtype=torch.float32)
+        if rows:
+            out[rows, : local.shape[1]] = local.float()
+        return self.comm.all_reduce_sum(out)
 
     def _apply_truncation(self, exp: Experience) -> Experience:
         """Responses cut at the length limit: kept, penalised, or left out of the loss."""
-        if self.truncation == "keep" or not bool(exp.truncated.any()):
+        if self.hp.truncation == "keep" or not bool(exp.truncated.any()):
             return exp
-        if self.truncation == "penalize":
-            return exp.replace(scores=exp.scores + self.truncation_penalty * exp.truncated.float())
+        if self.hp.truncation == "penalize":
+            return exp.replace(scores=exp.scores + self.hp.truncation_penalty * exp.truncated.float())
         rm = exp.response_mask & ~exp.truncated[:, None]
         return exp.replace(response_mask=rm)
 
-    # -- the update ------------------------------------------------------------------------------
-    def train_step(self, exp: Experience) -> dict[str, float]:
-        """One PPO iteration on this rank's shard; returns scalar metrics."""
-        hp = self.hp
-        t0 = time.perf_counter()
-        if exp.scores is None:
-            raise ValueError("the learner needs scores in the experience record")
-        if exp.batch_size == 0 or not bool(exp.response_mask.any()):
-            # Every sample was dropped upstream (failed rewards, over-long prompts): nothing to learn.
-            return {"learner/empty_batch": 1.0, "learner/sequences": float(exp.batch_size)}
-        t_ref = 0.0
-        self.model.rows_shared = self.model.rows_total = 0
-        if exp.ref_logprobs is None and hp.uses_reference:
-            exp = exp.replace(ref_logprobs=self.reference_logprobs(exp))
-            t_ref = time.perf_counter() - t0
-        n_truncated = int(exp.truncated.sum())
-        exp = self._apply_truncation(exp)
-        self.model.train()
-        mask = exp.response_mask
-        kl_coef = float(self.kl_ctl.value)
-        b = exp.batch_size
-        mb = min(hp.minibatch_size, b)
-        # One update on the whole batch (one epoch, one minibatch) is on-policy: the "old" policy
-        # is the current one, so its log-probs come from the training forward pass itself instead
-        # of a second pass over the batch (a quarter to a third of the learner's time on CPU).
-        # In one micro-batch ("fused") that pass also gives the values and KL the advantages need;
-        # over several micro-batches ("streamed") it works when the advantages depend on the
-        # scores alone (no critic, no KL in the reward), and each micro-batch's own forward then
-        # serves as both the old and the new policy.
-        on_policy = hp.epochs == 1 and mb == b
-        fused = on_policy and hp.micro_batch_size >= b
-        streamed = on_policy and not fused and not self.use_critic and kl_coef == 0
-        fused_out: dict[str, torch.Tensor] | None = None
-        if fused:
-            fused_out = self._forward(exp, grad=True)
-            old_logprobs = fused_out["logprobs"].detach()
-            old_values = fused_out["values"].detach() if self.use_critic else torch.zeros_like(old_logprobs)
-        elif streamed:
-            # Filled in micro-batch by micro-batch below; until then the advantages read them only
-            # multiplied by kl_coef = 0.
-            old_logprobs = torch.zeros_like(exp.rollout_logprobs)
-            old_values = torch.zeros_like(old_logprobs)
-        else:
-            old_logprobs, old_values = self.evaluate_old(exp)
-        # No KL term (beta = 0, no KL loss): no reference pass ran, and the penalty below is an exact 0.
-        has_ref = exp.ref_logprobs is not None
-        ref_logprobs = exp.ref_logprobs if has_ref else old_logprobs
-        estimator = hp.advantage_estimator
+    def _advantages(
+        self, exp: Experience, old_logprobs: torch.Tensor, old_values: torch.Tensor, ref_logprobs: torch.Tensor,
+        kl_coef: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(advantages, returns, per-token KL) over the global batch, all (B, L)."""
+        hp, mask = self.hp, exp.response_mask
         returns = torch.zeros_like(old_logprobs)
-        if estimator in ("gae", "reinforce_pp"):
+        if hp.advantage_estimator in ("gae", "reinforce_pp"):
             rewards, kl = kl_shaped_rewards(
                 exp.scores, old_logprobs, ref_logprobs, mask, kl_coef,
-                kl_kind=hp.kl_estimator, score_clip=self.score_clip,
+                kl_kind=hp.kl_estimator, score_clip=hp.reward_clip,
             )
-            if estimator == "gae":
+            if hp.advantage_estimator == "gae":
                 advantages, returns = gae_advantages(rewards, old_values, mask, gamma=hp.gamma, lam=hp.lam)
                 if hp.whiten_advantages and int(mask.sum()) > 1:
                     advantages = masked_whiten(advantages, mask) * mask
@@ -264,125 +220,198 @@ class PPOLearner:
         else:
             # Group baselines work on sequence rewards: the KL penalty enters as its sequence sum.
             kl = kl_penalty(old_logprobs, ref_logprobs, hp.kl_estimator) * mask
-            scores = exp.scores if self.score_clip is None else exp.scores.clamp(-self.score_clip, self.score_clip)
-            seq_rewards = scores - kl_coef * kl.sum(1)
-            advantages = group_baseline_advantages(seq_rewards, exp.group_ids, mask, estimator=estimator)
-        exp = exp.replace(values=old_values)
+            seq_rewards = exp.scores.clamp(-hp.reward_clip, hp.reward_clip) - kl_coef * kl.sum(1)
+            advantages = group_baseline_advantages(seq_rewards, exp.group_ids, mask, estimator=hp.advantage_estimator)
+        return advantages, returns, kl
+
+    # -- the update ------------------------------------------------------------------------------
+    def train_step(self, batch: Experience) -> dict[str, float]:
+        """One PPO iteration on the global batch (every rank passes the same batch)."""
+        hp, tr, comm = self.hp, self.tr, self.comm
+        t0 = time.perf_counter()
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        self.check_batch(batch)
+        if batch.batch_size == 0 or not bool(batch.response_mask.any()):
+            # Every sample was dropped upstream (failed rewards, over-long prompts): nothing to learn.
+            return {"learner/empty_batch": 1.0, "learner/sequences": float(batch.batch_size)}
+        shards = [batch.shard_rows(r, comm.world) for r in range(comm.world)]
+        rows = shards[comm.rank]
+        t_ref = 0.0
+        self.model.rows_shared = self.model.rows_total = 0
+        if batch.ref_logprobs is None and hp.uses_reference:
+            local_ref = self.reference_logprobs(batch.select(rows)) if rows else torch.zeros(0, batch.seq_len)
+            batch = batch.replace(ref_logprobs=self._gather(local_ref, rows, tuple(batch.input_ids.shape)))
+            t_ref = time.perf_counter() - t0
+        n_truncated = int(batch.truncated.sum())
+        batch = self._apply_truncation(batch)
+        self.model.train()
+        shape = tuple(batch.input_ids.shape)
+        local = batch.select(rows)
+        kl_coef = float(self.kl_ctl.value)
+        # One update on the whole batch (one epoch, one minibatch) from the weights that sampled it
+        # is on-policy: the "old" policy is the current one, so its log-probs come from the
+        # training forward pass itself instead of a second pass over the batch. In one micro-batch
+        # ("fused") that pass also gives the values and KL the advantages need; over several
+        # ("streamed") it works when the advantages depend on the scores alone (no critic, no KL
+        # in the reward). A batch sampled by older weights (async pipelines) always takes the full
+        # old-policy pass: its ratio is not 1.
+        fresh = batch.policy_version == self.version
+        on_policy = fresh and tr.epochs == 1 and tr.num_minibatches == 1
+        fused = on_policy and tr.micro_batch_size >= max(len(s) for s in shards)
+        streamed = on_policy and not fused and not self.use_critic and kl_coef == 0
+        fused_out: dict[str, torch.Tensor] | None = None
+        if fused:
+            fused_out = self._forward(local, grad=True) if rows else None
+            lp = fused_out["logprobs"].detach() if fused_out else torch.zeros(0, batch.seq_len)
+            old_logprobs = self._gather(lp, rows, shape)
+            vals = fused_out["values"].detach() if fused_out and self.use_critic else torch.zeros_like(lp)
+            old_values = self._gather(vals, rows, shape)
+        elif streamed:
+            # Filled micro-batch by micro-batch during the update; until then the advantages read
+            # them only multiplied by kl_coef = 0.
+            old_logprobs = torch.zeros(shape)
+            old_values = torch.zeros(shape)
+        else:
+            lp, vals = self.evaluate_old(local) if rows else (torch.zeros(0, batch.seq_len),) * 2
+            old_logprobs, old_values = self._gather(lp, rows, shape), self._gather(vals, rows, shape)
+        has_ref = batch.ref_logprobs is not None
+        # No KL term (beta = 0, no KL loss): no reference pass ran, and the penalty is an exact 0.
+        ref_logprobs = batch.ref_logprobs if has_ref else old_logprobs
+        advantages, returns, kl = self._advantages(batch, old_logprobs, old_values, ref_logprobs, kl_coef)
         t_prep = time.perf_counter() - t0
 
-        stats: dict[str, list[float]] = {}
-
-        def add(name: str, value: torch.Tensor | float, weight: float = 1.0) -> None:
-            stats.setdefault(name, []).append(float(value.detach() if isinstance(value, torch.Tensor) else value) * weight)
-
-        n_mini = math.ceil(b / mb)
-        gen = torch.Generator().manual_seed(self.version)
-        grad_norms = []
-        for _epoch in range(hp.epochs):
-            order = torch.arange(b) if on_policy else torch.randperm(b, generator=gen)
-            for m in range(n_mini):
-                mini = order[m * mb : (m + 1) * mb]
-                mini_tokens = max(int(mask[mini].sum()), 1)
-                mini_seqs = max(int(mask[mini].any(1).sum()), 1)
-                self.optimizer.zero_grad(set_to_none=True)
-                if fused_out is None:
-                    # Micro-batches of similar length, each trimmed to its longest row (responses
-                    # vary a lot in length, and padding costs as much compute as tokens), with a
-                    # prompt's samples kept together so that they can share its forward pass.
-                    mini = micro_batch_order(exp.attention_mask.sum(1), exp.group_ids, mini)
-                micro_chunks = [mini[i : i + hp.micro_batch_size] for i in range(0, len(mini), hp.micro_batch_size)]
-                for k, micro in enumerate(micro_chunks):
-                    part = exp if fused_out is not None else exp.select(micro).trimmed()
-                    width = part.seq_len
-                    mmask = part.response_mask
-                    # Each micro-batch's share of the minibatch loss, so that the aggregate is
-                    # the same whatever the micro-batch split (gradient accumulation).
-                    if hp.loss_agg == "token_mean":
-                        weight = float(mmask.sum()) / mini_tokens
-                    else:
-                        weight = float(mmask.any(1).sum()) / mini_seqs
-                    sync = self.world == 1 or k == len(micro_chunks) - 1
-                    ctx = self.module.no_sync() if not sync and hasattr(self.module, "no_sync") else contextlib.nullcontext()
-                    with ctx:
-                        out = fused_out if fused_out is not None else self._forward(part, grad=True)
-                        if streamed:
-                            old_logprobs[micro, :width] = out["logprobs"].detach()
-                        pg_loss, pg_stats = policy_loss_clipped(
-                            out["logprobs"], old_logprobs[micro, :width], advantages[micro, :width], mmask,
-                            clip_eps=hp.clip_eps,
-                            loss_agg=hp.loss_agg, loss_agg_constant=self.loss_agg_constant,
-                        )
-                        entropy = masked_mean(out["entropy"], mmask)
-                        loss = pg_loss
-                        if self.use_critic:
-                            vf_loss, vf_stats = value_loss_clipped(
-                                out["values"], old_values[micro, :width], returns[micro, :width], mmask,
-                                clip_eps=hp.value_clip_eps,
-                            )
-                            loss = loss + hp.vf_coef * vf_loss
-                            add("loss/value", vf_loss, weight)
-                            add("value/clip_frac", vf_stats["vf_clip_frac"], weight)
-                        if hp.entropy_coef:
-                            # Entropy is measured detached; the bonus uses -logprob as its estimator.
-                            loss = loss + hp.entropy_coef * masked_mean(out["logprobs"], mmask)
-                        if hp.kl_loss_coef:
-                            kl_term = masked_mean(kl_penalty(out["logprobs"], part.ref_logprobs, "k3"), mmask)
-                            loss = loss + hp.kl_loss_coef * kl_term
-                        if not torch.isfinite(loss):
-                            raise FloatingPointError(f"non-finite PPO loss at minibatch {m}: {float(loss)}")
-                        (loss * weight).backward()
-                    add("loss/policy", pg_loss, weight)
-                    add("loss/total", loss, weight)
-                    add("policy/entropy", entropy, weight)
-                    add("policy/clip_frac", pg_stats["clip_frac"], weight)
-                    add("policy/approx_kl", pg_stats["approx_kl"], weight)
-                gn = torch.nn.utils.clip_grad_norm_(
-                    [p for p in self.model.parameters() if p.grad is not None], hp.max_grad_norm
-                )
-                grad_norms.append(float(gn))
-                self.optimizer.step()
+        stats, grad_norms, local_old = self._update(
+            local, old_logprobs[rows], old_values[rows], advantages[rows], returns[rows],
+            fused_out=fused_out, streamed=streamed, on_policy=on_policy,
+        )
+        if streamed:
+            old_logprobs = self._gather(local_old, rows, shape)
+            ref_logprobs = batch.ref_logprobs if has_ref else old_logprobs
         self.version += 1
-        gap = (old_logprobs - exp.rollout_logprobs).abs()
-        n_updates = hp.epochs * n_mini
-        metrics = {k: sum(v) / n_updates for k, v in stats.items()}
-        resp = mask.sum(1).float()
-        seq_kl = float((kl_penalty(old_logprobs, ref_logprobs, "k1") * mask).sum(1).mean()) if b else 0.0
+
+        mask = batch.response_mask
+        b = batch.batch_size
+        metrics = dict(stats)
         if has_ref:
+            seq_kl = float((kl_penalty(old_logprobs, ref_logprobs, "k1") * mask).sum(1).mean())
+            # One measurement of the global batch: every rank's controller moves the same way.
             self.kl_ctl.update(seq_kl, n_steps=b)
-        if has_ref:
             metrics.update({
                 "kl/ref_seq_k1": seq_kl,
                 "kl/ref_k1": float(masked_mean(kl_penalty(old_logprobs, ref_logprobs, "k1"), mask)),
                 "kl/ref_k3": float(masked_mean(kl_penalty(old_logprobs, ref_logprobs, "k3"), mask)),
             })
-        metrics.update(
-            {
-                "kl/coef": kl_coef,
-                "kl/coef_next": float(self.kl_ctl.value),
-                "response/truncated": float(n_truncated),
-                "learner/ref_s": t_ref,
-                "learner/trainable_fraction": self.trainable_fraction,
-                "policy/grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
-                "kl/penalty_per_seq": float((kl * mask).sum(1).mean()) * kl_coef if b else 0.0,
-                "logprob_gap/mean_abs": float(masked_mean(gap, mask)),
-                "logprob_gap/max_abs": float(gap[mask].max()) if bool(mask.any()) else 0.0,
-                **({
-                    "value/mean": float(masked_mean(old_values, mask)),
-                    "value/returns_mean": float(masked_mean(returns, mask)),
-                    "value/explained_var": _explained_variance(old_values, returns, mask),
-                } if self.use_critic else {}),
-                "advantage/mean": float(masked_mean(advantages, mask)),
-                "response/length_mean": float(resp.mean()) if len(resp) else 0.0,
-                "learner/prep_s": t_prep,
-                "learner/update_s": time.perf_counter() - t0 - t_prep,
-                "learner/tokens": float(mask.sum()),
-                "learner/fused_old_pass": float(fused),
-                "learner/streamed_old_pass": float(streamed),
-                "learner/prefix_shared_frac": self.model.rows_shared / max(self.model.rows_total, 1),
-                "learner/sequences": float(b),
-            }
-        )
+        gap = (old_logprobs - batch.rollout_logprobs).abs()
+        resp = mask.sum(1).float()
+        metrics.update({
+            "kl/coef": kl_coef,
+            "kl/coef_next": float(self.kl_ctl.value),
+            "response/truncated": float(n_truncated),
+            "learner/ref_s": t_ref,
+            "learner/trainable_fraction": self.trainable_fraction,
+            "learner/lr": lr,
+            "policy/grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
+            "kl/penalty_per_seq": float((kl * mask).sum(1).mean()) * kl_coef,
+            "logprob_gap/mean_abs": float(masked_mean(gap, mask)),
+            "logprob_gap/max_abs": float(gap[mask].max()) if bool(mask.any()) else 0.0,
+            "advantage/mean": float(masked_mean(advantages, mask)),
+            "response/length_mean": float(resp.mean()),
+            "learner/prep_s": t_prep,
+            "learner/update_s": time.perf_counter() - t0 - t_prep,
+            "learner/tokens": float(mask.sum()),
+            "learner/fused_old_pass": float(fused),
+            "learner/streamed_old_pass": float(streamed),
+            "learner/stale_batch": float(not fresh),
+            "learner/prefix_shared_frac": self.model.rows_shared / max(self.model.rows_total, 1),
+            "learner/sequences": float(b),
+            "learner/local_sequences": float(len(rows)),
+        })
+        if self.use_critic:
+            metrics.update({
+                "value/mean": float(masked_mean(old_values, mask)),
+                "value/returns_mean": float(masked_mean(returns, mask)),
+                "value/explained_var": _explained_variance(old_values, returns, mask),
+            })
         return metrics
+
+    def _update(
+        self, local: Experience, old_logprobs: torch.Tensor, old_values: torch.Tensor, advantages: torch.Tensor,
+        returns: torch.Tensor, *, fused_out: dict[str, torch.Tensor] | None, streamed: bool, on_policy: bool,
+    ) -> tuple[dict[str, float], list[float], torch.Tensor]:
+        """Minibatch epochs over this rank's rows; returns global stats, grad norms and (streamed)
+        the old log-probs the training passes produced."""
+        hp, tr, comm = self.hp, self.tr, self.comm
+        n = local.batch_size
+        mask = local.response_mask
+        totals = {k: torch.zeros((), dtype=torch.float64) for k in _STATS}
+        grad_norms: list[float] = []
+        gen = torch.Generator().manual_seed(self.ctx.seed * 1_000_003 + self.version * 1009 + comm.rank)
+        for _epoch in range(tr.epochs):
+            order = torch.arange(n) if on_policy else torch.randperm(n, generator=gen)
+            for mini in torch.tensor_split(order, tr.num_minibatches):
+                # Normalisers of the *global* minibatch: every rank's share of it, summed.
+                counts = torch.tensor([float(mask[mini].sum()), float(mask[mini].any(1).sum())], dtype=torch.float64)
+                g_tokens, g_seqs = (max(float(c), 1.0) for c in comm.all_reduce_sum(counts))
+                self.optimizer.zero_grad(set_to_none=True)
+                if fused_out is None and len(mini):
+                    # Micro-batches of similar length, each trimmed to its longest row, with a
+                    # prompt's samples kept together so that they can share its forward pass.
+                    mini = micro_batch_order(local.attention_mask.sum(1), local.group_ids, mini)
+                micros = [mini] if fused_out is not None else list(torch.split(mini, tr.micro_batch_size))
+                for micro in micros:
+                    if not len(micro):
+                        continue
+                    part = local if fused_out is not None else local.select(micro).trimmed()
+                    width, mmask = part.seq_len, part.response_mask
+                    w_tok = float(mmask.sum()) / g_tokens
+                    # The policy loss's share of its minibatch: by tokens or by sequences (loss_agg),
+                    # so the sum over micro-batches and ranks is the global minibatch aggregate.
+                    w_agg = w_tok if hp.loss_agg == "token_mean" else float(mmask.any(1).sum()) / g_seqs
+                    out = fused_out if fused_out is not None else self._forward(part, grad=True)
+                    if streamed:
+                        old_logprobs[micro, :width] = out["logprobs"].detach()
+                    pg_loss, pg_stats = policy_loss_clipped(
+                        out["logprobs"], old_logprobs[micro, :width], advantages[micro, :width], mmask,
+                        clip_eps=hp.clip_eps, loss_agg=hp.loss_agg, loss_agg_constant=self.loss_agg_constant,
+                    )
+                    loss = pg_loss * w_agg
+                    if self.use_critic:
+                        vf_loss, vf_stats = value_loss_clipped(
+                            out["values"], old_values[micro, :width], returns[micro, :width], mmask,
+                            clip_eps=hp.value_clip_eps,
+                        )
+                        loss = loss + hp.vf_coef * vf_loss * w_tok
+                        totals["loss/value"] += float(vf_loss.detach()) * w_tok
+                        totals["value/clip_frac"] += float(vf_stats["vf_clip_frac"]) * w_tok
+                    if hp.entropy_coef:
+                        # Entropy is measured detached; the bonus uses -logprob as its estimator.
+                        loss = loss + hp.entropy_coef * masked_mean(out["logprobs"], mmask) * w_tok
+                    if hp.kl_loss_coef:
+                        kl_term = masked_mean(kl_penalty(out["logprobs"], part.ref_logprobs, "k3"), mmask)
+                        loss = loss + hp.kl_loss_coef * kl_term * w_tok
+                    if not torch.isfinite(loss):
+                        raise FloatingPointError(f"non-finite PPO loss: {float(loss)}")
+                    loss.backward()
+                    totals["loss/policy"] += float(pg_loss.detach()) * w_agg
+                    totals["loss/total"] += float(loss.detach())
+                    totals["policy/entropy"] += float(masked_mean(out["entropy"], mmask)) * w_tok
+                    totals["policy/clip_frac"] += float(pg_stats["clip_frac"]) * w_tok
+                    totals["policy/approx_kl"] += float(pg_stats["approx_kl"]) * w_tok
+                comm.sum_gradients(self.trainable)
+                if self.on_gradients is not None:
+                    self.on_gradients(self.trainable)
+                gn = torch.nn.utils.clip_grad_norm_([p for p in self.trainable if p.grad is not None], tr.max_grad_norm)
+                grad_norms.append(float(gn))
+                self.optimizer.step()
+                self.scheduler.step()
+        n_updates = tr.epochs * tr.num_minibatches
+        keys = list(_STATS)
+        summed = comm.all_reduce_sum(torch.stack([totals[k] for k in keys]))
+        stats = {k: float(v) / n_updates for k, v in zip(keys, summed)}
+        if not self.use_critic:
+            stats.pop("loss/value")
+            stats.pop("value/clip_frac")
+        return stats, grad_norms, old_logprobs
 
     # -- weights out -----------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -417,14 +446,29 @@ class PPOLearner:
         with self.policy_weights() as sd:
             return {k: v.detach().clone() for k, v in sd.items()}
 
-    def trainer_state(self) -> dict[str, Any]:
-        return {"version": self.version, "kl_controller": self.kl_ctl.state_dict(), "lora": self.lora}
+    # -- checkpoints -----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "kl_controller": self.kl_ctl.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+            "lora": self.lora,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if bool(state.get("lora")) != self.lora:
+            raise ValueError(f"checkpoint was trained with lora={state.get('lora')}, this learner has lora={self.lora}")
+        self.version = int(state["version"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.kl_ctl.load_state_dict(state["kl_controller"])
+        torch.set_rng_state(state["torch_rng"])
 
     def save(self, folder: str | Path, tokenizer_from: str | None = None) -> Path:
-        """transformers-loadable safetensors folder (LoRA merged), plus the value head, the LoRA
-        adapter (``adapter/``) and the trainer state (KL controller) beside it."""
-        import json
-
+        """A model folder (LoRA merged) that transformers and vLLM load as it is; the value head in
+        ``critic/``, the adapter in ``adapter/``, the training state in ``trainer_state/``."""
         from safetensors.torch import save_file
 
         folder = Path(folder)
@@ -434,14 +478,41 @@ class PPOLearner:
             base.save_pretrained(str(folder), state_dict={k: v.detach().clone() for k, v in sd.items()},
                                  safe_serialization=True)
         if self.lora:
-            self.model.lm.save_pretrained(str(folder / "adapter"))
-        save_file({k: v.detach().contiguous() for k, v in self.model.value_head.state_dict().items()}, str(folder / "value_head.safetensors"))
-        (folder / "trainer_state.json").write_text(json.dumps(self.trainer_state(), indent=1))
+            self.model.lm.save_pretrained(str(folder / ADAPTER_DIR))
+        if self.use_critic:
+            (folder / CRITIC_DIR).mkdir(exist_ok=True)
+            save_file({k: v.detach().contiguous() for k, v in self.model.value_head.state_dict().items()},
+                      str(folder / CRITIC_DIR / "value_head.safetensors"))
+        path = save_learner_state(folder, self.state_dict())
+        (path.parent / "learner.json").write_text(json.dumps(
+            {"algorithm": self.name, "version": self.version, "lora": self.lora,
+             "kl_controller": self.kl_ctl.state_dict()}, indent=1))
         if tokenizer_from:
             from transformers import AutoTokenizer
 
             AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(str(folder))
         return folder
+
+    def restore(self, folder: str | Path) -> None:
+        from safetensors.torch import load_file
+
+        folder = Path(folder)
+        if self.lora:
+            from peft import set_peft_model_state_dict
+
+            adapter = load_file(str(folder / ADAPTER_DIR / "adapter_model.safetensors"))
+            result = set_peft_model_state_dict(self.model.lm, adapter)
+            if getattr(result, "unexpected_keys", None):
+                raise ValueError(f"adapter in {folder} does not fit this model: {result.unexpected_keys[:3]}")
+        else:
+            missing, unexpected = self.model.lm.load_state_dict(load_model_weights(folder), strict=False)
+            if unexpected or set(missing) - {"lm_head.weight"}:
+                raise ValueError(f"{folder} does not fit this model (missing {missing[:3]}, unexpected {unexpected[:3]})")
+            self.model.lm.tie_weights()
+        critic = folder / CRITIC_DIR / "value_head.safetensors"
+        if self.use_critic and critic.is_file():
+            self.model.value_head.load_state_dict(load_file(str(critic)))
+        self.load_state_dict(load_learner_state(folder))
 
 
 def _explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:

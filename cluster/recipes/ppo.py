@@ -1,0 +1,92 @@
+"""PPO / GRPO-family recipe (Ouyang et al. 2022, fig. 2 step 3; Shao et al. 2024, alg. 1):
+
+    for each step:
+        prompts    <- sample a batch of prompts
+        experience <- generators sample responses (rollout log-probs, policy version)
+        experience <- scorer adds task rewards
+        experience <- reference adds its log-probs (when a KL term needs them)
+        learners   <- PPO update on the batch (advantages, clipped losses)
+        generators <- the learners' new weights
+
+Placement, object refs and data-parallel details live in ``cluster/actor_groups.py`` and
+``cluster/learner_group.py``; this file is the algorithm's loop.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+
+from cluster.actor_groups import RolloutGroup
+from cluster.learner_group import LearnerGroup, learner_spec
+from cluster.metrics import step_metrics
+from cluster.run_context import PromptSampler, RunContext, RunResult, greedy_accuracy
+
+
+def sampling_seed(run_seed: int, step: int) -> int:
+    """Seed of a step's sampling: a function of the step, so a resumed run samples as the
+    uninterrupted one would."""
+    return run_seed * 100_003 + step
+
+
+def run(ctx: RunContext, model_path: str, train_set, eval_set) -> RunResult:
+    cfg = ctx.cfg
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    resume = str(ctx.resume_from) if ctx.resume_from else None
+    rollout = RolloutGroup(cfg, model_path, policy_path=resume, policy_version=int(ctx.run_state["version"]))
+    learners = LearnerGroup(learner_spec(cfg, model_path, pad_id, resume_from=resume), ctx.dir / "ray_train")
+    try:
+        rollout.wait_ready()
+        info = learners.wait_ready()
+        ref_role = ("no reference (no KL term)" if not cfg.ppo.uses_reference else
+                    "reference = base model with the LoRA adapter disabled, in the learner" if cfg.lora.enabled else
+                    "1 reference")
+        print(f"[rayrlhf] roles ready: {cfg.rollout.num_generators} generator(s), 1 scorer, {ref_role}, "
+              f"{cfg.cluster.num_learners} learner(s); {cfg.ppo.advantage_estimator} advantages, trainable "
+              f"fraction {info['trainable_fraction']:.4f}"
+              + (f"; resumed from {resume} (step {ctx.start_step}, policy version {info['version']})" if resume else ""),
+              flush=True)
+        sampler = PromptSampler(len(train_set.rows), cfg.rollout.prompts_per_step, cfg.run.seed,
+                                **ctx.run_state["sampler"])
+        for step in ctx.steps():
+            prompt_ids = sampler.next()
+            prompts = [train_set.rows[i] for i in prompt_ids]
+            with ctx.phase("generate"):
+                exp, gen_stats = rollout.generate(prompts, prompt_ids, seed=sampling_seed(cfg.run.seed, step))
+                gen_stats = ray.get(gen_stats)
+            with ctx.phase("score"):
+                exp, score_stats = rollout.score(exp)
+                score_stats = ray.get(score_stats)
+            with ctx.phase("reference"):
+                exp, ref_stats = rollout.annotate_reference(exp)
+                ref_stats = ray.get(ref_stats)
+            save_dir = ctx.checkpoint_dir(step)
+            with ctx.phase("learn"):
+                result = learners.learn(step, exp, save_dir=save_dir)
+            with ctx.phase("sync"):
+                load_times = rollout.sync_weights(result["weights"][0])
+            if result.get("saved"):
+                ctx.finish_checkpoint(result["saved"], step, sampler, result["version"])
+
+            row: dict[str, Any] = {"skipped_at_load": dict(train_set.skipped), "data/prompt_ids": prompt_ids}
+            row.update(step_metrics(gen_stats, score_stats, result["metrics"]))
+            row["reference/in_learner"] = rollout.reference is None and cfg.ppo.uses_reference
+            row["sync/load_s"] = max(load_times)
+            row["memory/generator_peak_gb"] = max(s["peak_rss_gb"] for s in gen_stats)
+            row["memory/scorer_peak_gb"] = max(s["peak_rss_gb"] for s in score_stats)
+            if ref_stats:
+                row["memory/reference_peak_gb"] = max(s["peak_rss_gb"] for s in ref_stats)
+            if result.get("saved"):
+                row["checkpoint"] = result["saved"]
+            if ctx.eval_due(step):
+                with ctx.phase("eval"):
+                    row.update(greedy_accuracy(rollout, eval_set.rows))
+            ctx.log_step(step, row)
+    finally:
+        learners.stop()
+        rollout.shutdown()
+    return ctx.result()

@@ -1,0 +1,259 @@
+"""What every recipe shares: checks before start, the cluster connection, the run directory,
+per-phase timers, metrics and progress, evaluation, checkpoints and resume.
+
+A recipe (``cluster/recipes/<algorithm>.py``) holds only its algorithm's loop; everything here
+is the same for every algorithm.
+
+Checkpoints: ``checkpoints/step_NNNNN/`` is a model folder (see ``learners/base.py``); the run's
+own state (step, prompt-sampler position, driver RNG, policy version) and the config go into its
+``trainer_state/`` beside the learner's. ``run_state.json`` is written last: a checkpoint without
+it is incomplete (a crash mid-save) and never resumed from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Iterator
+
+import yaml
+
+from cluster.config import Config, UserError
+from cluster.metrics import RunLog
+
+log = logging.getLogger("rayrlhf.run")
+
+RUN_STATE_FILE = "run_state.json"
+CHECKPOINTS_DIR = "checkpoints"
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    history: list[dict[str, Any]]
+    final_checkpoint: Path | None
+    seconds: float
+
+
+class PromptSampler:
+    """Epoch-wise shuffled prompt indices. The order is a pure function of (seed, epoch), so the
+    sampler's whole state is the number of prompts consumed: a resumed run continues exactly
+    where the interrupted one stopped, none repeated or skipped."""
+
+    def __init__(self, num_rows: int, per_step: int, seed: int, consumed: int = 0) -> None:
+        if num_rows < 1:
+            raise ValueError("no prompts to sample from")
+        self.num_rows, self.per_step, self.seed, self.consumed = num_rows, per_step, seed, consumed
+        self._perm: tuple[int, list[int]] | None = None
+
+    def _epoch(self, epoch: int) -> list[int]:
+        if self._perm is None or self._perm[0] != epoch:
+            order = list(range(self.num_rows))
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+            self._perm = (epoch, order)
+        return self._perm[1]
+
+    def next(self) -> list[int]:
+        out: list[int] = []
+        while len(out) < self.per_step:
+            epoch, pos = divmod(self.consumed, self.num_rows)
+            take = min(self.per_step - len(out), self.num_rows - pos)
+            out += self._epoch(epoch)[pos : pos + take]
+            self.consumed += take
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        return {"consumed": self.consumed}
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint of a run directory (one whose run state was written)."""
+    folders = sorted(Path(run_dir, CHECKPOINTS_DIR).glob("step_*"))
+    complete = [f for f in folders if (f / "trainer_state" / RUN_STATE_FILE).is_file()]
+    return complete[-1] if complete else None
+
+
+def preflight(cfg: Config) -> tuple[str, Any, Any]:
+    """Resolves what the user named (model, prompts, reward function) before anything starts;
+    a missing or broken one raises UserError with one clear line."""
+    from actors.scorer import resolve_reward_fn
+    from actors.tasks import load_prompts
+    from cluster.assets import resolve_model
+
+    try:
+        model_path = resolve_model(cfg.model.path, cfg.model.cache_dir or None)
+    except FileNotFoundError as e:
+        raise UserError(str(e)) from None
+    try:
+        train_set, eval_set = load_prompts(
+            cfg.data.task, cfg.data.train_size, cfg.data.eval_size, cfg.run.seed, cfg.data.task_kwargs,
+            cfg.data.instruction,
+        )
+    except (FileNotFoundError, ValueError) as e:
+        raise UserError(f"data.task: {e}") from None
+    try:
+        resolve_reward_fn(cfg.reward.function)
+    except ValueError as e:
+        raise UserError(f"reward.function: {e}") from None
+    return model_path, train_set, eval_set
+
+
+class RunContext:
+    """One run: its directory, log, timers, checkpoints and (when resuming) the state to continue."""
+
+    def __init__(self, cfg: Config, run_dir: str | Path | None = None, resume: bool = False) -> None:
+        self.cfg = cfg
+        self.t_start = time.time()
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+        self.dir = Path(run_dir) if run_dir else Path(cfg.run.output_dir) / f"{cfg.run.name}-{stamp}"
+        self.resume_from: Path | None = None
+        self.run_state: dict[str, Any] = {"step": 0, "sampler": {"consumed": 0}, "version": 0}
+        if resume:
+            ckpt = latest_checkpoint(self.dir)
+            if ckpt is None:
+                raise UserError(f"--resume {self.dir}: no complete checkpoint under {self.dir / CHECKPOINTS_DIR}")
+            self.resume_from = ckpt
+            self.run_state = json.loads((ckpt / "trainer_state" / RUN_STATE_FILE).read_text())
+            random.setstate(_tuple_state(self.run_state["python_rng"]))
+        else:
+            random.seed(cfg.run.seed)
+        self.start_step = int(self.run_state["step"])
+        self.runlog = RunLog(self.dir, cfg.run.steps, keep_until_step=self.start_step if resume else None)
+        self.runlog.save_config(cfg.to_dict())
+        self.final_checkpoint: Path | None = None
+        self.times: dict[str, float] = {}
+        self.started_cluster = False
+
+    # -- cluster ---------------------------------------------------------------------------------
+    def connect(self) -> None:
+        """Joins the configured / ambient cluster, else starts a local one."""
+        import ray
+
+        cfg = self.cfg
+        if ray.is_initialized():
+            return
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        address = cfg.cluster.address or os.environ.get("RAY_ADDRESS", "")
+        # Job-wide default for every worker, Ray Train's included: Ray would otherwise pin each
+        # process's OpenMP pool to its reserved CPUs (often 1); the roles work one phase at a time.
+        env_vars = {
+            "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false",
+            "OMP_NUM_THREADS": str(cfg.cluster.threads or os.cpu_count() or 1),
+        }
+        if address:
+            ray.init(address=address, runtime_env={"env_vars": env_vars}, log_to_driver=True)
+            return
+        needed = (
+            cfg.rollout.num_generators * cfg.rollout.cpus_per_generator
+            + cfg.cluster.num_learners * cfg.cluster.cpus_per_learner
+            + cfg.cluster.cpus_per_reference
+            + 1
+        )
+        kwargs: dict[str, Any] = dict(
+            num_cpus=cfg.cluster.num_cpus or max(os.cpu_count() or 1, math.ceil(needed)),
+            include_dashboard=cfg.cluster.include_dashboard, dashboard_host=cfg.cluster.dashboard_host,
+            runtime_env={"env_vars": env_vars},
+        )
+        if cfg.cluster.temp_dir:
+            kwargs["_temp_dir"] = cfg.cluster.temp_dir
+        ray.init(**kwargs)
+        self.started_cluster = True
+
+    def close(self) -> None:
+        import ray
+
+        if self.started_cluster:
+            ray.shutdown()
+
+    # -- the loop --------------------------------------------------------------------------------
+    def steps(self) -> range:
+        """The steps still to run (all of them, or those after the resumed checkpoint)."""
+        return range(self.start_step + 1, self.cfg.run.steps + 1)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Times one phase of a step into ``time/<name>_s``."""
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[f"time/{name}_s"] = time.perf_counter() - t
+
+    def checkpoint_dir(self, step: int) -> str | None:
+        """Where this step's checkpoint goes, if one is due."""
+        run = self.cfg.run
+        last = step == run.steps
+        if (run.save_every and step % run.save_every == 0) or (last and run.save_final):
+            return str((self.dir / CHECKPOINTS_DIR / f"step_{step:05d}").resolve())
+        return None
+
+    def eval_due(self, step: int) -> bool:
+        every = self.cfg.run.eval_every
+        return bool(every) and (step % every == 0 or step == self.cfg.run.steps or step == 1)
+
+    def finish_checkpoint(self, folder: str, step: int, sampler: PromptSampler, version: int) -> None:
+        """Adds the run's state to a checkpoint the learner wrote, then prunes old ones."""
+        state_dir = Path(folder) / "trainer_state"
+        state_dir.mkdir(parents=True, exist_ok=True)
+        (state_dir / "config.yaml").write_text(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
+        state = {"step": step, "sampler": sampler.state_dict(), "version": version,
+                 "python_rng": random.getstate()}
+        tmp = state_dir / (RUN_STATE_FILE + ".tmp")
+        tmp.write_text(json.dumps(state))
+        tmp.replace(state_dir / RUN_STATE_FILE)
+        self.final_checkpoint = Path(folder)
+        self._prune()
+
+    def _prune(self) -> None:
+        keep = self.cfg.run.keep_last
+        if not keep:
+            return
+        folders = sorted((self.dir / CHECKPOINTS_DIR).glob("step_*"))
+        for old in folders[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def log_step(self, step: int, row: dict[str, Any]) -> None:
+        row = {"step": step, **row, **self.times}
+        row["time/step_s"] = sum(v for k, v in self.times.items() if k != "time/eval_s")
+        row["time/elapsed_s"] = time.time() - self.t_start
+        self.times = {}
+        self.runlog.log(row)
+        self.runlog.progress(row)
+
+    def result(self) -> RunResult:
+        if self.cfg.run.plot:
+            self.runlog.plot()
+        seconds = time.time() - self.t_start
+        print(f"[rayrlhf] done in {seconds:.0f}s; metrics: {self.runlog.path}"
+              + (f"; checkpoint: {self.final_checkpoint}" if self.final_checkpoint else ""), flush=True)
+        return RunResult(self.dir, self.runlog.rows, self.final_checkpoint, seconds)
+
+
+def greedy_accuracy(rollout: Any, rows: list[dict]) -> dict[str, float]:
+    """Greedy accuracy on held-out prompts (score >= 1 counts as solved)."""
+    import ray
+
+    if not rows:
+        return {}
+    exp_refs, _ = rollout.generate(rows, list(range(len(rows))), greedy=True)
+    _, score_stats = rollout.score(exp_refs)
+    scores = [x for s in ray.get(score_stats) for x in s["scores"]]
+    return {
+        "eval/accuracy": sum(1.0 for x in scores if x >= 1.0) / max(len(scores), 1),
+        "eval/mean_score": sum(scores) / max(len(scores), 1),
+        "eval/n": float(len(scores)),
+    }
+
+
+def _tuple_state(state: Any) -> Any:
+    """JSON turned random.getstate()'s tuples into lists; random.setstate wants them back."""
+    return tuple(_tuple_state(x) for x in state) if isinstance(state, list) else state

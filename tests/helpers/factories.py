@@ -1,0 +1,100 @@
+"""Shared test factories: tiny ragged batches, experience records and learners.
+
+Every unit test that needs a batch or a learner builds it here, so the shapes that real
+rollouts have (ragged, right-padded responses; groups of unequal size) are written once.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from cluster.config import LoRAConfig, PPOConfig, TrainConfig
+from learners.base import LearnerContext
+from learners.distributed import Collective
+from learners.experience import Experience
+from learners.modeling import sequence_logprobs
+
+
+def ragged_batch(vocab: int, b: int = 6, prompt: int = 5, resp: int = 7, seed: int = 0):
+    """(input_ids, attention_mask, response_mask): random tokens, responses of length resp,
+    resp-1, resp-2 (cycling), right-padded with 0."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (b, prompt + resp), generator=g)
+    att = torch.ones_like(ids, dtype=torch.bool)
+    rm = torch.zeros_like(att)
+    rm[:, prompt:] = True
+    for i in range(b):
+        cut = prompt + resp - (i % 3)
+        att[i, cut:] = False
+        rm[i, cut:] = False
+        ids[i, cut:] = 0
+    return ids, att, rm
+
+
+def grouped_batch(vocab: int, groups: Sequence[int], prompt_lens: dict[int, int] | None = None, seed: int = 0):
+    """Rows whose ``groups`` entries are equal share a prompt (as a prompt's samples do), with
+    ragged responses; groups may be interleaved. Returns ids, attention mask, response mask."""
+    g = torch.Generator().manual_seed(seed)
+    prompt_lens = prompt_lens or {}
+    prompts = {gid: torch.randint(3, vocab, (prompt_lens.get(gid, 4 + k % 3),), generator=g)
+               for k, gid in enumerate(dict.fromkeys(groups))}
+    resp_lens = [2 + (i * 5) % 6 for i in range(len(groups))]
+    length = max(len(prompts[gid]) + r for gid, r in zip(groups, resp_lens)) + 1
+    ids = torch.zeros(len(groups), length, dtype=torch.long)
+    att = torch.zeros(len(groups), length, dtype=torch.bool)
+    rm = torch.zeros_like(att)
+    for i, (gid, r) in enumerate(zip(groups, resp_lens)):
+        p = prompts[gid]
+        ids[i, : len(p)] = p
+        ids[i, len(p) : len(p) + r] = torch.randint(3, vocab, (r,), generator=g)
+        att[i, : len(p) + r] = True
+        rm[i, len(p) : len(p) + r] = True
+    return ids, att, rm
+
+
+def experience(
+    lm: Any, ids: torch.Tensor, att: torch.Tensor, rm: torch.Tensor, scores: Sequence[float], *,
+    groups: Sequence[int] | None = None, truncated: Sequence[bool] | None = None, ref_shift: float | None = 0.0,
+    version: int = 0,
+) -> Experience:
+    """A scored record whose rollout log-probs are ``lm``'s own (an on-policy batch);
+    ``ref_shift``: reference log-probs = rollout log-probs - shift (None: no reference)."""
+    with torch.no_grad():
+        lp = sequence_logprobs(lm, ids, att, rm)
+    b = ids.shape[0]
+    return Experience(
+        input_ids=ids, attention_mask=att, response_mask=rm, rollout_logprobs=lp,
+        group_ids=torch.tensor(list(groups) if groups is not None else list(range(b))),
+        truncated=torch.tensor(list(truncated) if truncated is not None else [False] * b), policy_version=version,
+        completions=[""] * b, meta=[{}] * b, scores=torch.tensor(list(scores), dtype=torch.float32),
+        ref_logprobs=None if ref_shift is None else lp - ref_shift,
+    ).validate()
+
+
+def tiny_lm(path: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+def make_learner(
+    path: str, *, train: dict | None = None, ppo: dict | None = None, lora: dict | None = None,
+    comm: Collective | None = None, seed: int = 0, total_steps: int = 10, max_new_tokens: int = 16,
+):
+    """A PPO learner on the tiny model; ``train``/``ppo``/``lora`` override config fields."""
+    from learners.ppo import PPOLearner
+
+    tr = TrainConfig(**{"bf16": False, "micro_batch_size": 8, **(train or {})})
+    hp = PPOConfig(**(ppo or {}))
+    ctx = LearnerContext(
+        model_path=path, seed=seed, total_steps=total_steps, max_new_tokens=max_new_tokens,
+        lora=LoRAConfig(enabled=True, **lora) if lora else None, comm=comm,
+    )
+    return PPOLearner.build(ctx, tr, hp)
+
+
+def flat_grads(params: Sequence[torch.nn.Parameter]) -> torch.Tensor:
+    """Every gradient in one vector (zeros for parameters without one)."""
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).clone() for p in params])
