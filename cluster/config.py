@@ -12,6 +12,7 @@ schema.
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any, Literal
@@ -346,7 +347,7 @@ def read_yaml(path: str | Path) -> dict:
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None, base: dict | None = None) -> Config:
     """Reads a YAML preset (or ``base``, or the defaults), applies ``section.key=value`` overrides,
     validates."""
-    data: dict = dict(base or {})
+    data: dict = copy.deepcopy(base or {})
     if path is not None:
         data = read_yaml(path)
     for assignment in overrides or []:
@@ -356,7 +357,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 def check_resume_compatible(saved: Config, new: Config) -> None:
     """Refuses a resumed config that changes what a checkpoint cannot carry over."""
-    changed = [k for k in IMMUTABLE_ON_RESUME if saved.get(k) != new.get(k)]
+    keys = [k for k in IMMUTABLE_ON_RESUME if not k.startswith("lora.") or k == "lora.enabled" or saved.lora.enabled]
+    changed = [k for k in keys if saved.get(k) != new.get(k)]
     if changed:
         raise ConfigError(
             "cannot resume with a different " + ", ".join(

@@ -54,3 +54,34 @@ def test_cli_rejects_a_wrong_config_key_before_starting_anything(tmp_path):
     )
     assert proc.returncode == 2
     assert "ppo.learning_rate" in proc.stderr and "valid keys" in proc.stderr
+
+
+@pytest.mark.parametrize("override, words", [
+    ("data.task=jsonl:/nonexistent/prompts.jsonl", "prompt file not found"),
+    ("data.task=no_such_task", "no_such_task"),
+    ("reward.function=no_such_module:score", "cannot import module"),
+    ("model.path=/nonexistent/model", "neither a built-in asset"),
+])
+def test_cli_reports_user_errors_in_one_line(tmp_path, override, words):
+    """What the user named must exist: one clear line and exit code 2, no traceback, nothing started."""
+    proc = subprocess.run(
+        [str(Path(sys.executable).parent / "rayrlhf"), "train", "configs/ppo_tiny.yaml", "--set", override,
+         "--set", f"run.output_dir={tmp_path}"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("rayrlhf:")]
+    assert len(lines) == 1 and words in lines[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert not any(tmp_path.iterdir())  # no run directory was created
+
+
+def test_cli_resume_refuses_a_changed_model(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text((ROOT / "configs" / "ppo_tiny.yaml").read_text())
+    proc = subprocess.run(
+        [str(Path(sys.executable).parent / "rayrlhf"), "train", "--resume", str(run), "--set", "model.path=smollm2-135m"],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )
+    assert proc.returncode == 2 and "cannot resume with a different model.path" in proc.stderr, proc.stderr

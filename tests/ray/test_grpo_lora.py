@@ -39,8 +39,8 @@ def test_grpo_learns_the_tiny_task(ray_cluster, tiny_model_path, tmp_path):
 
 def test_lora_learns_with_reference_from_disabled_adapter(ray_cluster, tiny_model_path, tmp_path):
     cfg = load_config(ROOT / "configs" / "ppo_tiny.yaml", [
-        "run.steps=20", "lora.enabled=true", "lora.r=8", "lora.alpha=16", "ppo.lr=2e-2", "run.plot=false",
-        "ppo.gradient_checkpointing=true",
+        "run.steps=20", "lora.enabled=true", "lora.r=8", "lora.alpha=16", "train.lr=2e-2", "run.plot=false",
+        "train.gradient_checkpointing=true",
     ])
     result = train(cfg, run_dir=tmp_path / "run")
     rows = _rows(tmp_path / "run")
@@ -56,7 +56,7 @@ def test_lora_learns_with_reference_from_disabled_adapter(ray_cluster, tiny_mode
     assert max(r["logprob_gap/max_abs"] for r in rows) < 1e-3
     ckpt = result.final_checkpoint
     assert (ckpt / "model.safetensors").is_file() and (ckpt / "adapter" / "adapter_config.json").is_file()
-    state = json.loads((ckpt / "trainer_state.json").read_text())
+    state = json.loads((ckpt / "trainer_state" / "learner.json").read_text())
     assert state["lora"] is True and "value" in state["kl_controller"]
 
 
@@ -70,8 +70,9 @@ def test_two_data_parallel_learners(ray_cluster, tiny_model_path, tmp_path):
     train(cfg, run_dir=tmp_path / "run")
     rows = _rows(tmp_path / "run")
     assert len(rows) == 3
-    # Metrics are averaged over both ranks; each rank saw whole groups (3 of 15 sequences padded).
-    assert all(r["learner/sequences"] == 9.0 for r in rows)
+    # Metrics are global; each rank trained on whole groups (3 and 2 of the 5 prompts), no padding.
+    assert all(r["learner/sequences"] == 15.0 for r in rows)
+    assert all(r["learner/local_sequences"] == 9.0 for r in rows)  # rank 0: groups 1, 3, 5
     # Finite (a group whose samples all score the same has zero advantage, so zero is allowed).
     assert all(r["policy/grad_norm"] == r["policy/grad_norm"] and r["loss/policy"] is not None for r in rows)
     assert max(r["logprob_gap/max_abs"] for r in rows) < 1e-3

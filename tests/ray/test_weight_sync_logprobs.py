@@ -4,7 +4,7 @@ import pytest
 import ray
 import torch
 
-from cluster.actor_groups import GeneratorWorker
+from cluster.actor_groups import GeneratorWorker, generator_config
 from cluster.config import load_config
 from cluster.weight_sync import pack
 from learners.modeling import sequence_logprobs
@@ -21,7 +21,7 @@ def test_vllm_and_trainer_logprobs_agree_across_a_sync(ray_cluster, tiny_model_p
 
     cfg = load_config(overrides=["model.generator_dtype=float32", "model.max_new_tokens=16", "model.max_prompt_tokens=64",
                                  "rollout.samples_per_prompt=2"])
-    gen = ray.remote(GeneratorWorker).options(num_cpus=1).remote(tiny_model_path, cfg, 0)
+    gen = ray.remote(GeneratorWorker).options(num_cpus=1).remote(generator_config(cfg, tiny_model_path))
     ray.get(gen.ready.remote())
     rows = [{"prompt": f"What is {i} + {i + 1}?", "meta": {"question": str(i)}} for i in range(6)]
 

@@ -1,8 +1,17 @@
+import json
 from pathlib import Path
 
 import pytest
 
-from cluster.config import Config, ConfigError, config_help, load_config
+from cluster.config import (
+    MOVED_KEYS,
+    Config,
+    ConfigError,
+    check_resume_compatible,
+    config_help,
+    config_schema,
+    load_config,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -12,12 +21,15 @@ def test_defaults_are_valid_and_documented():
     assert isinstance(cfg, Config)
     assert cfg.cluster.dashboard_host == "127.0.0.1"
     assert cfg.model.trust_remote_code is False
+    # The default update is the on-policy single update.
+    assert cfg.train.epochs == 1 and cfg.train.num_minibatches == 1
     text = config_help()
     # Every field carries a help string.
     for line in text.splitlines():
         if line.startswith("      "):
             assert line.strip(), "empty help string"
     assert "kl_coef" in text and "beta" in text
+    assert "train:" in text and "num_minibatches" in text
 
 
 @pytest.mark.parametrize("preset", sorted(p.name for p in (ROOT / "configs").glob("*.yaml")))
@@ -29,22 +41,118 @@ def test_presets_validate(preset):
 def test_unknown_key_is_named(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("ppo:\n  learning_rate: 0.1\n")
-    with pytest.raises(ConfigError, match="ppo.learning_rate"):
+    with pytest.raises(ConfigError, match="ppo.learning_rate") as info:
         load_config(f)
+    # The message lists what the section does accept.
+    assert "valid keys" in str(info.value) and "clip_eps" in str(info.value)
     with pytest.raises(ConfigError, match="'bogus'"):
         load_config(overrides=["bogus.x=1"])
+    with pytest.raises(ConfigError, match="train.learning_rate.*valid keys"):
+        load_config(overrides=["train.learning_rate=0.1"])
+
+
+@pytest.mark.parametrize("old", sorted(MOVED_KEYS))
+def test_moved_keys_say_where_they_went(tmp_path, old):
+    section, key = old.split(".")
+    value = {"rollout.truncation": "mask", "reward.clip": 5.0}.get(old, 1)
+    f = tmp_path / "old.yaml"
+    f.write_text(f"{section}:\n  {key}: {json.dumps(value)}\n")
+    new = MOVED_KEYS[old].split()[0]
+    with pytest.raises(ConfigError, match="has moved to") as info:
+        load_config(f)
+    assert repr(old) in str(info.value) and new in str(info.value)
+    # The same through a command-line override.
+    with pytest.raises(ConfigError, match=f"{old!r} has moved to {new}"):
+        load_config(overrides=[f"{old}={json.dumps(value)}"])
+
+
+def test_moved_keys_work_in_their_new_place():
+    cfg = load_config(overrides=[
+        "train.lr=3e-4", "train.num_minibatches=2", "ppo.reward_clip=5", "ppo.truncation=mask",
+        "ppo.truncation_penalty=-0.5",
+    ])
+    assert cfg.train.lr == pytest.approx(3e-4) and cfg.train.num_minibatches == 2
+    assert cfg.ppo.reward_clip == 5.0 and cfg.ppo.truncation == "mask" and cfg.ppo.truncation_penalty == -0.5
 
 
 def test_types_are_checked_and_coerced():
-    cfg = load_config(overrides=["ppo.lr=3e-4", "run.steps=7", "ppo.bf16=false", "data.task_kwargs={\"min_terms\": 3}"])
-    assert cfg.ppo.lr == pytest.approx(3e-4) and cfg.run.steps == 7 and cfg.ppo.bf16 is False
+    cfg = load_config(overrides=["train.lr=3e-4", "run.steps=7", "train.bf16=false", "data.task_kwargs={\"min_terms\": 3}"])
+    assert cfg.train.lr == pytest.approx(3e-4) and cfg.run.steps == 7 and cfg.train.bf16 is False
     assert cfg.data.task_kwargs == {"min_terms": 3}
     with pytest.raises(ConfigError, match="run.steps"):
         load_config(overrides=["run.steps=many"])
-    with pytest.raises(ConfigError, match="micro_batch_size"):
-        load_config(overrides=["ppo.micro_batch_size=64", "ppo.minibatch_size=8"])
+    # More minibatches than sequences in a step (16 prompts x 1 sample by default).
+    with pytest.raises(ConfigError, match="train.num_minibatches"):
+        load_config(overrides=["train.num_minibatches=64"])
+    assert load_config(overrides=["train.num_minibatches=16"]).train.num_minibatches == 16
+    with pytest.raises(ConfigError, match="train.epochs"):
+        load_config(overrides=["train.epochs=0"])
+    with pytest.raises(ConfigError, match="ppo.advantage_estimator"):
+        load_config(overrides=["ppo.advantage_estimator=sarsa"])
+    with pytest.raises(ConfigError, match="samples_per_prompt"):
+        load_config(overrides=["ppo.advantage_estimator=grpo", "rollout.samples_per_prompt=1"])
     with pytest.raises(ConfigError, match="must look like"):
         load_config(overrides=["run.steps"])
+
+
+def test_algorithm_must_be_a_registered_recipe():
+    assert load_config(overrides=["run.algorithm=ppo"]).run.algorithm == "ppo"
+    with pytest.raises(ConfigError, match="run.algorithm must be one of ppo"):
+        load_config(overrides=["run.algorithm=dpo"])
+
+
+def test_lora_target_modules_from_the_command_line_is_a_list(capsys):
+    cfg = load_config(overrides=["lora.target_modules=q_proj,v_proj"])
+    assert cfg.lora.target_modules == ["q_proj", "v_proj"]
+    assert load_config(overrides=["lora.target_modules=[q_proj, o_proj]"]).lora.target_modules == ["q_proj", "o_proj"]
+    assert load_config(overrides=["lora.target_modules= q_proj , v_proj "]).lora.target_modules == ["q_proj", "v_proj"]
+    # The CLI's --set goes the same way.
+    from cluster.cli import main
+
+    assert main(["validate", str(ROOT / "configs" / "ppo_tiny.yaml"), "--set", "lora.target_modules=q_proj,v_proj"]) == 0
+    assert "config OK" in capsys.readouterr().out
+
+
+def test_schema_is_json_naming_every_section(capsys):
+    schema = json.loads(config_schema())
+    assert set(schema["properties"]) == {
+        "run", "model", "data", "reward", "rollout", "train", "ppo", "lora", "cluster",
+    }
+    defs = schema["$defs"]
+    assert {"TrainConfig", "PPOConfig"} <= set(defs)
+    train = defs["TrainConfig"]["properties"]
+    assert {"lr", "num_minibatches", "micro_batch_size", "shared_prefix"} <= set(train)
+    assert "minibatch_size" not in train and "lr" not in defs["PPOConfig"]["properties"]
+    assert train["num_minibatches"]["description"]
+    # ... and `rayrlhf config --schema` prints it.
+    from cluster.cli import main
+
+    assert main(["config", "--schema"]) == 0
+    assert json.loads(capsys.readouterr().out) == schema
+
+
+def test_resume_refuses_what_a_checkpoint_cannot_carry():
+    saved = load_config(overrides=["model.path=tiny", "run.steps=10"])
+    # More steps (and other run settings) are fine.
+    check_resume_compatible(saved, load_config(overrides=["model.path=tiny", "run.steps=50", "train.lr=1e-5"]))
+    with pytest.raises(ConfigError, match="model.path"):
+        check_resume_compatible(saved, load_config(overrides=["model.path=smollm2-135m", "run.steps=10"]))
+    with pytest.raises(ConfigError, match="ppo.advantage_estimator"):
+        check_resume_compatible(saved, load_config(overrides=[
+            "model.path=tiny", "ppo.advantage_estimator=grpo", "rollout.samples_per_prompt=4"]))
+    # The adapter's shape matters only where there is an adapter.
+    check_resume_compatible(saved, load_config(overrides=["model.path=tiny", "lora.r=8"]))
+    with pytest.raises(ConfigError, match="lora.enabled"):
+        check_resume_compatible(saved, load_config(overrides=["model.path=tiny", "lora.enabled=true"]))
+    saved_lora = load_config(overrides=["model.path=tiny", "lora.enabled=true"])
+    with pytest.raises(ConfigError, match="lora.r"):
+        check_resume_compatible(saved_lora, load_config(overrides=["model.path=tiny", "lora.enabled=true", "lora.r=8"]))
+
+
+def test_load_config_leaves_its_base_untouched():
+    base = {"run": {"steps": 5}}
+    assert load_config(overrides=["run.steps=9"], base=base).run.steps == 9
+    assert base == {"run": {"steps": 5}}
 
 
 def test_missing_file_and_bad_top_level(tmp_path):

@@ -61,14 +61,21 @@ def test_select_and_concat_keep_rows_aligned():
     assert torch.equal(sub.input_ids[1, :5], a.input_ids[0])
 
 
-def test_shard_keeps_groups_whole_and_pads_with_masked_rows():
+def test_shard_rows_deal_whole_groups_round_robin_without_padding():
+    # Groups in order of first appearance: 4 (rows 0, 2), 9 (rows 1, 3), 7 (row 4).
     exp = make(b=5, nresp=(3, 2, 3, 2, 3)).replace(group_ids=torch.tensor([4, 9, 4, 9, 7]))
-    shards = [exp.shard(r, 2) for r in range(2)]
-    assert shards[0].group_ids.tolist() == [4, 4, 7]
-    assert shards[1].group_ids.tolist()[:2] == [9, 9] and shards[1].batch_size == 3
-    # The padding row trains on nothing.
-    assert not shards[1].response_mask[2].any() and shards[1].response_mask[:2].any()
-    assert exp.shard(0, 1) is exp
+    shards = [exp.shard_rows(r, 2) for r in range(2)]
+    assert shards == [[0, 2, 4], [1, 3]]
+    assert exp.select(shards[0]).group_ids.tolist() == [4, 4, 7]
+    # No padding rows: sizes differ, and every row is on exactly one rank.
+    assert exp.select(shards[1]).group_ids.tolist() == [9, 9] and exp.select(shards[1]).batch_size == 2
+    assert sorted(shards[0] + shards[1]) == list(range(5))
+    assert exp.shard_rows(0, 1) == list(range(5))
+    # More ranks than groups: the extra ranks get nothing, nobody gets a row twice.
+    four = [exp.shard_rows(r, 4) for r in range(4)]
+    assert four == [[0, 2], [1, 3], [4], []]
+    # The deal is a fixed function of the batch (every rank computes the same split).
+    assert [exp.shard_rows(r, 2) for r in range(2)] == shards
 
 
 def test_trimmed_drops_only_all_padding_columns():

@@ -40,3 +40,16 @@ def test_greedy_is_deterministic(generator):
     a = generator.generate(["Count: 1 2 3"], max_new_tokens=10, temperature=0.0)
     b = generator.generate(["Count: 1 2 3"], max_new_tokens=10, temperature=0.0)
     assert torch.equal(a.input_ids, b.input_ids)
+
+
+def test_a_seeded_call_samples_reproducibly(generator):
+    """The same seed gives the same samples (what makes a resumed run sample as the uninterrupted
+    one did); another seed gives others."""
+    prompts = ["Say something.", "Name three numbers."]
+    kw = dict(max_new_tokens=12, temperature=1.0, n=4)
+    a = generator.generate(prompts, seed=123, **kw)
+    generator.generate(prompts, **kw)  # the engine's own generator moves on in between
+    b = generator.generate(prompts, seed=123, **kw)
+    c = generator.generate(prompts, seed=124, **kw)
+    assert torch.equal(a.input_ids, b.input_ids)
+    assert a.completions == b.completions and a.completions != c.completions

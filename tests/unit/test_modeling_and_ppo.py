@@ -1,33 +1,39 @@
-"""The learner's forward passes and one PPO update, on the tiny model, without Ray."""
+"""The learner's forward passes and one PPO update, on the tiny model, without Ray.
+
+Two computation paths of one update are compared through the gradients they hand to the
+optimiser (captured with ``on_gradients``, before clipping and the step) and through their
+losses, never through parameters after an Adam step (Adam's first step is about lr * sign(grad):
+flaky on near-zero elements and blind to gradient-scale errors).
+"""
 
 import torch
 
-from cluster.config import PPOConfig
-from learners.experience import Experience
 from learners.modeling import sequence_logprobs
-from learners.ppo import PPOLearner
+from tests.helpers.factories import experience, flat_grads, make_learner, ragged_batch, tiny_lm
+
+# Gradients of two paths that differ only in float summation order.
+GRAD_TOL = dict(atol=1e-6, rtol=1e-4)
+SCORES = [1.0, 0.0, 0.5, 0.0, 1.0, 0.2]
 
 
-def _batch(lm, b=6, prompt=5, resp=7, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    vocab = lm.config.vocab_size
-    ids = torch.randint(3, vocab, (b, prompt + resp), generator=g)
-    att = torch.ones_like(ids, dtype=torch.bool)
-    rm = torch.zeros_like(att)
-    rm[:, prompt:] = True
-    for i in range(b):  # ragged responses, right-padded
-        cut = prompt + resp - (i % 3)
-        att[i, cut:] = False
-        rm[i, cut:] = False
-        ids[i, cut:] = 0
-    return ids, att, rm
+def _batch(lm, **kw):
+    """Thin alias of ``tests.helpers.factories.ragged_batch`` for older imports."""
+    return ragged_batch(lm.config.vocab_size, **kw)
+
+
+def _step_capturing_gradients(path, batch, *, train, ppo):
+    """One train_step on a fresh learner; returns (metrics, the global gradient it stepped with)."""
+    learner = make_learner(path, train=train, ppo=ppo, seed=0)
+    captured = []
+    learner.on_gradients = lambda params: captured.append(flat_grads(params))
+    metrics = learner.train_step(batch)
+    assert len(captured) == train.get("epochs", 1) * train.get("num_minibatches", 1)
+    return metrics, captured[0]
 
 
 def test_chunked_logprobs_match_full_log_softmax(tiny_model_path):
-    from transformers import AutoModelForCausalLM
-
-    lm = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
-    ids, att, rm = _batch(lm)
+    lm = tiny_lm(tiny_model_path)
+    ids, att, rm = ragged_batch(lm.config.vocab_size)
     got = sequence_logprobs(lm, ids, att, rm, chunk=5, micro_batch_size=4)
     with torch.no_grad():
         logits = lm(input_ids=ids, attention_mask=att.long()).logits
@@ -41,23 +47,28 @@ def test_chunked_logprobs_match_full_log_softmax(tiny_model_path):
 
 
 def test_ppo_step_moves_policy_towards_rewarded_samples(tiny_model_path):
-    hp = PPOConfig(lr=1e-2, critic_lr=1e-2, epochs=4, minibatch_size=6, micro_batch_size=3, bf16=False, kl_coef=0.0)
-    learner = PPOLearner(tiny_model_path, hp, seed=0)
-    ids, att, rm = _batch(learner.model.lm)
-    with torch.no_grad():
-        lp0 = sequence_logprobs(learner.model.lm, ids, att, rm)
+    learner = make_learner(
+        tiny_model_path, train={"lr": 1e-2, "epochs": 4, "num_minibatches": 1, "micro_batch_size": 3},
+        ppo={"critic_lr": 1e-2, "kl_coef": 0.0}, seed=0,
+    )
+    lm = learner.model.lm
+    ids, att, rm = ragged_batch(lm.config.vocab_size)
     scores = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 0.0])
-    exp = Experience(
-        input_ids=ids, attention_mask=att, response_mask=rm, rollout_logprobs=lp0, group_ids=torch.arange(6),
-        truncated=torch.zeros(6, dtype=torch.bool), policy_version=0, completions=[""] * 6, meta=[{}] * 6,
-        scores=scores, ref_logprobs=lp0.clone(),
-    ).validate()
+    exp = experience(lm, ids, att, rm, scores.tolist())
+    lp0 = exp.rollout_logprobs
+    value_head0 = learner.model.value_head.weight.detach().clone()
     metrics = learner.train_step(exp)
     assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
+    # Several epochs: the separate old-policy pass ran (neither on-policy shortcut).
+    assert metrics["learner/fused_old_pass"] == 0.0 and metrics["learner/streamed_old_pass"] == 0.0
+    assert metrics["learner/stale_batch"] == 0.0
     # The trainer reproduces the rollout log-probs of the same weights.
     assert metrics["logprob_gap/max_abs"] < 1e-5
+    # GAE (the default estimator) trained its critic.
+    assert metrics["loss/value"] > 0 and "value/mean" in metrics
+    assert not torch.equal(learner.model.value_head.weight, value_head0)
     with torch.no_grad():
-        lp1 = sequence_logprobs(learner.model.lm, ids, att, rm)
+        lp1 = sequence_logprobs(lm, ids, att, rm)
     seq_gain = ((lp1 - lp0) * rm).sum(1)
     assert seq_gain[scores == 1].mean() > seq_gain[scores == 0].mean()
     assert learner.version == 1
@@ -68,58 +79,58 @@ def test_ppo_step_moves_policy_towards_rewarded_samples(tiny_model_path):
 
 def test_fused_on_policy_step_equals_separate_old_pass(tiny_model_path):
     """One epoch, one minibatch: reusing the training forward as the 'old' pass is exact."""
-    torch.manual_seed(0)
-    results = []
-    for micro in (6, 3):  # 6: fused path; 3: separate no-grad pass, then two micro-batches
-        hp = PPOConfig(lr=1e-2, critic_lr=1e-2, epochs=1, minibatch_size=6, micro_batch_size=micro, bf16=False)
-        learner = PPOLearner(tiny_model_path, hp, seed=0)
-        ids, att, rm = _batch(learner.model.lm)
-        with torch.no_grad():
-            lp0 = sequence_logprobs(learner.model.lm, ids, att, rm)
-        exp = Experience(
-            input_ids=ids, attention_mask=att, response_mask=rm, rollout_logprobs=lp0, group_ids=torch.arange(6),
-            truncated=torch.zeros(6, dtype=torch.bool), policy_version=0, completions=[""] * 6, meta=[{}] * 6,
-            scores=torch.tensor([1.0, 0.0, 0.5, 0.0, 1.0, 0.2]), ref_logprobs=lp0 - 0.01,
+    lm = tiny_lm(tiny_model_path)
+    ids, att, rm = ragged_batch(lm.config.vocab_size)
+    exp = experience(lm, ids, att, rm, SCORES, ref_shift=0.01)
+    results = {}
+    # 6: fused path (one micro-batch holds the batch); 3: separate no-grad old pass (the critic
+    # needs old values before the update), then two micro-batches.
+    for micro in (6, 3):
+        m, g = _step_capturing_gradients(
+            tiny_model_path, exp, train={"lr": 1e-2, "epochs": 1, "num_minibatches": 1, "micro_batch_size": micro},
+            ppo={"critic_lr": 1e-2, "advantage_estimator": "gae", "kl_coef": 0.05},
         )
-        m = learner.train_step(exp)
         assert m["learner/fused_old_pass"] == float(micro == 6)
-        results.append((m, [p.detach().clone() for p in learner.model.parameters()]))
-    (m_a, p_a), (m_b, p_b) = results
-    for k in ("loss/policy", "loss/value", "kl/ref_k1", "advantage/mean"):
-        assert abs(m_a[k] - m_b[k]) < 1e-4, k
-    # Adam's first step is about lr * sign(grad), so compare the whole update's direction.
-    base = PPOLearner(tiny_model_path, PPOConfig(), seed=0)
-    d_a = torch.cat([(x - z).flatten() for x, z in zip(p_a, base.model.parameters())])
-    d_b = torch.cat([(y - z).flatten() for y, z in zip(p_b, base.model.parameters())])
-    assert torch.nn.functional.cosine_similarity(d_a, d_b, dim=0) > 0.999
+        assert m["learner/streamed_old_pass"] == 0.0 and m["learner/stale_batch"] == 0.0
+        results[micro] = (m, g)
+    (m_a, g_a), (m_b, g_b) = results[6], results[3]
+    # A real gradient, on the policy and on the critic (value head: the last parameters).
+    assert g_a.abs().sum() > 0 and g_a[-lm.config.hidden_size - 1 :].abs().sum() > 0
+    torch.testing.assert_close(g_b, g_a, **GRAD_TOL)
+    for k in ("loss/policy", "loss/value", "loss/total", "kl/ref_k1", "advantage/mean", "policy/entropy",
+              "policy/grad_norm", "value/mean"):
+        torch.testing.assert_close(m_b[k], m_a[k], atol=1e-6, rtol=1e-4, msg=k)
+    # The KL to the reference (shifted by 0.01) entered the rewards on both paths.
+    assert abs(m_a["kl/ref_k1"] - 0.01) < 1e-5
 
 
 def test_streamed_on_policy_step_equals_fused(tiny_model_path):
     """No critic and no KL in the reward: the advantages need no forward pass, so one on-policy
     update can stream length-sorted, trimmed micro-batches (each its own old pass) and still
     equal the single fused pass over the whole batch."""
-    results = []
+    lm = tiny_lm(tiny_model_path)
+    ids, att, rm = ragged_batch(lm.config.vocab_size)
+    exp = experience(lm, ids, att, rm, SCORES, groups=[0, 0, 0, 1, 1, 1], ref_shift=None)
+    results = {}
     for micro in (6, 2):
-        hp = PPOConfig(lr=1e-2, epochs=1, minibatch_size=6, micro_batch_size=micro, bf16=False,
-                       advantage_estimator="grpo", kl_coef=0.0)
-        learner = PPOLearner(tiny_model_path, hp, seed=0)
-        ids, att, rm = _batch(learner.model.lm)
-        with torch.no_grad():
-            lp0 = sequence_logprobs(learner.model.lm, ids, att, rm)
-        exp = Experience(
-            input_ids=ids, attention_mask=att, response_mask=rm, rollout_logprobs=lp0,
-            group_ids=torch.tensor([0, 0, 0, 1, 1, 1]), truncated=torch.zeros(6, dtype=torch.bool), policy_version=0,
-            completions=[""] * 6, meta=[{}] * 6, scores=torch.tensor([1.0, 0.0, 0.5, 0.0, 1.0, 0.2]),
+        m, g = _step_capturing_gradients(
+            tiny_model_path, exp, train={"lr": 1e-2, "epochs": 1, "num_minibatches": 1, "micro_batch_size": micro},
+            ppo={"advantage_estimator": "grpo", "kl_coef": 0.0},
         )
-        m = learner.train_step(exp)
         assert (m["learner/fused_old_pass"], m["learner/streamed_old_pass"]) == ((1.0, 0.0) if micro == 6 else (0.0, 1.0))
         # The old pass is the policy before the update: it matches the rollout log-probs.
         assert m["logprob_gap/max_abs"] < 1e-5
-        results.append((m, [p.detach().clone() for p in learner.model.lm.parameters()]))
-    (m_a, p_a), (m_b, p_b) = results
-    for k in ("loss/policy", "advantage/mean", "policy/entropy"):
-        assert abs(m_a[k] - m_b[k]) < 1e-5, k
-    # Adam's first step is about lr * sign(grad) (lr = 1e-2 here): summation-order noise in a
-    # near-zero gradient element moves it by a few 1e-6 at most.
-    for x, y in zip(p_a, p_b):
-        torch.testing.assert_close(x, y, atol=1e-5, rtol=0)
+        results[micro] = (m, g)
+    (m_a, g_a), (m_b, g_b) = results[6], results[2]
+    assert g_a.abs().sum() > 0
+    torch.testing.assert_close(g_b, g_a, **GRAD_TOL)
+    for k in ("loss/policy", "loss/total", "advantage/mean", "policy/entropy", "policy/grad_norm"):
+        torch.testing.assert_close(m_b[k], m_a[k], atol=1e-6, rtol=1e-4, msg=k)
+    # GRPO ran: each row's advantage is its score normalised by its group's mean and (unbiased)
+    # std: group 0 (1, 0, 0.5) -> (1, -1, 0), group 1 (0, 1, 0.2) -> (-0.76, 1.13, -0.38); the
+    # metric is their mean over response tokens.
+    s = torch.tensor(SCORES).view(2, 3)
+    adv = ((s - s.mean(1, keepdim=True)) / (s.std(1, keepdim=True) + 1e-6)).view(-1)
+    lengths = rm.sum(1).float()
+    expected = float((adv * lengths).sum() / lengths.sum())
+    assert abs(m_a["advantage/mean"] - expected) < 1e-5

@@ -1,0 +1,46 @@
+"""The real Ray Train learner group: two workers (gloo) on a batch take the same step as one."""
+
+import pytest
+import ray
+
+from cluster.config import load_config
+from cluster.learner_group import LearnerGroup, learner_spec
+from tests.helpers.factories import experience, grouped_batch, tiny_lm
+
+pytestmark = pytest.mark.ray
+
+GROUPS = [10, 10, 20, 10, 20, 30, 30]
+
+
+def _learn(cfg, model_path, batch_ref, storage):
+    group = LearnerGroup(learner_spec(cfg, model_path, pad_token_id=0), storage)
+    try:
+        info = group.wait_ready()
+        result = group.learn(1, [batch_ref])
+    finally:
+        group.stop()
+    return info, result
+
+
+@pytest.mark.parametrize("estimator", ["gae"])  # every estimator x split: tests/unit/test_multi_learner.py
+def test_two_ray_train_workers_match_one(ray_cluster, tiny_model_path, tmp_path, estimator):
+    lm = tiny_lm(tiny_model_path)
+    ids, att, rm = grouped_batch(lm.config.vocab_size, GROUPS, seed=3)
+    batch = experience(lm, ids, att, rm, [1.0, 0.0, 1.0, 0.5, 0.0, 0.0, 1.0], groups=GROUPS, ref_shift=0.05)
+    ref = ray.put(batch)
+    out = {}
+    for n in (1, 2):
+        cfg = load_config(overrides=[
+            f"model.path={tiny_model_path}", "train.bf16=false", "train.micro_batch_size=2", "model.generator_dtype=float32",
+            f"ppo.advantage_estimator={estimator}", "ppo.kl_coef=0.1", "rollout.samples_per_prompt=2",
+            f"cluster.num_learners={n}", "cluster.cpus_per_learner=1", "cluster.threads=1",
+        ])
+        info, result = _learn(cfg, tiny_model_path, ref, tmp_path / f"n{n}")
+        assert info["world"] == n
+        out[n] = result["metrics"]
+    one, two = out[1], out[2]
+    assert two["learner/local_sequences"] == 5.0  # rank 0 of 2: groups 10 and 30
+    assert one["learner/local_sequences"] == 7.0
+    for key in ("policy/grad_norm", "loss/policy", "loss/total", "kl/ref_k1", "advantage/mean"):
+        assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-6), key
+    assert one["policy/grad_norm"] > 0
