@@ -24,16 +24,17 @@ def one(model: str, mode: str, steps: int) -> dict:
 
     sys.path.insert(0, str(ROOT))
     from cluster.assets import resolve_model
-    from cluster.config import LoRAConfig, PPOConfig
+    from cluster.config import LoRAConfig, PPOConfig, TrainConfig
+    from learners.base import LearnerContext
     from learners.experience import Experience
     from learners.ppo import PPOLearner
 
     torch.manual_seed(0)
     path = resolve_model(model)
-    hp = PPOConfig(minibatch_size=16, micro_batch_size=16, bf16=True)
-    lora = LoRAConfig(enabled=mode == "lora")
+    train = TrainConfig(num_minibatches=1, micro_batch_size=16, bf16=True)
+    lora = LoRAConfig(enabled=True) if mode == "lora" else None
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    learner = PPOLearner(path, hp, lora=lora)
+    learner = PPOLearner.build(LearnerContext(model_path=path, lora=lora), train, PPOConfig())
     b, p, r = 16, 60, 48
     vocab = learner.model.lm.config.vocab_size
     ids = torch.randint(10, vocab - 1, (b, p + r))

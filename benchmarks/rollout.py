@@ -90,14 +90,14 @@ def bench_generator(gen, texts: list[str], new_tokens: int, repeats: int) -> lis
 def bench_actor(model_path: str, texts: list[str], new_tokens: int, repeats: int, batch_sizes: list[int]) -> dict:
     import ray
 
-    from cluster.actor_groups import GeneratorWorker, role_env
+    from cluster.actor_groups import GeneratorWorker, generator_config, role_env
     from cluster.config import load_config
 
     cfg = load_config(overrides=[f"model.max_new_tokens={new_tokens}", "model.max_prompt_tokens=256",
                                  "rollout.temperature=1.0", "rollout.kv_cache_gib=2"])
     ray.init(num_cpus=4, include_dashboard=False)
     try:
-        actor = ray.remote(GeneratorWorker).options(num_cpus=1, runtime_env=role_env(0)).remote(model_path, cfg, 0)
+        actor = ray.remote(GeneratorWorker).options(num_cpus=1, runtime_env=role_env(0)).remote(generator_config(cfg, model_path))
         ray.get(actor.ready.remote())
         rows = [{"prompt": t, "meta": {}} for t in texts]
         results = {}

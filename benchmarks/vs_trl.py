@@ -40,13 +40,13 @@ def schedule(cfg) -> tuple[list[list[dict]], list[dict]]:
     """The prompts rayrlhf's driver will draw, step by step (same loader, sampler and seed), and
     the held-out rows."""
     from actors.tasks import load_prompts
-    from cluster.driver import PromptSampler
+    from cluster.run_context import PromptSampler
 
     train_set, eval_set = load_prompts(
         cfg.data.task, cfg.data.train_size, cfg.data.eval_size, cfg.run.seed, cfg.data.task_kwargs, cfg.data.instruction
     )
-    sampler = PromptSampler(train_set.rows, cfg.rollout.prompts_per_step, cfg.run.seed)
-    return [sampler.next()[0] for _ in range(cfg.run.steps)], eval_set.rows
+    sampler = PromptSampler(len(train_set.rows), cfg.rollout.prompts_per_step, cfg.run.seed)
+    return [[train_set.rows[i] for i in sampler.next()] for _ in range(cfg.run.steps)], eval_set.rows
 
 
 def run_rayrlhf(cfg, run_dir: Path) -> dict:
@@ -179,7 +179,7 @@ def main() -> int:
         "model": cfg.model.path, "task": cfg.data.task, "task_kwargs": cfg.data.task_kwargs, "seed": cfg.run.seed,
         "steps": cfg.run.steps, "prompts_per_step": cfg.rollout.prompts_per_step,
         "samples_per_prompt": cfg.rollout.samples_per_prompt, "max_new_tokens": cfg.model.max_new_tokens,
-        "temperature": cfg.rollout.temperature, "lr": cfg.ppo.lr, "max_grad_norm": cfg.ppo.max_grad_norm,
+        "temperature": cfg.rollout.temperature, "lr": cfg.train.lr, "max_grad_norm": cfg.train.max_grad_norm,
         "clip_eps": cfg.ppo.clip_eps, "beta": cfg.ppo.kl_coef, "loss": "token mean over the batch (TRL: dapo)",
         "advantages": "group mean / std (TRL: scale_rewards=group)", "precision": "fp32 weights, bf16 autocast",
         "cpus": os.cpu_count(),

@@ -35,7 +35,7 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from cluster.actor_groups import GeneratorWorker
+    from cluster.actor_groups import GeneratorWorker, generator_config
     from cluster.assets import resolve_model
     from cluster.config import load_config
     from cluster.weight_sync import pack
@@ -87,7 +87,7 @@ def main() -> None:
             res[name + "_s"] = times
 
         cfg = load_config(overrides=["model.max_prompt_tokens=64", "model.max_new_tokens=16"])
-        gen = ray.remote(GeneratorWorker).options(num_cpus=1).remote(path, cfg, 0)
+        gen = ray.remote(GeneratorWorker).options(num_cpus=1).remote(generator_config(cfg, path))
         ray.get(gen.ready.remote())
         end_to_end, inside = [], []
         for i in range(a.repeats):

@@ -202,6 +202,8 @@ def micro_batch_order(
     """
     rows = torch.arange(len(lengths)) if rows is None else rows
     key = lengths
+    if len(rows) == 0:  # e.g. every sample of a batch was dropped by a failing reward
+        return rows
     if group_ids is not None:
         _, index = torch.unique(group_ids, return_inverse=True)
         key = torch.zeros(int(index.max()) + 1, dtype=lengths.dtype).scatter_reduce(0, index, lengths, reduce="amax")[index]

@@ -134,3 +134,17 @@ def test_streamed_on_policy_step_equals_fused(tiny_model_path):
     lengths = rm.sum(1).float()
     expected = float((adv * lengths).sum() / lengths.sum())
     assert abs(m_a["advantage/mean"] - expected) < 1e-5
+
+
+def test_an_empty_record_passes_through_the_reference_pass(tiny_model_path):
+    """A batch whose every sample was dropped upstream (all rewards failed) reaches the reference
+    and the learner empty: both return without error (it used to crash the reference)."""
+    from actors.reference import Reference
+    from tests.helpers.factories import experience, make_learner, ragged_batch, tiny_lm
+
+    lm = tiny_lm(tiny_model_path)
+    ids, att, rm = ragged_batch(lm.config.vocab_size)
+    empty = experience(lm, ids, att, rm, [1.0] * 6).select([])
+    out, _ = Reference(tiny_model_path).annotate(empty)
+    assert out.batch_size == 0 and out.ref_logprobs.shape == (0, ids.shape[1])
+    assert make_learner(tiny_model_path).train_step(out)["learner/empty_batch"] == 1.0
