@@ -6,12 +6,15 @@ from actors.rewards import digit_density
 
 
 def flaky(prompts, completions, **meta):
-    """Raises for completions whose index in the batch is 0 mod 5, returns NaN for 1 mod 5,
-    inf for 2 mod 5 (only when called on a batch; per-sample calls pass the same test on text)."""
+    """Raises for samples whose (question, reply) characters sum to 0 mod 5, returns NaN for 1 mod 5,
+    inf for 2 mod 5; per-sample calls see the same sample and give the same outcome."""
     base = digit_density(prompts, completions)
+    questions = meta.get("question") or [""] * len(completions)
     out = []
-    for c, v in zip(completions, base):
-        h = sum(map(ord, c)) % 5
+    for c, q, v in zip(completions, questions, base):
+        # The question too, not only the text: a degenerate policy writes the same reply to every
+        # prompt, which would put a whole batch in one class.
+        h = (sum(map(ord, c)) + sum(map(ord, q or ""))) % 5
         if h == 0:
             raise RuntimeError("judge exploded")
         out.append(float("nan") if h == 1 else float("inf") if h == 2 else v)

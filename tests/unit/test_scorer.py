@@ -40,7 +40,7 @@ def test_resolve_reward_fn_errors():
 
 def _exp_with(texts):
     exp = make(b=len(texts), nresp=[2] * len(texts))
-    return exp.replace(completions=list(texts), meta=[{"question": "q"} for _ in texts])
+    return exp.replace(completions=list(texts), meta=[{"question": ""} for _ in texts])
 
 
 def test_bad_rewards_are_skipped_and_counted():
