@@ -68,17 +68,18 @@ class RunLog:
 
         if not self.rows:
             return None
-        steps = [r["step"] for r in self.rows]
+        trained = [r for r in self.rows if r["step"] > 0]  # step 0: the starting policy's evaluation only
+        steps = [r["step"] for r in trained]
         fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-        axes[0].plot(steps, [r.get("reward/mean") for r in self.rows], label="train reward (mean)")
+        axes[0].plot(steps, [r.get("reward/mean") for r in trained], label="train reward (mean)")
         ev = [(r["step"], r["eval/accuracy"]) for r in self.rows if r.get("eval/accuracy") is not None]
         if ev:
             axes[0].plot(*zip(*ev), "o-", label="held-out greedy accuracy")
         axes[0].set_xlabel("step")
         axes[0].set_title("reward")
         axes[0].legend()
-        axes[1].plot(steps, [r.get("kl/ref_k1") for r in self.rows], label="KL to reference (k1)")
-        axes[1].plot(steps, [r.get("policy/approx_kl") for r in self.rows], label="KL old->new (approx)")
+        axes[1].plot(steps, [r.get("kl/ref_k1") for r in trained], label="KL to reference (k1)")
+        axes[1].plot(steps, [r.get("policy/approx_kl") for r in trained], label="KL old->new (approx)")
         axes[1].set_xlabel("step")
         axes[1].set_title("KL")
         axes[1].legend()

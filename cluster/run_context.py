@@ -197,8 +197,21 @@ class RunContext:
         return None
 
     def eval_due(self, step: int) -> bool:
-        every = self.cfg.run.eval_every
-        return bool(every) and (step % every == 0 or step == self.cfg.run.steps or step == 1)
+        """Step 0 is the starting policy, evaluated once on a fresh run."""
+        run = self.cfg.run
+        if not run.eval_every:
+            return False
+        if step == 0:
+            return run.eval_before_train and self.start_step == 0
+        return step % run.eval_every == 0 or step == run.steps
+
+    def log_base_eval(self, metrics: dict[str, float]) -> None:
+        """Logs the starting policy's evaluation as step 0 (no training metrics)."""
+        row = {"step": 0, **metrics, **self.times}
+        self.times = {}
+        self.runlog.log(row)
+        print(f"[rayrlhf] before training: held-out greedy accuracy {metrics.get('eval/accuracy', float('nan')):.3f} "
+              f"({int(metrics.get('eval/n', 0))} prompts)", flush=True)
 
     def finish_checkpoint(self, folder: str, step: int, sampler: PromptSampler, version: int) -> None:
         """Adds the run's state to a checkpoint the learner wrote, then prunes old ones."""
@@ -233,6 +246,10 @@ class RunContext:
         if self.cfg.run.plot:
             self.runlog.plot()
         seconds = time.time() - self.t_start
+        evals = [r["eval/accuracy"] for r in self.runlog.rows if r.get("eval/accuracy") is not None]
+        if len(evals) > 1:
+            print(f"[rayrlhf] held-out greedy accuracy: {evals[0]:.3f} (first evaluation) -> {evals[-1]:.3f} (last)",
+                  flush=True)
         print(f"[rayrlhf] done in {seconds:.0f}s; metrics: {self.runlog.path}"
               + (f"; checkpoint: {self.final_checkpoint}" if self.final_checkpoint else ""), flush=True)
         return RunResult(self.dir, self.runlog.rows, self.final_checkpoint, seconds)

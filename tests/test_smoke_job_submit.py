@@ -41,8 +41,9 @@ def test_ray_job_submit_runs_the_cli(ray_cluster, tmp_path):
     runs = list(out_dir.glob("smoke-*"))
     assert len(runs) == 1
     rows = [json.loads(l) for l in (runs[0] / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2]
-    assert "eval/accuracy" in rows[-1]
+    assert [r["step"] for r in rows] == [0, 1, 2]  # step 0: the starting policy's evaluation
+    assert "eval/accuracy" in rows[0] and "eval/accuracy" in rows[-1]
+    assert "before training: held-out greedy accuracy" in log and "(first evaluation) ->" in log
     assert (runs[0] / "curves.png").is_file()
     assert (runs[0] / "checkpoints" / "step_00002" / "model.safetensors").is_file()
 

@@ -52,6 +52,9 @@ def run(ctx: RunContext, model_path: str, train_set, eval_set) -> RunResult:
               flush=True)
         sampler = PromptSampler(len(train_set.rows), cfg.rollout.prompts_per_step, cfg.run.seed,
                                 **ctx.run_state["sampler"])
+        if ctx.eval_due(0):
+            with ctx.phase("eval"):
+                ctx.log_base_eval(greedy_accuracy(rollout, eval_set.rows))
         for step in ctx.steps():
             prompt_ids = sampler.next()
             prompts = [train_set.rows[i] for i in prompt_ids]

@@ -19,7 +19,10 @@ def test_ppo_tiny_reward_rises(ray_cluster, tiny_model_path, tmp_path):
     cfg = load_config(root / "configs" / "ppo_tiny.yaml", ["run.steps=25", "run.eval_every=12"])
     result = train(cfg, run_dir=tmp_path / "run")
     rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, 26))
+    assert [r["step"] for r in rows] == list(range(0, 26))
+    # Step 0: the starting policy's held-out evaluation, before any update.
+    base, rows = rows[0], rows[1:]
+    assert base["eval/n"] > 0 and "reward/mean" not in base
     start = sum(r["reward/mean"] for r in rows[:3]) / 3
     end = sum(r["reward/mean"] for r in rows[-3:]) / 3
     assert end > start + 0.15, (start, end)
@@ -32,7 +35,7 @@ def test_ppo_tiny_reward_rises(ray_cluster, tiny_model_path, tmp_path):
     # Peak memory of each role's process is recorded (the generator holds a vLLM engine).
     for role in ("generator", "scorer", "reference", "learner"):
         assert all(0.05 < r[f"memory/{role}_peak_gb"] < 24 for r in rows), role
-    assert any("eval/accuracy" in r for r in rows)
+    assert [r["step"] for r in rows if "eval/accuracy" in r] == [12, 24, 25]
     assert (tmp_path / "run" / "curves.png").stat().st_size > 1000
     # The final checkpoint is a plain transformers folder with safetensors.
     from transformers import AutoModelForCausalLM
