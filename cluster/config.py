@@ -195,6 +195,24 @@ class PPOConfig(Section):
         return self.kl_coef != 0 or self.kl_loss_coef != 0 or self.kl_controller == "adaptive"
 
 
+class DPOConfig(Section):
+    """Preference optimisation (DPO family); read by ``learners/dpo.py``."""
+
+    loss: Literal["sigmoid", "ipo", "hinge", "robust", "simpo"] = _f(
+        "sigmoid",
+        "sigmoid (DPO; cDPO with label_smoothing > 0), ipo, hinge (SLiC), robust (robust DPO for noisy "
+        "labels) or simpo (reference-free, length-normalised).",
+    )
+    beta: float = _f(0.1, "beta: inverse temperature of the implicit reward (SimPO: its scale, e.g. 2.0).", gt=0)
+    label_smoothing: float = _f(0.0, "eps: assumed label-flip probability for sigmoid (cDPO) and robust (< 0.5).", ge=0, lt=0.5)
+    simpo_gamma: float = _f(0.5, "SimPO's target reward margin gamma.", ge=0)
+
+    @property
+    def uses_reference(self) -> bool:
+        """Every loss but SimPO compares against the reference's log-probs."""
+        return self.loss != "simpo"
+
+
 class LoRAConfig(Section):
     enabled: bool = _f(False, "Train LoRA adapters (peft) instead of all policy weights.")
     r: int = _f(16, "LoRA rank.", ge=1)
@@ -249,6 +267,7 @@ class Config(Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     ppo: PPOConfig = Field(default_factory=PPOConfig)
+    dpo: DPOConfig = Field(default_factory=DPOConfig)
     lora: LoRAConfig = Field(default_factory=LoRAConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
 

@@ -34,6 +34,7 @@ from learners.experience import Experience, ExperienceError
 #: Algorithm name -> "module:Class" of its learner (imported on use: only learners pay for torch models).
 LEARNERS: dict[str, str] = {
     "ppo": "learners.ppo:PPOLearner",
+    "dpo": "learners.dpo:DPOLearner",
 }
 
 CRITIC_DIR = "critic"

@@ -16,11 +16,9 @@ One ``train_step`` on the global batch of a step:
 
 from __future__ import annotations
 
-import contextlib
-import json
 import time
 from pathlib import Path
-from typing import Any, Iterator, Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -30,22 +28,12 @@ from learners.advantages import (
     kl_shaped_rewards,
     reinforce_pp_advantages,
 )
-from learners.base import (
-    ADAPTER_DIR,
-    CRITIC_DIR,
-    Learner,
-    LearnerContext,
-    TrainParams,
-    load_learner_state,
-    load_model_weights,
-    save_learner_state,
-)
-from learners.distributed import Collective
+from learners.base import CRITIC_DIR, LearnerContext, TrainParams
 from learners.experience import Experience
 from learners.kl_control import make_kl_controller
 from learners.losses import kl_penalty, masked_mean, masked_whiten, policy_loss_clipped, value_loss_clipped
-from learners.modeling import PolicyWithValueHead, autocast, micro_batch_order, sequence_logprobs
-from learners.optim import make_scheduler
+from learners.modeling import autocast, micro_batch_order
+from learners.policy import PolicyLearner
 
 
 class PPOParams(Protocol):
@@ -82,62 +70,23 @@ _STATS = ("loss/policy", "loss/value", "loss/total", "policy/entropy", "policy/c
           "value/clip_frac")
 
 
-class PPOLearner(Learner):
+class PPOLearner(PolicyLearner):
     name = "ppo"
     config_section = "ppo"
     required_fields = ("scores",)
 
     def __init__(self, ctx: LearnerContext, train: TrainParams, hp: PPOParams) -> None:
-        from transformers import AutoModelForCausalLM
-
-        torch.manual_seed(ctx.seed)
-        self.ctx, self.tr, self.hp = ctx, train, hp
-        self.comm = ctx.comm or Collective()
+        super().__init__(ctx, train, with_value_head=True)
+        self.hp = hp
         self.temperature = ctx.temperature or 1.0
         self.use_critic = hp.advantage_estimator == "gae"
         self.loss_agg_constant = hp.loss_agg_constant or float(ctx.max_new_tokens) or None
-        lm = AutoModelForCausalLM.from_pretrained(ctx.model_path, dtype=torch.float32)
-        lm.config.use_cache = False
-        lora = ctx.lora
-        self.lora = bool(lora is not None and lora.enabled)
-        if self.lora:
-            from peft import LoraConfig, get_peft_model
-
-            lm = get_peft_model(
-                lm,
-                LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                           target_modules=list(lora.target_modules), task_type="CAUSAL_LM", bias="none"),
-            )
-        if train.gradient_checkpointing:
-            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.kl_ctl = make_kl_controller(hp.kl_controller, hp.kl_coef, hp.kl_target, hp.kl_horizon)
-        self.model = PolicyWithValueHead(lm)
         if not self.use_critic:
             # Critic-free estimators never touch the value head.
             self.model.value_head.requires_grad_(False)
-        # With LoRA, peft has frozen the base weights: only adapters (and the value head) train.
-        policy_params = [
-            p for n, p in self.model.named_parameters() if not n.startswith("value_head.") and p.requires_grad
-        ]
-        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self.trainable_fraction = sum(p.numel() for p in policy_params) / sum(
-            p.numel() for n, p in self.model.named_parameters() if not n.startswith("value_head.")
-        )
-        self.optimizer = torch.optim.AdamW(
-            [
-                {"params": policy_params, "lr": train.lr},
-                {"params": [p for p in self.model.value_head.parameters() if p.requires_grad], "lr": hp.critic_lr},
-            ],
-            weight_decay=train.weight_decay, betas=tuple(train.adam_betas),
-        )
-        self.scheduler = make_scheduler(
-            self.optimizer, schedule=train.lr_schedule, warmup_steps=train.warmup_steps,
-            total_steps=ctx.total_steps * train.epochs * train.num_minibatches, min_ratio=train.min_lr_ratio,
-        )
-        self.version = 0
-        # Called with the trainable parameters once their gradients are global, before clipping
-        # and the optimiser step (tests compare gradients here).
-        self.on_gradients = None
+        head = [p for p in self.model.value_head.parameters() if p.requires_grad]
+        self._init_optimizer([{"params": head, "lr": hp.critic_lr}], updates_per_step=train.epochs * train.num_minibatches)
 
     @classmethod
     def build(cls, ctx: LearnerContext, train: TrainParams, algo: PPOParams) -> "PPOLearner":
@@ -169,19 +118,10 @@ class PPOLearner(Learner):
                 vals[idx, : part.seq_len] = out["values"]
         return lps, vals
 
-    @torch.no_grad()
     def reference_logprobs(self, exp: Experience) -> torch.Tensor:
-        """(B, L) log-probs of the frozen base model: the LoRA policy with its adapter disabled,
-        so the reference costs no second copy of the weights."""
-        if not self.lora:
-            raise RuntimeError("reference_logprobs() in the learner needs LoRA (else a Reference actor serves it)")
-        with self.model.lm.disable_adapter():
-            return sequence_logprobs(
-                self.model.lm, exp.input_ids, exp.attention_mask, exp.response_mask,
-                temperature=self.temperature, micro_batch_size=self.tr.micro_batch_size,
-                chunk=self.tr.logprob_chunk, bf16=self.tr.bf16,
-                group_ids=exp.group_ids if self.tr.shared_prefix else None,
-            )
+        """(B, L) log-probs of the frozen base model (LoRA only: the adapter disabled)."""
+        return self.base_logprobs(exp.input_ids, exp.attention_mask, exp.response_mask, exp.group_ids,
+                                  temperature=self.temperature)
 
     def _gather(self, local: torch.Tensor, rows: list[int], shape: tuple[int, int]) -> torch.Tensor:
         """Global (B, L) tensor from each rank's (n_local, <=L) rows."""
@@ -397,13 +337,7 @@ class PPOLearner(Learner):
                     totals["policy/entropy"] += float(masked_mean(out["entropy"], mmask)) * w_tok
                     totals["policy/clip_frac"] += float(pg_stats["clip_frac"]) * w_tok
                     totals["policy/approx_kl"] += float(pg_stats["approx_kl"]) * w_tok
-                comm.sum_gradients(self.trainable)
-                if self.on_gradients is not None:
-                    self.on_gradients(self.trainable)
-                gn = torch.nn.utils.clip_grad_norm_([p for p in self.trainable if p.grad is not None], tr.max_grad_norm)
-                grad_norms.append(float(gn))
-                self.optimizer.step()
-                self.scheduler.step()
+                grad_norms.append(self._optimizer_step())
         n_updates = tr.epochs * tr.num_minibatches
         keys = list(_STATS)
         summed = comm.all_reduce_sum(torch.stack([totals[k] for k in keys]))
@@ -413,106 +347,29 @@ class PPOLearner(Learner):
             stats.pop("value/clip_frac")
         return stats, grad_norms, old_logprobs
 
-    # -- weights out -----------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def policy_weights(self) -> Iterator[dict[str, torch.Tensor]]:
-        """Policy weights in transformers (checkpoint) naming, without the value head or a tied
-        lm_head copy. With LoRA the adapters are merged into the base weights for the duration of
-        the context (vLLM gets plain dense weights) and unmerged after: consume them inside."""
-        lm = self.model.lm
-        tied = bool(getattr(lm.config, "tie_word_embeddings", False))
-        if not self.lora:
-            sd = lm.state_dict()
-            if tied:
-                sd.pop("lm_head.weight", None)
-            yield sd
-            return
-        lm.merge_adapter()
-        try:
-            sd = {}
-            for k, v in lm.get_base_model().state_dict().items():
-                if "lora_" in k:
-                    continue
-                name = k.replace(".base_layer.", ".")
-                if tied and name == "lm_head.weight":
-                    continue
-                sd[name] = v
-            yield sd
-        finally:
-            lm.unmerge_adapter()
-
-    def policy_state_dict(self) -> dict[str, torch.Tensor]:
-        """A detached copy of ``policy_weights()``."""
-        with self.policy_weights() as sd:
-            return {k: v.detach().clone() for k, v in sd.items()}
-
     # -- checkpoints -----------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "version": self.version,
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "kl_controller": self.kl_ctl.state_dict(),
-            "torch_rng": torch.get_rng_state(),
-            "lora": self.lora,
-        }
+    def algorithm_state(self) -> dict[str, Any]:
+        return {"kl_controller": self.kl_ctl.state_dict()}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if bool(state.get("lora")) != self.lora:
-            raise ValueError(f"checkpoint was trained with lora={state.get('lora')}, this learner has lora={self.lora}")
-        self.version = int(state["version"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+    def load_algorithm_state(self, state: dict[str, Any]) -> None:
         self.kl_ctl.load_state_dict(state["kl_controller"])
-        torch.set_rng_state(state["torch_rng"])
 
-    def save(self, folder: str | Path, tokenizer_from: str | None = None) -> Path:
-        """A model folder (LoRA merged) that transformers and vLLM load as it is; the value head in
-        ``critic/``, the adapter in ``adapter/``, the training state in ``trainer_state/``."""
+    def save_extra(self, folder: Path) -> None:
+        """The value head in ``critic/`` (vLLM would trip over it at the top level)."""
+        if not self.use_critic:
+            return
         from safetensors.torch import save_file
 
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        base = self.model.lm.get_base_model() if self.lora else self.model.lm
-        with self.policy_weights() as sd:
-            base.save_pretrained(str(folder), state_dict={k: v.detach().clone() for k, v in sd.items()},
-                                 safe_serialization=True)
-        if self.lora:
-            self.model.lm.save_pretrained(str(folder / ADAPTER_DIR))
-        if self.use_critic:
-            (folder / CRITIC_DIR).mkdir(exist_ok=True)
-            save_file({k: v.detach().contiguous() for k, v in self.model.value_head.state_dict().items()},
-                      str(folder / CRITIC_DIR / "value_head.safetensors"))
-        path = save_learner_state(folder, self.state_dict())
-        (path.parent / "learner.json").write_text(json.dumps(
-            {"algorithm": self.name, "version": self.version, "lora": self.lora,
-             "kl_controller": self.kl_ctl.state_dict()}, indent=1))
-        if tokenizer_from:
-            from transformers import AutoTokenizer
+        (folder / CRITIC_DIR).mkdir(exist_ok=True)
+        save_file({k: v.detach().contiguous() for k, v in self.model.value_head.state_dict().items()},
+                  str(folder / CRITIC_DIR / "value_head.safetensors"))
 
-            AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(str(folder))
-        return folder
-
-    def restore(self, folder: str | Path) -> None:
-        from safetensors.torch import load_file
-
-        folder = Path(folder)
-        if self.lora:
-            from peft import set_peft_model_state_dict
-
-            adapter = load_file(str(folder / ADAPTER_DIR / "adapter_model.safetensors"))
-            result = set_peft_model_state_dict(self.model.lm, adapter)
-            if getattr(result, "unexpected_keys", None):
-                raise ValueError(f"adapter in {folder} does not fit this model: {result.unexpected_keys[:3]}")
-        else:
-            missing, unexpected = self.model.lm.load_state_dict(load_model_weights(folder), strict=False)
-            if unexpected or set(missing) - {"lm_head.weight"}:
-                raise ValueError(f"{folder} does not fit this model (missing {missing[:3]}, unexpected {unexpected[:3]})")
-            self.model.lm.tie_weights()
+    def restore_extra(self, folder: Path) -> None:
         critic = folder / CRITIC_DIR / "value_head.safetensors"
         if self.use_critic and critic.is_file():
+            from safetensors.torch import load_file
+
             self.model.value_head.load_state_dict(load_file(str(critic)))
-        self.load_state_dict(load_learner_state(folder))
 
 
 def _explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 import torch
 
-from cluster.config import LoRAConfig, PPOConfig, TrainConfig
+from cluster.config import DPOConfig, LoRAConfig, PPOConfig, TrainConfig
 from learners.base import LearnerContext
 from learners.distributed import Collective
 from learners.experience import Experience
@@ -93,6 +93,31 @@ def make_learner(
         lora=LoRAConfig(enabled=True, **lora) if lora else None, comm=comm,
     )
     return PPOLearner.build(ctx, tr, hp)
+
+
+def make_dpo_learner(
+    path: str, *, train: dict | None = None, dpo: dict | None = None, lora: dict | None = None,
+    comm: Collective | None = None, seed: int = 0, total_steps: int = 10,
+):
+    """A DPO learner on the tiny model; ``train``/``dpo``/``lora`` override config fields."""
+    from learners.dpo import DPOLearner
+
+    tr = TrainConfig(**{"bf16": False, "micro_batch_size": 8, **(train or {})})
+    ctx = LearnerContext(model_path=path, seed=seed, total_steps=total_steps,
+                         lora=LoRAConfig(enabled=True, **lora) if lora else None, comm=comm)
+    return DPOLearner.build(ctx, tr, DPOConfig(**(dpo or {})))
+
+
+def preference_batch(lm: Any, n_pairs: int, *, seed: int = 0, ref_shift: float | None = 0.0,
+                     chosen_first: Sequence[bool] | None = None) -> Experience:
+    """``n_pairs`` preference pairs (two rows of one group share a prompt, ragged responses);
+    the chosen row scores 1, the rejected 0 (in either order within the pair). Reference
+    log-probs are ``lm``'s own minus ``ref_shift`` (None: no reference)."""
+    groups = [g for g in range(n_pairs) for _ in (0, 1)]
+    ids, att, rm = grouped_batch(lm.config.vocab_size, groups, seed=seed)
+    first = chosen_first if chosen_first is not None else [g % 2 == 0 for g in range(n_pairs)]
+    scores = [s for f in first for s in ((1.0, 0.0) if f else (0.0, 1.0))]
+    return experience(lm, ids, att, rm, scores, groups=groups, ref_shift=ref_shift)
 
 
 def flat_grads(params: Sequence[torch.nn.Parameter]) -> torch.Tensor:

@@ -1,0 +1,171 @@
+"""Preference learner: DPO and its family (cDPO, IPO, hinge, robust DPO, SimPO), full or LoRA.
+
+A batch is an ``Experience`` whose groups are preference pairs: two rows with one ``group_ids``
+value share the prompt, the row with the higher ``scores`` value is the chosen response, the
+other the rejected one. ``ref_logprobs`` (per token, from the Reference actor, computed once per
+dataset) give the reference's sequence log-probs; SimPO needs none, and with LoRA the learner
+computes them itself with the adapter disabled.
+
+One ``train_step`` on the global batch: the pairs are shuffled by a generator that depends only
+on the run seed, the policy version and the epoch, cut into global minibatches, and each rank
+takes every ``world``-th pair of each minibatch. The loss of a minibatch is the sum of its pair
+losses divided by its global pair count and gradients are summed across ranks, so N learners
+take exactly the step one learner takes on the same batch.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+import torch
+
+from learners.base import LearnerContext, TrainParams
+from learners.experience import Experience, ExperienceError
+from learners.losses import preference_loss, preference_metrics, preference_rewards
+from learners.modeling import autocast
+from learners.policy import PolicyLearner
+
+_STATS = ("loss/total", "rewards/accuracy", "rewards/margin", "rewards/chosen", "rewards/rejected",
+          "logps/chosen", "logps/rejected")
+
+
+class DPOParams(Protocol):
+    """The fields of ``cluster.config.DPOConfig`` the learner reads (documented there)."""
+
+    loss: str
+    beta: float
+    label_smoothing: float
+    simpo_gamma: float
+
+    @property
+    def uses_reference(self) -> bool: ...
+
+
+def preference_pairs(group_ids: torch.Tensor, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Chosen and rejected row indices ``(P,)`` of each well-formed pair, in order of first
+    appearance, and the number of malformed groups (not exactly two rows, or tied scores),
+    which are left out.
+
+    group_ids, scores: ``(B,)``.
+    """
+    members: dict[int, list[int]] = {}
+    for i, g in enumerate(group_ids.tolist()):
+        members.setdefault(g, []).append(i)
+    chosen, rejected, bad = [], [], 0
+    for rows in members.values():
+        if len(rows) != 2 or float(scores[rows[0]]) == float(scores[rows[1]]):
+            bad += 1
+            continue
+        a, b = rows
+        win, lose = (a, b) if float(scores[a]) > float(scores[b]) else (b, a)
+        chosen.append(win)
+        rejected.append(lose)
+    return torch.tensor(chosen, dtype=torch.long), torch.tensor(rejected, dtype=torch.long), bad
+
+
+class DPOLearner(PolicyLearner):
+    name = "dpo"
+    config_section = "dpo"
+    required_fields = ("scores",)
+
+    def __init__(self, ctx: LearnerContext, train: TrainParams, hp: DPOParams) -> None:
+        super().__init__(ctx, train, with_value_head=False)
+        self.hp = hp
+        self._init_optimizer(updates_per_step=train.epochs * train.num_minibatches)
+
+    @classmethod
+    def build(cls, ctx: LearnerContext, train: TrainParams, algo: DPOParams) -> "DPOLearner":
+        return cls(ctx, train, algo)
+
+    def check_batch(self, batch: Experience) -> None:
+        super().check_batch(batch)
+        if self.hp.uses_reference and batch.ref_logprobs is None and not self.lora:
+            raise ExperienceError(f"dpo.loss={self.hp.loss} needs ref_logprobs in every batch "
+                                  "(computed by the Reference actor, or in the learner with LoRA)")
+
+    def _sequence_logps(self, part: Experience) -> torch.Tensor:
+        """(b,) summed response log-probs of the policy, with gradient."""
+        with autocast(self.tr.bf16):
+            out = self.model(
+                part.input_ids, part.attention_mask, part.response_mask,
+                chunk=self.tr.logprob_chunk,
+                group_ids=part.group_ids if self.tr.shared_prefix else None,
+            )
+        return (out["logprobs"] * part.response_mask).sum(1)
+
+    def train_step(self, batch: Experience) -> dict[str, float]:
+        """One pass (``train.epochs`` x ``train.num_minibatches`` updates) over the global batch."""
+        hp, tr, comm = self.hp, self.tr, self.comm
+        t0 = time.perf_counter()
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        self.check_batch(batch)
+        chosen, rejected, malformed = preference_pairs(batch.group_ids, batch.scores)
+        n_pairs = len(chosen)
+        if n_pairs == 0:
+            return {"learner/empty_batch": 1.0, "learner/pairs": 0.0, "learner/malformed_pairs": float(malformed)}
+        lengths = batch.response_mask.sum(1).float()
+        ref_seq = None
+        if hp.uses_reference:
+            ref = batch.ref_logprobs
+            if ref is None:  # LoRA: the base model with the adapter disabled
+                ref = self.base_logprobs(batch.input_ids, batch.attention_mask, batch.response_mask, batch.group_ids)
+            ref_seq = (ref * batch.response_mask).sum(1)
+        self.model.train()
+        self.model.rows_shared = self.model.rows_total = 0
+        totals = torch.zeros(len(_STATS), dtype=torch.float64)
+        grad_norms: list[float] = []
+        local_pairs = 0
+        pairs_per_micro = max(1, tr.micro_batch_size // 2)
+        for epoch in range(tr.epochs):
+            gen = torch.Generator().manual_seed(self.ctx.seed * 1_000_003 + self.version * 1009 + epoch)
+            order = torch.randperm(n_pairs, generator=gen)
+            for mini in torch.tensor_split(order, tr.num_minibatches):
+                global_pairs = max(len(mini), 1)
+                mine = mini[comm.rank :: comm.world]
+                local_pairs += len(mine)
+                self.optimizer.zero_grad(set_to_none=True)
+                for micro in torch.split(mine, pairs_per_micro):
+                    totals += self._micro_step(batch, chosen[micro], rejected[micro], ref_seq, lengths, global_pairs)
+                grad_norms.append(self._optimizer_step())
+        self.version += 1
+        summed = comm.all_reduce_sum(totals)
+        n_updates = tr.epochs * tr.num_minibatches
+        # Loss: mean over updates of each minibatch's mean; the others: mean over pairs and epochs.
+        metrics = {k: float(v) / (n_updates if k == "loss/total" else n_pairs * tr.epochs) for k, v in zip(_STATS, summed)}
+        metrics.update({
+            "learner/lr": lr,
+            "learner/pairs": float(n_pairs),
+            "learner/malformed_pairs": float(malformed),
+            "learner/local_pairs": float(local_pairs),
+            "learner/trainable_fraction": self.trainable_fraction,
+            "learner/prefix_shared_frac": self.model.rows_shared / max(self.model.rows_total, 1),
+            "learner/update_s": time.perf_counter() - t0,
+            "policy/grad_norm": sum(grad_norms) / len(grad_norms),
+            "response/length_mean": float(lengths[torch.cat([chosen, rejected])].mean()),
+        })
+        return metrics
+
+    def _micro_step(self, batch: Experience, chosen: torch.Tensor, rejected: torch.Tensor,
+                    ref_seq: torch.Tensor | None, lengths: torch.Tensor, global_pairs: int) -> torch.Tensor:
+        """Forward/backward of a few pairs (each pair's rows side by side, so they share their
+        prompt's forward pass); returns their contribution to ``_STATS``."""
+        hp = self.hp
+        rows = torch.stack([chosen, rejected], 1).reshape(-1)
+        part = batch.select(rows).trimmed()
+        logps = self._sequence_logps(part).view(-1, 2)
+        pi_w, pi_l = logps[:, 0], logps[:, 1]
+        ref_w = ref_seq[chosen] if ref_seq is not None else None
+        ref_l = ref_seq[rejected] if ref_seq is not None else None
+        len_w, len_l = lengths[chosen], lengths[rejected]
+        losses = preference_loss(pi_w, pi_l, ref_w, ref_l, kind=hp.loss, beta=hp.beta,
+                                 label_smoothing=hp.label_smoothing, chosen_lengths=len_w,
+                                 rejected_lengths=len_l, simpo_gamma=hp.simpo_gamma)
+        loss = losses.sum() / global_pairs
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"non-finite {hp.loss} loss: {float(loss)}")
+        loss.backward()
+        r_w, r_l = preference_rewards(pi_w, pi_l, ref_w, ref_l, beta=hp.beta, chosen_lengths=len_w,
+                                      rejected_lengths=len_l)
+        m = preference_metrics(r_w, r_l, pi_w, pi_l)
+        return torch.tensor([float(loss.detach()), *(float(m[k]) for k in _STATS[1:])], dtype=torch.float64)

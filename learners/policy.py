@@ -1,0 +1,221 @@
+"""What every learner that trains a causal-LM policy shares: loading it (full or LoRA), the
+optimiser step over data-parallel ranks, weights for the generators, and the checkpoint folder.
+
+Algorithms (``learners/ppo.py``, ``learners/dpo.py``, ...) subclass ``PolicyLearner`` and add
+their loss, their extra modules (``extra_param_groups``) and their own state
+(``algorithm_state``); the checkpoint layout is described in ``learners/base.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from learners.base import (
+    ADAPTER_DIR,
+    Learner,
+    LearnerContext,
+    TrainParams,
+    load_learner_state,
+    load_model_weights,
+    save_learner_state,
+)
+from learners.distributed import Collective
+from learners.modeling import PolicyWithValueHead, sequence_logprobs
+from learners.optim import make_scheduler
+
+
+class PolicyLearner(Learner):
+    """A causal LM policy (``self.model.lm``) with an AdamW optimiser and an LR schedule."""
+
+    def __init__(self, ctx: LearnerContext, train: TrainParams, *, with_value_head: bool) -> None:
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(ctx.seed)
+        self.ctx, self.tr = ctx, train
+        self.comm = ctx.comm or Collective()
+        lm = AutoModelForCausalLM.from_pretrained(ctx.model_path, dtype=torch.float32)
+        lm.config.use_cache = False
+        lora = ctx.lora
+        self.lora = bool(lora is not None and lora.enabled)
+        if self.lora:
+            from peft import LoraConfig, get_peft_model
+
+            lm = get_peft_model(
+                lm,
+                LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                           target_modules=list(lora.target_modules), task_type="CAUSAL_LM", bias="none"),
+            )
+        if train.gradient_checkpointing:
+            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.model = PolicyWithValueHead(lm, with_value_head=with_value_head)
+        self.version = 0
+        # Called with the trainable parameters once their gradients are global, before clipping
+        # and the optimiser step (tests compare gradients here).
+        self.on_gradients = None
+
+    def _init_optimizer(self, extra_param_groups: list[dict[str, Any]] = (), updates_per_step: int = 1) -> None:
+        """AdamW over the policy's trainable parameters (LoRA: the adapters) plus any extra groups
+        (e.g. a value head with its own learning rate), and the configured LR schedule."""
+        tr = self.tr
+        extra_ids = {id(p) for g in extra_param_groups for p in g["params"]}
+        lm_params = list(self.model.lm.parameters())
+        policy_params = [p for p in lm_params if p.requires_grad and id(p) not in extra_ids]
+        self.trainable_fraction = sum(p.numel() for p in policy_params) / sum(p.numel() for p in lm_params)
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": policy_params, "lr": tr.lr}, *extra_param_groups],
+            weight_decay=tr.weight_decay, betas=tuple(tr.adam_betas),
+        )
+        self.scheduler = make_scheduler(
+            self.optimizer, schedule=tr.lr_schedule, warmup_steps=tr.warmup_steps,
+            total_steps=self.ctx.total_steps * updates_per_step, min_ratio=tr.min_lr_ratio,
+        )
+
+    def _optimizer_step(self) -> float:
+        """Sums the local gradients across ranks (each rank's loss is already normalised by the
+        global count), clips, steps the optimiser and the schedule; returns the gradient norm."""
+        self.comm.sum_gradients(self.trainable)
+        if self.on_gradients is not None:
+            self.on_gradients(self.trainable)
+        norm = torch.nn.utils.clip_grad_norm_([p for p in self.trainable if p.grad is not None], self.tr.max_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        return float(norm)
+
+    @torch.no_grad()
+    def base_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor,
+                      group_ids: torch.Tensor | None, temperature: float = 1.0) -> torch.Tensor:
+        """(B, L) log-probs of the frozen base model: the LoRA policy with its adapter disabled,
+        so the reference costs no second copy of the weights."""
+        if not self.lora:
+            raise RuntimeError("reference log-probs in the learner: needs LoRA (else a Reference actor serves them)")
+        with self.model.lm.disable_adapter():
+            return sequence_logprobs(
+                self.model.lm, input_ids, attention_mask, positions,
+                temperature=temperature, micro_batch_size=self.tr.micro_batch_size,
+                chunk=self.tr.logprob_chunk, bf16=self.tr.bf16,
+                group_ids=group_ids if self.tr.shared_prefix else None,
+            )
+
+    # -- weights out -----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def policy_weights(self) -> Iterator[dict[str, torch.Tensor]]:
+        """Policy weights in transformers (checkpoint) naming, without extra heads or a tied
+        lm_head copy. With LoRA the adapters are merged into the base weights for the duration of
+        the context (vLLM gets plain dense weights) and unmerged after: consume them inside."""
+        lm = self.model.lm
+        tied = bool(getattr(lm.config, "tie_word_embeddings", False))
+        if not self.lora:
+            sd = lm.state_dict()
+            if tied:
+                sd.pop("lm_head.weight", None)
+            yield sd
+            return
+        lm.merge_adapter()
+        try:
+            sd = {}
+            for k, v in lm.get_base_model().state_dict().items():
+                if "lora_" in k:
+                    continue
+                name = k.replace(".base_layer.", ".")
+                if tied and name == "lm_head.weight":
+                    continue
+                sd[name] = v
+            yield sd
+        finally:
+            lm.unmerge_adapter()
+
+    def policy_state_dict(self) -> dict[str, torch.Tensor]:
+        """A detached copy of ``policy_weights()``."""
+        with self.policy_weights() as sd:
+            return {k: v.detach().clone() for k, v in sd.items()}
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def algorithm_state(self) -> dict[str, Any]:
+        """The algorithm's own resumable state (controllers, counters); JSON-able summary too."""
+        return {}
+
+    def load_algorithm_state(self, state: dict[str, Any]) -> None:
+        del state
+
+    def save_extra(self, folder: Path) -> None:
+        """Writes extra modules (e.g. ``critic/``) into their subfolder of a checkpoint."""
+
+    def restore_extra(self, folder: Path) -> None:
+        """Loads what ``save_extra`` wrote."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "algorithm": self.name,
+            "version": self.version,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+            "lora": self.lora,
+            **self.algorithm_state(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("algorithm", self.name) != self.name:
+            raise ValueError(f"checkpoint was written by the {state['algorithm']} learner, not {self.name}")
+        if bool(state.get("lora")) != self.lora:
+            raise ValueError(f"checkpoint was trained with lora={state.get('lora')}, this learner has lora={self.lora}")
+        self.version = int(state["version"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["torch_rng"])
+        self.load_algorithm_state(state)
+
+    def save(self, folder: str | Path, tokenizer_from: str | None = None) -> Path:
+        """A model folder (LoRA merged) that transformers and vLLM load as it is; the adapter in
+        ``adapter/``, extra modules in their subfolders, the training state in ``trainer_state/``."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        base = self.model.lm.get_base_model() if self.lora else self.model.lm
+        with self.policy_weights() as sd:
+            base.save_pretrained(str(folder), state_dict={k: v.detach().clone() for k, v in sd.items()},
+                                 safe_serialization=True)
+        if self.lora:
+            self.model.lm.save_pretrained(str(folder / ADAPTER_DIR))
+        self.save_extra(folder)
+        path = save_learner_state(folder, self.state_dict())
+        summary = {"algorithm": self.name, "version": self.version, "lora": self.lora}
+        summary.update({k: v for k, v in self.algorithm_state().items() if _jsonable(v)})
+        (path.parent / "learner.json").write_text(json.dumps(summary, indent=1))
+        if tokenizer_from:
+            from transformers import AutoTokenizer
+
+            AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(str(folder))
+        return folder
+
+    def restore(self, folder: str | Path) -> None:
+        from safetensors.torch import load_file
+
+        folder = Path(folder)
+        if self.lora:
+            from peft import set_peft_model_state_dict
+
+            adapter = load_file(str(folder / ADAPTER_DIR / "adapter_model.safetensors"))
+            result = set_peft_model_state_dict(self.model.lm, adapter)
+            if getattr(result, "unexpected_keys", None):
+                raise ValueError(f"adapter in {folder} does not fit this model: {result.unexpected_keys[:3]}")
+        else:
+            missing, unexpected = self.model.lm.load_state_dict(load_model_weights(folder), strict=False)
+            if unexpected or set(missing) - {"lm_head.weight"}:
+                raise ValueError(f"{folder} does not fit this model (missing {missing[:3]}, unexpected {unexpected[:3]})")
+            self.model.lm.tie_weights()
+        self.restore_extra(folder)
+        self.load_state_dict(load_learner_state(folder))
+
+
+def _jsonable(value: Any) -> bool:
+    try:
+        json.dumps(value)
+        return True
+    except TypeError:
+        return False
