@@ -213,6 +213,11 @@ class DPOConfig(Section):
         return self.loss != "simpo"
 
 
+class SFTConfig(Section):
+    """Supervised fine-tuning on demonstrations (prompt-masked cross-entropy); read by
+    ``learners/sft.py``. Its settings are the shared ``train`` section's."""
+
+
 class LoRAConfig(Section):
     enabled: bool = _f(False, "Train LoRA adapters (peft) instead of all policy weights.")
     r: int = _f(16, "LoRA rank.", ge=1)
@@ -268,6 +273,7 @@ class Config(Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     ppo: PPOConfig = Field(default_factory=PPOConfig)
     dpo: DPOConfig = Field(default_factory=DPOConfig)
+    sft: SFTConfig = Field(default_factory=SFTConfig)
     lora: LoRAConfig = Field(default_factory=LoRAConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
 

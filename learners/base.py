@@ -35,6 +35,7 @@ from learners.experience import Experience, ExperienceError
 LEARNERS: dict[str, str] = {
     "ppo": "learners.ppo:PPOLearner",
     "dpo": "learners.dpo:DPOLearner",
+    "sft": "learners.sft:SFTLearner",
 }
 
 CRITIC_DIR = "critic"

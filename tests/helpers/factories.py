@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 import torch
 
-from cluster.config import DPOConfig, LoRAConfig, PPOConfig, TrainConfig
+from cluster.config import DPOConfig, LoRAConfig, PPOConfig, SFTConfig, TrainConfig
 from learners.base import LearnerContext
 from learners.distributed import Collective
 from learners.experience import Experience
@@ -106,6 +106,17 @@ def make_dpo_learner(
     ctx = LearnerContext(model_path=path, seed=seed, total_steps=total_steps,
                          lora=LoRAConfig(enabled=True, **lora) if lora else None, comm=comm)
     return DPOLearner.build(ctx, tr, DPOConfig(**(dpo or {})))
+
+
+def make_sft_learner(path: str, *, train: dict | None = None, lora: dict | None = None, seed: int = 0,
+                     total_steps: int = 10):
+    """An SFT learner on the tiny model; ``train``/``lora`` override config fields."""
+    from learners.sft import SFTLearner
+
+    tr = TrainConfig(**{"bf16": False, "micro_batch_size": 8, **(train or {})})
+    ctx = LearnerContext(model_path=path, seed=seed, total_steps=total_steps,
+                         lora=LoRAConfig(enabled=True, **lora) if lora else None)
+    return SFTLearner.build(ctx, tr, SFTConfig())
 
 
 def preference_batch(lm: Any, n_pairs: int, *, seed: int = 0, ref_shift: float | None = 0.0,

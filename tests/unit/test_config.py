@@ -116,7 +116,7 @@ def test_lora_target_modules_from_the_command_line_is_a_list(capsys):
 def test_schema_is_json_naming_every_section(capsys):
     schema = json.loads(config_schema())
     assert set(schema["properties"]) == {
-        "run", "model", "data", "reward", "rollout", "train", "ppo", "dpo", "lora", "cluster",
+        "run", "model", "data", "reward", "rollout", "train", "ppo", "dpo", "sft", "lora", "cluster",
     }
     defs = schema["$defs"]
     assert {"TrainConfig", "PPOConfig"} <= set(defs)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from actors.preferences import encode_pairs, read_preferences, write_preferences
+from actors.offline_data import encode_pairs, read_preferences, write_preferences
 from learners.modeling import sequence_logprobs
 from tests.helpers.factories import make_dpo_learner, tiny_lm
 

@@ -1,0 +1,243 @@
+"""Offline data: preference rows (``prompt, chosen, rejected``) and demonstrations (``prompt,
+response``) from JSONL or Parquet, checked, counted and encoded as ``Experience`` rows.
+
+A row's prompt is text or chat messages (``[{"role": ..., "content": ...}, ...]``); chosen and
+rejected are text or messages whose last one is the assistant's reply (then, with no ``prompt``
+field, the messages before it are the prompt, as in conversational preference datasets). Rows
+that cannot be used are excluded and counted by reason, never silently dropped:
+``malformed_row`` (not JSON, not an object, wrong types), ``missing_field``, ``identical_pair``
+(chosen == rejected) and ``too_long`` (prompt or a response over its token budget).
+
+Demonstrations follow the same rules with one ``response`` field (text or messages).
+
+Encoded pairs are two rows of one group with the prompt's tokens first (so the learner runs the
+prompt once for both, see ``learners/modeling.py``); the chosen row scores 1, the rejected 0.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from learners.experience import Experience
+
+log = logging.getLogger("rayrlhf.preferences")
+
+Messages = list[dict[str, str]]
+
+
+@dataclass
+class PreferenceSet:
+    # {"prompt": Messages, "chosen": str, "rejected": str, "index": int (row in the source file)}
+    rows: list[dict[str, Any]]
+    # Rows excluded, by reason.
+    skipped: dict[str, int] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+def _count(skipped: dict[str, int], reason: str, where: str) -> None:
+    skipped[reason] = skipped.get(reason, 0) + 1
+    log.warning("%s: %s, skipped", where, reason.replace("_", " "))
+
+
+def _is_messages(x: Any) -> bool:
+    return isinstance(x, list) and bool(x) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in x
+    )
+
+
+def _split_reply(x: Any) -> tuple[Messages | None, str | None]:
+    """(context messages, reply text) of a chosen/rejected field; (None, None) if malformed."""
+    if isinstance(x, str):
+        return [], x
+    if _is_messages(x) and x[-1]["role"] == "assistant":
+        return [dict(m) for m in x[:-1]], x[-1]["content"]
+    return None, None
+
+
+def normalise_row(obj: Any) -> tuple[dict[str, Any] | None, str | None]:
+    """A usable ``{"prompt": Messages, "chosen": str, "rejected": str}`` or (None, reason)."""
+    if not isinstance(obj, dict):
+        return None, "malformed_row"
+    if any(obj.get(k) in (None, "", []) for k in ("chosen", "rejected")):
+        return None, "missing_field"
+    ctx_w, chosen = _split_reply(obj["chosen"])
+    ctx_l, rejected = _split_reply(obj["rejected"])
+    if chosen is None or rejected is None:
+        return None, "malformed_row"
+    prompt = obj.get("prompt")
+    if prompt in (None, "", []):
+        if not ctx_w or ctx_w != ctx_l:
+            return None, "missing_field"
+        messages = ctx_w
+    elif isinstance(prompt, str):
+        messages = [{"role": "user", "content": prompt}]
+    elif _is_messages(prompt):
+        messages = [dict(m) for m in prompt]
+    else:
+        return None, "malformed_row"
+    if not chosen.strip() or not rejected.strip():
+        return None, "missing_field"
+    if chosen.strip() == rejected.strip():
+        return None, "identical_pair"
+    return {"prompt": messages, "chosen": chosen, "rejected": rejected}, None
+
+
+def normalise_demonstration(obj: Any) -> tuple[dict[str, Any] | None, str | None]:
+    """A usable ``{"prompt": Messages, "response": str}`` or (None, reason)."""
+    if not isinstance(obj, dict):
+        return None, "malformed_row"
+    if obj.get("response") in (None, "", []):
+        return None, "missing_field"
+    context, response = _split_reply(obj["response"])
+    if response is None:
+        return None, "malformed_row"
+    prompt = obj.get("prompt")
+    if prompt in (None, "", []):
+        if not context:
+            return None, "missing_field"
+        messages = context
+    elif isinstance(prompt, str):
+        messages = [{"role": "user", "content": prompt}]
+    elif _is_messages(prompt):
+        messages = [dict(m) for m in prompt]
+    else:
+        return None, "malformed_row"
+    if not response.strip():
+        return None, "missing_field"
+    return {"prompt": messages, "response": response}, None
+
+
+def read_demonstrations(path: str | Path) -> PreferenceSet:
+    """``prompt, response`` rows (SFT data), read and counted like ``read_preferences``."""
+    return _read_rows(path, normalise_demonstration, "demonstration")
+
+
+def read_preferences(path: str | Path) -> PreferenceSet:
+    """Rows of a ``.jsonl`` file (read line by line, so one bad line is counted, not fatal) or a
+    ``.parquet`` file (pyarrow)."""
+    return _read_rows(path, normalise_row, "preference")
+
+
+def _read_rows(path: str | Path, normalise: Any, kind: str) -> PreferenceSet:
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"{kind} file not found: {p}")
+    skipped: dict[str, int] = {}
+    rows: list[dict[str, Any]] = []
+    if p.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        raw = pq.read_table(p).to_pylist()
+        source = [(f"{p}[{i}]", obj) for i, obj in enumerate(raw)]
+    else:
+        source = []
+        for i, line in enumerate(p.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                source.append((f"{p}:{i}", json.loads(line)))
+            except json.JSONDecodeError:
+                _count(skipped, "malformed_row", f"{p}:{i}")
+    for index, (where, obj) in enumerate(source):
+        row, reason = normalise(obj)
+        if row is None:
+            _count(skipped, reason, where)
+            continue
+        rows.append({**row, "index": index})
+    return PreferenceSet(rows, skipped)
+
+
+def write_preferences(path: str | Path, rows: list[dict[str, Any]]) -> Path:
+    """Writes rows (prompt messages, chosen, rejected and any extra columns, e.g. judge scores or
+    reference log-probs) as Parquet."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), p)
+    return p
+
+
+def _prompt_ids(tokenizer: Any, messages: Messages, system_prompt: str) -> list[int]:
+    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + messages
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def _reply_ids(tokenizer: Any, text: str) -> list[int]:
+    """The reply's tokens and the tokenizer's EOS (the end of the assistant's turn), so the
+    learner also learns where to stop."""
+    return tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+
+
+def _to_experience(seqs: list[tuple[list[int], list[int]]], group_ids: list[int], scores: list[float],
+                   completions: list[str], meta: list[dict[str, Any]], pad: int,
+                   skipped: dict[str, int]) -> Experience:
+    """Right-padded rows of (prompt, reply) token lists; the reply is the trained part."""
+    n = len(seqs)
+    length = max([len(p) + len(r) for p, r in seqs], default=1)
+    ids = torch.full((n, length), pad, dtype=torch.long)
+    att = torch.zeros(n, length, dtype=torch.bool)
+    resp = torch.zeros_like(att)
+    for i, (prompt, reply) in enumerate(seqs):
+        ids[i, : len(prompt) + len(reply)] = torch.tensor(prompt + reply)
+        att[i, : len(prompt) + len(reply)] = True
+        resp[i, len(prompt) : len(prompt) + len(reply)] = True
+    return Experience(
+        input_ids=ids, attention_mask=att, response_mask=resp, rollout_logprobs=torch.zeros(n, length),
+        group_ids=torch.tensor(group_ids, dtype=torch.long), truncated=torch.zeros(n, dtype=torch.bool),
+        policy_version=0, completions=completions, meta=meta,
+        scores=torch.tensor(scores, dtype=torch.float32), skipped=dict(skipped),
+    ).validate()
+
+
+def encode_pairs(rows: list[dict[str, Any]], tokenizer: Any, *, max_prompt_tokens: int, max_response_tokens: int,
+                 system_prompt: str = "", pad_token_id: int | None = None) -> tuple[Experience, dict[str, int]]:
+    """Pairs as one ``Experience`` (rows 2i and 2i+1: chosen and rejected of pair i, group i,
+    scores 1 and 0); pairs over a token budget are counted as ``too_long`` and left out."""
+    skipped: dict[str, int] = {}
+    pad = pad_token_id if pad_token_id is not None else (tokenizer.pad_token_id or 0)
+    seqs, completions, meta = [], [], []
+    for row in rows:
+        prompt = _prompt_ids(tokenizer, row["prompt"], system_prompt)
+        chosen, rejected = _reply_ids(tokenizer, row["chosen"]), _reply_ids(tokenizer, row["rejected"])
+        if len(prompt) > max_prompt_tokens or max(len(chosen), len(rejected)) > max_response_tokens:
+            _count(skipped, "too_long", f"pair {row.get('index', len(meta) // 2)}")
+            continue
+        seqs += [(prompt, chosen), (prompt, rejected)]
+        completions += [row["chosen"], row["rejected"]]
+        meta += [{"index": row.get("index", len(meta) // 2), "preferred": p} for p in (True, False)]
+    n = len(seqs) // 2
+    groups = [i for i in range(n) for _ in (0, 1)]
+    return _to_experience(seqs, groups, [1.0, 0.0] * n, completions, meta, pad, skipped), skipped
+
+
+def encode_demonstrations(rows: list[dict[str, Any]], tokenizer: Any, *, max_prompt_tokens: int,
+                          max_response_tokens: int, system_prompt: str = "",
+                          pad_token_id: int | None = None) -> tuple[Experience, dict[str, int]]:
+    """Demonstrations as one ``Experience`` (one row each, its own group); rows over a token
+    budget are counted as ``too_long`` and left out."""
+    skipped: dict[str, int] = {}
+    pad = pad_token_id if pad_token_id is not None else (tokenizer.pad_token_id or 0)
+    seqs, completions, meta = [], [], []
+    for row in rows:
+        prompt, reply = _prompt_ids(tokenizer, row["prompt"], system_prompt), _reply_ids(tokenizer, row["response"])
+        if len(prompt) > max_prompt_tokens or len(reply) > max_response_tokens:
+            _count(skipped, "too_long", f"row {row.get('index', len(meta))}")
+            continue
+        seqs.append((prompt, reply))
+        completions.append(row["response"])
+        meta.append({"index": row.get("index", len(meta))})
+    n = len(seqs)
+    return _to_experience(seqs, list(range(n)), [0.0] * n, completions, meta, pad, skipped), skipped
