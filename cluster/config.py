@@ -50,7 +50,8 @@ class Section(BaseModel):
 class RunConfig(Section):
     name: str = _f("ppo", "Run name; the run directory is <output_dir>/<name>-<timestamp>.")
     output_dir: str = _f("runs", "Where run directories (metrics, plots, checkpoints) are written.")
-    algorithm: str = _f("ppo", "Training recipe and learner: 'ppo' (PPO with a critic and the GRPO family; see ppo.advantage_estimator).")
+    algorithm: str = _f("ppo", "Training recipe and learner: 'ppo' (PPO with a critic and the GRPO family; see "
+                        "ppo.advantage_estimator) or 'dpo' (offline preference optimisation; see dpo.loss).")
     seed: int = _f(0, "Seed for data order, sampling engines and learner initialisation.")
     steps: int = _f(20, "Number of iterations (for ppo: generate, score, reference, learn, sync).", ge=1)
     eval_every: int = _f(10, "Evaluate greedy accuracy on the held-out split every K steps and after the last (0: never).", ge=0)
@@ -92,6 +93,11 @@ class DataConfig(Section):
         "Answer with just the final answer.", "Text appended to each question before the chat template."
     )
     system_prompt: str = _f("", "Optional system message for the chat template.")
+    preference_file: str = _f(
+        "",
+        "For run.algorithm=dpo: JSONL or Parquet rows {prompt, chosen, rejected} (text or chat messages); "
+        "eval_size of them are held out.",
+    )
 
 
 class RewardConfig(Section):
@@ -206,6 +212,7 @@ class DPOConfig(Section):
     beta: float = _f(0.1, "beta: inverse temperature of the implicit reward (SimPO: its scale, e.g. 2.0).", gt=0)
     label_smoothing: float = _f(0.0, "eps: assumed label-flip probability for sigmoid (cDPO) and robust (< 0.5).", ge=0, lt=0.5)
     simpo_gamma: float = _f(0.5, "SimPO's target reward margin gamma.", ge=0)
+    pairs_per_step: int = _f(16, "Preference pairs per update step (the global batch).", ge=1)
 
     @property
     def uses_reference(self) -> bool:
@@ -282,15 +289,17 @@ class Config(Section):
         from cluster.recipes import RECIPES
 
         rollout, ppo = self.rollout, self.ppo
-        batch = rollout.prompts_per_step * rollout.samples_per_prompt
+        dpo = self.run.algorithm == "dpo"
+        batch = self.dpo.pairs_per_step if dpo else rollout.prompts_per_step * rollout.samples_per_prompt
         checks = [
             (self.run.algorithm in RECIPES,
              f"run.algorithm must be one of {', '.join(sorted(RECIPES))}, got {self.run.algorithm!r}"),
-            (self.data.train_size >= rollout.prompts_per_step, "data.train_size must be >= rollout.prompts_per_step"),
+            (not dpo or bool(self.data.preference_file), "run.algorithm=dpo needs data.preference_file"),
+            (dpo or self.data.train_size >= rollout.prompts_per_step, "data.train_size must be >= rollout.prompts_per_step"),
             (rollout.prompts_per_step >= rollout.num_generators,
              "rollout.prompts_per_step must be >= rollout.num_generators"),
             (self.train.num_minibatches <= batch,
-             f"train.num_minibatches must be <= the batch ({batch} sequences per step)"),
+             f"train.num_minibatches must be <= the batch ({batch} {'pairs' if dpo else 'sequences'} per step)"),
             (len(self.train.adam_betas) == 2 and all(0 <= b < 1 for b in self.train.adam_betas),
              "train.adam_betas must be two numbers in [0, 1)"),
             (ppo.advantage_estimator not in ("grpo", "dr_grpo", "rloo") or rollout.samples_per_prompt > 1,

@@ -17,13 +17,12 @@ def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False) 
     """Runs ``cfg.run.algorithm``'s recipe; ``resume`` continues ``run_dir`` from its latest
     checkpoint. User errors (missing files, unknown task, broken reward) raise UserError before
     any actor starts."""
-    model_path, train_set, eval_set = preflight(cfg)
+    model_path, train_set, eval_set, description = preflight(cfg)
     ctx = RunContext(cfg, run_dir, resume=resume)
     print(f"[rayrlhf] run directory: {ctx.dir.resolve()}", flush=True)
-    print(f"[rayrlhf] {len(train_set)} train / {len(eval_set)} held-out prompts from {cfg.data.task}"
-          + (f" (skipped while loading: {train_set.skipped})" if train_set.skipped else ""), flush=True)
+    print(f"[rayrlhf] {description}", flush=True)
     ctx.connect()
     try:
-        return get_recipe(cfg.run.algorithm)(ctx, model_path, train_set, eval_set)
+        return get_recipe(cfg.run.algorithm).run(ctx, model_path, train_set, eval_set)
     finally:
         ctx.close()

@@ -48,7 +48,8 @@ class LearnerChannel:
         return await self.outbox.get()
 
 
-_REPORTED = ("loss/policy", "loss/value", "kl/ref_k1", "policy/clip_frac", "logprob_gap/mean_abs")
+_REPORTED = ("loss/policy", "loss/value", "loss/total", "kl/ref_k1", "policy/clip_frac", "logprob_gap/mean_abs",
+             "rewards/accuracy", "rewards/margin")
 
 
 @dataclass
@@ -123,20 +124,27 @@ def learner_loop(config: dict[str, Any]) -> None:
         try:
             parts = ray.get(item["exp_refs"])
             batch = Experience.concat(parts, pad_token_id=spec.pad_token_id)
+            if item.get("evaluate"):
+                # Held-out metrics only: no update, no weights.
+                reply: dict[str, Any] = {"step": step, "metrics": learner.evaluate(batch), "version": learner.version}
+                if rank == 0:
+                    ray.get(channel.report.remote(reply))
+                continue
             # Every rank gets the global batch and takes its own rows inside the learner.
             metrics = learner.train_step(batch)
             peak = torch.tensor([peak_rss_gb()], dtype=torch.float64)
             if comm.world > 1:
                 torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
             metrics["memory/learner_peak_gb"] = float(peak)
-            reply: dict[str, Any] = {"step": step, "metrics": metrics, "version": learner.version}
+            reply = {"step": step, "metrics": metrics, "version": learner.version}
             if rank == 0:
-                t0 = time.perf_counter()
-                with learner.policy_weights() as weights:
-                    packed = pack(weights, spec.sync_dtype, version=learner.version)
-                reply["weights"] = [ray.put(packed)]
-                reply["metrics"]["sync/pack_s"] = time.perf_counter() - t0
-                reply["metrics"]["sync/bytes"] = float(packed.nbytes)
+                if item.get("sync", True):
+                    t0 = time.perf_counter()
+                    with learner.policy_weights() as weights:
+                        packed = pack(weights, spec.sync_dtype, version=learner.version)
+                    reply["weights"] = [ray.put(packed)]
+                    reply["metrics"]["sync/pack_s"] = time.perf_counter() - t0
+                    reply["metrics"]["sync/bytes"] = float(packed.nbytes)
                 if item.get("save_dir"):
                     learner.save(item["save_dir"], tokenizer_from=spec.tokenizer_path)
                     reply["saved"] = item["save_dir"]
@@ -201,9 +209,16 @@ class LearnerGroup:
     def wait_ready(self, timeout_s: float = 600) -> dict:
         return self._result(timeout_s)
 
-    def learn(self, step: int, exp_refs: list, save_dir: str | None = None, timeout_s: float = 3600) -> dict:
-        self.channel.put.remote({"step": step, "exp_refs": list(exp_refs), "save_dir": save_dir})
+    def learn(self, step: int, exp_refs: list, save_dir: str | None = None, sync: bool = True,
+              timeout_s: float = 3600) -> dict:
+        """One update; ``sync=False`` skips packing weights for generators (offline recipes)."""
+        self.channel.put.remote({"step": step, "exp_refs": list(exp_refs), "save_dir": save_dir, "sync": sync})
         return self._result(timeout_s)
+
+    def evaluate(self, step: int, exp_refs: list, timeout_s: float = 3600) -> dict[str, float]:
+        """The learners' held-out metrics on a batch (``Learner.evaluate``), no update."""
+        self.channel.put.remote({"step": step, "exp_refs": list(exp_refs), "evaluate": True})
+        return self._result(timeout_s)["metrics"]
 
     def stop(self, timeout_s: float = 60) -> None:
         try:

@@ -24,6 +24,8 @@ class RunLog:
         self.t0 = time.time()
         self.rows: list[dict[str, Any]] = []
         self.first_step = 1
+        # What eval/accuracy measures (set by the recipe): a label for logs and plots.
+        self.eval_label = "greedy accuracy"
         if keep_until_step is not None and self.path.is_file():
             old = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
             self.rows = [r for r in old if r.get("step", 0) <= keep_until_step]
@@ -46,16 +48,26 @@ class RunLog:
         width = 20
         filled = int(width * step / self.total)
         bar = "#" * filled + "-" * (width - filled)
-        line = (
-            f"[{bar}] step {step}/{self.total} | reward {row.get('reward/mean', float('nan')):.3f}"
-            f"±{row.get('reward/std', float('nan')):.2f}"
-            + (f" | kl {row['kl/ref_k1']:.4f}" if "kl/ref_k1" in row else " | no ref")
-            + f" | len {row.get('response/length_mean', float('nan')):.1f}"
-            f" | {row.get('generate/tokens_per_s', float('nan')):.0f} tok/s"
-            f" | gen {row.get('time/generate_s', 0):.1f}s score {row.get('time/score_s', 0):.1f}s"
-            f" ref {row.get('time/reference_s', 0):.1f}s learn {row.get('time/learn_s', 0):.1f}s"
-            f" sync {row.get('time/sync_s', 0):.2f}s | {elapsed:.0f}s elapsed, eta {eta:.0f}s"
-        )
+        head = f"[{bar}] step {step}/{self.total}"
+        timing = f" | {elapsed:.0f}s elapsed, eta {eta:.0f}s"
+        if "reward/mean" in row or "generate/tokens_per_s" in row:  # online: generate, score, learn, sync
+            line = (
+                head + f" | reward {row.get('reward/mean', float('nan')):.3f}"
+                f"±{row.get('reward/std', float('nan')):.2f}"
+                + (f" | kl {row['kl/ref_k1']:.4f}" if "kl/ref_k1" in row else " | no ref")
+                + f" | len {row.get('response/length_mean', float('nan')):.1f}"
+                f" | {row.get('generate/tokens_per_s', float('nan')):.0f} tok/s"
+                f" | gen {row.get('time/generate_s', 0):.1f}s score {row.get('time/score_s', 0):.1f}s"
+                f" ref {row.get('time/reference_s', 0):.1f}s learn {row.get('time/learn_s', 0):.1f}s"
+                f" sync {row.get('time/sync_s', 0):.2f}s" + timing
+            )
+        else:  # offline (preference or supervised data): the learner's loss and metrics
+            line = (
+                head + f" | loss {row.get('loss/total', float('nan')):.4f}"
+                + (f" | reward acc {row['rewards/accuracy']:.3f} margin {row['rewards/margin']:.3f}"
+                   if "rewards/accuracy" in row else "")
+                + f" | learn {row.get('time/learn_s', 0):.1f}s" + timing
+            )
         if "eval/accuracy" in row:
             line += f" | eval acc {row['eval/accuracy']:.3f}"
         print(line, file=self.stream, flush=True)
@@ -71,17 +83,21 @@ class RunLog:
         trained = [r for r in self.rows if r["step"] > 0]  # step 0: the starting policy's evaluation only
         steps = [r["step"] for r in trained]
         fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-        axes[0].plot(steps, [r.get("reward/mean") for r in trained], label="train reward (mean)")
+        online = any("reward/mean" in r for r in trained)
+        left, right = (("reward/mean", "train reward (mean)"), ("kl/ref_k1", "KL to reference (k1)")) if online else (
+            ("loss/total", "train loss"), ("rewards/margin", "implicit reward margin"))
+        axes[0].plot(steps, [r.get(left[0], float("nan")) for r in trained], label=left[1])
         ev = [(r["step"], r["eval/accuracy"]) for r in self.rows if r.get("eval/accuracy") is not None]
         if ev:
-            axes[0].plot(*zip(*ev), "o-", label="held-out greedy accuracy")
+            axes[0].plot(*zip(*ev), "o-", label=f"held-out {self.eval_label}")
         axes[0].set_xlabel("step")
-        axes[0].set_title("reward")
+        axes[0].set_title("reward" if online else "loss")
         axes[0].legend()
-        axes[1].plot(steps, [r.get("kl/ref_k1") for r in trained], label="KL to reference (k1)")
-        axes[1].plot(steps, [r.get("policy/approx_kl") for r in trained], label="KL old->new (approx)")
+        axes[1].plot(steps, [r.get(right[0], float("nan")) for r in trained], label=right[1])
+        if online:
+            axes[1].plot(steps, [r.get("policy/approx_kl", float("nan")) for r in trained], label="KL old->new (approx)")
         axes[1].set_xlabel("step")
-        axes[1].set_title("KL")
+        axes[1].set_title("KL" if online else "margin")
         axes[1].legend()
         fig.tight_layout()
         out = self.dir / "curves.png"

@@ -82,29 +82,19 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return complete[-1] if complete else None
 
 
-def preflight(cfg: Config) -> tuple[str, Any, Any]:
-    """Resolves what the user named (model, prompts, reward function) before anything starts;
-    a missing or broken one raises UserError with one clear line."""
-    from actors.scorer import resolve_reward_fn
-    from actors.tasks import load_prompts
+def preflight(cfg: Config) -> tuple[str, Any, Any, str]:
+    """Resolves what the user named (model, data, reward function) before anything starts;
+    a missing or broken one raises UserError with one clear line. Returns the model folder, the
+    recipe's train and held-out data and a one-line description of them."""
     from cluster.assets import resolve_model
+    from cluster.recipes import get_recipe
 
     try:
         model_path = resolve_model(cfg.model.path, cfg.model.cache_dir or None)
     except FileNotFoundError as e:
         raise UserError(str(e)) from None
-    try:
-        train_set, eval_set = load_prompts(
-            cfg.data.task, cfg.data.train_size, cfg.data.eval_size, cfg.run.seed, cfg.data.task_kwargs,
-            cfg.data.instruction,
-        )
-    except (FileNotFoundError, ValueError) as e:
-        raise UserError(f"data.task: {e}") from None
-    try:
-        resolve_reward_fn(cfg.reward.function)
-    except ValueError as e:
-        raise UserError(f"reward.function: {e}") from None
-    return model_path, train_set, eval_set
+    train_set, eval_set, description = get_recipe(cfg.run.algorithm).load_data(cfg)
+    return model_path, train_set, eval_set, description
 
 
 class RunContext:
@@ -210,8 +200,8 @@ class RunContext:
         row = {"step": 0, **metrics, **self.times}
         self.times = {}
         self.runlog.log(row)
-        print(f"[rayrlhf] before training: held-out greedy accuracy {metrics.get('eval/accuracy', float('nan')):.3f} "
-              f"({int(metrics.get('eval/n', 0))} prompts)", flush=True)
+        print(f"[rayrlhf] before training: held-out {self.runlog.eval_label} "
+              f"{metrics.get('eval/accuracy', float('nan')):.3f} ({int(metrics.get('eval/n', 0))} held out)", flush=True)
 
     def finish_checkpoint(self, folder: str, step: int, sampler: PromptSampler, version: int) -> None:
         """Adds the run's state to a checkpoint the learner wrote, then prunes old ones."""
@@ -248,7 +238,7 @@ class RunContext:
         seconds = time.time() - self.t_start
         evals = [r["eval/accuracy"] for r in self.runlog.rows if r.get("eval/accuracy") is not None]
         if len(evals) > 1:
-            print(f"[rayrlhf] held-out greedy accuracy: {evals[0]:.3f} (first evaluation) -> {evals[-1]:.3f} (last)",
+            print(f"[rayrlhf] held-out {self.runlog.eval_label}: {evals[0]:.3f} (first evaluation) -> {evals[-1]:.3f} (last)",
                   flush=True)
         print(f"[rayrlhf] done in {seconds:.0f}s; metrics: {self.runlog.path}"
               + (f"; checkpoint: {self.final_checkpoint}" if self.final_checkpoint else ""), flush=True)

@@ -112,6 +112,10 @@ class Learner(abc.ABC):
     def train_step(self, batch: Experience) -> dict[str, float]:
         """One update on the global batch; returns global scalar metrics (the same on every rank)."""
 
+    def evaluate(self, batch: Experience) -> dict[str, float]:
+        """Held-out metrics of the current policy on a batch (no update); global on every rank."""
+        raise NotImplementedError(f"the {self.name} learner has no held-out evaluation")
+
     @abc.abstractmethod
     def policy_weights(self) -> contextlib.AbstractContextManager[dict[str, torch.Tensor]]:
         """Context manager yielding the policy's weights in checkpoint naming, as vLLM loads them."""

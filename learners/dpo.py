@@ -105,12 +105,7 @@ class DPOLearner(PolicyLearner):
         if n_pairs == 0:
             return {"learner/empty_batch": 1.0, "learner/pairs": 0.0, "learner/malformed_pairs": float(malformed)}
         lengths = batch.response_mask.sum(1).float()
-        ref_seq = None
-        if hp.uses_reference:
-            ref = batch.ref_logprobs
-            if ref is None:  # LoRA: the base model with the adapter disabled
-                ref = self.base_logprobs(batch.input_ids, batch.attention_mask, batch.response_mask, batch.group_ids)
-            ref_seq = (ref * batch.response_mask).sum(1)
+        ref_seq = self._reference_sums(batch)
         self.model.train()
         self.model.rows_shared = self.model.rows_total = 0
         totals = torch.zeros(len(_STATS), dtype=torch.float64)
@@ -146,8 +141,37 @@ class DPOLearner(PolicyLearner):
         })
         return metrics
 
+    def _reference_sums(self, batch: Experience) -> torch.Tensor | None:
+        """(B,) reference log-probs of each row's response, or None when the loss needs none."""
+        if not self.hp.uses_reference:
+            return None
+        ref = batch.ref_logprobs
+        if ref is None:  # LoRA: the base model with the adapter disabled
+            ref = self.base_logprobs(batch.input_ids, batch.attention_mask, batch.response_mask, batch.group_ids)
+        return (ref * batch.response_mask).sum(1)
+
+    @torch.no_grad()
+    def evaluate(self, batch: Experience) -> dict[str, float]:
+        """Loss, implicit-reward accuracy and margin on held-out pairs, under ``eval/``."""
+        self.check_batch(batch)
+        chosen, rejected, malformed = preference_pairs(batch.group_ids, batch.scores)
+        if len(chosen) == 0:
+            return {"eval/pairs": 0.0, "eval/malformed_pairs": float(malformed)}
+        ref_seq = self._reference_sums(batch)
+        lengths = batch.response_mask.sum(1).float()
+        self.model.eval()
+        totals = torch.zeros(len(_STATS), dtype=torch.float64)
+        mine = torch.arange(len(chosen))[self.comm.rank :: self.comm.world]
+        for micro in torch.split(mine, max(1, self.tr.micro_batch_size // 2)):
+            totals += self._micro_step(batch, chosen[micro], rejected[micro], ref_seq, lengths, len(chosen), grad=False)
+        summed = self.comm.all_reduce_sum(totals)
+        out = {f"eval/{k}": float(v) / (1 if k == "loss/total" else len(chosen)) for k, v in zip(_STATS, summed)}
+        out.update({"eval/pairs": float(len(chosen)), "eval/malformed_pairs": float(malformed)})
+        return out
+
     def _micro_step(self, batch: Experience, chosen: torch.Tensor, rejected: torch.Tensor,
-                    ref_seq: torch.Tensor | None, lengths: torch.Tensor, global_pairs: int) -> torch.Tensor:
+                    ref_seq: torch.Tensor | None, lengths: torch.Tensor, global_pairs: int,
+                    grad: bool = True) -> torch.Tensor:
         """Forward/backward of a few pairs (each pair's rows side by side, so they share their
         prompt's forward pass); returns their contribution to ``_STATS``."""
         hp = self.hp
@@ -164,7 +188,8 @@ class DPOLearner(PolicyLearner):
         loss = losses.sum() / global_pairs
         if not torch.isfinite(loss):
             raise FloatingPointError(f"non-finite {hp.loss} loss: {float(loss)}")
-        loss.backward()
+        if grad:
+            loss.backward()
         r_w, r_l = preference_rewards(pi_w, pi_l, ref_w, ref_l, beta=hp.beta, chosen_lengths=len_w,
                                       rejected_lengths=len_l)
         m = preference_metrics(r_w, r_l, pi_w, pi_l)

@@ -1,17 +1,22 @@
 """One readable training loop per algorithm. ``run.algorithm`` picks the recipe; each recipe
-names the learner it trains (``learners.base.LEARNERS``)."""
+names the learner it trains (``learners.base.LEARNERS``).
+
+A recipe module provides ``load_data(cfg) -> (train, held_out, description)``, called before
+anything starts (a user error there raises ``UserError``), and ``run(ctx, model_path, train,
+held_out) -> RunResult``, the loop itself.
+"""
 
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+from types import ModuleType
 
-#: Algorithm name -> "module:function" of its recipe (imported on use).
+#: Algorithm name -> module of its recipe (imported on use).
 RECIPES: dict[str, str] = {
-    "ppo": "cluster.recipes.ppo:run",
+    "ppo": "cluster.recipes.ppo",
+    "dpo": "cluster.recipes.dpo",
 }
 
 
-def get_recipe(name: str) -> Callable:
-    module, fn = RECIPES[name].split(":")
-    return getattr(importlib.import_module(module), fn)
+def get_recipe(name: str) -> ModuleType:
+    return importlib.import_module(RECIPES[name])

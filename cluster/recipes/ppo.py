@@ -21,7 +21,29 @@ import ray
 from cluster.actor_groups import RolloutGroup
 from cluster.learner_group import LearnerGroup, learner_spec
 from cluster.metrics import step_metrics
+from cluster.config import Config, UserError
 from cluster.run_context import PromptSampler, RunContext, RunResult, greedy_accuracy
+
+
+def load_data(cfg: Config):
+    """Train and held-out prompts of ``data.task``; checks that the reward function imports."""
+    from actors.scorer import resolve_reward_fn
+    from actors.tasks import load_prompts
+
+    try:
+        train_set, eval_set = load_prompts(
+            cfg.data.task, cfg.data.train_size, cfg.data.eval_size, cfg.run.seed, cfg.data.task_kwargs,
+            cfg.data.instruction,
+        )
+    except (FileNotFoundError, ValueError) as e:
+        raise UserError(f"data.task: {e}") from None
+    try:
+        resolve_reward_fn(cfg.reward.function)
+    except ValueError as e:
+        raise UserError(f"reward.function: {e}") from None
+    description = (f"{len(train_set)} train / {len(eval_set)} held-out prompts from {cfg.data.task}"
+                   + (f" (skipped while loading: {train_set.skipped})" if train_set.skipped else ""))
+    return train_set, eval_set, description
 
 
 def sampling_seed(run_seed: int, step: int) -> int:

@@ -96,7 +96,12 @@ def test_dpo_learns_the_preferences(tiny_model_path):
     reward ranks chosen over rejected, the margin grows."""
     batch = preference_batch(tiny_lm(tiny_model_path), 6, seed=5)
     learner = make_dpo_learner(tiny_model_path, train={"lr": 3e-3, "micro_batch_size": 4}, dpo={"beta": 0.5})
+    before = learner.evaluate(batch)
+    assert before["eval/loss/total"] == pytest.approx(math.log(2), abs=1e-5) and before["eval/pairs"] == 6
     history = [learner.train_step(batch) for _ in range(8)]
+    after = learner.evaluate(batch)
+    assert after["eval/loss/total"] < 0.5 * math.log(2)
+    assert after["eval/rewards/accuracy"] == 1.0 and after["eval/rewards/margin"] > before["eval/rewards/margin"] + 1.0
     first, last = history[0], history[-1]
     assert first["loss/total"] == pytest.approx(math.log(2), abs=1e-5)
     assert last["loss/total"] < 0.5 * first["loss/total"], [h["loss/total"] for h in history]

@@ -1,0 +1,77 @@
+"""Offline DPO through the real entry point: preference rows on disk, a Reference actor scoring
+every pair once, Ray Train learners, held-out evaluation, a servable checkpoint and resume."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cluster import cli
+from cluster.config import load_config
+from cluster.driver import train
+
+pytestmark = pytest.mark.ray
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _preferences(path: Path, n: int = 56) -> Path:
+    """Chosen: the sum written out; rejected: a refusal. Plus rows that must be counted, not used."""
+    lines = []
+    for i in range(n):
+        a, b = i % 10, (3 * i) % 10
+        lines.append(json.dumps({"prompt": f"What is {a} + {b}?", "chosen": f"{a} + {b} = {a + b}.",
+                                 "rejected": "I cannot help with that."}))
+    lines += ["{broken", json.dumps({"prompt": "q", "chosen": "same", "rejected": "same"})]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _settings(data: Path) -> list[str]:
+    return ["run.algorithm=dpo", f"data.preference_file={data}", "data.eval_size=8", "dpo.pairs_per_step=8",
+            "dpo.beta=0.5", "train.lr=2e-3", "train.num_minibatches=1", "train.micro_batch_size=8",
+            "train.lr_schedule=constant", "run.eval_every=3", "run.save_every=3", "run.keep_last=0", "run.plot=true"]
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_offline_dpo_learns_held_out_preferences_and_resumes(ray_cluster, tiny_model_path, tmp_path):
+    data = _preferences(tmp_path / "prefs.jsonl")
+    cfg = load_config(ROOT / "configs" / "ppo_tiny.yaml", _settings(data) + ["run.steps=3"])
+    result = train(cfg, run_dir=tmp_path / "run")
+    # The user's command: continue the run to 6 steps (reference log-probs come from the cache).
+    assert cli.main(["train", "--resume", str(tmp_path / "run"), "--set", "run.steps=6"]) == 0
+    rows = _rows(tmp_path / "run")
+    assert [r["step"] for r in rows] == list(range(0, 7))
+    base, trained = rows[0], rows[1:]
+    # Before training the policy is the reference: every implicit reward is 0, the loss log 2.
+    assert base["eval/loss/total"] == pytest.approx(0.6931, abs=1e-3) and base["eval/pairs"] == 8
+    last = rows[-1]
+    assert last["eval/rewards/accuracy"] == 1.0
+    assert last["eval/rewards/margin"] > base["eval/rewards/margin"] + 0.5
+    assert last["eval/loss/total"] < 0.5 * base["eval/loss/total"]
+    assert trained[-1]["loss/total"] < trained[0]["loss/total"]
+    # Every step drew 8 new pairs: 6 x 8 = 48 = the whole train split, none repeated.
+    drawn = [i for r in trained for i in r["data/pair_ids"]]
+    assert sorted(drawn) == list(range(48))
+    assert all(r["skipped_at_load"] == {"malformed_row": 1, "identical_pair": 1} for r in trained)
+    assert (tmp_path / "run" / "data" / "reference_logprobs.parquet").is_file()
+    assert (tmp_path / "run" / "curves.png").stat().st_size > 1000
+    # The checkpoints are model folders that transformers loads as they are.
+    from transformers import AutoModelForCausalLM
+
+    assert result.final_checkpoint.name == "step_00003"
+    final = tmp_path / "run" / "checkpoints" / "step_00006"
+    AutoModelForCausalLM.from_pretrained(final)
+    assert json.loads((final / "trainer_state" / "learner.json").read_text())["algorithm"] == "dpo"
+
+
+def test_dpo_config_errors_are_one_line(tmp_path):
+    with pytest.raises(Exception, match="needs data.preference_file"):
+        load_config(ROOT / "configs" / "ppo_tiny.yaml", ["run.algorithm=dpo"])
+    from cluster.run_context import preflight
+
+    cfg = load_config(ROOT / "configs" / "ppo_tiny.yaml", ["run.algorithm=dpo", f"data.preference_file={tmp_path}/no.jsonl"])
+    with pytest.raises(Exception, match="preference file not found"):
+        preflight(cfg)
