@@ -97,8 +97,16 @@ def test_types_are_checked_and_coerced():
 
 def test_algorithm_must_be_a_registered_recipe():
     assert load_config(overrides=["run.algorithm=ppo"]).run.algorithm == "ppo"
-    with pytest.raises(ConfigError, match="run.algorithm must be one of ppo"):
+    with pytest.raises(ConfigError, match="run.algorithm must be one of dpo, ppo"):
+        load_config(overrides=["run.algorithm=kto"])
+    with pytest.raises(ConfigError, match="run.algorithm=dpo needs data.preference_file"):
         load_config(overrides=["run.algorithm=dpo"])
+    cfg = load_config(overrides=["run.algorithm=dpo", "data.preference_file=p.jsonl", "dpo.pairs_per_step=4",
+                                 "train.num_minibatches=4"])
+    assert cfg.dpo.pairs_per_step == 4
+    with pytest.raises(ConfigError, match="4 pairs per step"):
+        load_config(overrides=["run.algorithm=dpo", "data.preference_file=p.jsonl", "dpo.pairs_per_step=4",
+                               "train.num_minibatches=5"])
 
 
 def test_lora_target_modules_from_the_command_line_is_a_list(capsys):
