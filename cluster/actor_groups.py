@@ -141,9 +141,11 @@ def role_env(threads: int) -> dict:
 class RolloutGroup:
     """The inference-side roles: N generators, one scorer, one reference."""
 
-    def __init__(self, cfg: Config, model_path: str, policy_path: str | None = None, policy_version: int = 0) -> None:
+    def __init__(self, cfg: Config, model_path: str, policy_path: str | None = None, policy_version: int = 0,
+                 with_reference: bool | None = None) -> None:
         """``policy_path``/``policy_version``: weights the generators start from when they are not
-        the initial model (a resumed run's checkpoint); the reference always scores ``model_path``."""
+        the initial model (a resumed run's checkpoint); the reference always scores ``model_path``.
+        ``with_reference``: start a Reference actor (default: when a PPO KL term needs one)."""
         self.cfg = cfg
         gen_cls = ray.remote(GeneratorWorker)
         self.generators = [
@@ -159,7 +161,9 @@ class RolloutGroup:
         # no second copy of the weights, so no reference actor.
         # Without any KL term (beta = 0) nothing needs the reference, so it is not started.
         self.reference = None
-        if not cfg.lora.enabled and cfg.ppo.uses_reference:
+        if with_reference is None:
+            with_reference = not cfg.lora.enabled and cfg.ppo.uses_reference
+        if with_reference:
             self.reference = ray.remote(ReferenceWorker).options(
                 num_cpus=cfg.cluster.cpus_per_reference, runtime_env=role_env(cfg.cluster.threads)
             ).remote(reference_config(cfg, model_path))

@@ -213,6 +213,11 @@ class DPOConfig(Section):
     label_smoothing: float = _f(0.0, "eps: assumed label-flip probability for sigmoid (cDPO) and robust (< 0.5).", ge=0, lt=0.5)
     simpo_gamma: float = _f(0.5, "SimPO's target reward margin gamma.", ge=0)
     pairs_per_step: int = _f(16, "Preference pairs per update step (the global batch).", ge=1)
+    pair_prompts: int = _f(
+        256, "Without data.preference_file: prompts of data.task whose rollout.samples_per_prompt samples, scored by "
+        "reward.function, give a pair (best vs worst).", ge=1)
+    min_score_gap: float = _f(0.0, "A scored pair forms only when best - worst > this gap.", ge=0)
+    eval_pairs: int = _f(32, "Without data.preference_file: scored pairs held out (at most a quarter of them).", ge=0)
 
     @property
     def uses_reference(self) -> bool:
@@ -294,7 +299,8 @@ class Config(Section):
         checks = [
             (self.run.algorithm in RECIPES,
              f"run.algorithm must be one of {', '.join(sorted(RECIPES))}, got {self.run.algorithm!r}"),
-            (not dpo or bool(self.data.preference_file), "run.algorithm=dpo needs data.preference_file"),
+            (not dpo or bool(self.data.preference_file) or rollout.samples_per_prompt > 1,
+             "run.algorithm=dpo needs data.preference_file, or rollout.samples_per_prompt > 1 to build scored pairs"),
             (dpo or self.data.train_size >= rollout.prompts_per_step, "data.train_size must be >= rollout.prompts_per_step"),
             (rollout.prompts_per_step >= rollout.num_generators,
              "rollout.prompts_per_step must be >= rollout.num_generators"),

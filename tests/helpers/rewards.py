@@ -1,4 +1,5 @@
-"""Misbehaving reward functions for the bad-input tests (imported by Ray workers by name)."""
+"""Reward functions for tests (imported by Ray workers by name): misbehaving ones for the
+bad-input tests, and a dense one that ranks a random model's samples."""
 
 from __future__ import annotations
 
@@ -23,3 +24,9 @@ def flaky(prompts, completions, **meta):
 
 def wrong_length(prompts, completions, **meta):
     return [0.0]
+
+
+def reply_length(prompts, completions, **meta):
+    """Characters of the reply / 100: dense, rarely tied, and learnable (prefer long tokens, no EOS),
+    so a random-weight model's samples always give preference pairs."""
+    return [len(c) / 100.0 for c in completions]

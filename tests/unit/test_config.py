@@ -100,7 +100,8 @@ def test_algorithm_must_be_a_registered_recipe():
     with pytest.raises(ConfigError, match="run.algorithm must be one of dpo, ppo"):
         load_config(overrides=["run.algorithm=kto"])
     with pytest.raises(ConfigError, match="run.algorithm=dpo needs data.preference_file"):
-        load_config(overrides=["run.algorithm=dpo"])
+        load_config(overrides=["run.algorithm=dpo", "rollout.samples_per_prompt=1"])
+    assert load_config(overrides=["run.algorithm=dpo", "rollout.samples_per_prompt=4"]).run.algorithm == "dpo"
     cfg = load_config(overrides=["run.algorithm=dpo", "data.preference_file=p.jsonl", "dpo.pairs_per_step=4",
                                  "train.num_minibatches=4"])
     assert cfg.dpo.pairs_per_step == 4
