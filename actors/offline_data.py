@@ -62,6 +62,18 @@ def _split_reply(x: Any) -> tuple[Messages | None, str | None]:
     return None, None
 
 
+def _prompt_messages(prompt: Any, context: Messages) -> tuple[Messages | None, str | None]:
+    """The prompt as messages: the ``prompt`` field (text or messages) or, without one, the
+    conversation before the reply; (None, reason) if neither is usable."""
+    if prompt in (None, "", []):
+        return (context, None) if context else (None, "missing_field")
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}], None
+    if _is_messages(prompt):
+        return [dict(m) for m in prompt], None
+    return None, "malformed_row"
+
+
 def normalise_row(obj: Any) -> tuple[dict[str, Any] | None, str | None]:
     """A usable ``{"prompt": Messages, "chosen": str, "rejected": str}`` or (None, reason)."""
     if not isinstance(obj, dict):
@@ -72,17 +84,10 @@ def normalise_row(obj: Any) -> tuple[dict[str, Any] | None, str | None]:
     ctx_l, rejected = _split_reply(obj["rejected"])
     if chosen is None or rejected is None:
         return None, "malformed_row"
-    prompt = obj.get("prompt")
-    if prompt in (None, "", []):
-        if not ctx_w or ctx_w != ctx_l:
-            return None, "missing_field"
-        messages = ctx_w
-    elif isinstance(prompt, str):
-        messages = [{"role": "user", "content": prompt}]
-    elif _is_messages(prompt):
-        messages = [dict(m) for m in prompt]
-    else:
-        return None, "malformed_row"
+    # Without a prompt field both replies must continue the same conversation.
+    messages, reason = _prompt_messages(obj.get("prompt"), ctx_w if ctx_w == ctx_l else [])
+    if messages is None:
+        return None, reason
     if not chosen.strip() or not rejected.strip():
         return None, "missing_field"
     if chosen.strip() == rejected.strip():
@@ -99,17 +104,9 @@ def normalise_demonstration(obj: Any) -> tuple[dict[str, Any] | None, str | None
     context, response = _split_reply(obj["response"])
     if response is None:
         return None, "malformed_row"
-    prompt = obj.get("prompt")
-    if prompt in (None, "", []):
-        if not context:
-            return None, "missing_field"
-        messages = context
-    elif isinstance(prompt, str):
-        messages = [{"role": "user", "content": prompt}]
-    elif _is_messages(prompt):
-        messages = [dict(m) for m in prompt]
-    else:
-        return None, "malformed_row"
+    messages, reason = _prompt_messages(obj.get("prompt"), context)
+    if messages is None:
+        return None, reason
     if not response.strip():
         return None, "missing_field"
     return {"prompt": messages, "response": response}, None

@@ -108,6 +108,11 @@ class Learner(abc.ABC):
     #: Fraction of the policy's parameters that train (1.0, or small with LoRA).
     trainable_fraction: float = 1.0
 
+    @classmethod
+    def build(cls, ctx: LearnerContext, train: TrainParams, algo: Any) -> "Learner":
+        """The learner from its context, the shared ``train`` settings and its own section."""
+        return cls(ctx, train, algo)
+
     @abc.abstractmethod
     def train_step(self, batch: Experience) -> dict[str, float]:
         """One update on the global batch; returns global scalar metrics (the same on every rank)."""

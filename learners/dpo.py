@@ -74,10 +74,6 @@ class DPOLearner(PolicyLearner):
         self.hp = hp
         self._init_optimizer(updates_per_step=train.epochs * train.num_minibatches)
 
-    @classmethod
-    def build(cls, ctx: LearnerContext, train: TrainParams, algo: DPOParams) -> "DPOLearner":
-        return cls(ctx, train, algo)
-
     def check_batch(self, batch: Experience) -> None:
         super().check_batch(batch)
         if self.hp.uses_reference and batch.ref_logprobs is None and not self.lora:

@@ -88,10 +88,6 @@ class PPOLearner(PolicyLearner):
         head = [p for p in self.model.value_head.parameters() if p.requires_grad]
         self._init_optimizer([{"params": head, "lr": hp.critic_lr}], updates_per_step=train.epochs * train.num_minibatches)
 
-    @classmethod
-    def build(cls, ctx: LearnerContext, train: TrainParams, algo: PPOParams) -> "PPOLearner":
-        return cls(ctx, train, algo)
-
     # -- forward helpers -------------------------------------------------------------------------
     def _forward(self, exp: Experience, *, grad: bool) -> dict[str, torch.Tensor]:
         with torch.set_grad_enabled(grad), autocast(self.tr.bf16):

@@ -38,10 +38,6 @@ class SFTLearner(PolicyLearner):
         self.hp = hp
         self._init_optimizer(updates_per_step=train.epochs * train.num_minibatches)
 
-    @classmethod
-    def build(cls, ctx: LearnerContext, train: TrainParams, algo: SFTParams) -> "SFTLearner":
-        return cls(ctx, train, algo)
-
     def train_step(self, batch: Experience) -> dict[str, float]:
         tr, comm = self.tr, self.comm
         t0 = time.perf_counter()
