@@ -72,8 +72,42 @@ def ray_cluster(tiny_model_path):
         yield info
     finally:
         ray.shutdown()
-        subprocess.run([ray_bin, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        _stop_cluster(temp, port)
         shutil.rmtree(temp, ignore_errors=True)
+
+
+def _stop_cluster(temp: str, port: int) -> None:
+    """Stops this session's cluster only: ``ray stop`` would also kill every other Ray cluster
+    on the machine (a second test session, a user's job). Its processes name the session's temp
+    dir or its GCS port on their command line; workers and dashboard modules are their children."""
+    import psutil
+
+    def ours(proc: psutil.Process) -> bool:
+        try:
+            line = " ".join(proc.cmdline())
+        except (psutil.Error, OSError):
+            return False
+        return temp in line or f":{port} " in line + " " or f":{port}," in line
+
+    roots = [p for p in psutil.process_iter() if p.pid != os.getpid() and ours(p)]
+    procs = {p.pid: p for p in roots}
+    for p in roots:
+        try:
+            procs.update({c.pid: c for c in p.children(recursive=True)})
+        except psutil.Error:
+            pass
+    procs.pop(os.getpid(), None)
+    for p in procs.values():
+        try:
+            p.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(list(procs.values()), timeout=15)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
 
 
 def wait_for(predicate, timeout: float, interval: float = 0.5):
