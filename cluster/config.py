@@ -51,7 +51,7 @@ class RunConfig(Section):
     name: str = _f("ppo", "Run name; the run directory is <output_dir>/<name>-<timestamp>.")
     output_dir: str = _f("runs", "Where run directories (metrics, plots, checkpoints) are written.")
     algorithm: str = _f("ppo", "Training recipe and learner: 'ppo' (PPO with a critic and the GRPO family; see "
-                        "ppo.advantage_estimator) or 'dpo' (offline preference optimisation; see dpo.loss).")
+                        "ppo.advantage_estimator) or 'dpo' (the DPO family on a preference file or on scored samples; see dpo.loss).")
     seed: int = _f(0, "Seed for data order, sampling engines and learner initialisation.")
     steps: int = _f(20, "Number of iterations (for ppo: generate, score, reference, learn, sync).", ge=1)
     eval_every: int = _f(10, "Evaluate greedy accuracy on the held-out split every K steps and after the last (0: never).", ge=0)
@@ -414,6 +414,8 @@ def config_help() -> str:
     for section, info in Config.model_fields.items():
         cls = info.annotation
         lines.append(f"{section}:")
+        if not cls.model_fields:  # type: ignore[union-attr]
+            lines.append("  (no settings of its own) " + " ".join((cls.__doc__ or "").split()))
         for name, f in cls.model_fields.items():  # type: ignore[union-attr]
             default = f.get_default(call_default_factory=True)
             lines.append(f"  {name}: {default!r}\n      {f.description or ''}")
