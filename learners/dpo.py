@@ -108,17 +108,12 @@ class DPOLearner(PolicyLearner):
         grad_norms: list[float] = []
         local_pairs = 0
         pairs_per_micro = max(1, tr.micro_batch_size // 2)
-        for epoch in range(tr.epochs):
-            gen = torch.Generator().manual_seed(self.ctx.seed * 1_000_003 + self.version * 1009 + epoch)
-            order = torch.randperm(n_pairs, generator=gen)
-            for mini in torch.tensor_split(order, tr.num_minibatches):
-                global_pairs = max(len(mini), 1)
-                mine = mini[comm.rank :: comm.world]
-                local_pairs += len(mine)
-                self.optimizer.zero_grad(set_to_none=True)
-                for micro in torch.split(mine, pairs_per_micro):
-                    totals += self._micro_step(batch, chosen[micro], rejected[micro], ref_seq, lengths, global_pairs)
-                grad_norms.append(self._optimizer_step())
+        for mini, mine in self.global_minibatches(torch.arange(n_pairs)):
+            local_pairs += len(mine)
+            self.optimizer.zero_grad(set_to_none=True)
+            for micro in torch.split(mine, pairs_per_micro):
+                totals += self._micro_step(batch, chosen[micro], rejected[micro], ref_seq, lengths, max(len(mini), 1))
+            grad_norms.append(self._optimizer_step())
         self.version += 1
         summed = comm.all_reduce_sum(totals)
         n_updates = tr.epochs * tr.num_minibatches

@@ -76,6 +76,17 @@ class PolicyLearner(Learner):
             total_steps=self.ctx.total_steps * updates_per_step, min_ratio=tr.min_lr_ratio,
         )
 
+    def global_minibatches(self, items: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(global minibatch, this rank's share) for every update of a step: each epoch shuffles
+        ``items`` with a generator of (seed, version, epoch) only, cuts ``train.num_minibatches``
+        global minibatches and gives each rank every ``world``-th item, so any number of ranks
+        takes the one-rank step."""
+        for epoch in range(self.tr.epochs):
+            gen = torch.Generator().manual_seed(self.ctx.seed * 1_000_003 + self.version * 1009 + epoch)
+            order = items[torch.randperm(len(items), generator=gen)]
+            for mini in torch.tensor_split(order, self.tr.num_minibatches):
+                yield mini, mini[self.comm.rank :: self.comm.world]
+
     def _optimizer_step(self) -> float:
         """Sums the local gradients across ranks (each rank's loss is already normalised by the
         global count), clips, steps the optimiser and the schedule; returns the gradient norm."""

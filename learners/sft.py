@@ -50,25 +50,21 @@ class SFTLearner(PolicyLearner):
         self.model.train()
         nll_sum = torch.zeros((), dtype=torch.float64)
         grad_norms: list[float] = []
-        for epoch in range(tr.epochs):
-            gen = torch.Generator().manual_seed(self.ctx.seed * 1_000_003 + self.version * 1009 + epoch)
-            order = rows[torch.randperm(len(rows), generator=gen)]
-            for mini in torch.tensor_split(order, tr.num_minibatches):
-                global_tokens = max(float(tokens[mini].sum()), 1.0)
-                mine = mini[comm.rank :: comm.world]
-                self.optimizer.zero_grad(set_to_none=True)
-                for micro in torch.split(mine, tr.micro_batch_size):
-                    part = batch.select(micro).trimmed()
-                    with autocast(tr.bf16):
-                        out = self.model(part.input_ids, part.attention_mask, part.response_mask,
-                                         chunk=tr.logprob_chunk)
-                    nll = -(out["logprobs"] * part.response_mask).sum()
-                    loss = nll / global_tokens
-                    if not torch.isfinite(loss):
-                        raise FloatingPointError(f"non-finite SFT loss: {float(loss)}")
-                    loss.backward()
-                    nll_sum += float(nll.detach())
-                grad_norms.append(self._optimizer_step())
+        for mini, mine in self.global_minibatches(rows):
+            global_tokens = max(float(tokens[mini].sum()), 1.0)
+            self.optimizer.zero_grad(set_to_none=True)
+            for micro in torch.split(mine, tr.micro_batch_size):
+                part = batch.select(micro).trimmed()
+                with autocast(tr.bf16):
+                    out = self.model(part.input_ids, part.attention_mask, part.response_mask,
+                                     chunk=tr.logprob_chunk)
+                nll = -(out["logprobs"] * part.response_mask).sum()
+                loss = nll / global_tokens
+                if not torch.isfinite(loss):
+                    raise FloatingPointError(f"non-finite SFT loss: {float(loss)}")
+                loss.backward()
+                nll_sum += float(nll.detach())
+            grad_norms.append(self._optimizer_step())
         self.version += 1
         total_tokens = float(tokens[rows].sum()) * tr.epochs
         nll_mean = float(comm.all_reduce_sum(nll_sum)) / total_tokens

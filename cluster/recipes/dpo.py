@@ -203,8 +203,9 @@ def run(ctx: RunContext, model_path: str, train_set: Any, eval_set: Any) -> RunR
                         f"{cfg.dpo.pairs_per_step}")
     eval_ref = ray.put(parts["eval"]) if "eval" in parts else None
     # What the pairs came from, logged with every step.
-    data_counts = {"data/train_pairs": n_pairs, "data/held_out_pairs": parts["eval"].batch_size // 2 if "eval" in parts else 0,
-                   **{f"data/{k}": v for k, v in train_pairs.skipped.items() if k == "prompts_without_a_pair"}}
+    data_counts = {"data/train_pairs": n_pairs, "data/held_out_pairs": parts["eval"].batch_size // 2 if "eval" in parts else 0}
+    if "prompts_without_a_pair" in train_pairs.skipped:
+        data_counts["data/prompts_without_a_pair"] = train_pairs.skipped["prompts_without_a_pair"]
     learners = LearnerGroup(learner_spec(cfg, model_path, pad_id, resume_from=resume), ctx.dir / "ray_train")
 
     def evaluate(step: int, weights: Any = None) -> dict[str, float]:
