@@ -56,6 +56,9 @@ class GeneratorConfig:
     trust_remote_code: bool = False
     # Policy version of the weights in ``model_path`` (non-zero when resuming from a checkpoint).
     initial_version: int = 0
+    # Engine context length; 0: max_prompt_tokens + max_new_tokens. Larger when the generator
+    # also judges (a judge prompt wraps the prompt and the response in a rubric).
+    max_model_len: int = 0
 
 
 class Generator:
@@ -110,7 +113,8 @@ class Generator:
     @classmethod
     def from_config(cls, cfg: GeneratorConfig) -> "Generator":
         return cls(
-            cfg.model_path, dtype=cfg.dtype, max_model_len=cfg.max_prompt_tokens + cfg.max_new_tokens,
+            cfg.model_path, dtype=cfg.dtype,
+            max_model_len=max(cfg.max_model_len, cfg.max_prompt_tokens + cfg.max_new_tokens),
             seed=cfg.seed, kv_cache_gib=cfg.kv_cache_gib, threads=cfg.threads, system_prompt=cfg.system_prompt,
             trust_remote_code=cfg.trust_remote_code, initial_version=cfg.initial_version,
         )

@@ -117,6 +117,13 @@ def read_demonstrations(path: str | Path) -> PreferenceSet:
     return _read_rows(path, normalise_demonstration, "demonstration")
 
 
+def task_demonstrations(task_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Demonstrations from task prompts (``actors/tasks.py`` rows): the reference answer is the
+    response, the prompt is the user's turn."""
+    return [{"prompt": [{"role": "user", "content": r["prompt"]}], "response": str(r["answer"]), "index": i}
+            for i, r in enumerate(task_rows) if str(r.get("answer", "")).strip()]
+
+
 def read_preferences(path: str | Path) -> PreferenceSet:
     """Rows of a ``.jsonl`` file (read line by line, so one bad line is counted, not fatal) or a
     ``.parquet`` file (pyarrow)."""

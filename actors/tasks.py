@@ -34,7 +34,7 @@ def _row(prompt: Any, answer: Any, meta: dict, instruction: str, skipped: dict[s
         skipped["missing_answer"] = skipped.get("missing_answer", 0) + 1
         return None
     text = f"{prompt.strip()} {instruction}".strip() if instruction else prompt.strip()
-    return {"prompt": text, "answer": str(answer), "meta": {**meta, "answer": str(answer), "question": prompt}}
+    return {"prompt": text, "answer": str(answer), "meta": {**meta, "answer": str(answer), "question": prompt, "prompt": text}}
 
 
 def reasoning_gym_rows(task: str, size: int, seed: int, kwargs: dict, instruction: str) -> PromptSet:

@@ -15,6 +15,7 @@ import ray
 import torch
 
 from actors.generator import GeneratorConfig
+from actors.judge import JudgeConfig
 from actors.reference import ReferenceConfig
 from cluster.config import Config
 from cluster.weight_sync import PackedWeights, unpack
@@ -40,7 +41,12 @@ def generator_config(cfg: Config, model_path: str, rank: int = 0, initial_versio
         samples_per_prompt=cfg.rollout.samples_per_prompt, seed=cfg.run.seed * 1000 + rank,
         kv_cache_gib=cfg.rollout.kv_cache_gib, threads=cfg.rollout.threads, system_prompt=cfg.data.system_prompt,
         trust_remote_code=cfg.model.trust_remote_code, initial_version=initial_version,
+        max_model_len=cfg.judge.max_prompt_tokens + cfg.judge.max_new_tokens if uses_judge(cfg) else 0,
     )
+
+
+def uses_judge(cfg: Config) -> bool:
+    return cfg.reward.function == "llm_judge" or (cfg.run.algorithm == "dpo" and cfg.dpo.pairs == "self_judge")
 
 
 def reference_config(cfg: Config, model_path: str) -> ReferenceConfig:
@@ -91,6 +97,35 @@ class GeneratorWorker:
             "samples": [(r, c) for r, c in zip([m.get("question", "") for m in exp.meta[:2]], exp.completions[:2])],
         }
         return exp, stats
+
+    def generate_texts(self, prompts: list[str], group_ids: list[int], n: int, temperature: float,
+                       seed: int | None = None) -> tuple[Experience, dict]:
+        """``n`` samples of each text prompt (not task rows), e.g. SPIN's own-generation replies."""
+        g = self.gcfg
+        t0 = time.perf_counter()
+        exp = self.gen.generate(prompts, [{"prompt": p} for p in prompts], group_ids, max_new_tokens=g.max_new_tokens,
+                                max_prompt_tokens=g.max_prompt_tokens, temperature=temperature, n=n, seed=seed)
+        return exp, {"seconds": time.perf_counter() - t0, "sequences": exp.batch_size, "skipped": dict(exp.skipped)}
+
+    def judge(self, exp: Experience, jcfg: JudgeConfig, seed: int | None = None,
+              drop_unscored: bool = False) -> tuple[Experience, dict]:
+        """Scores each row's (prompt, completion) with this engine as the judge (``actors/judge.py``).
+        Rows without a valid judgement score NaN, or with ``drop_unscored`` are removed and
+        counted as ``unjudged`` (as a reward for PPO/GRPO)."""
+        from actors.judge import Judge
+
+        t0 = time.perf_counter()
+        prompts = [m.get("prompt") or m.get("question", "") for m in exp.meta]
+        scores, counts, replies = Judge(jcfg).judge(self.gen, prompts, exp.completions, seed=seed)
+        out = exp.replace(scores=torch.tensor(scores, dtype=torch.float32))
+        if drop_unscored and counts["items_unscored"]:
+            keep = [i for i, v in enumerate(scores) if v == v]
+            skipped = {**exp.skipped, "unjudged": exp.skipped.get("unjudged", 0) + exp.batch_size - len(keep)}
+            out = out.select(keep).replace(skipped=skipped)
+        out = out.validate()
+        stats = {"seconds": time.perf_counter() - t0, "counts": counts, "scores": scores,
+                 "samples": [(p, r) for p, r in zip(exp.completions[:2], replies[:2])], "peak_rss_gb": peak_rss_gb()}
+        return out, stats
 
     def load_weights(self, packed: list[PackedWeights]) -> float:
         """``packed`` arrives wrapped in a list so that Ray hands over the ref, not a copy."""
@@ -154,7 +189,8 @@ class RolloutGroup:
             )
             for i in range(cfg.rollout.num_generators)
         ]
-        self.scorer = ray.remote(ScorerWorker).options(num_cpus=0.1).remote(
+        # reward.function=llm_judge: the generators judge (no scorer actor).
+        self.scorer = None if cfg.reward.function == "llm_judge" else ray.remote(ScorerWorker).options(num_cpus=0.1).remote(
             cfg.reward.function, cfg.reward.kwargs, cfg.reward.on_error
         )
         # With LoRA the learner scores the reference itself (its base model, adapter disabled):
@@ -190,7 +226,26 @@ class RolloutGroup:
             stat_refs.append(s)
         return exp_refs, stat_refs
 
+    def judge(self, exp_refs: list, seed: int | None = None, drop_unscored: bool = False) -> tuple[list, list]:
+        """Each shard judged by the generator that holds it (the judge is the generators' current
+        weights; see ``actors/judge.py``)."""
+        jcfg = self.cfg.judge_config()
+        out = [gen.judge.options(num_returns=2).remote(e, jcfg, None if seed is None else seed + 7919 * i, drop_unscored)
+               for i, (gen, e) in enumerate(zip(self.generators, exp_refs))]
+        return [o[0] for o in out], [o[1] for o in out]
+
+    def generate_texts(self, prompts: list[str], group_ids: list[int], n: int, temperature: float,
+                       seed: int | None = None) -> tuple[list, list]:
+        """Text prompts sharded over the generators like ``generate``."""
+        rows = [{"prompt": p} for p in prompts]
+        out = [gen.generate_texts.options(num_returns=2).remote([r["prompt"] for r in r_], g, n, temperature,
+                                                                None if seed is None else seed + 7919 * i)
+               for i, (gen, (r_, g)) in enumerate(zip(self.generators, self._shards(rows, group_ids)))]
+        return [o[0] for o in out], [o[1] for o in out]
+
     def score(self, exp_refs: list) -> tuple[list, list]:
+        if self.cfg.reward.function == "llm_judge":  # the policy judges itself, on the generators
+            return self.judge(exp_refs, drop_unscored=True)
         pairs = [self.scorer.score.options(num_returns=2).remote(e) for e in exp_refs]
         return [p[0] for p in pairs], [p[1] for p in pairs]
 

@@ -21,6 +21,8 @@ import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 from typing_extensions import Annotated
 
+from actors.judge import DEFAULT_PATTERN, DEFAULT_TEMPLATE, JudgeConfig
+
 
 class ConfigError(ValueError):
     """A configuration that cannot run: names the offending key."""
@@ -60,6 +62,12 @@ class RunConfig(Section):
     keep_last: int = _f(3, "Periodic checkpoints kept (older ones are deleted; 0: keep all).", ge=0)
     save_final: bool = _f(True, "Save a checkpoint at the end of the run.")
     plot: bool = _f(True, "Write a reward/KL curve PNG into the run directory.")
+    early_stop_metric: str = _f(
+        "", "Early stopping: a held-out metric logged at evaluations (e.g. eval/loss/total, eval/accuracy); "
+        "empty: off.")
+    early_stop_patience: int = _f(3, "Early stopping: evaluations without improvement before the run stops (and saves).", ge=1)
+    early_stop_mode: Literal["auto", "min", "max"] = _f(
+        "auto", "Early stopping: whether lower or higher is better (auto: min for metrics named loss/nll, else max).")
 
 
 class ModelConfig(Section):
@@ -98,13 +106,19 @@ class DataConfig(Section):
         "For run.algorithm=dpo: JSONL or Parquet rows {prompt, chosen, rejected} (text or chat messages); "
         "eval_size of them are held out.",
     )
+    demonstration_file: str = _f(
+        "",
+        "For run.algorithm=sft and dpo.pairs=spin: JSONL or Parquet rows {prompt, response} (text or chat "
+        "messages); eval_size of them are held out. Empty: data.task's prompts with their reference answers.",
+    )
 
 
 class RewardConfig(Section):
     function: str = _f(
         "reasoning_gym",
         "Reward function: 'reasoning_gym' (the task's answer checker on the last number of the reply), "
-        "another built-in from actors.rewards, or 'module:function' with signature "
+        "another built-in from actors.rewards, 'llm_judge' (the policy judges its own samples on the "
+        "generators, see the judge section), or 'module:function' with signature "
         "(prompts, completions, **meta) -> list[float].",
     )
     kwargs: dict = _f({}, "Extra keyword arguments passed to the reward function.")
@@ -213,10 +227,18 @@ class DPOConfig(Section):
     label_smoothing: float = _f(0.0, "eps: assumed label-flip probability for sigmoid (cDPO) and robust (< 0.5).", ge=0, lt=0.5)
     simpo_gamma: float = _f(0.5, "SimPO's target reward margin gamma.", ge=0)
     pairs_per_step: int = _f(16, "Preference pairs per update step (the global batch).", ge=1)
+    pairs: Literal["scorer", "self_judge", "spin"] = _f(
+        "scorer",
+        "Without data.preference_file, where pairs come from: scorer (candidates ranked by reward.function, "
+        "e.g. the task's verifier), self_judge (Self-Rewarding LM: the current model judges its candidates, "
+        "see the judge section) or spin (SPIN: the demonstration is chosen, the model's own reply rejected).",
+    )
     pair_prompts: int = _f(
-        256, "Without data.preference_file: prompts of data.task whose rollout.samples_per_prompt samples, scored by "
-        "reward.function, give a pair (best vs worst).", ge=1)
+        256, "Without data.preference_file: prompts whose candidates give a pair (best vs worst; spin: one each).", ge=1)
+    candidates: int = _f(4, "Candidates sampled per prompt for scorer / self_judge pairs (n).", ge=2)
+    candidate_temperature: float = _f(0.7, "Sampling temperature of the candidates (and of SPIN's own replies).", ge=0)
     min_score_gap: float = _f(0.0, "A scored pair forms only when best - worst > this gap.", ge=0)
+    min_chosen_score: float = _f(float("-inf"), "A scored pair forms only when the best candidate scores at least this.")
     eval_pairs: int = _f(32, "Without data.preference_file: scored pairs held out (at most a quarter of them).", ge=0)
 
     @property
@@ -227,7 +249,30 @@ class DPOConfig(Section):
 
 class SFTConfig(Section):
     """Supervised fine-tuning on demonstrations (prompt-masked cross-entropy); read by
-    ``learners/sft.py``. Its settings are the shared ``train`` section's."""
+    ``learners/sft.py``. Its optimisation settings are the shared ``train`` section's."""
+
+    examples_per_step: int = _f(16, "Demonstrations per update step (the global batch).", ge=1)
+
+
+class JudgeSection(Section):
+    """LLM-as-a-judge on the generators (``actors/judge.py``): dpo.pairs=self_judge and reward.function=llm_judge."""
+
+    template: str = _f(DEFAULT_TEMPLATE, "Judge prompt with {prompt} and {response} (default: the additive 5-point "
+                       "rubric of Self-Rewarding Language Models).")
+    score_pattern: str = _f(DEFAULT_PATTERN, "Regular expression whose first group is the score; the last match counts.")
+    min_score: float = _f(0.0, "Lowest score of the scale; lower ones are counted as out of range and not used.")
+    max_score: float = _f(5.0, "Highest score of the scale; higher ones are counted as out of range and not used.")
+    samples: int = _f(3, "Judgements per response (k); its score is their mean over those that parse.", ge=1)
+    temperature: float = _f(0.7, "Sampling temperature of the judgements.", ge=0)
+    max_prompt_tokens: int = _f(1024, "Token budget of a judge prompt (rubric + prompt + response); longer ones are counted, not judged.", ge=1)
+    max_new_tokens: int = _f(128, "Token budget of a judge reply.", ge=1)
+
+
+class StageConfig(Section):
+    """One stage of a staged run: the run's config with these changes; it starts from the previous stage's final checkpoint."""
+
+    name: str = _f(..., "Stage name (its folder is <run dir>/stages/<NN>-<name>).")
+    set: dict[str, Any] = _f({}, "Changes to the run's config for this stage, as dotted keys, e.g. {run.algorithm: sft, run.steps: 20}.")
 
 
 class LoRAConfig(Section):
@@ -286,35 +331,72 @@ class Config(Section):
     ppo: PPOConfig = Field(default_factory=PPOConfig)
     dpo: DPOConfig = Field(default_factory=DPOConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
+    judge: JudgeSection = Field(default_factory=JudgeSection)
     lora: LoRAConfig = Field(default_factory=LoRAConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    stages: list[StageConfig] = Field(default_factory=list, description=(
+        "Optional list of stages run one after another in one run directory, e.g. SFT -> DPO -> DPO; "
+        "each stage starts from the previous stage's final checkpoint (its reference, too) and leaves its own."))
 
     def validate_run(self) -> "Config":
         """Cross-field checks; raises ConfigError naming the key."""
         from cluster.recipes import RECIPES
 
-        rollout, ppo = self.rollout, self.ppo
-        dpo = self.run.algorithm == "dpo"
-        batch = self.dpo.pairs_per_step if dpo else rollout.prompts_per_step * rollout.samples_per_prompt
+        rollout, ppo, algo = self.rollout, self.ppo, self.run.algorithm
+        batch, unit = {"dpo": (self.dpo.pairs_per_step, "pairs"), "sft": (self.sft.examples_per_step, "demonstrations")}.get(
+            algo, (rollout.prompts_per_step * rollout.samples_per_prompt, "sequences"))
         checks = [
-            (self.run.algorithm in RECIPES,
-             f"run.algorithm must be one of {', '.join(sorted(RECIPES))}, got {self.run.algorithm!r}"),
-            (not dpo or bool(self.data.preference_file) or rollout.samples_per_prompt > 1,
-             "run.algorithm=dpo needs data.preference_file, or rollout.samples_per_prompt > 1 to build scored pairs"),
-            (dpo or self.data.train_size >= rollout.prompts_per_step, "data.train_size must be >= rollout.prompts_per_step"),
+            (algo in RECIPES, f"run.algorithm must be one of {', '.join(sorted(RECIPES))}, got {algo!r}"),
+            (algo != "ppo" or self.data.train_size >= rollout.prompts_per_step,
+             "data.train_size must be >= rollout.prompts_per_step"),
             (rollout.prompts_per_step >= rollout.num_generators,
              "rollout.prompts_per_step must be >= rollout.num_generators"),
             (self.train.num_minibatches <= batch,
-             f"train.num_minibatches must be <= the batch ({batch} {'pairs' if dpo else 'sequences'} per step)"),
+             f"train.num_minibatches must be <= the batch ({batch} {unit} per step)"),
             (len(self.train.adam_betas) == 2 and all(0 <= b < 1 for b in self.train.adam_betas),
              "train.adam_betas must be two numbers in [0, 1)"),
             (ppo.advantage_estimator not in ("grpo", "dr_grpo", "rloo") or rollout.samples_per_prompt > 1,
              f"ppo.advantage_estimator={ppo.advantage_estimator} needs rollout.samples_per_prompt > 1 (a group)"),
+            (not (algo == "dpo" and self.data.preference_file and self.dpo.pairs != "scorer"),
+             f"dpo.pairs={self.dpo.pairs} makes its own pairs: leave data.preference_file empty"),
+            (not self.stages or len({st.name for st in self.stages}) == len(self.stages), "stages: names must be unique"),
         ]
         for ok, msg in checks:
             if not ok:
                 raise ConfigError(msg)
+        try:
+            self.judge_config()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        self.stage_configs()  # every stage validated now, not when it starts
         return self
+
+    def judge_config(self) -> JudgeConfig:
+        """The judge's own settings (``actors/judge.py`` checks the template and the pattern)."""
+        j = self.judge
+        return JudgeConfig(template=j.template, score_pattern=j.score_pattern, min_score=j.min_score,
+                           max_score=j.max_score, samples=j.samples, temperature=j.temperature,
+                           max_prompt_tokens=j.max_prompt_tokens, max_new_tokens=j.max_new_tokens)
+
+    def stage_configs(self) -> list[tuple[str, "Config"]]:
+        """Each stage's full config: this one without ``stages``, the stage's changes applied,
+        ``run.name`` set to the stage's name. (Its ``model.path`` is replaced at run time by the
+        previous stage's checkpoint.)"""
+        base = self.to_dict()
+        base.pop("stages")
+        out = []
+        for i, stage in enumerate(self.stages):
+            data = copy.deepcopy(base)
+            data["run"]["name"] = stage.name
+            for dotted, value in stage.set.items():
+                if dotted == "stages" or dotted.startswith("stages."):
+                    raise ConfigError(f"stages[{i}] ({stage.name}): a stage cannot hold stages")
+                _set_dotted(data, dotted, value, where=f"stages[{i}] ({stage.name}): ")
+            try:
+                out.append((stage.name, build_config(data)))
+            except ConfigError as e:
+                raise ConfigError(f"stages[{i}] ({stage.name}): {e}") from None
+        return out
 
     def to_dict(self) -> dict:
         return self.model_dump(mode="json")
@@ -338,8 +420,11 @@ def _format_error(err: ValidationError, data: dict) -> str:
                 continue
             section_cls: Any = Config
             for part in loc[:-1]:
+                if part.isdigit():  # an item of the stage list
+                    section_cls = StageConfig
+                    continue
                 section_cls = section_cls.model_fields[part].annotation
-            valid = ", ".join(sorted(section_cls.model_fields))
+            valid = ", ".join(sorted(getattr(section_cls, "model_fields", {})))
             where = f" in section '{'.'.join(loc[:-1])}'" if len(loc) > 1 else ""
             msgs.append(f"unknown config key {key!r}{where}; valid keys: {valid}")
         else:
@@ -362,17 +447,21 @@ def build_config(data: dict) -> Config:
     return cfg.validate_run()
 
 
-def _apply_override(data: dict, assignment: str) -> None:
-    if "=" not in assignment:
-        raise ConfigError(f"override {assignment!r} must look like section.key=value")
-    dotted, raw = assignment.split("=", 1)
+def _set_dotted(data: dict, dotted: str, value: Any, where: str = "") -> None:
     parts = dotted.strip().split(".")
     node = data
     for part in parts[:-1]:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
-            raise ConfigError(f"override {dotted!r}: {part!r} is not a section")
-    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+            raise ConfigError(f"{where}override {dotted!r}: {part!r} is not a section")
+    node[parts[-1]] = value
+
+
+def _apply_override(data: dict, assignment: str) -> None:
+    if "=" not in assignment:
+        raise ConfigError(f"override {assignment!r} must look like section.key=value")
+    dotted, raw = assignment.split("=", 1)
+    _set_dotted(data, dotted, yaml.safe_load(raw) if raw.strip() else "")
 
 
 def read_yaml(path: str | Path) -> dict:
@@ -414,6 +503,10 @@ def config_help() -> str:
     for section, info in Config.model_fields.items():
         cls = info.annotation
         lines.append(f"{section}:")
+        if not (isinstance(cls, type) and issubclass(cls, Section)):  # the stage list
+            lines.append(f"  {info.description}\n  each stage: " + ", ".join(
+                f"{n} ({f.description})" for n, f in StageConfig.model_fields.items()))
+            continue
         if not cls.model_fields:  # type: ignore[union-attr]
             lines.append("  (no settings of its own) " + " ".join((cls.__doc__ or "").split()))
         for name, f in cls.model_fields.items():  # type: ignore[union-attr]

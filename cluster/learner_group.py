@@ -121,6 +121,11 @@ def learner_loop(config: dict[str, Any]) -> None:
         if item.get("stop"):
             break
         step = item["step"]
+        if item.get("save_only"):  # a checkpoint outside a step (early stopping)
+            if rank == 0:
+                learner.save(item["save_dir"], tokenizer_from=spec.tokenizer_path)
+                ray.get(channel.report.remote({"step": step, "saved": item["save_dir"], "version": learner.version}))
+            continue
         try:
             parts = ray.get(item["exp_refs"])
             batch = Experience.concat(parts, pad_token_id=spec.pad_token_id)
@@ -213,6 +218,11 @@ class LearnerGroup:
               timeout_s: float = 3600) -> dict:
         """One update; ``sync=False`` skips packing weights for generators (offline recipes)."""
         self.channel.put.remote({"step": step, "exp_refs": list(exp_refs), "save_dir": save_dir, "sync": sync})
+        return self._result(timeout_s)
+
+    def save(self, step: int, save_dir: str, timeout_s: float = 600) -> dict:
+        """Writes a checkpoint of the learners' current state (no update)."""
+        self.channel.put.remote({"step": step, "save_dir": save_dir, "save_only": True})
         return self._result(timeout_s)
 
     def evaluate(self, step: int, exp_refs: list, timeout_s: float = 3600) -> dict[str, float]:

@@ -20,7 +20,7 @@ import os
 import random
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterator
@@ -42,6 +42,8 @@ class RunResult:
     history: list[dict[str, Any]]
     final_checkpoint: Path | None
     seconds: float
+    # A staged run: each stage's result, in order (those run in this call).
+    stages: list["RunResult"] = field(default_factory=list)
 
 
 class PromptSampler:
@@ -119,7 +121,10 @@ class RunContext:
         self.start_step = int(self.run_state["step"])
         self.runlog = RunLog(self.dir, cfg.run.steps, keep_until_step=self.start_step if resume else None)
         self.runlog.save_config(cfg.to_dict())
+        # Early stopping: best value, its step, evaluations since (carried by checkpoints).
+        self.early = dict(self.run_state.get("early_stop") or {"best": None, "best_step": None, "bad": 0, "stopped": False})
         self.final_checkpoint: Path | None = None
+        self._last_version = int(self.run_state["version"])
         self.times: dict[str, float] = {}
         self.started_cluster = False
 
@@ -178,13 +183,44 @@ class RunContext:
         finally:
             self.times[f"time/{name}_s"] = time.perf_counter() - t
 
+    def checkpoint_path(self, step: int) -> str:
+        return str((self.dir / CHECKPOINTS_DIR / f"step_{step:05d}").resolve())
+
     def checkpoint_dir(self, step: int) -> str | None:
         """Where this step's checkpoint goes, if one is due."""
         run = self.cfg.run
         last = step == run.steps
         if (run.save_every and step % run.save_every == 0) or (last and run.save_final):
-            return str((self.dir / CHECKPOINTS_DIR / f"step_{step:05d}").resolve())
+            return self.checkpoint_path(step)
         return None
+
+    def early_stop(self, row: dict[str, Any], save: Any, sampler: PromptSampler) -> bool:
+        """Whether to stop after this step: ``run.early_stop_metric`` (when this row evaluated it)
+        has not improved for ``run.early_stop_patience`` evaluations. Stopping saves this step's
+        checkpoint (``save()`` -> the learners' reply) unless one was just written, marked as
+        final, so resuming a stopped run (or a later stage) treats it as done."""
+        run, e = self.cfg.run, self.early
+        metric = run.early_stop_metric
+        value = row.get(metric)
+        if not metric or value is None or isinstance(value, (list, dict)) or math.isnan(float(value)):
+            return False
+        lower = run.early_stop_mode == "min" or (run.early_stop_mode == "auto" and ("loss" in metric or "nll" in metric))
+        if e["best"] is None or (value < e["best"] if lower else value > e["best"]):
+            e.update(best=float(value), best_step=row["step"], bad=0)
+            return False
+        e["bad"] += 1
+        if e["bad"] < run.early_stop_patience:
+            return False
+        e["stopped"] = True
+        step = row["step"]
+        print(f"[rayrlhf] early stop at step {step}: {metric} has not improved for {e['bad']} evaluations "
+              f"(best {e['best']:.4f} at step {e['best_step']}, now {float(value):.4f})", flush=True)
+        if row.get("checkpoint") and self.final_checkpoint == Path(row["checkpoint"]):
+            self.finish_checkpoint(row["checkpoint"], step, sampler, self._last_version)  # rewrite with stopped=True
+        else:
+            reply = save()
+            self.finish_checkpoint(reply["saved"], step, sampler, reply["version"])
+        return True
 
     def eval_due(self, step: int) -> bool:
         """Step 0 is the starting policy, evaluated once on a fresh run."""
@@ -209,7 +245,8 @@ class RunContext:
         state_dir.mkdir(parents=True, exist_ok=True)
         (state_dir / "config.yaml").write_text(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
         state = {"step": step, "sampler": sampler.state_dict(), "version": version,
-                 "python_rng": random.getstate()}
+                 "python_rng": random.getstate(), "early_stop": dict(self.early)}
+        self._last_version = version
         tmp = state_dir / (RUN_STATE_FILE + ".tmp")
         tmp.write_text(json.dumps(state))
         tmp.replace(state_dir / RUN_STATE_FILE)

@@ -38,6 +38,23 @@ class SFTLearner(PolicyLearner):
         self.hp = hp
         self._init_optimizer(updates_per_step=train.epochs * train.num_minibatches)
 
+    def evaluate(self, batch: Experience) -> dict[str, float]:
+        """Held-out per-token NLL and perplexity of the responses, under ``eval/``."""
+        tokens = batch.response_mask.sum(1)
+        rows = torch.nonzero(tokens > 0).flatten()
+        mine = rows[self.comm.rank :: self.comm.world]
+        self.model.eval()
+        nll = torch.zeros((), dtype=torch.float64)
+        with torch.no_grad():
+            for micro in torch.split(mine, self.tr.micro_batch_size):
+                part = batch.select(micro).trimmed()
+                with autocast(self.tr.bf16):
+                    out = self.model(part.input_ids, part.attention_mask, part.response_mask, chunk=self.tr.logprob_chunk)
+                nll += float(-(out["logprobs"].float() * part.response_mask).sum())
+        total = max(float(tokens[rows].sum()), 1.0)
+        mean = float(self.comm.all_reduce_sum(nll)) / total
+        return {"eval/nll": mean, "eval/perplexity": math.exp(min(mean, 50.0)), "eval/examples": float(len(rows))}
+
     def train_step(self, batch: Experience) -> dict[str, float]:
         tr, comm = self.tr, self.comm
         t0 = time.perf_counter()

@@ -15,6 +15,7 @@ from types import ModuleType
 RECIPES: dict[str, str] = {
     "ppo": "cluster.recipes.ppo",
     "dpo": "cluster.recipes.dpo",
+    "sft": "cluster.recipes.sft",
 }
 
 

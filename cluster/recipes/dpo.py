@@ -1,16 +1,21 @@
 """DPO recipe (Rafailov et al. 2023, sec. 4 and 5) on a fixed set of pairs:
 
     pairs       <- preference rows (JSONL / Parquet), checked, counted, split, tokenised
-                   or, without a preference file: the generators sample rollout.samples_per_prompt
-                   candidates per prompt of data.task, reward.function scores them, and the best
-                   and worst candidate of a prompt form a pair when their scores differ
-    ref logps   <- the reference model scores every pair once (cached in the run directory)
+                   or, without a preference file, made by the generators (``dpo.pairs``, see
+                   ``pairs.py``): candidates ranked by reward.function (scorer) or by the model
+                   itself as judge (self_judge, Self-Rewarding LMs), or demonstration vs own
+                   reply (spin, SPIN)
+    ref logps   <- the reference model (the run's starting model: model t in an iteration)
+                   scores every pair once (cached in the run directory)
     for each step:
         batch    <- the next pairs_per_step pairs
         learners <- DPO-family update on the batch
         every eval_every steps: held-out loss, reward accuracy and margin (and, with generators,
                    greedy task accuracy on held-out prompts after a weight sync)
+    generators  <- the trained weights (model t+1)
 
+One iteration of self-rewarding DPO or SPIN is one run of this recipe; ``stages`` in the config
+chain iterations (and an SFT stage before them), each starting from the last one's checkpoint.
 With LoRA the learners score the reference themselves (the adapter disabled) and no Reference
 actor starts; SimPO needs no reference at all.
 """
@@ -26,28 +31,30 @@ import ray
 import torch
 
 from actors.offline_data import PreferenceSet, encode_pairs, read_preferences, write_preferences
-from actors.tasks import PromptSet
 from cluster.actor_groups import ReferenceWorker, RolloutGroup, reference_config, role_env
 from cluster.config import Config, UserError
 from cluster.learner_group import LearnerGroup, learner_spec
+from cluster.recipes import pairs
 from cluster.run_context import PromptSampler, RunContext, RunResult, greedy_accuracy
-from learners.dpo import preference_pairs
 from learners.experience import Experience
 
 REFERENCE_CACHE = "data/reference_logprobs.parquet"
-PAIRS_CACHE = "data/scored_pairs.pt"
-PAIRS_TABLE = "data/scored_pairs.parquet"
 
 
 def load_data(cfg: Config) -> tuple[Any, Any, str]:
     """Train and held-out pairs of ``data.preference_file`` (a seeded shuffle, then a split), or,
-    without one, the prompts of ``data.task`` to build scored pairs from."""
+    without one, what the generators make pairs from: data.task's prompts (scorer, self_judge) or
+    demonstrations (spin)."""
     if not cfg.data.preference_file:
-        from cluster.recipes import ppo
+        from cluster.recipes import ppo, sft
 
+        if cfg.dpo.pairs == "spin":
+            train_set, eval_set, description = sft.load_data(cfg)
+            return train_set, eval_set, description + "; pairs: demonstration (chosen) vs the model's own reply (SPIN)"
         train_set, eval_set, description = ppo.load_data(cfg)
-        return train_set, eval_set, (description + f"; pairs: best vs worst of {cfg.rollout.samples_per_prompt} "
-                                     f"samples per prompt, ranked by {cfg.reward.function}")
+        ranker = "the model as judge (self-rewarding)" if cfg.dpo.pairs == "self_judge" else cfg.reward.function
+        return train_set, eval_set, (description + f"; pairs: best vs worst of {cfg.dpo.candidates} candidates per "
+                                     f"prompt, ranked by {ranker}")
     try:
         prefs = read_preferences(cfg.data.preference_file)
     except FileNotFoundError as e:
@@ -123,53 +130,22 @@ def _read_reference(path: Path, parts: dict[str, Experience]) -> dict[str, Exper
     return out
 
 
-def _scored_pairs(ctx: RunContext, rollout: RolloutGroup, prompts: PromptSet) -> Experience:
-    """Best and worst candidate of each of ``dpo.pair_prompts`` prompts, as pairs (the
-    generators' own tokens); prompts whose candidates all score the same give no pair. Cached in
-    the run directory (a resumed run reuses them) with a readable Parquet copy."""
-    cfg = ctx.cfg
-    cache = ctx.dir / PAIRS_CACHE
-    if cache.is_file():
-        fields = torch.load(cache, weights_only=True)
-        return Experience(**fields).validate()
-    ids = PromptSampler(len(prompts.rows), min(cfg.dpo.pair_prompts, len(prompts.rows)), cfg.run.seed + 1).next()
-    exp_refs, gen_stats = rollout.generate([prompts.rows[i] for i in ids], ids, seed=cfg.run.seed * 100_003)
-    exp_refs, score_stats = rollout.score(exp_refs)
-    exp = Experience.concat(ray.get(exp_refs), pad_token_id=0)
-    gen_stats, score_stats = ray.get(gen_stats), ray.get(score_stats)
-    best, worst, kept_groups, ties = [], [], [], 0
-    for g in dict.fromkeys(exp.group_ids.tolist()):
-        rows = (exp.group_ids == g).nonzero().flatten()
-        scores = exp.scores[rows]
-        if float(scores.max() - scores.min()) <= cfg.dpo.min_score_gap:
-            ties += 1
-            continue
-        best.append(int(rows[scores.argmax()]))
-        worst.append(int(rows[scores.argmin()]))
-        kept_groups.append(g)
-    rows = [r for pair in zip(best, worst) for r in pair]
-    pairs = exp.select(rows).trimmed()
-    pairs = pairs.replace(scores=torch.tensor([1.0, 0.0] * len(best)),
-                          skipped={**exp.skipped, "prompts_without_a_pair": ties}).validate()
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({f.name: getattr(pairs, f.name) for f in dataclasses.fields(pairs)}, cache)
-    write_preferences(ctx.dir / PAIRS_TABLE, [
-        {"prompt_id": g, "prompt": prompts.rows[g]["prompt"], "chosen": exp.completions[b], "rejected": exp.completions[w],
-         "score_chosen": float(exp.scores[b]), "score_rejected": float(exp.scores[w])}
-        for g, b, w in zip(kept_groups, best, worst)])
-    seconds = sum(s["seconds"] for s in gen_stats) + sum(s["seconds"] for s in score_stats)
-    print(f"[rayrlhf] {len(best)} pairs from {len(ids)} prompts x {cfg.rollout.samples_per_prompt} samples "
-          f"({ties} prompts with equal scores, skipped: {exp.skipped}; mean score {float(exp.scores.mean()):.3f}) "
-          f"in {seconds:.0f}s -> {ctx.dir / PAIRS_TABLE}", flush=True)
-    return pairs
+def _generator_config(cfg: Config) -> Config:
+    """The generators sample ``dpo.candidates`` candidates at ``dpo.candidate_temperature``."""
+    gen = cfg.model_copy(deep=True)
+    gen.rollout.samples_per_prompt = cfg.dpo.candidates
+    gen.rollout.temperature = cfg.dpo.candidate_temperature
+    return gen
 
 
-def _split_pairs(pairs: Experience, n_eval: int) -> tuple[Experience, Experience | None]:
-    chosen, _, _ = preference_pairs(pairs.group_ids, pairs.scores)
-    n = len(chosen)
-    held = min(n_eval, n // 4)
-    rows = lambda a, b: [r for i in range(a, b) for r in (2 * i, 2 * i + 1)]  # noqa: E731
-    return pairs.select(rows(held, n)), (pairs.select(rows(0, held)) if held else None)
+def _generated_pairs(ctx: RunContext, rollout: RolloutGroup, tok: Any, train_set: Any) -> tuple[Experience, dict]:
+    """The pairs of ``dpo.pairs`` (made once; a resumed run reuses them)."""
+    cached = pairs.cached_pairs(ctx.dir)
+    if cached is not None:
+        return cached
+    if ctx.cfg.dpo.pairs == "spin":
+        return pairs.spin_pairs(ctx, rollout, tok, train_set.rows)
+    return pairs.ranked_pairs(ctx, rollout, train_set.rows, by=ctx.cfg.dpo.pairs)
 
 
 def run(ctx: RunContext, model_path: str, train_set: Any, eval_set: Any) -> RunResult:
@@ -180,15 +156,19 @@ def run(ctx: RunContext, model_path: str, train_set: Any, eval_set: Any) -> RunR
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     resume = str(ctx.resume_from) if ctx.resume_from else None
     rollout = None
-    if isinstance(train_set, PromptSet):  # pairs from the generators' samples, ranked by the scorer
+    pair_counts: dict = {}
+    if not isinstance(train_set, PreferenceSet):  # pairs made by the generators
         ctx.runlog.eval_label = "greedy accuracy"
-        rollout = RolloutGroup(cfg, model_path, policy_path=resume, policy_version=int(ctx.run_state["version"]),
-                               with_reference=False)
+        # The generators hold the run's starting weights (model t) until they are trained, also
+        # when a resumed run restarts them: the pairs are cached, later evaluations sync.
+        rollout = RolloutGroup(_generator_config(cfg), model_path, policy_path=resume,
+                               policy_version=int(ctx.run_state["version"]), with_reference=False)
         rollout.wait_ready()
         with ctx.phase("pairs"):
-            train_pairs, eval_pairs = _split_pairs(_scored_pairs(ctx, rollout, train_set), cfg.dpo.eval_pairs)
+            made, pair_counts = _generated_pairs(ctx, rollout, tok, train_set)
+            train_pairs, eval_pairs = pairs.split_pairs(made, cfg.dpo.eval_pairs)
         parts = {"train": train_pairs, **({"eval": eval_pairs} if eval_pairs is not None else {})}
-        eval_prompts = eval_set.rows
+        eval_prompts = eval_set.task_rows if cfg.dpo.pairs == "spin" else eval_set.rows
     else:
         ctx.runlog.eval_label = "reward accuracy"
         parts = {"train": _encode(cfg, tok, train_set.rows)}
@@ -204,8 +184,7 @@ def run(ctx: RunContext, model_path: str, train_set: Any, eval_set: Any) -> RunR
     eval_ref = ray.put(parts["eval"]) if "eval" in parts else None
     # What the pairs came from, logged with every step.
     data_counts = {"data/train_pairs": n_pairs, "data/held_out_pairs": parts["eval"].batch_size // 2 if "eval" in parts else 0}
-    if "prompts_without_a_pair" in train_pairs.skipped:
-        data_counts["data/prompts_without_a_pair"] = train_pairs.skipped["prompts_without_a_pair"]
+    data_counts.update({f"pairs/{k}": v for k, v in pair_counts.items()})
     learners = LearnerGroup(learner_spec(cfg, model_path, pad_id, resume_from=resume), ctx.dir / "ray_train")
 
     def evaluate(step: int, weights: Any = None) -> dict[str, float]:
@@ -235,19 +214,29 @@ def run(ctx: RunContext, model_path: str, train_set: Any, eval_set: Any) -> RunR
             batch_ref = ray.put(train_pairs.select(rows))
             save_dir = ctx.checkpoint_dir(step)
             eval_now = ctx.eval_due(step)
+            last = step == cfg.run.steps
             with ctx.phase("learn"):
-                # Weights go to the generators only when a greedy evaluation needs them.
-                result = learners.learn(step, [batch_ref], save_dir=save_dir, sync=eval_now and rollout is not None)
+                # Weights go to the generators when a greedy evaluation needs them, and at the end.
+                result = learners.learn(step, [batch_ref], save_dir=save_dir,
+                                        sync=(eval_now or last) and rollout is not None)
             if result.get("saved"):
                 ctx.finish_checkpoint(result["saved"], step, sampler, result["version"])
             row: dict[str, Any] = {"data/pair_ids": pair_ids, "skipped_at_load": dict(train_set.skipped),
                                    **data_counts, **result["metrics"]}
             if result.get("saved"):
                 row["checkpoint"] = result["saved"]
+            weights = (result.get("weights") or [None])[0]
             if eval_now:
                 with ctx.phase("eval"):
-                    row.update(evaluate(step, (result.get("weights") or [None])[0]))
+                    row.update(evaluate(step, weights))
+            elif weights is not None:
+                with ctx.phase("sync"):
+                    rollout.sync_weights(weights)
+            if weights is not None:
+                row["sync/generator_version"] = float(ray.get(rollout.generators[0].version.remote()))
             ctx.log_step(step, row)
+            if ctx.early_stop(row, lambda: learners.save(step, ctx.checkpoint_path(step)), sampler):
+                break
     finally:
         learners.stop()
         if rollout is not None:

@@ -38,7 +38,8 @@ def load_data(cfg: Config):
     except (FileNotFoundError, ValueError) as e:
         raise UserError(f"data.task: {e}") from None
     try:
-        resolve_reward_fn(cfg.reward.function)
+        if cfg.reward.function != "llm_judge":  # the judge runs on the generators, nothing to import
+            resolve_reward_fn(cfg.reward.function)
     except ValueError as e:
         raise UserError(f"reward.function: {e}") from None
     description = (f"{len(train_set)} train / {len(eval_set)} held-out prompts from {cfg.data.task}"

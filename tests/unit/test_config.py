@@ -97,11 +97,13 @@ def test_types_are_checked_and_coerced():
 
 def test_algorithm_must_be_a_registered_recipe():
     assert load_config(overrides=["run.algorithm=ppo"]).run.algorithm == "ppo"
-    with pytest.raises(ConfigError, match="run.algorithm must be one of dpo, ppo"):
+    with pytest.raises(ConfigError, match="run.algorithm must be one of dpo, ppo, sft"):
         load_config(overrides=["run.algorithm=kto"])
-    with pytest.raises(ConfigError, match="run.algorithm=dpo needs data.preference_file"):
-        load_config(overrides=["run.algorithm=dpo", "rollout.samples_per_prompt=1"])
-    assert load_config(overrides=["run.algorithm=dpo", "rollout.samples_per_prompt=4"]).run.algorithm == "dpo"
+    with pytest.raises(ConfigError, match="dpo.candidates"):
+        load_config(overrides=["run.algorithm=dpo", "dpo.candidates=1"])
+    with pytest.raises(ConfigError, match="dpo.pairs=spin makes its own pairs"):
+        load_config(overrides=["run.algorithm=dpo", "dpo.pairs=spin", "data.preference_file=p.jsonl"])
+    assert load_config(overrides=["run.algorithm=dpo"]).dpo.candidates == 4
     cfg = load_config(overrides=["run.algorithm=dpo", "data.preference_file=p.jsonl", "dpo.pairs_per_step=4",
                                  "train.num_minibatches=4"])
     assert cfg.dpo.pairs_per_step == 4
@@ -125,7 +127,7 @@ def test_lora_target_modules_from_the_command_line_is_a_list(capsys):
 def test_schema_is_json_naming_every_section(capsys):
     schema = json.loads(config_schema())
     assert set(schema["properties"]) == {
-        "run", "model", "data", "reward", "rollout", "train", "ppo", "dpo", "sft", "lora", "cluster",
+        "run", "model", "data", "reward", "rollout", "train", "ppo", "dpo", "sft", "judge", "lora", "cluster", "stages",
     }
     defs = schema["$defs"]
     assert {"TrainConfig", "PPOConfig"} <= set(defs)
@@ -171,3 +173,30 @@ def test_missing_file_and_bad_top_level(tmp_path):
     f.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="mapping"):
         load_config(f)
+
+
+def test_judge_section_checked_when_loading():
+    cfg = load_config(overrides=["judge.samples=2", "judge.max_score=10"])
+    assert cfg.judge_config().samples == 2 and cfg.judge_config().max_score == 10
+    with pytest.raises(ConfigError, match="capturing group"):
+        load_config(overrides=["judge.score_pattern='Score: \\d+'"])
+    with pytest.raises(ConfigError, match="must contain {response}"):
+        load_config(overrides=["judge.template=Rate {prompt}"])
+
+
+def test_stages_each_validated_with_their_changes():
+    cfg = load_config(overrides=[
+        "stages=[{name: sft, set: {run.algorithm: sft, run.steps: 3}}, "
+        "{name: dpo1, set: {run.algorithm: dpo, dpo.pairs: self_judge}}]"])
+    (n0, c0), (n1, c1) = cfg.stage_configs()
+    assert (n0, c0.run.algorithm, c0.run.steps, c0.run.name) == ("sft", "sft", 3, "sft")
+    assert (n1, c1.run.algorithm, c1.dpo.pairs, c1.run.steps) == ("dpo1", "dpo", "self_judge", cfg.run.steps)
+    assert not c0.stages and not c1.stages
+    with pytest.raises(ConfigError, match=r"stages\[1\] \(b\): unknown config key 'dpo.beta2'"):
+        load_config(overrides=["stages=[{name: a, set: {}}, {name: b, set: {dpo.beta2: 1}}]"])
+    with pytest.raises(ConfigError, match=r"stages\[0\] \(a\): run.algorithm must be one of"):
+        load_config(overrides=["stages=[{name: a, set: {run.algorithm: kto}}]"])
+    with pytest.raises(ConfigError, match="names must be unique"):
+        load_config(overrides=["stages=[{name: a}, {name: a}]"])
+    with pytest.raises(ConfigError, match="unknown config key 'stages.0.sett'"):
+        load_config(overrides=["stages=[{name: a, sett: {}}]"])

@@ -1,0 +1,165 @@
+"""LLM-as-a-judge: a model grades (prompt, response) pairs on a point scale.
+
+The default prompt is the additive 5-point rubric of "Self-Rewarding Language Models" (Yuan et
+al. 2024, Fig. 2): one point per criterion met, the total written as ``Score: <n>``. Each item
+is judged ``samples`` times at ``temperature`` and its score is the mean of the judgements
+that parse and fall on the scale. Every judgement is counted as exactly one of
+
+    parsed        a number matched ``score_pattern`` and lies in [min_score, max_score]
+    unparsed      no match (an empty reply included)
+    out_of_range  a number matched but lies off the scale (e.g. 11 on a 5-point scale)
+
+so ``parsed + unparsed + out_of_range == judgements``. Items the judge never saw (their judge
+prompt is over the token budget) are counted as ``items_too_long``; an item with no valid
+judgement scores NaN and is left out by whoever uses the scores (pair building, rewards).
+
+A plain class over any ``Generator``: the judge runs on the generator actors' vLLM engines,
+batched, with the weights they hold (the current policy for self-rewarding), never on a
+separate copy of the model.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+DEFAULT_TEMPLATE = """Review the user's question and the corresponding response using the additive 5-point \
+scoring system described below. Points are accumulated based on the satisfaction of each criterion:
+
+- Add 1 point if the response is relevant and provides some information related to the user's inquiry, \
+even if it is incomplete or contains some irrelevant content.
+- Add another point if the response addresses a substantial portion of the user's question, but does not \
+completely resolve the query or provide a direct answer.
+- Award a third point if the response answers the basic elements of the user's question in a useful way, \
+regardless of whether it seems to have been written by an AI Assistant or if it has elements typically found \
+in blogs or search results.
+- Grant a fourth point if the response is clearly written from an AI Assistant's perspective, addressing the \
+user's question directly and comprehensively, and is well-organized and helpful, even if there is slight room \
+for improvement in clarity, conciseness or focus.
+- Bestow a fifth point for a response that is impeccably tailored to the user's question by an AI Assistant, \
+without extraneous information, reflecting expert knowledge, and demonstrating a high-quality, engaging, and \
+insightful answer.
+
+User: {prompt}
+
+<response>{response}</response>
+
+After examining the user's instruction and the response:
+- Briefly justify your total score, up to 100 words.
+- Conclude with the score using the format: "Score: <total points>"
+
+Remember to assess from the AI Assistant perspective, utilizing web search knowledge as necessary. To \
+evaluate the response in alignment with this additive scoring model, we'll systematically attribute points \
+based on the outlined criteria."""
+
+DEFAULT_PATTERN = r"Score:\s*(-?\d+(?:\.\d+)?)"
+
+COUNTS = ("judgements", "parsed", "unparsed", "out_of_range", "items", "items_scored", "items_unscored",
+          "items_too_long")
+
+
+@dataclass
+class JudgeConfig:
+    """What a judge needs; ``cluster.config.JudgeSection`` documents each field for users."""
+
+    # Judge prompt; ``{prompt}`` and ``{response}`` are replaced by the item's texts.
+    template: str = DEFAULT_TEMPLATE
+    # Regular expression whose first group is the score; the last match in a reply counts.
+    score_pattern: str = DEFAULT_PATTERN
+    # The scale: scores outside [min_score, max_score] are counted as out of range, not used.
+    min_score: float = 0.0
+    max_score: float = 5.0
+    # Judgements per item (k) and their sampling temperature.
+    samples: int = 3
+    temperature: float = 0.7
+    # Token budgets of the judge prompt (after the chat template) and of its reply.
+    max_prompt_tokens: int = 1024
+    max_new_tokens: int = 128
+
+    def __post_init__(self) -> None:
+        missing = [v for v in ("{prompt}", "{response}") if v not in self.template]
+        if missing:
+            raise ValueError(f"judge template must contain {' and '.join(missing)}")
+        try:
+            compiled = re.compile(self.score_pattern)
+        except re.error as e:
+            raise ValueError(f"judge score_pattern is not a regular expression: {e}") from None
+        if compiled.groups < 1:
+            raise ValueError("judge score_pattern needs a capturing group around the number, e.g. 'Score: (\\d+)'")
+        if not self.min_score < self.max_score:
+            raise ValueError("judge min_score must be below max_score")
+
+
+def judge_prompt(template: str, prompt: str, response: str) -> str:
+    """The template with the item filled in (plain replacement: braces in the texts stay as they are)."""
+    return template.replace("{prompt}", prompt).replace("{response}", response)
+
+
+def parse_score(reply: str, pattern: str, min_score: float, max_score: float) -> tuple[float | None, str]:
+    """(score, 'parsed') or (None, 'unparsed' | 'out_of_range'). The last match counts: a judge
+    that restates the format before its verdict is still read right."""
+    matches = re.findall(pattern, reply or "")
+    if not matches:
+        return None, "unparsed"
+    last = matches[-1]
+    text = last[0] if isinstance(last, tuple) else last
+    try:
+        value = float(text)
+    except ValueError:
+        return None, "unparsed"
+    if not math.isfinite(value) or not min_score <= value <= max_score:
+        return None, "out_of_range"
+    return value, "parsed"
+
+
+def aggregate(replies: list[list[str]], cfg: JudgeConfig) -> tuple[list[float], dict[str, int]]:
+    """Mean valid score per item (NaN without one) and the counts of module doc; ``replies[i]``
+    holds item i's judge replies (an empty list: the item was not judged)."""
+    counts = dict.fromkeys(COUNTS, 0)
+    scores = []
+    for item in replies:
+        valid = []
+        for reply in item:
+            value, status = parse_score(reply, cfg.score_pattern, cfg.min_score, cfg.max_score)
+            counts[status] += 1
+            if value is not None:
+                valid.append(value)
+        counts["judgements"] += len(item)
+        scores.append(sum(valid) / len(valid) if valid else float("nan"))
+    counts["items"] = len(replies)
+    counts["items_scored"] = sum(1 for s in scores if not math.isnan(s))
+    counts["items_unscored"] = counts["items"] - counts["items_scored"]
+    return scores, counts
+
+
+class Judge:
+    """Scores (prompt, response) items with a generator's engine (see module doc)."""
+
+    def __init__(self, cfg: JudgeConfig) -> None:
+        self.cfg = cfg
+
+    def judge(self, generator: Any, prompts: list[str], responses: list[str],
+              seed: int | None = None) -> tuple[list[float], dict[str, int], list[list[str]]]:
+        """Returns per-item scores (NaN: no valid judgement), the counts, and the raw replies."""
+        cfg = self.cfg
+        if len(prompts) != len(responses):
+            raise ValueError("prompts and responses must have the same length")
+        replies: list[list[str]] = [[] for _ in prompts]
+        texts = [judge_prompt(cfg.template, p, r) for p, r in zip(prompts, responses)]
+        if texts:
+            try:
+                exp = generator.generate(
+                    texts, [{"item": i} for i in range(len(texts))], list(range(len(texts))),
+                    max_new_tokens=cfg.max_new_tokens, max_prompt_tokens=cfg.max_prompt_tokens,
+                    temperature=cfg.temperature, n=cfg.samples, seed=seed,
+                )
+            except ValueError:  # every judge prompt was over the budget (or empty)
+                exp = None
+            if exp is not None:
+                for m, text in zip(exp.meta, exp.completions):
+                    replies[m["item"]].append(text)
+        scores, counts = aggregate(replies, cfg)
+        counts["items_too_long"] = sum(1 for r in replies if not r)
+        return scores, counts, replies

@@ -1,0 +1,164 @@
+"""Preference pairs made by the generators (for the DPO recipe, ``dpo.pairs``):
+
+    scorer      n candidates per prompt; reward.function ranks them (e.g. the task's verifier);
+                the best and the worst form a pair when their scores differ
+    self_judge  the same, ranked by the current model judging each candidate (Self-Rewarding
+                Language Models, Yuan et al. 2024, sec. 2.3: k judgements averaged, additive
+                5-point rubric; see ``actors/judge.py``)
+    spin        the demonstration is chosen and the model's own reply to the same prompt is
+                rejected (Self-Play Fine-Tuning, Chen et al. 2024, sec. 4)
+
+Each source writes its pairs to ``<run dir>/data/pairs.parquet`` (prompt, chosen, rejected,
+scores) and caches the encoded pairs, so a resumed run trains on exactly the same pairs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+
+from actors.offline_data import encode_pairs, write_preferences
+from cluster.config import UserError
+from cluster.run_context import PromptSampler, RunContext
+from learners.dpo import preference_pairs
+from learners.experience import Experience
+
+PAIRS_CACHE = "data/pairs.pt"
+PAIRS_TABLE = "data/pairs.parquet"
+PAIRS_COUNTS = "data/pairs_counts.json"
+
+
+def cached_pairs(run_dir: Path) -> tuple[Experience, dict[str, float]] | None:
+    """The pairs (and their counts) an earlier start of this run made, if any."""
+    cache = run_dir / PAIRS_CACHE
+    if not cache.is_file():
+        return None
+    counts = json.loads((run_dir / PAIRS_COUNTS).read_text()) if (run_dir / PAIRS_COUNTS).is_file() else {}
+    return Experience(**torch.load(cache, weights_only=True)).validate(), counts
+
+
+def _require_pairs(n: int, counts: dict[str, float]) -> None:
+    if not n:
+        raise UserError(f"no preference pair could be formed ({counts}); more dpo.pair_prompts or dpo.candidates, "
+                        "a smaller dpo.min_score_gap, or (self_judge) a judge.score_pattern the model's replies match")
+
+
+def _save(run_dir: Path, pairs: Experience, table: list[dict[str, Any]], counts: dict[str, float]) -> None:
+    cache = run_dir / PAIRS_CACHE
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({f.name: getattr(pairs, f.name) for f in dataclasses.fields(pairs)}, cache)
+    (run_dir / PAIRS_COUNTS).write_text(json.dumps(counts))
+    write_preferences(run_dir / PAIRS_TABLE, table)
+
+
+def _prompt_ids(cfg: Any, n_rows: int) -> list[int]:
+    return PromptSampler(n_rows, min(cfg.dpo.pair_prompts, n_rows), cfg.run.seed + 1).next()
+
+
+def ranked_pairs(ctx: RunContext, rollout: Any, rows: list[dict], by: str) -> tuple[Experience, dict[str, float]]:
+    """Best vs worst of ``dpo.candidates`` samples of each of ``dpo.pair_prompts`` prompts
+    (the generators' own tokens), ranked ``by`` 'scorer' or 'self_judge'. A prompt gives no pair
+    when fewer than two candidates have a score, when best - worst <= ``dpo.min_score_gap``, or
+    when the best scores under ``dpo.min_chosen_score``; each case is counted."""
+    cfg = ctx.cfg
+    ids = _prompt_ids(cfg, len(rows))
+    exp_refs, gen_stats = rollout.generate([rows[i] for i in ids], ids, seed=cfg.run.seed * 100_003)
+    if by == "self_judge":
+        exp_refs, score_stats = rollout.judge(exp_refs, seed=cfg.run.seed * 100_003 + 1)
+    else:
+        exp_refs, score_stats = rollout.score(exp_refs)
+    exp = Experience.concat(ray.get(exp_refs), pad_token_id=0)
+    gen_stats, score_stats = ray.get(gen_stats), ray.get(score_stats)
+    counts = {"prompts": len(ids), "candidates": exp.batch_size, "no_pair_tie": 0, "no_pair_unscored": 0,
+              "no_pair_low_score": 0}
+    best, worst, kept = [], [], []
+    for g in dict.fromkeys(exp.group_ids.tolist()):
+        members = [int(r) for r in (exp.group_ids == g).nonzero().flatten() if not math.isnan(float(exp.scores[r]))]
+        if len(members) < 2:
+            counts["no_pair_unscored"] += 1
+            continue
+        scores = exp.scores[members]
+        b, w = members[int(scores.argmax())], members[int(scores.argmin())]
+        if float(exp.scores[b] - exp.scores[w]) <= cfg.dpo.min_score_gap:
+            counts["no_pair_tie"] += 1
+        elif float(exp.scores[b]) < cfg.dpo.min_chosen_score:
+            counts["no_pair_low_score"] += 1
+        else:
+            best.append(b)
+            worst.append(w)
+            kept.append(g)
+    if by == "self_judge":
+        for s in score_stats:
+            for k, v in s["counts"].items():
+                counts[f"judge_{k}"] = counts.get(f"judge_{k}", 0) + v
+        judged = counts["judge_judgements"]
+        counts["judge_parse_rate"] = counts["judge_parsed"] / judged if judged else 0.0
+    _require_pairs(len(best), counts)
+    pairs = exp.select([r for pair in zip(best, worst) for r in pair]).trimmed()
+    pairs = pairs.replace(scores=torch.tensor([1.0, 0.0] * len(best)), skipped=dict(exp.skipped)).validate()
+    table = [{"prompt_id": g, "prompt": rows[g]["prompt"], "chosen": exp.completions[b], "rejected": exp.completions[w],
+              "score_chosen": float(exp.scores[b]), "score_rejected": float(exp.scores[w]), "source": by}
+             for g, b, w in zip(kept, best, worst)]
+    counts["pairs"] = len(best)
+    _save(ctx.dir, pairs, table, counts)
+    seconds = sum(s["seconds"] for s in gen_stats) + sum(s["seconds"] for s in score_stats)
+    valid = exp.scores[~torch.isnan(exp.scores)]
+    print(f"[rayrlhf] {len(best)} pairs from {len(ids)} prompts x {cfg.dpo.candidates} candidates ranked by "
+          f"{'the model as judge' if by == 'self_judge' else cfg.reward.function} (mean score "
+          f"{float(valid.mean()) if len(valid) else float('nan'):.3f}; {counts}; skipped: {exp.skipped}) "
+          f"in {seconds:.0f}s -> {ctx.dir / PAIRS_TABLE}", flush=True)
+    return pairs, counts
+
+
+def spin_pairs(ctx: RunContext, rollout: Any, tok: Any, demos: list[dict]) -> tuple[Experience, dict[str, float]]:
+    """SPIN: for each of ``dpo.pair_prompts`` demonstrations, chosen = the demonstration's
+    response, rejected = the current model's reply to its prompt (temperature
+    ``dpo.candidate_temperature``). A reply equal to the demonstration gives no pair
+    (``identical_pair``); multi-turn prompts are left out (``multi_turn_prompt``)."""
+    cfg = ctx.cfg
+    ids = _prompt_ids(cfg, len(demos))
+    counts: dict[str, float] = {"prompts": len(ids), "multi_turn_prompt": 0, "identical_pair": 0}
+    single = []
+    for i in ids:
+        msgs = demos[i]["prompt"]
+        if len(msgs) == 1 and msgs[0]["role"] == "user":
+            single.append(i)
+        else:
+            counts["multi_turn_prompt"] += 1
+    exp_refs, stats = rollout.generate_texts([demos[i]["prompt"][0]["content"] for i in single], single, n=1,
+                                             temperature=cfg.dpo.candidate_temperature, seed=cfg.run.seed * 100_003)
+    exp = Experience.concat(ray.get(exp_refs), pad_token_id=0)
+    rows = []
+    for g, reply in zip(exp.group_ids.tolist(), exp.completions):
+        demo = demos[g]
+        if reply.strip() == demo["response"].strip():
+            counts["identical_pair"] += 1
+            continue
+        rows.append({"prompt": demo["prompt"], "chosen": demo["response"], "rejected": reply, "index": g})
+    _require_pairs(len(rows), counts)
+    pairs, too_long = encode_pairs(rows, tok, max_prompt_tokens=cfg.model.max_prompt_tokens,
+                                   max_response_tokens=cfg.model.max_new_tokens + 1, system_prompt=cfg.data.system_prompt)
+    counts["too_long"] = too_long.get("too_long", 0)
+    counts["pairs"] = pairs.batch_size // 2
+    pairs = pairs.replace(skipped={**exp.skipped, **too_long}).validate()
+    _save(ctx.dir, pairs, counts=counts, table=[{"prompt_id": r["index"], "prompt": r["prompt"][0]["content"], "chosen": r["chosen"],
+                            "rejected": r["rejected"], "source": "spin"} for r in rows])
+    seconds = sum(s["seconds"] for s in ray.get(stats))
+    print(f"[rayrlhf] {pairs.batch_size // 2} SPIN pairs (demonstration vs own reply) from {len(ids)} prompts "
+          f"({counts}; skipped: {exp.skipped}) in {seconds:.0f}s -> {ctx.dir / PAIRS_TABLE}", flush=True)
+    return pairs, counts
+
+
+def split_pairs(pairs: Experience, n_eval: int) -> tuple[Experience, Experience | None]:
+    """The first ``n_eval`` pairs (at most a quarter) held out, the rest for training."""
+    chosen, _, _ = preference_pairs(pairs.group_ids, pairs.scores)
+    n = len(chosen)
+    held = min(n_eval, n // 4)
+    rows = lambda a, b: [r for i in range(a, b) for r in (2 * i, 2 * i + 1)]  # noqa: E731
+    return pairs.select(rows(held, n)), (pairs.select(rows(0, held)) if held else None)
