@@ -61,6 +61,20 @@ class GeneratorConfig:
     max_model_len: int = 0
 
 
+def _fit_context(model_path: str, wanted: int) -> int:
+    """``wanted`` capped at the model's context (a judge's budget may exceed a small model's;
+    longer judge prompts are then skipped and counted, not a start-up failure)."""
+    import json
+    from pathlib import Path
+
+    cfg_file = Path(model_path) / "config.json"
+    limit = json.loads(cfg_file.read_text()).get("max_position_embeddings") if cfg_file.is_file() else None
+    if limit and wanted > int(limit):
+        log.warning("engine context %d capped at the model's %d positions", wanted, int(limit))
+        return int(limit)
+    return wanted
+
+
 class Generator:
     """Samples responses with vLLM and reports per-token rollout log-probs.
 
@@ -112,9 +126,9 @@ class Generator:
 
     @classmethod
     def from_config(cls, cfg: GeneratorConfig) -> "Generator":
+        wanted = max(cfg.max_model_len, cfg.max_prompt_tokens + cfg.max_new_tokens)
         return cls(
-            cfg.model_path, dtype=cfg.dtype,
-            max_model_len=max(cfg.max_model_len, cfg.max_prompt_tokens + cfg.max_new_tokens),
+            cfg.model_path, dtype=cfg.dtype, max_model_len=_fit_context(cfg.model_path, wanted),
             seed=cfg.seed, kv_cache_gib=cfg.kv_cache_gib, threads=cfg.threads, system_prompt=cfg.system_prompt,
             trust_remote_code=cfg.trust_remote_code, initial_version=cfg.initial_version,
         )

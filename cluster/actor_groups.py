@@ -107,24 +107,22 @@ class GeneratorWorker:
                                 max_prompt_tokens=g.max_prompt_tokens, temperature=temperature, n=n, seed=seed)
         return exp, {"seconds": time.perf_counter() - t0, "sequences": exp.batch_size, "skipped": dict(exp.skipped)}
 
-    def judge(self, exp: Experience, jcfg: JudgeConfig, seed: int | None = None,
-              drop_unscored: bool = False) -> tuple[Experience, dict]:
+    def judge(self, exp: Experience, jcfg: JudgeConfig, seed: int | None = None) -> tuple[Experience, dict]:
         """Scores each row's (prompt, completion) with this engine as the judge (``actors/judge.py``).
-        Rows without a valid judgement score NaN, or with ``drop_unscored`` are removed and
-        counted as ``unjudged`` (as a reward for PPO/GRPO)."""
+        Rows without a valid judgement are removed and counted as ``unjudged`` (a record never
+        holds a NaN score)."""
         from actors.judge import Judge
 
         t0 = time.perf_counter()
         prompts = [m.get("prompt") or m.get("question", "") for m in exp.meta]
         scores, counts, replies = Judge(jcfg).judge(self.gen, prompts, exp.completions, seed=seed)
-        out = exp.replace(scores=torch.tensor(scores, dtype=torch.float32))
-        if drop_unscored and counts["items_unscored"]:
-            keep = [i for i, v in enumerate(scores) if v == v]
-            skipped = {**exp.skipped, "unjudged": exp.skipped.get("unjudged", 0) + exp.batch_size - len(keep)}
-            out = out.select(keep).replace(skipped=skipped)
-        out = out.validate()
-        stats = {"seconds": time.perf_counter() - t0, "counts": counts, "scores": scores,
-                 "samples": [(p, r) for p, r in zip(exp.completions[:2], replies[:2])], "peak_rss_gb": peak_rss_gb()}
+        keep = [i for i, v in enumerate(scores) if v == v]
+        skipped = {**exp.skipped, "unjudged": exp.skipped.get("unjudged", 0) + exp.batch_size - len(keep)}
+        out = exp.select(keep).replace(scores=torch.tensor([scores[i] for i in keep], dtype=torch.float32),
+                                       skipped=skipped).validate()
+        stats = {"seconds": time.perf_counter() - t0, "counts": counts, "scores": [scores[i] for i in keep],
+                 "skipped": skipped, "samples": [(p, r) for p, r in zip(exp.completions[:2], replies[:2])],
+                 "peak_rss_gb": peak_rss_gb()}
         return out, stats
 
     def load_weights(self, packed: list[PackedWeights]) -> float:
@@ -226,11 +224,11 @@ class RolloutGroup:
             stat_refs.append(s)
         return exp_refs, stat_refs
 
-    def judge(self, exp_refs: list, seed: int | None = None, drop_unscored: bool = False) -> tuple[list, list]:
+    def judge(self, exp_refs: list, seed: int | None = None) -> tuple[list, list]:
         """Each shard judged by the generator that holds it (the judge is the generators' current
         weights; see ``actors/judge.py``)."""
         jcfg = self.cfg.judge_config()
-        out = [gen.judge.options(num_returns=2).remote(e, jcfg, None if seed is None else seed + 7919 * i, drop_unscored)
+        out = [gen.judge.options(num_returns=2).remote(e, jcfg, None if seed is None else seed + 7919 * i)
                for i, (gen, e) in enumerate(zip(self.generators, exp_refs))]
         return [o[0] for o in out], [o[1] for o in out]
 
@@ -245,7 +243,7 @@ class RolloutGroup:
 
     def score(self, exp_refs: list) -> tuple[list, list]:
         if self.cfg.reward.function == "llm_judge":  # the policy judges itself, on the generators
-            return self.judge(exp_refs, drop_unscored=True)
+            return self.judge(exp_refs)
         pairs = [self.scorer.score.options(num_returns=2).remote(e) for e in exp_refs]
         return [p[0] for p in pairs], [p[1] for p in pairs]
 

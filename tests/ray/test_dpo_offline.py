@@ -69,8 +69,8 @@ def test_offline_dpo_learns_held_out_preferences_and_resumes(ray_cluster, tiny_m
 
 
 def test_dpo_config_errors_are_one_line(tmp_path):
-    with pytest.raises(Exception, match="needs data.preference_file"):
-        load_config(ROOT / "configs" / "ppo_tiny.yaml", ["run.algorithm=dpo", "rollout.samples_per_prompt=1"])
+    with pytest.raises(Exception, match="dpo.candidates"):
+        load_config(ROOT / "configs" / "ppo_tiny.yaml", ["run.algorithm=dpo", "dpo.candidates=1"])
     from cluster.run_context import preflight
 
     cfg = load_config(ROOT / "configs" / "ppo_tiny.yaml", ["run.algorithm=dpo", f"data.preference_file={tmp_path}/no.jsonl"])

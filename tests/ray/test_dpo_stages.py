@@ -1,0 +1,99 @@
+"""A staged run through the real entry point: SFT -> self-rewarding DPO (candidates and
+judgements from real vLLM generators, Ray Train DPO, a weight sync) -> SPIN, one checkpoint per
+stage; interrupted inside the second stage and resumed at the right stage and step."""
+
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from cluster import cli
+from cluster.config import load_config
+from cluster.driver import train
+
+pytestmark = pytest.mark.ray
+ROOT = Path(__file__).resolve().parents[2]
+PRESET = ROOT / "configs" / "self_reward_tiny.yaml"
+
+
+def _rows(stage_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (stage_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def staged(ray_cluster, tiny_model_path, tmp_path_factory):
+    base = tmp_path_factory.mktemp("stages")
+    # The first launch knows two stages and stops the second after one of its two steps ...
+    first = yaml.safe_load(PRESET.read_text())
+    first["stages"] = first["stages"][:2]
+    first["stages"][1]["set"]["run.steps"] = 1
+    (base / "first.yaml").write_text(yaml.safe_dump(first))
+    train(load_config(base / "first.yaml"), run_dir=base / "run")
+    sft_rows = _rows(base / "run" / "stages" / "00-sft")
+    # ... the user resumes with the whole preset: SFT is done, the second stage continues at step 2, SPIN follows.
+    assert cli.main(["train", str(PRESET), "--resume", str(base / "run")]) == 0
+    return base / "run", sft_rows
+
+
+def test_every_stage_leaves_a_loadable_checkpoint_and_resume_continues_the_right_stage(staged):
+    run, sft_rows_before = staged
+    from transformers import AutoModelForCausalLM
+
+    stages = sorted((run / "stages").iterdir())
+    assert [s.name for s in stages] == ["00-sft", "01-self-reward", "02-spin"]
+    for stage, algo, last in zip(stages, ["sft", "dpo", "dpo"], [8, 2, 1]):
+        ckpt = stage / "checkpoints" / f"step_{last:05d}"
+        AutoModelForCausalLM.from_pretrained(ckpt)
+        assert json.loads((ckpt / "trainer_state" / "learner.json").read_text())["algorithm"] == algo
+    # SFT ran once, before the interruption, and learned its demonstrations.
+    sft_rows = _rows(stages[0])
+    assert sft_rows == sft_rows_before and [r["step"] for r in sft_rows] == list(range(1, 9))
+    assert sft_rows[-1]["loss/total"] < 0.7 * sft_rows[0]["loss/total"]
+    # The self-rewarding stage: step 1 from the first launch, step 2 after the resume, on new pairs.
+    rows = _rows(stages[1])
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert not set(rows[1]["data/pair_ids"]) & set(rows[2]["data/pair_ids"])
+    # Each stage starts from the previous one's final checkpoint, which is also its reference.
+    saved = yaml.safe_load((stages[1] / "config.yaml").read_text())
+    assert saved["model"]["path"] == str(stages[0] / "checkpoints" / "step_00008")
+    assert yaml.safe_load((stages[2] / "config.yaml").read_text())["model"]["path"] == str(
+        stages[1] / "checkpoints" / "step_00002")
+
+
+def test_self_rewarding_iteration_judges_with_the_generators_and_syncs(staged):
+    run, _ = staged
+    stage = run / "stages" / "01-self-reward"
+    rows = _rows(stage)
+    last = rows[-1]
+    # Every judgement is counted once: parsed + unparsed + out of range = judgements made,
+    # k = 3 per candidate the judge saw (32 prompts x 4 candidates).
+    c = {k[len("pairs/"):]: v for k, v in last.items() if k.startswith("pairs/")}
+    assert c["judge_items"] == 32 * 4
+    assert c["judge_judgements"] == 3 * (c["judge_items"] - c["judge_items_too_long"])
+    assert c["judge_parsed"] + c["judge_unparsed"] + c["judge_out_of_range"] == c["judge_judgements"]
+    assert c["judge_parsed"] > 0 and c["judge_out_of_range"] > 0  # the tiny judge writes numbers off the scale too
+    assert c["candidates"] == c["judge_items_scored"]  # unscored candidates were left out ...
+    assert c["pairs"] + c["no_pair_tie"] + c["no_pair_unscored"] + c["no_pair_low_score"] == 32  # ... and counted
+    # The preference set on disk: valid Parquet with the judge's scores, best over worst.
+    table = pq.read_table(stage / "data" / "pairs.parquet").to_pylist()
+    assert len(table) == c["pairs"] and all(r["source"] == "self_judge" for r in table)
+    assert all(r["score_chosen"] > r["score_rejected"] for r in table)
+    assert all(0 <= r["score_rejected"] and r["score_chosen"] <= 5 for r in table)
+    # Real DPO: the first step starts at log 2 (policy = reference), and the trained weights reached
+    # the generators (their version is the learner's after the last step).
+    assert rows[1]["loss/total"] == pytest.approx(0.6931, abs=1e-3)
+    assert last["sync/generator_version"] == 2 and "eval/accuracy" in last
+
+
+def test_spin_iteration_pairs_demonstrations_with_own_replies(staged):
+    run, _ = staged
+    stage = run / "stages" / "02-spin"
+    table = pq.read_table(stage / "data" / "pairs.parquet").to_pylist()
+    assert table and all(r["source"] == "spin" and r["chosen"] != r["rejected"] for r in table)
+    # Chosen is the task's reference answer (the SFT data), rejected the model's own reply.
+    assert all(r["chosen"].strip().lstrip("-").isdigit() for r in table)
+    row = _rows(stage)[-1]
+    assert row["pairs/pairs"] == len(table) and row["pairs/pairs"] + row["pairs/identical_pair"] <= 16
+    assert row["loss/total"] == pytest.approx(0.6931, abs=1e-3)  # its reference: the previous stage's model
