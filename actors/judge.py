@@ -163,3 +163,34 @@ class Judge:
         scores, counts = aggregate(replies, cfg)
         counts["items_too_long"] = sum(1 for r in replies if not r)
         return scores, counts, replies
+
+
+def judge_demonstrations(task_rows: list[dict[str, Any]], n: int, template: str, seed: int = 0,
+                         max_score: float = 5.0, min_points: float = 1.0) -> list[dict[str, Any]]:
+    """Evaluation fine-tuning (EFT) data, the second half of Self-Rewarding LMs' seed data
+    (sec. 2.2): judge prompts with verdicts, so that a small model learns the judge's format
+    before it judges. Built from task rows with known answers: half the items reply with the
+    row's answer (``max_score``), half with another row's answer (``min_points``: relevant but
+    wrong). Rows are demonstrations for ``encode_demonstrations``."""
+    import random
+
+    rng = random.Random(seed)
+    rows = [r for r in task_rows if str(r.get("answer", "")).strip()]
+    out: list[dict[str, Any]] = []
+    if len(rows) < 2:
+        return out
+    for i in range(n):
+        row = rows[i % len(rows)]
+        correct = i % 2 == 0
+        answer = str(row["answer"])
+        if not correct:
+            others = [str(r["answer"]) for r in rng.sample(rows, min(len(rows), 8)) if str(r["answer"]) != answer]
+            if not others:
+                continue
+            answer = others[0]
+        verdict = ("The response answers the question directly and correctly, with nothing extraneous."
+                   if correct else "The response is relevant to the question, but its answer is wrong.")
+        score = max_score if correct else min_points
+        out.append({"prompt": [{"role": "user", "content": judge_prompt(template, row["prompt"], answer)}],
+                    "response": f"{verdict}\nScore: {score:g}", "index": i, "kind": "judge"})
+    return out

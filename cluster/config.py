@@ -252,6 +252,10 @@ class SFTConfig(Section):
     ``learners/sft.py``. Its optimisation settings are the shared ``train`` section's."""
 
     examples_per_step: int = _f(16, "Demonstrations per update step (the global batch).", ge=1)
+    judge_demonstrations: int = _f(
+        0, "With data.task: judge demonstrations (EFT seed data of Self-Rewarding LMs: judge.template filled with a "
+        "prompt and a right or wrong answer, then 'Score: N') mixed into the training data, so the model learns "
+        "to judge before a self_judge stage.", ge=0)
 
 
 class JudgeSection(Section):

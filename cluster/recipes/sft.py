@@ -41,7 +41,16 @@ def load_data(cfg: Config) -> tuple[Demonstrations, Demonstrations, str]:
         from cluster.recipes import ppo
 
         train_set, eval_set, description = ppo.load_data(cfg)
-        return (Demonstrations(task_demonstrations(train_set.rows), dict(train_set.skipped)),
+        demos = task_demonstrations(train_set.rows)
+        if cfg.sft.judge_demonstrations:
+            from actors.judge import judge_demonstrations
+
+            eft = judge_demonstrations(train_set.rows, cfg.sft.judge_demonstrations, cfg.judge.template,
+                                       seed=cfg.run.seed, max_score=cfg.judge.max_score,
+                                       min_points=max(cfg.judge.min_score, 1.0))
+            demos = demos + [dict(r, index=len(demos) + i) for i, r in enumerate(eft)]
+            description += f"; {len(eft)} judge demonstrations (EFT)"
+        return (Demonstrations(demos, dict(train_set.skipped)),
                 Demonstrations(task_demonstrations(eval_set.rows), {}, list(eval_set.rows)),
                 description + "; demonstrations: the task's reference answers")
     try:
@@ -59,7 +68,9 @@ def load_data(cfg: Config) -> tuple[Demonstrations, Demonstrations, str]:
 
 
 def encode(cfg: Config, tok: Any, rows: list[dict]) -> Any:
-    exp, skipped = encode_demonstrations(rows, tok, max_prompt_tokens=cfg.model.max_prompt_tokens,
+    # Judge demonstrations wrap a prompt in the judge's template: they get the judge's budget.
+    budget = max(cfg.model.max_prompt_tokens, cfg.judge.max_prompt_tokens if cfg.sft.judge_demonstrations else 0)
+    exp, skipped = encode_demonstrations(rows, tok, max_prompt_tokens=budget,
                                          max_response_tokens=cfg.model.max_new_tokens + 1,
                                          system_prompt=cfg.data.system_prompt)
     if skipped:

@@ -100,3 +100,20 @@ def test_judge_runs_k_samples_per_item_and_counts_too_long():
     # Every prompt too long: nothing judged, still counted.
     scores, counts, _ = Judge(cfg).judge(engine, ["q"], ["y" * 400])
     assert math.isnan(scores[0]) and counts["items_too_long"] == 1 and counts["judgements"] == 0
+
+
+def test_judge_demonstrations_teach_the_format_on_both_ends_of_the_scale():
+    from actors.judge import judge_demonstrations
+
+    rows = [{"prompt": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(10)]
+    demos = judge_demonstrations(rows, 6, DEFAULT_TEMPLATE, seed=0)
+    assert len(demos) == 6
+    cfg = JudgeConfig()
+    for i, d in enumerate(demos):
+        text = d["prompt"][0]["content"]
+        assert text.startswith(DEFAULT_TEMPLATE.split("{prompt}")[0]) and rows[i]["prompt"] in text
+        shown = text.split("<response>")[1].split("</response>")[0]
+        score, status = parse_score(d["response"], cfg.score_pattern, cfg.min_score, cfg.max_score)
+        assert status == "parsed"
+        # Right answer -> top score; another row's answer -> 1 point.
+        assert (shown == rows[i]["answer"]) == (i % 2 == 0) and score == (5.0 if i % 2 == 0 else 1.0)
