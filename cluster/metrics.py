@@ -114,6 +114,17 @@ def _merge_counts(stats: list[dict], key: str = "skipped") -> dict[str, int]:
     return out
 
 
+def judge_metrics(score_stats: list[dict]) -> dict[str, float]:
+    """Summed judge counts of every generator (``actors/judge.py``) as ``judge/<count>``, with the parse rate."""
+    out: dict[str, float] = {}
+    for s in score_stats:
+        for k, v in s.get("counts", {}).items():
+            out[f"judge/{k}"] = out.get(f"judge/{k}", 0) + v
+    if out:
+        out["judge/parse_rate"] = out["judge/parsed"] / max(out["judge/judgements"], 1)
+    return out
+
+
 def step_metrics(gen_stats: list[dict], score_stats: list[dict], learner: dict[str, float]) -> dict[str, Any]:
     """One step's row from the generators', scorer's and learners' stats."""
     lengths = [x for s in gen_stats for x in s["response_lengths"]]
@@ -134,5 +145,6 @@ def step_metrics(gen_stats: list[dict], score_stats: list[dict], learner: dict[s
         "skipped": _merge_counts(score_stats),
         "sample": gen_stats[0]["samples"][:1],
     }
+    out.update(judge_metrics(score_stats))
     out.update({k: v for k, v in learner.items() if k != "response/length_mean"})
     return out

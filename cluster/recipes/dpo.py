@@ -148,6 +148,35 @@ def _generated_pairs(ctx: RunContext, rollout: RolloutGroup, tok: Any, train_set
     return pairs.ranked_pairs(ctx, rollout, train_set.rows, by=ctx.cfg.dpo.pairs)
 
 
+def _pairs_and_generators(ctx: RunContext, tok: Any, model_path: str, train_set: Any,
+                          eval_set: Any) -> tuple[RolloutGroup | None, dict[str, Experience], list[dict], dict]:
+    """The encoded train (and held-out) pairs; with generated pairs also the generators, the
+    held-out task prompts for greedy accuracy and the pair counts."""
+    cfg = ctx.cfg
+    if isinstance(train_set, PreferenceSet):
+        ctx.runlog.eval_label = "reward accuracy"
+        parts = {"train": _encode(cfg, tok, train_set.rows)}
+        if eval_set.rows:
+            parts["eval"] = _encode(cfg, tok, eval_set.rows)
+        return None, parts, [], {}
+    ctx.runlog.eval_label = "greedy accuracy"
+    # The generators hold the run's starting weights (model t) until they are trained, also when
+    # a resumed run restarts them: the pairs are cached, later evaluations sync.
+    resume = str(ctx.resume_from) if ctx.resume_from else None
+    rollout = RolloutGroup(_generator_config(cfg), model_path, policy_path=resume,
+                           policy_version=int(ctx.run_state["version"]), with_reference=False)
+    try:
+        rollout.wait_ready()
+        with ctx.phase("pairs"):
+            made, counts = _generated_pairs(ctx, rollout, tok, train_set)
+            train_pairs, eval_pairs = pairs.split_pairs(made, cfg.dpo.eval_pairs)
+    except BaseException:
+        rollout.shutdown()
+        raise
+    parts = {"train": train_pairs, **({"eval": eval_pairs} if eval_pairs is not None else {})}
+    return rollout, parts, eval_set.task_rows if cfg.dpo.pairs == "spin" else eval_set.rows, counts
+
+
 def run(ctx: RunContext, model_path: str, train_set: Any, eval_set: Any) -> RunResult:
     cfg = ctx.cfg
     from transformers import AutoTokenizer
@@ -155,37 +184,35 @@ def run(ctx: RunContext, model_path: str, train_set: Any, eval_set: Any) -> RunR
     tok = AutoTokenizer.from_pretrained(model_path)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     resume = str(ctx.resume_from) if ctx.resume_from else None
-    rollout = None
-    pair_counts: dict = {}
-    if not isinstance(train_set, PreferenceSet):  # pairs made by the generators
-        ctx.runlog.eval_label = "greedy accuracy"
-        # The generators hold the run's starting weights (model t) until they are trained, also
-        # when a resumed run restarts them: the pairs are cached, later evaluations sync.
-        rollout = RolloutGroup(_generator_config(cfg), model_path, policy_path=resume,
-                               policy_version=int(ctx.run_state["version"]), with_reference=False)
-        rollout.wait_ready()
-        with ctx.phase("pairs"):
-            made, pair_counts = _generated_pairs(ctx, rollout, tok, train_set)
-            train_pairs, eval_pairs = pairs.split_pairs(made, cfg.dpo.eval_pairs)
-        parts = {"train": train_pairs, **({"eval": eval_pairs} if eval_pairs is not None else {})}
-        eval_prompts = eval_set.task_rows if cfg.dpo.pairs == "spin" else eval_set.rows
-    else:
-        ctx.runlog.eval_label = "reward accuracy"
-        parts = {"train": _encode(cfg, tok, train_set.rows)}
-        if eval_set.rows:
-            parts["eval"] = _encode(cfg, tok, eval_set.rows)
-        eval_prompts = []
-    with ctx.phase("reference"):
-        parts = _with_reference(ctx, model_path, parts)
-    train_pairs, n_pairs = parts["train"], parts["train"].batch_size // 2
-    if n_pairs < cfg.dpo.pairs_per_step:
-        raise UserError(f"{n_pairs} training pairs (after the token budget and ties), fewer than dpo.pairs_per_step="
-                        f"{cfg.dpo.pairs_per_step}")
-    eval_ref = ray.put(parts["eval"]) if "eval" in parts else None
-    # What the pairs came from, logged with every step.
-    data_counts = {"data/train_pairs": n_pairs, "data/held_out_pairs": parts["eval"].batch_size // 2 if "eval" in parts else 0}
-    data_counts.update({f"pairs/{k}": v for k, v in pair_counts.items()})
-    learners = LearnerGroup(learner_spec(cfg, model_path, pad_id, resume_from=resume), ctx.dir / "ray_train")
+    rollout, parts, eval_prompts, pair_counts = _pairs_and_generators(ctx, tok, model_path, train_set, eval_set)
+    learners = None
+    try:
+        with ctx.phase("reference"):
+            parts = _with_reference(ctx, model_path, parts)
+        train_pairs, n_pairs = parts["train"], parts["train"].batch_size // 2
+        if n_pairs < cfg.dpo.pairs_per_step:
+            raise UserError(f"{n_pairs} training pairs (after the token budget and ties), fewer than dpo.pairs_per_step="
+                            f"{cfg.dpo.pairs_per_step}")
+        eval_ref = ray.put(parts["eval"]) if "eval" in parts else None
+        # What the pairs came from, logged with every step.
+        data_counts = {"data/train_pairs": n_pairs,
+                       "data/held_out_pairs": parts["eval"].batch_size // 2 if "eval" in parts else 0,
+                       **{f"pairs/{k}": v for k, v in pair_counts.items()}}
+        learners = LearnerGroup(learner_spec(cfg, model_path, pad_id, resume_from=resume), ctx.dir / "ray_train")
+        _train(ctx, learners, rollout, train_pairs, eval_ref, eval_prompts, data_counts, dict(train_set.skipped))
+    finally:
+        if learners is not None:
+            learners.stop()
+        if rollout is not None:
+            rollout.shutdown()
+    return ctx.result()
+
+
+def _train(ctx: RunContext, learners: LearnerGroup, rollout: RolloutGroup | None, train_pairs: Experience,
+           eval_ref: Any, eval_prompts: list[dict], data_counts: dict, skipped_at_load: dict) -> None:
+    """The loop: ``pairs_per_step`` pairs per update, evaluations, checkpoints, the final sync."""
+    cfg = ctx.cfg
+    n_pairs = train_pairs.batch_size // 2
 
     def evaluate(step: int, weights: Any = None) -> dict[str, float]:
         row: dict[str, float] = {}
@@ -198,47 +225,42 @@ def run(ctx: RunContext, model_path: str, train_set: Any, eval_set: Any) -> RunR
             row.update(greedy_accuracy(rollout, eval_prompts))  # eval/accuracy: the task's, greedy
         return row
 
-    try:
-        info = learners.wait_ready()
-        print(f"[rayrlhf] roles ready: {cfg.cluster.num_learners} learner(s), {cfg.dpo.loss} loss, beta {cfg.dpo.beta}, "
-              f"reference {'in the learner (LoRA)' if cfg.lora.enabled else 'scored once' if cfg.dpo.uses_reference else 'none'}"
-              f"; {n_pairs} training pairs; trainable fraction {info['trainable_fraction']:.4f}"
-              + (f"; resumed from {resume} (step {ctx.start_step})" if resume else ""), flush=True)
-        sampler = PromptSampler(n_pairs, cfg.dpo.pairs_per_step, cfg.run.seed, **ctx.run_state["sampler"])
-        if ctx.eval_due(0):
+    info = learners.wait_ready()
+    print(f"[rayrlhf] roles ready: {cfg.cluster.num_learners} learner(s), {cfg.dpo.loss} loss, beta {cfg.dpo.beta}, "
+          f"reference {'in the learner (LoRA)' if cfg.lora.enabled else 'scored once' if cfg.dpo.uses_reference else 'none'}"
+          f"; {n_pairs} training pairs; trainable fraction {info['trainable_fraction']:.4f}"
+          + (f"; resumed from {ctx.resume_from} (step {ctx.start_step})" if ctx.resume_from else ""), flush=True)
+    sampler = PromptSampler(n_pairs, cfg.dpo.pairs_per_step, cfg.run.seed, **ctx.run_state["sampler"])
+    if ctx.eval_due(0):
+        with ctx.phase("eval"):
+            ctx.log_base_eval(evaluate(0))
+    for step in ctx.steps():
+        pair_ids = sampler.next()
+        rows = [r for i in pair_ids for r in (2 * i, 2 * i + 1)]
+        batch_ref = ray.put(train_pairs.select(rows))
+        save_dir = ctx.checkpoint_dir(step)
+        eval_now = ctx.eval_due(step)
+        last = step == cfg.run.steps
+        with ctx.phase("learn"):
+            # Weights go to the generators when a greedy evaluation needs them, and at the end.
+            result = learners.learn(step, [batch_ref], save_dir=save_dir,
+                                    sync=(eval_now or last) and rollout is not None)
+        if result.get("saved"):
+            ctx.finish_checkpoint(result["saved"], step, sampler, result["version"])
+        row: dict[str, Any] = {"data/pair_ids": pair_ids, "skipped_at_load": skipped_at_load,
+                               **data_counts, **result["metrics"]}
+        if result.get("saved"):
+            row["checkpoint"] = result["saved"]
+        weights = (result.get("weights") or [None])[0]
+        if eval_now:
             with ctx.phase("eval"):
-                ctx.log_base_eval(evaluate(0))
-        for step in ctx.steps():
-            pair_ids = sampler.next()
-            rows = [r for i in pair_ids for r in (2 * i, 2 * i + 1)]
-            batch_ref = ray.put(train_pairs.select(rows))
-            save_dir = ctx.checkpoint_dir(step)
-            eval_now = ctx.eval_due(step)
-            last = step == cfg.run.steps
-            with ctx.phase("learn"):
-                # Weights go to the generators when a greedy evaluation needs them, and at the end.
-                result = learners.learn(step, [batch_ref], save_dir=save_dir,
-                                        sync=(eval_now or last) and rollout is not None)
-            if result.get("saved"):
-                ctx.finish_checkpoint(result["saved"], step, sampler, result["version"])
-            row: dict[str, Any] = {"data/pair_ids": pair_ids, "skipped_at_load": dict(train_set.skipped),
-                                   **data_counts, **result["metrics"]}
-            if result.get("saved"):
-                row["checkpoint"] = result["saved"]
-            weights = (result.get("weights") or [None])[0]
-            if eval_now:
-                with ctx.phase("eval"):
-                    row.update(evaluate(step, weights))
-            elif weights is not None:
-                with ctx.phase("sync"):
-                    rollout.sync_weights(weights)
-            if weights is not None:
-                row["sync/generator_version"] = float(ray.get(rollout.generators[0].version.remote()))
-            ctx.log_step(step, row)
-            if ctx.early_stop(row, lambda: learners.save(step, ctx.checkpoint_path(step)), sampler):
-                break
-    finally:
-        learners.stop()
-        if rollout is not None:
-            rollout.shutdown()
-    return ctx.result()
+                row.update(evaluate(step, weights))
+        elif weights is not None:
+            with ctx.phase("sync"):
+                rollout.sync_weights(weights)
+        if weights is not None:
+            row["sync/generator_version"] = float(ray.get(rollout.generators[0].version.remote()))
+        ctx.log_step(step, row)
+        if ctx.early_stop(row, lambda: learners.save(step, ctx.checkpoint_path(step)), sampler):
+            break
+

@@ -64,8 +64,9 @@ def _prompt_ids(cfg: Any, n_rows: int) -> list[int]:
 def ranked_pairs(ctx: RunContext, rollout: Any, rows: list[dict], by: str) -> tuple[Experience, dict[str, float]]:
     """Best vs worst of ``dpo.candidates`` samples of each of ``dpo.pair_prompts`` prompts
     (the generators' own tokens), ranked ``by`` 'scorer' or 'self_judge'. A prompt gives no pair
-    when fewer than two candidates have a score, when best - worst <= ``dpo.min_score_gap``, or
-    when the best scores under ``dpo.min_chosen_score``; each case is counted."""
+    when fewer than two candidates have a score, when best - worst <= ``dpo.min_score_gap``, when
+    best and worst are the same text, or when the best scores under ``dpo.min_chosen_score``; each
+    case is counted."""
     cfg = ctx.cfg
     ids = _prompt_ids(cfg, len(rows))
     exp_refs, gen_stats = rollout.generate([rows[i] for i in ids], ids, seed=cfg.run.seed * 100_003)
@@ -76,7 +77,7 @@ def ranked_pairs(ctx: RunContext, rollout: Any, rows: list[dict], by: str) -> tu
     exp = Experience.concat(ray.get(exp_refs), pad_token_id=0)
     gen_stats, score_stats = ray.get(gen_stats), ray.get(score_stats)
     counts = {"prompts": len(ids), "candidates": exp.batch_size, "no_pair_tie": 0, "no_pair_unscored": 0,
-              "no_pair_low_score": 0}
+              "no_pair_low_score": 0, "no_pair_identical": 0}
     best, worst, kept = [], [], []
     for g in dict.fromkeys(exp.group_ids.tolist()):
         members = [int(r) for r in (exp.group_ids == g).nonzero().flatten() if not math.isnan(float(exp.scores[r]))]
@@ -87,6 +88,8 @@ def ranked_pairs(ctx: RunContext, rollout: Any, rows: list[dict], by: str) -> tu
         b, w = members[int(scores.argmax())], members[int(scores.argmin())]
         if float(exp.scores[b] - exp.scores[w]) <= cfg.dpo.min_score_gap:
             counts["no_pair_tie"] += 1
+        elif exp.completions[b].strip() == exp.completions[w].strip():  # a noisy judge scored one reply twice
+            counts["no_pair_identical"] += 1
         elif float(exp.scores[b]) < cfg.dpo.min_chosen_score:
             counts["no_pair_low_score"] += 1
         else:

@@ -68,7 +68,8 @@ def run(ctx: RunContext, model_path: str, train_set, eval_set) -> RunResult:
         ref_role = ("no reference (no KL term)" if not cfg.ppo.uses_reference else
                     "reference = base model with the LoRA adapter disabled, in the learner" if cfg.lora.enabled else
                     "1 reference")
-        print(f"[rayrlhf] roles ready: {cfg.rollout.num_generators} generator(s), 1 scorer, {ref_role}, "
+        scorer = "the generators as judge" if rollout.scorer is None else "1 scorer"
+        print(f"[rayrlhf] roles ready: {cfg.rollout.num_generators} generator(s), {scorer}, {ref_role}, "
               f"{cfg.cluster.num_learners} learner(s); {cfg.ppo.advantage_estimator} advantages, trainable "
               f"fraction {info['trainable_fraction']:.4f}"
               + (f"; resumed from {resume} (step {ctx.start_step}, policy version {info['version']})" if resume else ""),
@@ -103,7 +104,7 @@ def run(ctx: RunContext, model_path: str, train_set, eval_set) -> RunResult:
             row["reference/in_learner"] = rollout.reference is None and cfg.ppo.uses_reference
             row["sync/load_s"] = max(load_times)
             row["memory/generator_peak_gb"] = max(s["peak_rss_gb"] for s in gen_stats)
-            row["memory/scorer_peak_gb"] = max(s["peak_rss_gb"] for s in score_stats)
+            row["memory/scorer_peak_gb"] = max(s["peak_rss_gb"] for s in score_stats)  # the judging generators' with llm_judge
             if ref_stats:
                 row["memory/reference_peak_gb"] = max(s["peak_rss_gb"] for s in ref_stats)
             if result.get("saved"):

@@ -75,11 +75,11 @@ def test_self_rewarding_iteration_judges_with_the_generators_and_syncs(staged):
     assert c["judge_parsed"] + c["judge_unparsed"] + c["judge_out_of_range"] == c["judge_judgements"]
     assert c["judge_parsed"] > 0 and c["judge_out_of_range"] > 0  # the tiny judge writes numbers off the scale too
     assert c["candidates"] == c["judge_items_scored"]  # unscored candidates were left out ...
-    assert c["pairs"] + c["no_pair_tie"] + c["no_pair_unscored"] + c["no_pair_low_score"] == 32  # ... and counted
+    assert c["pairs"] + sum(v for k, v in c.items() if k.startswith("no_pair_")) == 32  # ... and counted
     # The preference set on disk: valid Parquet with the judge's scores, best over worst.
     table = pq.read_table(stage / "data" / "pairs.parquet").to_pylist()
     assert len(table) == c["pairs"] and all(r["source"] == "self_judge" for r in table)
-    assert all(r["score_chosen"] > r["score_rejected"] for r in table)
+    assert all(r["score_chosen"] > r["score_rejected"] and r["chosen"].strip() != r["rejected"].strip() for r in table)
     assert all(0 <= r["score_rejected"] and r["score_chosen"] <= 5 for r in table)
     # Real DPO: the first step starts at log 2 (policy = reference), and the trained weights reached
     # the generators (their version is the learner's after the last step).
@@ -97,3 +97,24 @@ def test_spin_iteration_pairs_demonstrations_with_own_replies(staged):
     row = _rows(stage)[-1]
     assert row["pairs/pairs"] == len(table) and row["pairs/pairs"] + row["pairs/identical_pair"] <= 16
     assert row["loss/total"] == pytest.approx(0.6931, abs=1e-3)  # its reference: the previous stage's model
+
+
+def test_the_judge_rewards_ppo(staged, tmp_path):
+    """reward.function=llm_judge: PPO samples are judged by the generators that sampled them
+    (here the SFT stage's tiny model, which writes numbers); unjudged samples are dropped and counted."""
+    run, _ = staged
+    cfg = load_config(ROOT / "configs" / "ppo_tiny.yaml", [
+        f"model.path={run / 'stages' / '00-sft' / 'checkpoints' / 'step_00008'}", "reward.function=llm_judge",
+        "run.steps=2", "rollout.prompts_per_step=16", "run.plot=false", "run.save_final=false",
+        "train.lr=1e-4", "ppo.critic_lr=1e-4",  # small steps: the judge is the policy and should stay one
+        *[f"judge.{k}={v}" for k, v in yaml.safe_load(PRESET.read_text())["judge"].items() if k != "template"],
+    ])
+    cfg.judge.template = yaml.safe_load(PRESET.read_text())["judge"]["template"]
+    train(cfg, run_dir=tmp_path / "ppo")
+    rows = [json.loads(line) for line in (tmp_path / "ppo" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and rows[0]["judge/items_scored"] >= 8
+    for r in rows:  # also after an update, when the judge (the policy itself) has moved
+        assert r["judge/items"] == 16 and r["judge/judgements"] == 48
+        assert r["judge/parsed"] + r["judge/unparsed"] + r["judge/out_of_range"] == 48
+        assert r["skipped"]["unjudged"] == r["judge/items_unscored"] < 16
+        assert 0 <= r["reward/mean"] <= 5 and r["loss/total"] == r["loss/total"]  # finite, no NaN
