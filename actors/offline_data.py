@@ -159,6 +159,15 @@ def _read_rows(path: str | Path, normalise: Any, kind: str) -> PreferenceSet:
     return PreferenceSet(rows, skipped)
 
 
+def split_rows(rows: list[dict[str, Any]], seed: int, n_held: int) -> tuple[list[dict], list[dict]]:
+    """(train, held-out): a shuffle seeded by ``seed``, the first ``n_held`` rows held out."""
+    import random
+
+    rows = list(rows)
+    random.Random(seed).shuffle(rows)
+    return rows[n_held:], rows[:n_held]
+
+
 def write_preferences(path: str | Path, rows: list[dict[str, Any]]) -> Path:
     """Writes rows (prompt messages, chosen, rejected and any extra columns, e.g. judge scores or
     reference log-probs) as Parquet."""

@@ -23,14 +23,13 @@ actor starts; SimPO needs no reference at all.
 from __future__ import annotations
 
 import dataclasses
-import random
 from pathlib import Path
 from typing import Any
 
 import ray
 import torch
 
-from actors.offline_data import PreferenceSet, encode_pairs, read_preferences, write_preferences
+from actors.offline_data import PreferenceSet, encode_pairs, read_preferences, split_rows, write_preferences
 from cluster.actor_groups import ReferenceWorker, RolloutGroup, reference_config, role_env
 from cluster.config import Config, UserError
 from cluster.learner_group import LearnerGroup, learner_spec
@@ -59,9 +58,7 @@ def load_data(cfg: Config) -> tuple[Any, Any, str]:
         prefs = read_preferences(cfg.data.preference_file)
     except FileNotFoundError as e:
         raise UserError(f"data.preference_file: {e}") from None
-    rows = list(prefs.rows)
-    random.Random(cfg.run.seed).shuffle(rows)
-    held, train = rows[: cfg.data.eval_size], rows[cfg.data.eval_size :]
+    train, held = split_rows(prefs.rows, cfg.run.seed, cfg.data.eval_size)
     if len(train) < cfg.dpo.pairs_per_step:
         raise UserError(f"data.preference_file: {len(train)} usable training pairs, fewer than dpo.pairs_per_step="
                         f"{cfg.dpo.pairs_per_step} (skipped while loading: {prefs.skipped})")
@@ -191,8 +188,13 @@ def run(ctx: RunContext, model_path: str, train_set: Any, eval_set: Any) -> RunR
             parts = _with_reference(ctx, model_path, parts)
         train_pairs, n_pairs = parts["train"], parts["train"].batch_size // 2
         if n_pairs < cfg.dpo.pairs_per_step:
-            raise UserError(f"{n_pairs} training pairs (after the token budget and ties), fewer than dpo.pairs_per_step="
-                            f"{cfg.dpo.pairs_per_step}")
+            if rollout is None or n_pairs == 0:  # a preference file: the user's data is too small
+                raise UserError(f"{n_pairs} training pairs (after the token budget), fewer than dpo.pairs_per_step="
+                                f"{cfg.dpo.pairs_per_step}")
+            # Generated pairs: how many form depends on the model (a later self-rewarding iteration may
+            # find fewer); train on what there is rather than end a staged run.
+            print(f"[rayrlhf] warning: only {n_pairs} training pairs were formed, fewer than dpo.pairs_per_step="
+                  f"{cfg.dpo.pairs_per_step}: each step uses all {n_pairs}", flush=True)
         eval_ref = ray.put(parts["eval"]) if "eval" in parts else None
         # What the pairs came from, logged with every step.
         data_counts = {"data/train_pairs": n_pairs,
@@ -230,7 +232,7 @@ def _train(ctx: RunContext, learners: LearnerGroup, rollout: RolloutGroup | None
           f"reference {'in the learner (LoRA)' if cfg.lora.enabled else 'scored once' if cfg.dpo.uses_reference else 'none'}"
           f"; {n_pairs} training pairs; trainable fraction {info['trainable_fraction']:.4f}"
           + (f"; resumed from {ctx.resume_from} (step {ctx.start_step})" if ctx.resume_from else ""), flush=True)
-    sampler = PromptSampler(n_pairs, cfg.dpo.pairs_per_step, cfg.run.seed, **ctx.run_state["sampler"])
+    sampler = PromptSampler(n_pairs, min(cfg.dpo.pairs_per_step, n_pairs), cfg.run.seed, **ctx.run_state["sampler"])
     if ctx.eval_due(0):
         with ctx.phase("eval"):
             ctx.log_base_eval(evaluate(0))

@@ -11,13 +11,12 @@
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 
-from actors.offline_data import encode_demonstrations, read_demonstrations, task_demonstrations
+from actors.offline_data import encode_demonstrations, read_demonstrations, split_rows, task_demonstrations
 from cluster.actor_groups import RolloutGroup
 from cluster.config import Config, UserError
 from cluster.learner_group import LearnerGroup, learner_spec
@@ -57,9 +56,7 @@ def load_data(cfg: Config) -> tuple[Demonstrations, Demonstrations, str]:
         demos = read_demonstrations(cfg.data.demonstration_file)
     except FileNotFoundError as e:
         raise UserError(f"data.demonstration_file: {e}") from None
-    rows = list(demos.rows)
-    random.Random(cfg.run.seed).shuffle(rows)
-    held, train = rows[: cfg.data.eval_size], rows[cfg.data.eval_size :]
+    train, held = split_rows(demos.rows, cfg.run.seed, cfg.data.eval_size)
     if not train:
         raise UserError(f"data.demonstration_file: no usable training rows (skipped while loading: {demos.skipped})")
     return (Demonstrations(train, demos.skipped), Demonstrations(held),
