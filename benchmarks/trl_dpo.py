@@ -32,7 +32,8 @@ def main() -> int:
     spec = json.loads(Path(args.pairs).read_text())
     s = spec["settings"]
     torch.manual_seed(s["seed"])
-    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}],
+    as_messages = lambda p: p if isinstance(p, list) else [{"role": "user", "content": p}]  # noqa: E731
+    dataset = Dataset.from_list([{"prompt": as_messages(r["prompt"]),
                                   "chosen": [{"role": "assistant", "content": r["chosen"]}],
                                   "rejected": [{"role": "assistant", "content": r["rejected"]}]} for r in spec["pairs"]])
     config = DPOConfig(
