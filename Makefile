@@ -6,7 +6,7 @@ VENV ?= .venv
 STAMP := $(VENV)/.rayrlhf-installed
 EXTRA ?= cpu
 
-.PHONY: setup train test test-fast clean-cache trl-env bench-trl
+.PHONY: setup train test test-fast clean-cache trl-env bench-trl bench-trl-dpo
 
 setup: $(STAMP)
 
@@ -41,6 +41,9 @@ $(TRL_STAMP):
 
 bench-trl: $(STAMP) $(TRL_STAMP)
 	$(VENV)/bin/python benchmarks/vs_trl.py $(ARGS)
+
+bench-trl-dpo: $(STAMP) $(TRL_STAMP)
+	$(VENV)/bin/python benchmarks/vs_trl_dpo.py $(ARGS)
 
 clean-cache:
 	rm -rf .cache/rayrlhf

@@ -88,7 +88,7 @@ def ranked_pairs(ctx: RunContext, rollout: Any, rows: list[dict], by: str) -> tu
         b, w = members[int(scores.argmax())], members[int(scores.argmin())]
         if float(exp.scores[b] - exp.scores[w]) <= cfg.dpo.min_score_gap:
             counts["no_pair_tie"] += 1
-        elif exp.completions[b].strip() == exp.completions[w].strip():  # a noisy judge scored one reply twice
+        elif exp.completions[b] == exp.completions[w]:  # a noisy judge scored the same reply twice
             counts["no_pair_identical"] += 1
         elif float(exp.scores[b]) < cfg.dpo.min_chosen_score:
             counts["no_pair_low_score"] += 1

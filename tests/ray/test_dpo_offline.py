@@ -86,17 +86,18 @@ def test_dpo_on_scored_pairs_from_the_generators(ray_cluster, tiny_model_path, t
 
     cfg = load_config(ROOT / "configs" / "ppo_tiny.yaml", [
         "run.algorithm=dpo", "reward.function=tests.helpers.rewards:reply_length",
-        "rollout.samples_per_prompt=4", "dpo.pair_prompts=64", "dpo.eval_pairs=6",
+        "dpo.pairs=scorer", "dpo.candidates=4", "dpo.candidate_temperature=1.0", "dpo.pair_prompts=64", "dpo.eval_pairs=6",
         "dpo.pairs_per_step=6", "dpo.beta=0.5", "train.lr=1e-3", "train.epochs=1", "train.num_minibatches=1", "run.steps=3",
         "run.eval_every=3", "data.eval_size=8", "run.plot=false",
     ])
     train(cfg, run_dir=tmp_path / "run")
     rows = _rows(tmp_path / "run")
-    table = pq.read_table(tmp_path / "run" / "data" / "scored_pairs.parquet").to_pylist()
-    assert all(t["score_chosen"] > t["score_rejected"] for t in table)
-    # Every prompt gave a pair or is counted as tied; pairs split into 6 held out and the rest.
+    table = pq.read_table(tmp_path / "run" / "data" / "pairs.parquet").to_pylist()
+    assert all(t["score_chosen"] > t["score_rejected"] and t["source"] == "scorer" for t in table)
+    # Every prompt gave a pair or is counted by why it did not; pairs split into 6 held out and the rest.
     r1 = rows[1]
-    assert len(table) + r1["data/prompts_without_a_pair"] == 64
+    assert len(table) == r1["pairs/pairs"]
+    assert len(table) + sum(v for k, v in r1.items() if k.startswith("pairs/no_pair_")) == r1["pairs/prompts"] == 64
     assert r1["data/held_out_pairs"] == 6 and r1["data/train_pairs"] == len(table) - 6 >= 12
     base, last = rows[0], rows[-1]
     held = base["eval/pairs"]
