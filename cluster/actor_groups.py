@@ -7,6 +7,7 @@ fetches the small stats dict.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from typing import Any
@@ -46,6 +47,7 @@ def generator_config(cfg: Config, model_path: str, rank: int = 0, initial_versio
 
 
 def uses_judge(cfg: Config) -> bool:
+    """Whether the generators also judge (they then need the judge's longer context)."""
     return cfg.reward.function == "llm_judge" or (cfg.run.algorithm == "dpo" and cfg.dpo.pairs == "self_judge")
 
 
@@ -116,7 +118,7 @@ class GeneratorWorker:
         t0 = time.perf_counter()
         prompts = [m.get("prompt") or m.get("question", "") for m in exp.meta]
         scores, counts, replies = Judge(jcfg).judge(self.gen, prompts, exp.completions, seed=seed)
-        keep = [i for i, v in enumerate(scores) if v == v]
+        keep = [i for i, v in enumerate(scores) if not math.isnan(v)]
         skipped = {**exp.skipped, "unjudged": exp.skipped.get("unjudged", 0) + exp.batch_size - len(keep)}
         out = exp.select(keep).replace(scores=torch.tensor([scores[i] for i in keep], dtype=torch.float32),
                                        skipped=skipped).validate()
@@ -207,7 +209,7 @@ class RolloutGroup:
             ray.get(self.reference.__ray_ready__.remote())
         return ray.get([g.ready.remote() for g in self.generators])
 
-    def _shards(self, rows: list[dict], group_ids: list[int]) -> list[tuple[list[dict], list[int]]]:
+    def _shards(self, rows: list, group_ids: list[int]) -> list[tuple[list, list[int]]]:
         n = len(self.generators)
         # Contiguous shards keep each prompt's samples on one generator (n is per prompt).
         size = -(-len(rows) // n)
@@ -235,14 +237,12 @@ class RolloutGroup:
     def generate_texts(self, prompts: list[str], group_ids: list[int], n: int, temperature: float,
                        seed: int | None = None) -> tuple[list, list]:
         """Text prompts sharded over the generators like ``generate``."""
-        rows = [{"prompt": p} for p in prompts]
-        out = [gen.generate_texts.options(num_returns=2).remote([r["prompt"] for r in r_], g, n, temperature,
-                                                                None if seed is None else seed + 7919 * i)
-               for i, (gen, (r_, g)) in enumerate(zip(self.generators, self._shards(rows, group_ids)))]
+        out = [gen.generate_texts.options(num_returns=2).remote(p, g, n, temperature, None if seed is None else seed + 7919 * i)
+               for i, (gen, (p, g)) in enumerate(zip(self.generators, self._shards(prompts, group_ids)))]
         return [o[0] for o in out], [o[1] for o in out]
 
     def score(self, exp_refs: list) -> tuple[list, list]:
-        if self.cfg.reward.function == "llm_judge":  # the policy judges itself, on the generators
+        if self.scorer is None:  # reward.function=llm_judge: the policy judges itself, on the generators
             return self.judge(exp_refs)
         pairs = [self.scorer.score.options(num_returns=2).remote(e) for e in exp_refs]
         return [p[0] for p in pairs], [p[1] for p in pairs]

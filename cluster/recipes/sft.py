@@ -94,7 +94,7 @@ def run(ctx: RunContext, model_path: str, train_set: Demonstrations, eval_set: D
     if eval_set.task_rows and cfg.run.eval_every:
         rollout = RolloutGroup(cfg, model_path, policy_path=resume, policy_version=int(ctx.run_state["version"]),
                                with_reference=False)
-    learners = LearnerGroup(learner_spec(cfg, model_path, pad_id, resume_from=resume), ctx.dir / "ray_train")
+    learners = None
 
     def evaluate(step: int, weights: Any = None) -> dict[str, float]:
         row: dict[str, float] = {}
@@ -108,6 +108,7 @@ def run(ctx: RunContext, model_path: str, train_set: Demonstrations, eval_set: D
         return row
 
     try:
+        learners = LearnerGroup(learner_spec(cfg, model_path, pad_id, resume_from=resume), ctx.dir / "ray_train")
         if rollout is not None:
             rollout.wait_ready()
         info = learners.wait_ready()
@@ -138,7 +139,8 @@ def run(ctx: RunContext, model_path: str, train_set: Demonstrations, eval_set: D
             if ctx.early_stop(row, lambda: learners.save(step, ctx.checkpoint_path(step)), sampler):
                 break
     finally:
-        learners.stop()
+        if learners is not None:
+            learners.stop()
         if rollout is not None:
             rollout.shutdown()
     return ctx.result()
