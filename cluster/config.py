@@ -53,7 +53,9 @@ class RunConfig(Section):
     name: str = _f("ppo", "Run name; the run directory is <output_dir>/<name>-<timestamp>.")
     output_dir: str = _f("runs", "Where run directories (metrics, plots, checkpoints) are written.")
     algorithm: str = _f("ppo", "Training recipe and learner: 'ppo' (PPO with a critic and the GRPO family; see "
-                        "ppo.advantage_estimator) or 'dpo' (the DPO family on a preference file or on scored samples; see dpo.loss).")
+                        "ppo.advantage_estimator), 'dpo' (the DPO family on a preference file or on scored samples; see dpo.loss), "
+                        "'sft' (supervised fine-tuning) or 'qlearn' (token-level Q-learning, online or from "
+                        "data.transition_file).")
     seed: int = _f(0, "Seed for data order, sampling engines and learner initialisation.")
     steps: int = _f(20, "Number of iterations (for ppo: generate, score, reference, learn, sync).", ge=1)
     eval_every: int = _f(10, "Evaluate greedy accuracy on the held-out split every K steps and after the last (0: never).", ge=0)
@@ -62,6 +64,9 @@ class RunConfig(Section):
     keep_last: int = _f(3, "Periodic checkpoints kept (older ones are deleted; 0: keep all).", ge=0)
     save_final: bool = _f(True, "Save a checkpoint at the end of the run.")
     plot: bool = _f(True, "Write a reward/KL curve PNG into the run directory.")
+    export_transitions: bool = _f(
+        False, "Write every step's scored samples as token transitions (Parquet) to <run dir>/data/transitions/, "
+        "the data of offline Q-learning (ppo and qlearn recipes).")
     early_stop_metric: str = _f(
         "", "Early stopping: a held-out metric logged at evaluations (e.g. eval/loss/total, eval/accuracy); "
         "empty: off.")
@@ -105,6 +110,12 @@ class DataConfig(Section):
         "",
         "For run.algorithm=dpo: JSONL or Parquet rows {prompt, chosen, rejected} (text or chat messages); "
         "eval_size of them are held out.",
+    )
+    transition_file: str = _f(
+        "",
+        "For run.algorithm=qlearn: a Parquet file or folder of token transitions (actors/transitions.py; written by "
+        "run.export_transitions) for offline Q-learning; held-out prompts of data.task measure the greedy Q-policy. "
+        "Empty: online Q-learning.",
     )
     demonstration_file: str = _f(
         "",
@@ -258,6 +269,38 @@ class SFTConfig(Section):
         "to judge before a self_judge stage.", ge=0)
 
 
+class QLearnConfig(Section):
+    """Token-level Q-learning (the LM's logits are Q values); read by ``learners/qlearn.py``."""
+
+    gamma: float = _f(1.0, "Discount factor of the Bellman backups (per token).", ge=0, le=1)
+    n_step: int = _f(1, "Rewards summed before bootstrapping from the target network (1: one-step TD).", ge=1)
+    mc_lower_bound: bool = _f(True, "Bound each target below by the observed (Monte-Carlo) return of its sequence "
+                              "(Q-Transformer): sparse terminal rewards reach early tokens at once.")
+    conservative_weight: float = _f(1.0, "alpha: weight of the conservative regulariser that pushes the Q of tokens "
+                                    "not taken toward q_floor (0: off).", ge=0)
+    q_floor: float = _f(0.0, "Value the regulariser pushes unseen tokens to: the lowest reward (in reward units).")
+    reward_scale: float = _f(1.0, "Rewards are multiplied by this before the backups (Q values live on the logit "
+                             "scale: with a Boltzmann policy, scale and rollout.temperature trade off).", gt=0)
+    target_decay: float = _f(0.9, "EMA decay of the target network: each update moves it by (1 - decay) of its gap "
+                             "to the online network.", ge=0, le=1)
+    target_start_step: int = _f(0, "Optimiser updates during which the target copies the online network before the "
+                                "EMA starts.", ge=0)
+    target_update_every: int = _f(1, "Optimiser updates between EMA steps of the target.", ge=1)
+    kl_coef: float = _f(0.0, "Weight of a k3 KL anchor of the Boltzmann Q-policy to the reference model (0: off; "
+                        "the tiny and SmolLM2 presets learn without it).", ge=0)
+    acting: Literal["boltzmann", "greedy"] = _f(
+        "boltzmann", "Online: generators act by a Boltzmann distribution over Q (softmax(Q / rollout.temperature), "
+        "i.e. sampling) or greedily (argmax Q).")
+    batch_sequences: int = _f(64, "Sequences sampled from the replay buffer per step (the global batch).", ge=1)
+    buffer_capacity: int = _f(4096, "Online: sequences the replay buffer keeps (oldest evicted first).", ge=1)
+    warmup_sequences: int = _f(0, "Online: sequences collected before the first update.", ge=0)
+    eval_transitions: int = _f(64, "Offline: transitions of data.transition_file held out for the TD loss.", ge=0)
+
+    @property
+    def uses_reference(self) -> bool:
+        return self.kl_coef != 0
+
+
 class JudgeSection(Section):
     """LLM-as-a-judge on the generators (``actors/judge.py``): dpo.pairs=self_judge and reward.function=llm_judge."""
 
@@ -335,6 +378,7 @@ class Config(Section):
     ppo: PPOConfig = Field(default_factory=PPOConfig)
     dpo: DPOConfig = Field(default_factory=DPOConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
+    qlearn: QLearnConfig = Field(default_factory=QLearnConfig)
     judge: JudgeSection = Field(default_factory=JudgeSection)
     lora: LoRAConfig = Field(default_factory=LoRAConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
@@ -347,7 +391,8 @@ class Config(Section):
         from cluster.recipes import RECIPES
 
         rollout, ppo, algo = self.rollout, self.ppo, self.run.algorithm
-        batch, unit = {"dpo": (self.dpo.pairs_per_step, "pairs"), "sft": (self.sft.examples_per_step, "demonstrations")}.get(
+        batch, unit = {"dpo": (self.dpo.pairs_per_step, "pairs"), "sft": (self.sft.examples_per_step, "demonstrations"),
+                       "qlearn": (self.qlearn.batch_sequences, "sequences")}.get(
             algo, (rollout.prompts_per_step * rollout.samples_per_prompt, "sequences"))
         checks = [
             (algo in RECIPES, f"run.algorithm must be one of {', '.join(sorted(RECIPES))}, got {algo!r}"),

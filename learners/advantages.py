@@ -21,6 +21,10 @@ __all__ = [
     "GROUP_ESTIMATORS",
     "group_baseline_advantages",
     "reinforce_pp_advantages",
+    "discounted_returns",
+    "episode_mask",
+    "token_rewards_from_scores",
+    "q_learning_targets",
 ]
 
 
@@ -273,7 +277,7 @@ def group_baseline_advantages(
     return advantages
 
 
-def _discounted_returns(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
+def discounted_returns(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
     """Masked return-to-go ``G_t = r_t + gamma * G_{t+1}`` over valid tokens.
 
     Positions with ``mask == 0`` are skipped exactly as in ``gae_advantages``:
@@ -351,9 +355,122 @@ def reinforce_pp_advantages(rewards: Tensor, mask: Tensor, gamma: float = 1.0) -
         ``(B, T)`` advantages, 0 at masked positions, dtype
         ``promote(rewards, float32)``.
     """
-    returns = _discounted_returns(rewards, mask, gamma)
+    returns = discounted_returns(rewards, mask, gamma)
     with torch.no_grad():
         valid = mask.detach() != 0
         whitened = masked_whiten(returns, valid.to(returns.dtype))
         advantages = torch.where(valid, whitened, torch.zeros_like(whitened))
     return advantages
+
+
+# -- token-level Q-learning -------------------------------------------------------------------------
+# Each response token is an action a_t taken in state s_t (the prompt and the tokens before it);
+# Q(s_t, .) is the policy's output logits at the position that predicts token t. Per-token tensors
+# keep the (B, T) layout above: position t holds the quantity of the action input_ids[:, t].
+
+
+def episode_mask(input_ids: Tensor, response_mask: Tensor, eos_token_ids: list[int]) -> tuple[Tensor, Tensor]:
+    """The actions that train: response tokens up to and including the first EOS.
+
+    A response that emits EOS ends its episode there: later positions (a logged sequence that
+    kept going, padding written as EOS) are no actions and carry no loss.
+
+    Args:
+        input_ids: ``(B, T)`` int64.
+        response_mask: ``(B, T)`` bool, contiguous per row.
+        eos_token_ids: token ids that end an episode.
+    Returns:
+        ``(mask, ended)``: ``(B, T)`` bool mask, and ``(B,)`` bool, True where the kept response
+        ends with an EOS token (a terminal state).
+    """
+    rm = response_mask.bool()
+    is_eos = torch.zeros_like(rm)
+    for e in eos_token_ids:
+        is_eos |= input_ids == e
+    eos_in_resp = (is_eos & rm).long()
+    # EOS tokens at or before t; a position is kept while no EOS came strictly before it.
+    before = torch.cumsum(eos_in_resp, dim=1) - eos_in_resp
+    mask = rm & (before == 0)
+    return mask, (eos_in_resp.sum(1) > 0)
+
+
+def token_rewards_from_scores(scores: Tensor, mask: Tensor) -> Tensor:
+    """``(B, T)`` rewards: each sequence's score ``(B,)`` at its last action, 0 elsewhere (a
+    sparse terminal reward, as verifiers and reward models give)."""
+    valid = mask.bool()
+    T = valid.shape[1]
+    last = (T - 1 - torch.argmax(valid.flip(1).long(), dim=1)).clamp(min=0)
+    out = torch.zeros(valid.shape, dtype=torch.promote_types(scores.dtype, torch.float32), device=scores.device)
+    out[torch.arange(len(scores)), last] = scores.to(out.dtype)
+    return torch.where(valid, out, torch.zeros_like(out))
+
+
+def q_learning_targets(
+    rewards: Tensor,
+    next_max_q: Tensor,
+    mask: Tensor,
+    done: Tensor,
+    *,
+    gamma: float = 1.0,
+    n_step: int = 1,
+    mc_lower_bound: bool = False,
+) -> Tensor:
+    """n-step Bellman targets of token actions, optionally bounded below by the Monte-Carlo return.
+
+    One step (Watkins' Q-learning; Q-Transformer, Chebotar et al. 2023, eq. 1 per action
+    dimension, here per token)::
+
+        y_t = r_t + gamma * max_a Q_target(s_{t+1}, a)     (t before the last action)
+        y_T = r_T                                          (last action of a finished episode)
+        y_T = r_T + gamma * max_a Q_target(s_{T+1}, a)     (last action of a sequence cut at a
+                                                            length limit: the episode goes on)
+
+    n steps (Sutton & Barto 2018, eq. 7.1), ``j = min(n, T - t + 1)`` rewards before the tail::
+
+        y_t = sum_{k<j} gamma^k r_{t+k} + gamma^j * B_{t+j-1}
+
+    where ``B_u = max_a Q_target(s_{u+1}, a)`` and ``B_T = 0`` for a finished episode. With
+    ``mc_lower_bound`` (Q-Transformer sec. 4.3): ``y_t <- max(y_t, G_t)``, ``G_t = sum_{k>=t}
+    gamma^(k-t) r_k`` the observed return: the return of a behaviour that was actually seen
+    bounds the optimal value from below (for a cut sequence, when later rewards are >= 0),
+    which speeds up the propagation of sparse terminal rewards.
+
+    Args:
+        rewards: ``(B, T)`` per-token rewards r_t (0 where none is given).
+        next_max_q: ``(B, T)``; at position t, ``max_a Q_target(s_{t+1}, a)``: the maximum of the
+            target network's logits at the position *of* token t (the state after it).
+        mask: ``(B, T)`` actions (contiguous per row: response tokens up to the first EOS).
+        done: ``(B,)`` bool, True where the last action ends the episode (no bootstrap).
+        gamma: discount factor in [0, 1].
+        n_step: number of rewards summed before bootstrapping (>= 1).
+        mc_lower_bound: bound the targets below by the observed return.
+    Returns:
+        ``(B, T)`` targets (no gradient), 0 outside ``mask``, dtype promote(rewards, float32).
+    """
+    if rewards.shape != mask.shape or next_max_q.shape != mask.shape or rewards.dim() != 2:
+        raise ValueError(f"expected matching (B, T) shapes: rewards {tuple(rewards.shape)}, "
+                         f"next_max_q {tuple(next_max_q.shape)}, mask {tuple(mask.shape)}")
+    if n_step < 1:
+        raise ValueError(f"n_step must be >= 1, got {n_step}")
+    dtype = torch.promote_types(rewards.dtype, torch.float32)
+    with torch.no_grad():
+        valid = mask.detach().bool()
+        B, T = valid.shape
+        if T == 0:
+            return torch.zeros(B, 0, dtype=dtype, device=rewards.device)
+        r = torch.where(valid, rewards.detach().to(dtype), torch.zeros((), dtype=dtype))
+        pos = torch.arange(T, device=r.device).expand(B, T)
+        last = (T - 1 - torch.argmax(valid.flip(1).long(), dim=1))[:, None]  # (B, 1)
+        y = torch.zeros_like(r)
+        for k in range(n_step):
+            idx = (pos + k).clamp(max=T - 1)
+            in_episode = valid & (pos + k <= last)
+            y = y + torch.where(in_episode, (gamma ** k) * r.gather(1, idx), torch.zeros((), dtype=dtype))
+        j = torch.minimum(torch.full_like(pos, n_step), last - pos + 1).clamp(min=1)
+        tail = (pos + j - 1).clamp(max=T - 1)
+        boot = next_max_q.detach().to(dtype).gather(1, tail)
+        boot = torch.where((tail == last) & done.bool()[:, None], torch.zeros((), dtype=dtype), boot)
+        y = y + torch.pow(torch.full_like(y, gamma), j.to(dtype)) * boot
+        if mc_lower_bound:
+            y = torch.maximum(y, discounted_returns(r, valid, gamma))
+        return torch.where(valid, y, torch.zeros((), dtype=dtype))

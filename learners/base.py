@@ -36,6 +36,7 @@ LEARNERS: dict[str, str] = {
     "ppo": "learners.ppo:PPOLearner",
     "dpo": "learners.dpo:DPOLearner",
     "sft": "learners.sft:SFTLearner",
+    "qlearn": "learners.qlearn:QLearner",
 }
 
 CRITIC_DIR = "critic"

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-_TOKEN_FIELDS = ("rollout_logprobs", "ref_logprobs", "values")
+_TOKEN_FIELDS = ("rollout_logprobs", "ref_logprobs", "values", "token_rewards")
 
 
 class ExperienceError(ValueError):
@@ -51,6 +51,9 @@ class Experience:
     ref_logprobs: torch.Tensor | None = None
     # (B, L) float32: critic values; filled by the learner when it uses a critic.
     values: torch.Tensor | None = None
+    # (B, L) float32: reward of each response token (Q-learning; offline transitions carry them).
+    # None: the sequence's ``scores`` entry is its only reward, given at its last response token.
+    token_rewards: torch.Tensor | None = None
     # Counters of samples dropped or flagged on the way (bad reward, over-long prompt, ...).
     skipped: dict[str, int] = field(default_factory=dict)
 
@@ -88,7 +91,7 @@ class Experience:
             t = getattr(self, name)
             if t is not None and tuple(t.shape) != (b,):
                 raise ExperienceError(f"{name} must have shape ({b},), got {tuple(t.shape)}")
-        for name in ("rollout_logprobs", "ref_logprobs", "values", "scores"):
+        for name in ("rollout_logprobs", "ref_logprobs", "values", "token_rewards", "scores"):
             t = getattr(self, name)
             if t is not None and not bool(torch.isfinite(t).all()):
                 raise ExperienceError(f"{name} holds NaN or inf")

@@ -190,6 +190,62 @@ def heads_at_positions(
     return out
 
 
+def q_heads_at_positions(
+    hidden: torch.Tensor,
+    input_ids: torch.Tensor,
+    positions_mask: torch.Tensor,
+    lm_head: nn.Module,
+    *,
+    floor: float = 0.0,
+    temperature: float = 1.0,
+    chunk: int = 1024,
+) -> dict[str, torch.Tensor]:
+    """Q-learning reductions of the LM head (logits = Q(s, .)) at the actions in ``positions_mask``,
+    one chunk of vocabulary-sized rows at a time (never a (B, L, V) tensor).
+
+    hidden: (B, L, H); hidden[:, t-1] is the state s_t in which token input_ids[:, t] was taken.
+    Returns (B, L) float32 tensors, zero outside the mask, with gradient where ``hidden`` has one:
+    ``q`` = Q(s_t, a_t); ``sq_dev_sum`` = sum_a (Q(s_t, a) - floor)^2 (the conservative term's
+    input); ``logprobs`` = log softmax(Q(s_t, .) / temperature)[a_t], the Boltzmann policy's
+    log-prob (the KL anchor's input); and, detached, ``q_mean`` = mean_a Q(s_t, a) and ``q_max``.
+    """
+    b, length = input_ids.shape
+    target_mask = positions_mask.clone()
+    target_mask[:, 0] = False
+    rows, cols = target_mask.nonzero(as_tuple=True)
+    h = hidden[rows, cols - 1]
+    labels = input_ids[rows, cols]
+    parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("q", "sq_dev_sum", "logprobs", "q_mean", "q_max")}
+    for start in range(0, h.shape[0], chunk):
+        logits = lm_head(h[start : start + chunk]).float()
+        lab = labels[start : start + chunk]
+        parts["q"].append(logits.gather(1, lab[:, None]).squeeze(1))
+        parts["sq_dev_sum"].append(((logits - floor) ** 2).sum(1))
+        parts["logprobs"].append(logprobs_from_logits(logits / temperature if temperature != 1.0 else logits, lab))
+        with torch.no_grad():
+            parts["q_mean"].append(logits.mean(1))
+            parts["q_max"].append(logits.max(1).values)
+    out = {}
+    for k, v in parts.items():
+        flat = torch.cat(v) if v else h.new_zeros(0, dtype=torch.float32)
+        out[k] = torch.zeros(b, length, dtype=torch.float32, device=hidden.device).index_put((rows, cols), flat)
+    return out
+
+
+@torch.no_grad()
+def max_q_after_positions(
+    hidden: torch.Tensor, positions_mask: torch.Tensor, lm_head: nn.Module, *, chunk: int = 1024
+) -> torch.Tensor:
+    """(B, L) ``max_a Q(s_{t+1}, a)``: the maximum logit at the position *of* each masked token t
+    (the state after action t), chunked; zero outside ``positions_mask``. No gradient (targets)."""
+    b, length = positions_mask.shape
+    rows, cols = positions_mask.nonzero(as_tuple=True)
+    h = hidden[rows, cols]
+    flat = [lm_head(h[s : s + chunk]).float().max(1).values for s in range(0, h.shape[0], chunk)]
+    vals = torch.cat(flat) if flat else h.new_zeros(0, dtype=torch.float32)
+    return torch.zeros(b, length, dtype=torch.float32, device=hidden.device).index_put((rows, cols), vals)
+
+
 @torch.no_grad()
 def micro_batch_order(
     lengths: torch.Tensor, group_ids: torch.Tensor | None = None, rows: torch.Tensor | None = None

@@ -1,4 +1,5 @@
-"""Learning-rate schedules: linear warm-up, then constant, linear or cosine decay."""
+"""Learning-rate schedules (linear warm-up, then constant, linear or cosine decay) and the
+exponential moving average of a target network."""
 
 from __future__ import annotations
 
@@ -43,3 +44,16 @@ def make_scheduler(
         lambda s: lr_multiplier(s, schedule=schedule, warmup_steps=warmup_steps, total_steps=total_steps,
                                 min_ratio=min_ratio),
     )
+
+
+@torch.no_grad()
+def ema_update_(target: list[torch.Tensor], online: list[torch.Tensor], decay: float) -> None:
+    """In place, ``target <- decay * target + (1 - decay) * online`` for every pair (Polyak
+    averaging of a target network, Lillicrap et al. 2016, alg. 1): each update moves the target
+    by exactly ``(1 - decay)`` of its gap to the online weights; ``decay = 0`` copies them."""
+    if len(target) != len(online):
+        raise ValueError(f"{len(target)} target tensors for {len(online)} online ones")
+    if not 0.0 <= decay <= 1.0:
+        raise ValueError(f"decay must be in [0, 1], got {decay}")
+    for t, o in zip(target, online):
+        t.lerp_(o.detach().to(t.dtype), 1.0 - decay)

@@ -16,6 +16,7 @@ RECIPES: dict[str, str] = {
     "ppo": "cluster.recipes.ppo",
     "dpo": "cluster.recipes.dpo",
     "sft": "cluster.recipes.sft",
+    "qlearn": "cluster.recipes.qlearn",
 }
 
 

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 import torch
 
-from cluster.config import DPOConfig, LoRAConfig, PPOConfig, SFTConfig, TrainConfig
+from cluster.config import DPOConfig, LoRAConfig, PPOConfig, QLearnConfig, SFTConfig, TrainConfig
 from learners.base import LearnerContext
 from learners.distributed import Collective
 from learners.experience import Experience
@@ -106,6 +106,42 @@ def make_dpo_learner(
     ctx = LearnerContext(model_path=path, seed=seed, total_steps=total_steps,
                          lora=LoRAConfig(enabled=True, **lora) if lora else None, comm=comm)
     return DPOLearner.build(ctx, tr, DPOConfig(**(dpo or {})))
+
+
+def make_q_learner(
+    path: str, *, train: dict | None = None, qlearn: dict | None = None, lora: dict | None = None,
+    comm: Collective | None = None, seed: int = 0, total_steps: int = 10,
+):
+    """A Q-learning learner on the tiny model; ``train``/``qlearn``/``lora`` override config fields."""
+    from learners.qlearn import QLearner
+
+    tr = TrainConfig(**{"bf16": False, "micro_batch_size": 8, **(train or {})})
+    ctx = LearnerContext(model_path=path, seed=seed, total_steps=total_steps,
+                         lora=LoRAConfig(enabled=True, **lora) if lora else None, comm=comm)
+    return QLearner.build(ctx, tr, QLearnConfig(**(qlearn or {})))
+
+
+def transitions_batch(prompt: Sequence[int], episodes: Sequence[tuple[Sequence[int], Sequence[float]]],
+                      done: Sequence[bool] | None = None, pad: int = 0) -> Experience:
+    """Sequences ``prompt + actions`` with per-token rewards (a logged token MDP), right-padded."""
+    n = len(episodes)
+    length = len(prompt) + max(len(a) for a, _ in episodes)
+    ids = torch.full((n, length), pad, dtype=torch.long)
+    att = torch.zeros(n, length, dtype=torch.bool)
+    rm = torch.zeros_like(att)
+    rewards = torch.zeros(n, length)
+    for i, (actions, r) in enumerate(episodes):
+        end = len(prompt) + len(actions)
+        ids[i, :end] = torch.tensor(list(prompt) + list(actions))
+        att[i, :end] = True
+        rm[i, len(prompt):end] = True
+        rewards[i, len(prompt):end] = torch.tensor(list(r), dtype=torch.float32)
+    done = list(done) if done is not None else [True] * n
+    return Experience(
+        input_ids=ids, attention_mask=att, response_mask=rm, rollout_logprobs=torch.zeros(n, length),
+        group_ids=torch.arange(n), truncated=~torch.tensor(done), policy_version=0,
+        completions=[""] * n, meta=[{}] * n, token_rewards=rewards,
+    ).validate()
 
 
 def make_sft_learner(path: str, *, train: dict | None = None, lora: dict | None = None, seed: int = 0,

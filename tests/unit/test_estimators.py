@@ -15,7 +15,7 @@ from torch.testing import assert_close
 from learners.advantages import (
     ESTIMATORS,
     GROUP_ESTIMATORS,
-    _discounted_returns,
+    discounted_returns,
     group_baseline_advantages,
     kl_shaped_rewards,
     reinforce_pp_advantages,
@@ -300,7 +300,7 @@ def naive_whiten(values: list[list[float]], mask: list[list[float]], eps: float 
 def test_returns_hand_computed_gamma_half() -> None:
     rewards = torch.tensor([[1.0, 2.0, 3.0, 4.0]], **F64)
     # G3 = 4; G2 = 3 + 0.5*4 = 5; G1 = 2 + 0.5*5 = 4.5; G0 = 1 + 0.5*4.5 = 3.25
-    returns = _discounted_returns(rewards, torch.ones(1, 4), gamma=0.5)
+    returns = discounted_returns(rewards, torch.ones(1, 4), gamma=0.5)
     assert_close(returns, torch.tensor([[3.25, 4.5, 5.0, 4.0]], **F64), rtol=0, atol=0)
 
 
@@ -311,7 +311,7 @@ def test_returns_carry_through_masked_tokens() -> None:
     mask = torch.tensor([[0, 1, 0, 1, 1, 0]], dtype=torch.bool)
     # G4 = 4; G3 = 2 + 0.5*4 = 4; t=2 skipped (carries 4, adds nothing, no
     # discount); G1 = 1 + 0.5*4 = 3 (not 1 + 0.5*(0.5*4) = 2).
-    returns = _discounted_returns(rewards, mask, gamma=0.5)
+    returns = discounted_returns(rewards, mask, gamma=0.5)
     assert_close(returns, torch.tensor([[0.0, 3.0, 0.0, 4.0, 4.0, 0.0]], **F64), rtol=0, atol=0)
     adv = reinforce_pp_advantages(rewards, mask, gamma=0.5)
     assert torch.isfinite(adv).all()
@@ -383,7 +383,7 @@ def test_reinforce_pp_with_kl_shaped_rewards() -> None:
     mask = torch.tensor([[0, 1, 1, 1, 0], [0, 0, 1, 1, 1]], dtype=torch.bool)
     lp = torch.randn(2, 5, generator=torch.Generator().manual_seed(80))
     rewards, _ = kl_shaped_rewards(torch.tensor([2.0, -1.0]), lp, lp, mask, beta=0.0)
-    returns = _discounted_returns(rewards, mask, gamma=1.0)
+    returns = discounted_returns(rewards, mask, gamma=1.0)
     assert_close(returns, torch.tensor([[0, 2, 2, 2, 0], [0, 0, -1, -1, -1]], dtype=torch.float32))
     adv = reinforce_pp_advantages(rewards, mask)
     assert (adv[0][mask[0]] > 0).all() and (adv[1][mask[1]] < 0).all()

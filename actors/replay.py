@@ -1,0 +1,70 @@
+"""A small FIFO replay buffer of ``Transition`` rows with deterministic sampling.
+
+Why not RLlib's replay buffers: they sample with Python's global ``random`` (no per-call seed,
+so a resumed run cannot replay the same samples), they store fixed-width padded ``SampleBatch``
+rows (token episodes differ in length; padding to the longest wastes memory and fixes the
+length up front), and they are a DeveloperAPI of RLlib's old API stack; importing rllib also costs
+~6 s. Here a sample is a pure function of the buffer's contents, its seed and the training step,
+so a run resumed from a checkpoint (contents restored) draws exactly the batches it drew before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+
+from actors.transitions import Transition
+
+
+def _mix(seed: int, step: int) -> int:
+    """A 63-bit generator seed from (seed, step); distinct pairs give unrelated streams (unlike
+    ``seed + step``, where run 1's step 0 repeats run 0's step 1)."""
+    digest = hashlib.blake2b(f"{seed}:{step}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+class ReplayBuffer:
+    def __init__(self, capacity: int, seed: int = 0) -> None:
+        if capacity < 1:
+            raise ValueError(f"replay buffer capacity must be >= 1, got {capacity}")
+        self.capacity, self.seed = capacity, seed
+        self._rows: list[Transition] = []
+        self.added = self.evicted = 0
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def add(self, rows: list[Transition]) -> int:
+        """Appends ``rows``; returns how many rows were evicted to stay within capacity, oldest
+        first (when ``rows`` alone exceed capacity, its own first rows are dropped too)."""
+        merged = self._rows + list(rows)
+        dropped = max(0, len(merged) - self.capacity)
+        self._rows = merged[dropped:]
+        self.added += len(rows)
+        self.evicted += dropped
+        return dropped
+
+    def sample(self, n: int, step: int) -> list[Transition]:
+        """``n`` rows drawn uniformly, without replacement when ``n <= len(self)`` and with
+        replacement otherwise; the same (contents, seed, step) always gives the same rows."""
+        if not self._rows:
+            raise ValueError("cannot sample from an empty replay buffer: add transitions first")
+        if n < 0:
+            raise ValueError(f"sample size must be >= 0, got {n}")
+        g = torch.Generator().manual_seed(_mix(self.seed, step))
+        size = len(self._rows)
+        if n <= size:
+            idx = torch.randperm(size, generator=g)[:n]
+        else:
+            idx = torch.randint(size, (n,), generator=g)
+        return [self._rows[i] for i in idx.tolist()]
+
+    def stats(self) -> dict[str, Any]:
+        """Size and traffic counters, and the mean behaviour version of the stored rows (compare
+        with the learner's version for policy staleness; None when empty)."""
+        versions = [t.behaviour_version for t in self._rows]
+        return {"size": len(self._rows), "capacity": self.capacity, "added": self.added,
+                "evicted": self.evicted,
+                "mean_behaviour_version": sum(versions) / len(versions) if versions else None}

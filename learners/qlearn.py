@@ -1,0 +1,272 @@
+"""Token-level Q-learning: the language model's logits are Q(s, .) over the vocabulary.
+
+Each response token is an action ``a_t`` taken in state ``s_t`` (the prompt and the tokens before
+it); the logit the model gives that token is ``Q(s_t, a_t)``, so acting greedily or by a
+Boltzmann distribution over Q is exactly greedy or temperature sampling from the model in vLLM.
+The model learns by Bellman backups, Q-Transformer (Chebotar et al. 2023) carried from robot
+action dimensions to tokens:
+
+* targets from a target network that is an exponential moving average of the online one
+  (``learners.optim.ema_update_``), one-step or n-step, optionally bounded below by the
+  Monte-Carlo return (``learners.advantages.q_learning_targets``);
+* a squared TD error on the taken tokens plus the conservative regulariser that pushes the Q of
+  every token not taken toward a floor (``learners.losses.td_loss`` / ``conservative_penalty``),
+  both reduced chunk by chunk over the vocabulary (``learners.modeling.q_heads_at_positions``);
+* optionally a k3 KL anchor of the Boltzmann policy to the reference model, as in PPO.
+
+One ``train_step`` is ``train.epochs`` x ``train.num_minibatches`` updates on the global batch
+(sequences sampled from the replay buffer); each loss is normalised by the global action count of
+its minibatch and gradients are summed across ranks, so N learners take one learner's step. The
+target network follows after every update. With LoRA the target is an EMA of the adapter only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+from typing import Any, Iterator, Protocol
+
+import torch
+
+from learners.advantages import episode_mask, q_learning_targets, token_rewards_from_scores
+from learners.base import LearnerContext, TrainParams
+from learners.experience import Experience, ExperienceError
+from learners.losses import conservative_penalty, kl_penalty, td_loss
+from learners.modeling import autocast, max_q_after_positions, q_heads_at_positions, shared_prefix_hidden
+from learners.optim import ema_update_
+from learners.policy import PolicyLearner
+
+TARGET_DIR = "target"
+TARGET_FILE = "target.safetensors"
+
+
+class QLearnParams(Protocol):
+    """The fields of ``cluster.config.QLearnConfig`` the learner reads (documented there)."""
+
+    gamma: float
+    n_step: int
+    mc_lower_bound: bool
+    conservative_weight: float
+    q_floor: float
+    reward_scale: float
+    target_decay: float
+    target_start_step: int
+    target_update_every: int
+    kl_coef: float
+
+    @property
+    def uses_reference(self) -> bool: ...
+
+
+# Sums over micro-batches (all-reduced, then divided by the action count): losses, Q statistics.
+_SUMS = ("loss/td", "loss/conservative", "loss/kl", "q/taken", "q/target", "q/unseen_mean", "q/max",
+         "q/abs_td_error", "q/mc_bound_active", "kl/ref_k3")
+
+
+class QLearner(PolicyLearner):
+    name = "qlearn"
+    config_section = "qlearn"
+
+    def __init__(self, ctx: LearnerContext, train: TrainParams, hp: QLearnParams) -> None:
+        super().__init__(ctx, train, with_value_head=False)
+        self.hp = hp
+        self.temperature = ctx.temperature or 1.0
+        self._init_optimizer(updates_per_step=train.epochs * train.num_minibatches)
+        cfg = self.model.lm.config
+        eos = getattr(cfg, "eos_token_id", None)
+        self.eos_token_ids = [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None]
+        self.vocab_size = int(self.model.lm.get_output_embeddings().weight.shape[0])
+        # The target network: a copy of every trainable tensor (LoRA: the adapters), swapped in
+        # for the target's forward pass; frozen weights are shared with the online network.
+        self.target_names = [n for n, p in self.model.named_parameters() if p.requires_grad]
+        self.target_params = [p.detach().clone() for p in self.trainable]
+        self.updates = 0
+        self.target_updates = 0
+
+    # -- batch preparation -----------------------------------------------------------------------
+    def check_batch(self, batch: Experience) -> None:
+        if batch.scores is None and batch.token_rewards is None:
+            raise ExperienceError("the qlearn learner needs scores or token_rewards in every batch")
+        if self.hp.uses_reference and batch.ref_logprobs is None and not self.lora:
+            raise ExperienceError("qlearn.kl_coef > 0 needs ref_logprobs in every batch "
+                                  "(computed by the Reference actor, or in the learner with LoRA)")
+
+    def episodes(self, batch: Experience) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(actions mask, rewards, done) of the global batch: actions stop at the first EOS; a
+        sequence is done when it ends with EOS or was not cut at the length limit; rewards are
+        the per-token ones (offline data) or the score at the last action, times reward_scale."""
+        mask, ended = episode_mask(batch.input_ids, batch.response_mask, self.eos_token_ids)
+        done = ended | ~batch.truncated.bool()
+        if batch.token_rewards is not None:
+            rewards = torch.where(mask, batch.token_rewards, torch.zeros(()))
+        else:
+            rewards = token_rewards_from_scores(batch.scores, mask)
+        return mask, rewards * self.hp.reward_scale, done
+
+    # -- networks --------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def target_network(self) -> Iterator[None]:
+        """The target weights in place of the online ones for the duration of the context."""
+        online = [p.data for p in self.trainable]
+        try:
+            for p, t in zip(self.trainable, self.target_params):
+                p.data = t
+            yield
+        finally:
+            for p, o in zip(self.trainable, online):
+                p.data = o
+
+    def _hidden(self, part: Experience) -> torch.Tensor:
+        decoder = self.model.lm.get_decoder()
+        hidden = None
+        if self.tr.shared_prefix and not getattr(self.model.lm, "is_gradient_checkpointing", False):
+            hidden = shared_prefix_hidden(decoder, part.input_ids, part.attention_mask, part.response_mask,
+                                          part.group_ids)
+        if hidden is None:
+            hidden = decoder(input_ids=part.input_ids, attention_mask=part.attention_mask.long()).last_hidden_state
+        return hidden
+
+    def _update_target(self) -> None:
+        """After optimiser update ``self.updates``: a copy until ``target_start_step``, then an EMA
+        step every ``target_update_every`` updates."""
+        hp = self.hp
+        if self.updates <= hp.target_start_step:
+            decay = 0.0
+        elif (self.updates - hp.target_start_step) % hp.target_update_every == 0:
+            decay = hp.target_decay
+        else:
+            return
+        ema_update_(self.target_params, [p.detach() for p in self.trainable], decay)
+        self.target_updates += 1
+
+    # -- the update ------------------------------------------------------------------------------
+    def _micro(self, batch: Experience, idx: torch.Tensor, mask: torch.Tensor, rewards: torch.Tensor,
+               done: torch.Tensor, n_actions: int, grad: bool) -> torch.Tensor:
+        """Forward (online and target) and backward of rows ``idx``; returns their ``_SUMS``."""
+        hp = self.hp
+        width = int(batch.attention_mask[idx].any(0).nonzero().max()) + 1
+        part = batch.select(idx).replace(response_mask=mask[idx]).trimmed()
+        m, r = mask[idx, :width], rewards[idx, :width]
+        head = self.model.lm.get_output_embeddings()
+        chunk = self.tr.logprob_chunk
+        with torch.no_grad(), self.target_network(), autocast(self.tr.bf16):
+            next_max = max_q_after_positions(self._hidden(part), m, head, chunk=chunk)
+        targets = q_learning_targets(r, next_max, m, done[idx], gamma=hp.gamma, n_step=hp.n_step,
+                                     mc_lower_bound=hp.mc_lower_bound)
+        floor = hp.q_floor * hp.reward_scale
+        with torch.set_grad_enabled(grad), autocast(self.tr.bf16):
+            out = q_heads_at_positions(self._hidden(part), part.input_ids, m, head, floor=floor,
+                                       temperature=self.temperature, chunk=chunk)
+        mf = m.float()
+        td = (td_loss(out["q"], targets) * mf).sum() / n_actions
+        cons = (conservative_penalty(out["sq_dev_sum"], out["q"], floor, self.vocab_size) * mf).sum() / n_actions
+        kl = torch.zeros(())
+        if hp.uses_reference:
+            ref = part.ref_logprobs
+            if ref is None:  # LoRA: the base model with the adapter disabled
+                ref = self.base_logprobs(part.input_ids, part.attention_mask, m, part.group_ids,
+                                         temperature=self.temperature)
+            kl = (kl_penalty(out["logprobs"], ref, "k3") * mf).sum() / n_actions
+        loss = td + hp.conservative_weight * cons + hp.kl_coef * kl
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"non-finite Q-learning loss: td {float(td)}, conservative {float(cons)}, kl {float(kl)}")
+        if grad:
+            loss.backward()
+        with torch.no_grad():
+            q = out["q"]
+            unseen = (out["q_mean"] * self.vocab_size - q) / (self.vocab_size - 1)
+            bootstrap_only = q_learning_targets(r, next_max, m, done[idx], gamma=hp.gamma, n_step=hp.n_step)
+            n = float(n_actions)
+            return torch.tensor([
+                float(td) * n, float(cons) * n, float(kl) * n, float((q * mf).sum()), float((targets * mf).sum()),
+                float((unseen * mf).sum()), float((out["q_max"] * mf).sum()), float(((q - targets).abs() * mf).sum()),
+                float(((targets > bootstrap_only) & m).sum()), float(kl) * n,
+            ], dtype=torch.float64)
+
+    def train_step(self, batch: Experience) -> dict[str, float]:
+        """``train.epochs`` x ``train.num_minibatches`` Q updates on the global batch."""
+        tr, comm = self.tr, self.comm
+        t0 = time.perf_counter()
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        self.check_batch(batch)
+        mask, rewards, done = self.episodes(batch)
+        if not bool(mask.any()):
+            return {"learner/empty_batch": 1.0, "learner/sequences": float(batch.batch_size)}
+        self.model.train()
+        self.model.rows_shared = self.model.rows_total = 0
+        totals = torch.zeros(len(_SUMS), dtype=torch.float64)
+        grad_norms: list[float] = []
+        actions = 0
+        for mini, mine in self.global_minibatches(torch.arange(batch.batch_size)):
+            n_actions = max(int(mask[mini].sum()), 1)
+            actions += n_actions
+            self.optimizer.zero_grad(set_to_none=True)
+            for micro in torch.split(mine, tr.micro_batch_size):
+                totals += self._micro(batch, micro, mask, rewards, done, n_actions, grad=True)
+            grad_norms.append(self._optimizer_step())
+            self.updates += 1
+            self._update_target()
+        self.version += 1
+        summed = comm.all_reduce_sum(totals)
+        metrics = {k: float(v) / max(actions, 1) for k, v in zip(_SUMS, summed)}
+        metrics["loss/total"] = (metrics["loss/td"] + self.hp.conservative_weight * metrics["loss/conservative"]
+                                 + self.hp.kl_coef * metrics["loss/kl"])
+        resp = mask.sum(1).float()
+        metrics.update({
+            "learner/lr": lr,
+            "learner/updates": float(self.updates),
+            "learner/target_updates": float(self.target_updates),
+            "learner/trainable_fraction": self.trainable_fraction,
+            "learner/tokens": float(mask.sum()),
+            "learner/sequences": float(batch.batch_size),
+            "learner/update_s": time.perf_counter() - t0,
+            "learner/stale_versions": float(self.version - 1 - batch.policy_version),
+            "policy/grad_norm": sum(grad_norms) / len(grad_norms),
+            "rewards/sequence_mean": float((rewards.sum(1) / self.hp.reward_scale).mean()),
+            "response/length_mean": float(resp.mean()),
+            "response/done_frac": float(done.float().mean()),
+        })
+        return metrics
+
+    @torch.no_grad()
+    def evaluate(self, batch: Experience) -> dict[str, float]:
+        """TD loss and Q statistics of held-out transitions (no update), under ``eval/``."""
+        self.check_batch(batch)
+        mask, rewards, done = self.episodes(batch)
+        n = max(int(mask.sum()), 1)
+        self.model.eval()
+        totals = torch.zeros(len(_SUMS), dtype=torch.float64)
+        mine = torch.arange(batch.batch_size)[self.comm.rank :: self.comm.world]
+        for micro in torch.split(mine, self.tr.micro_batch_size):
+            totals += self._micro(batch, micro, mask, rewards, done, n, grad=False)
+        summed = self.comm.all_reduce_sum(totals)
+        return {f"eval/{k}": float(v) / n for k, v in zip(_SUMS, summed)} | {"eval/tokens": float(mask.sum())}
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def algorithm_state(self) -> dict[str, Any]:
+        return {"updates": self.updates, "target_updates": self.target_updates}
+
+    def load_algorithm_state(self, state: dict[str, Any]) -> None:
+        self.updates = int(state.get("updates", 0))
+        self.target_updates = int(state.get("target_updates", 0))
+
+    def save_extra(self, folder: Path) -> None:
+        from safetensors.torch import save_file
+
+        (folder / TARGET_DIR).mkdir(parents=True, exist_ok=True)
+        save_file({n: t.contiguous() for n, t in zip(self.target_names, self.target_params)},
+                  str(folder / TARGET_DIR / TARGET_FILE))
+
+    def restore_extra(self, folder: Path) -> None:
+        from safetensors.torch import load_file
+
+        path = folder / TARGET_DIR / TARGET_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"{folder} holds no target network ({TARGET_DIR}/{TARGET_FILE})")
+        saved = load_file(str(path))
+        missing = [n for n in self.target_names if n not in saved]
+        if missing:
+            raise ValueError(f"target network in {folder} does not fit this learner (missing {missing[:3]})")
+        for n, t in zip(self.target_names, self.target_params):
+            t.copy_(saved[n])

@@ -1,0 +1,184 @@
+"""Offline Q-learning transitions: Experience -> Parquet -> Experience keeps tokens, masks,
+per-token rewards, done and versions; every unusable row is counted by reason; the replay buffer
+evicts FIFO and samples deterministically per (seed, step)."""
+
+import json
+import math
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from actors.replay import ReplayBuffer
+from actors.transitions import (
+    TRANSITION_SCHEMA, Transition, TransitionsError, export_experience, read_transitions,
+    transitions_from_experience, transitions_to_experience, write_transitions,
+)
+from learners.experience import Experience
+
+PAD = 0
+
+
+def make_exp(token_rewards: bool, version: int = 4) -> Experience:
+    """Three rows: prompts of 2/3/2 tokens, responses of 3/1/0 tokens (row 2 is empty)."""
+    seqs = [([5, 6], [7, 8, 9]), ([10, 11, 12], [13]), ([14, 15], [])]
+    length = 6
+    ids = torch.full((3, length), PAD, dtype=torch.long)
+    att = torch.zeros(3, length, dtype=torch.bool)
+    resp = torch.zeros_like(att)
+    for i, (p, r) in enumerate(seqs):
+        ids[i, : len(p) + len(r)] = torch.tensor(p + r)
+        att[i, : len(p) + len(r)] = True
+        resp[i, len(p) : len(p) + len(r)] = True
+    lp = torch.where(resp, -0.5 - torch.arange(length).float() / 10, 0.0)
+    tr = torch.where(resp, torch.arange(length).float() + 0.25, 0.0) if token_rewards else None
+    return Experience(
+        input_ids=ids, attention_mask=att, response_mask=resp, rollout_logprobs=lp,
+        group_ids=torch.tensor([3, 3, 8]), truncated=torch.tensor([False, True, False]),
+        policy_version=version, completions=["a", "b", "c"], meta=[{"q": i} for i in range(3)],
+        scores=torch.tensor([1.0, -2.0, 0.5]), token_rewards=tr,
+    ).validate()
+
+
+@pytest.mark.parametrize("token_rewards", [True, False])
+def test_round_trip_through_parquet(tmp_path, token_rewards):
+    exp = make_exp(token_rewards)
+    report = export_experience(exp, tmp_path / "sub" / "t.parquet")
+    assert report == {"rows": 2, "skipped": {"empty_response": 1}}
+    assert [p.name for p in (tmp_path / "sub").iterdir()] == ["t.parquet"]  # no temp file left
+    rows, skipped = read_transitions(tmp_path / "sub" / "t.parquet", vocab_size=16)
+    assert skipped == {}
+    assert [(t.prompt_ids, t.response_ids) for t in rows] == [([5, 6], [7, 8, 9]), ([10, 11, 12], [13])]
+    assert [t.done for t in rows] == [True, False]
+    assert [t.meta for t in rows] == [{"q": 0}, {"q": 1}]
+    if token_rewards:
+        assert rows[0].rewards == pytest.approx([2.25, 3.25, 4.25]) and rows[1].rewards == pytest.approx([3.25])
+    else:  # the score sits at the last response token
+        assert rows[0].rewards == [0.0, 0.0, 1.0] and rows[1].rewards == [-2.0]
+    assert rows[0].behaviour_logprobs == pytest.approx([-0.7, -0.8, -0.9])
+
+    back = transitions_to_experience(rows, pad_token_id=PAD)
+    kept = exp.select([0, 1]).trimmed()
+    assert torch.equal(back.input_ids, kept.input_ids)
+    assert torch.equal(back.attention_mask, kept.attention_mask)
+    assert torch.equal(back.response_mask, kept.response_mask)
+    assert torch.allclose(back.rollout_logprobs, kept.rollout_logprobs)
+    assert torch.equal(back.truncated, kept.truncated)
+    assert back.group_ids.tolist() == [3, 3] and back.policy_version == 4
+    assert back.completions == ["a", "b"] and back.meta == [{"q": 0}, {"q": 1}]
+    expected = kept.token_rewards if token_rewards else torch.tensor([[0, 0, 0, 0, 1.0], [0, 0, 0, -2.0, 0]])
+    assert torch.allclose(back.token_rewards, expected)
+    assert torch.allclose(back.scores, expected.sum(1))
+    assert back.scores.dtype == torch.float32
+
+
+def test_export_needs_rewards():
+    exp = make_exp(token_rewards=False).replace(scores=None)
+    with pytest.raises(ValueError, match="neither token_rewards nor scores"):
+        transitions_from_experience(exp)
+    exp = make_exp(token_rewards=True)
+    exp.attention_mask[0, 5] = True  # a non-response token after row 0's response
+    with pytest.raises(ValueError, match="after the response start"):
+        transitions_from_experience(exp)
+
+
+def _t(version: int, group: int, done: bool = True, logprobs: bool = True) -> Transition:
+    return Transition([1, 2], [3, 4], [0.0, 1.0], done, version, [-1.0, -2.0] if logprobs else None, group,
+                      f"c{group}", {"g": group})
+
+
+def test_directory_is_read_in_file_name_order(tmp_path):
+    write_transitions([_t(2, 20), _t(3, 21)], tmp_path / "b.parquet")
+    write_transitions([_t(1, 10)], tmp_path / "a.parquet")
+    (tmp_path / "notes.txt").write_text("not parquet")
+    rows, skipped = read_transitions(tmp_path)
+    assert [t.group_id for t in rows] == [10, 20, 21] and skipped == {}
+    exp = transitions_to_experience(rows + [_t(5, 30, done=False, logprobs=False)], pad_token_id=PAD)
+    assert exp.policy_version == 1  # the stalest row
+    assert exp.truncated.tolist() == [False, False, False, True]
+    assert exp.rollout_logprobs[3].tolist() == [0.0] * 4  # no logprobs -> zeros
+    short = transitions_to_experience(rows + [Transition([1] * 5, [2], [1.0], True, 0, None, 9)], PAD, max_len=4)
+    assert short.batch_size == 3 and short.skipped == {"too_long": 1}
+    with pytest.raises(ValueError, match="zero transitions"):
+        transitions_to_experience([], PAD)
+    with pytest.raises(FileNotFoundError, match="not found"):
+        read_transitions(tmp_path / "missing")
+
+
+GOOD = dict(prompt_ids=[1, 2], response_ids=[3, 4], rewards=[0.0, 1.0], done=True, behaviour_version=7,
+            behaviour_logprobs=[-1.0, -1.0], group_id=0, completion="ok", meta='{"a": 1}')
+BAD = [
+    ({"rewards": [1.0]}, "length_mismatch"),
+    ({"behaviour_logprobs": [-1.0]}, "length_mismatch"),
+    ({"rewards": [0.0, math.nan]}, "nan_reward"),
+    ({"rewards": [math.inf, 0.0]}, "nan_reward"),
+    ({"response_ids": [], "rewards": [], "behaviour_logprobs": []}, "empty_response"),
+    ({"prompt_ids": []}, "empty_prompt"),
+    ({"response_ids": [3, 99]}, "token_out_of_range"),
+    ({"prompt_ids": [-1, 2]}, "token_out_of_range"),
+    ({"meta": "{not json"}, "bad_meta"),
+    ({"meta": "[1, 2]"}, "bad_meta"),
+    ({"behaviour_logprobs": [-1.0, math.nan]}, "nan_logprob"),
+    ({"done": None}, "null_field"),
+]
+
+
+def test_bad_rows_are_counted_and_excluded(tmp_path):
+    good = [{**GOOD, "group_id": 1}, {**GOOD, "group_id": 2, "meta": None, "behaviour_logprobs": None},
+            {**GOOD, "group_id": 3, "meta": ""}]
+    bad = [{**GOOD, **change, "group_id": 100 + i} for i, (change, _) in enumerate(BAD)]
+    pq.write_table(pa.Table.from_pylist(good[:1] + bad + good[1:], schema=TRANSITION_SCHEMA), tmp_path / "x.parquet")
+    rows, skipped = read_transitions(tmp_path / "x.parquet", vocab_size=50)
+    expected: dict[str, int] = {}
+    for _, reason in BAD:
+        expected[reason] = expected.get(reason, 0) + 1
+    assert skipped == expected
+    assert [t.group_id for t in rows] == [1, 2, 3]
+    assert [t.meta for t in rows] == [{"a": 1}, {}, {}]
+    assert rows[1].behaviour_logprobs is None
+    # Without a vocabulary size only negative ids are out of range.
+    _, skipped = read_transitions(tmp_path / "x.parquet")
+    assert skipped["token_out_of_range"] == 1
+
+
+def test_missing_column_is_an_error(tmp_path):
+    table = pa.Table.from_pylist([GOOD], schema=TRANSITION_SCHEMA).drop_columns(["rewards", "done"])
+    pq.write_table(table, tmp_path / "x.parquet")
+    with pytest.raises(TransitionsError, match=r"x\.parquet.*rewards, done"):
+        read_transitions(tmp_path)
+    # Optional columns may be absent.
+    table = pa.Table.from_pylist([GOOD], schema=TRANSITION_SCHEMA).drop_columns(["behaviour_logprobs", "meta"])
+    pq.write_table(table, tmp_path / "x.parquet")
+    rows, skipped = read_transitions(tmp_path)
+    assert len(rows) == 1 and rows[0].behaviour_logprobs is None and rows[0].meta == {} and skipped == {}
+
+
+def test_replay_buffer_evicts_oldest_first():
+    buf = ReplayBuffer(capacity=4)
+    assert buf.add([_t(v, v) for v in range(3)]) == 0
+    assert buf.add([_t(v, v) for v in range(3, 6)]) == 2
+    assert len(buf) == 4 and sorted(t.group_id for t in buf.sample(4, step=0)) == [2, 3, 4, 5]
+    assert buf.add([_t(v, v) for v in range(6, 12)]) == 6  # more than capacity: own first rows go too
+    assert sorted(t.group_id for t in buf.sample(4, step=0)) == [8, 9, 10, 11]
+    assert buf.stats() == {"size": 4, "capacity": 4, "added": 12, "evicted": 8, "mean_behaviour_version": 9.5}
+
+
+def test_replay_buffer_sampling_is_deterministic():
+    def filled(seed):
+        buf = ReplayBuffer(capacity=100, seed=seed)
+        buf.add([_t(0, g) for g in range(50)])
+        return buf
+
+    ids = lambda rows: [t.group_id for t in rows]  # noqa: E731
+    a, b = filled(0), filled(0)
+    assert ids(a.sample(10, step=3)) == ids(b.sample(10, step=3))  # same (contents, seed, step)
+    assert ids(a.sample(10, step=3)) != ids(a.sample(10, step=4))
+    assert ids(a.sample(10, step=3)) != ids(filled(1).sample(10, step=3))
+    for step in range(20):  # without replacement when n <= len: no duplicates, even n == len
+        assert len(set(ids(a.sample(50, step=step)))) == 50
+    many = ids(a.sample(200, step=0))  # with replacement beyond len
+    assert len(many) == 200 and set(many) <= set(range(50)) and len(set(many)) < 200
+    with pytest.raises(ValueError, match="empty replay buffer"):
+        ReplayBuffer(capacity=3).sample(1, step=0)
+    assert ReplayBuffer(capacity=3).stats()["mean_behaviour_version"] is None
