@@ -161,6 +161,67 @@ class ReferenceWorker:
         return out, {"seconds": dt, "peak_rss_gb": peak_rss_gb()}
 
 
+class ReplayWorker:
+    """The replay buffer of Q-learning as an actor: scored experience arrives by reference and is
+    kept as token transitions (each step's also written to ``export_dir``, which is what a resumed
+    run refills from); sampled batches leave by reference to the learners. The driver only sees
+    counts."""
+
+    def __init__(self, capacity: int, seed: int, pad_token_id: int, export_dir: str | None = None) -> None:
+        from actors.replay import ReplayBuffer
+
+        self.buffer = ReplayBuffer(capacity, seed)
+        self.pad_token_id = pad_token_id
+        self.export_dir = export_dir
+
+    def add(self, exps: list, step: int) -> dict:
+        """``exps``: records (one per generator) wrapped in a list, so Ray hands over refs."""
+        from actors.transitions import transitions_from_experience, write_transitions
+
+        rows, skipped = [], {}
+        for exp in ray.get(list(exps)):
+            r, s = transitions_from_experience(exp)
+            rows += r
+            for k, n in s.items():
+                skipped[k] = skipped.get(k, 0) + n
+        if self.export_dir and rows:
+            write_transitions(rows, os.path.join(self.export_dir, f"step-{step:06d}.parquet"))
+        evicted = self.buffer.add(rows)
+        return {"rows": len(rows), "skipped": skipped, "evicted": evicted, **self.buffer.stats()}
+
+    def add_rows(self, rows: list) -> dict:
+        return {"rows": len(rows), "evicted": self.buffer.add(rows), **self.buffer.stats()}
+
+    def refill(self, folder: str, upto_step: int) -> dict:
+        """A resumed run's buffer: the exported steps up to its checkpoint, in order (the same
+        rows, the same evictions as the interrupted run)."""
+        import glob
+
+        from actors.transitions import read_transitions
+
+        files = sorted(f for f in glob.glob(os.path.join(folder, "step-*.parquet"))
+                       if int(os.path.basename(f)[5:11]) <= upto_step)
+        for f in files:
+            self.buffer.add(read_transitions(f)[0])
+        return {"files": len(files), **self.buffer.stats()}
+
+    def sample(self, n: int, step: int) -> Experience:
+        from actors.transitions import transitions_to_experience
+
+        return transitions_to_experience(self.buffer.sample(n, step), self.pad_token_id)
+
+    def stats(self) -> dict:
+        return self.buffer.stats()
+
+
+def export_transitions(exp: Experience, path: str) -> dict:
+    """A Ray task (``ray.remote(export_transitions)``): one scored record as a Parquet file of
+    token transitions, written where the record lives (the driver never fetches it)."""
+    from actors.transitions import export_experience
+
+    return export_experience(exp, path)
+
+
 def role_env(threads: int) -> dict:
     """Runtime env of an inference actor. Ray sets OMP_NUM_THREADS to the CPUs an actor
     reserves (1 for a fractional reservation); OpenMP reads it once at start-up, and vLLM's CPU

@@ -288,6 +288,9 @@ class QLearnConfig(Section):
     target_update_every: int = _f(1, "Optimiser updates between EMA steps of the target.", ge=1)
     kl_coef: float = _f(0.0, "Weight of a k3 KL anchor of the Boltzmann Q-policy to the reference model (0: off; "
                         "the tiny and SmolLM2 presets learn without it).", ge=0)
+    bootstrap_truncated: bool = _f(
+        False, "Bootstrap past a response cut at the length limit without EOS (an episode that goes on). Off: every "
+        "response's last token ends its episode, as its reward was given for the text generated.")
     acting: Literal["boltzmann", "greedy"] = _f(
         "boltzmann", "Online: generators act by a Boltzmann distribution over Q (softmax(Q / rollout.temperature), "
         "i.e. sampling) or greedily (argmax Q).")

@@ -68,8 +68,12 @@ class RunLog:
                    if "rewards/accuracy" in row else "")
                 + f" | learn {row.get('time/learn_s', 0):.1f}s" + timing
             )
+        if "loss/td" in row:  # Q-learning: Bellman error and the Q of taken vs unseen tokens
+            line += f" | td {row['loss/td']:.4f} q {row.get('q/taken', 0):.2f} unseen {row.get('q/unseen_mean', 0):.2f}"
         if "eval/accuracy" in row:
             line += f" | eval acc {row['eval/accuracy']:.3f}"
+        if "eval/mean_score" in row and "loss/td" in row:
+            line += f" reward {row['eval/mean_score']:.3f}"
         print(line, file=self.stream, flush=True)
 
     def plot(self) -> Path | None:

@@ -54,6 +54,7 @@ class QLearnParams(Protocol):
     target_start_step: int
     target_update_every: int
     kl_coef: float
+    bootstrap_truncated: bool
 
     @property
     def uses_reference(self) -> bool: ...
@@ -94,10 +95,11 @@ class QLearner(PolicyLearner):
 
     def episodes(self, batch: Experience) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(actions mask, rewards, done) of the global batch: actions stop at the first EOS; a
-        sequence is done when it ends with EOS or was not cut at the length limit; rewards are
+        sequence's last action ends its episode (its reward was given for what was generated),
+        unless ``bootstrap_truncated`` and it was cut at a length limit without EOS; rewards are
         the per-token ones (offline data) or the score at the last action, times reward_scale."""
         mask, ended = episode_mask(batch.input_ids, batch.response_mask, self.eos_token_ids)
-        done = ended | ~batch.truncated.bool()
+        done = ended | ~batch.truncated.bool() if self.hp.bootstrap_truncated else torch.ones_like(ended)
         if batch.token_rewards is not None:
             rewards = torch.where(mask, batch.token_rewards, torch.zeros(()))
         else:

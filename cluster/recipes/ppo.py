@@ -53,6 +53,16 @@ def sampling_seed(run_seed: int, step: int) -> int:
     return run_seed * 100_003 + step
 
 
+def export_step(ctx: RunContext, step: int, exp_refs: list) -> list:
+    """Each generator's scored record as token transitions in ``<run>/data/transitions/`` (the
+    data of offline Q-learning), written by Ray tasks while the learners train."""
+    from cluster.actor_groups import export_transitions
+
+    task = ray.remote(export_transitions).options(num_cpus=0)
+    folder = ctx.dir / "data" / "transitions"
+    return [task.remote(e, str(folder / f"step-{step:06d}-{i:02d}.parquet")) for i, e in enumerate(exp_refs)]
+
+
 def run(ctx: RunContext, model_path: str, train_set, eval_set) -> RunResult:
     cfg = ctx.cfg
     from transformers import AutoTokenizer
@@ -91,6 +101,7 @@ def run(ctx: RunContext, model_path: str, train_set, eval_set) -> RunResult:
             with ctx.phase("reference"):
                 exp, ref_stats = rollout.annotate_reference(exp)
                 ref_stats = ray.get(ref_stats)
+            exports = export_step(ctx, step, exp) if cfg.run.export_transitions else []
             save_dir = ctx.checkpoint_dir(step)
             with ctx.phase("learn"):
                 result = learners.learn(step, exp, save_dir=save_dir)
@@ -109,6 +120,9 @@ def run(ctx: RunContext, model_path: str, train_set, eval_set) -> RunResult:
                 row["memory/reference_peak_gb"] = max(s["peak_rss_gb"] for s in ref_stats)
             if result.get("saved"):
                 row["checkpoint"] = result["saved"]
+            if exports:
+                done = ray.get(exports)
+                row["export/transitions"] = sum(d["rows"] for d in done)
             if ctx.eval_due(step):
                 with ctx.phase("eval"):
                     row.update(greedy_accuracy(rollout, eval_set.rows))
