@@ -12,7 +12,16 @@ from learners.experience import ExperienceError
 from learners.losses import conservative_penalty, td_loss
 from learners.modeling import max_q_after_positions, q_heads_at_positions
 from learners.optim import ema_update_
-from tests.helpers.factories import experience, make_q_learner, ragged_batch, tiny_lm, transitions_batch
+from tests.helpers.collective import run_ranks
+from tests.helpers.factories import (
+    experience,
+    flat_grads,
+    grouped_batch,
+    make_q_learner,
+    ragged_batch,
+    tiny_lm,
+    transitions_batch,
+)
 
 # -- Bellman targets ---------------------------------------------------------------------------------
 
@@ -192,6 +201,40 @@ def test_lora_target_is_an_ema_of_the_adapter_only(tiny_model_path):
     assert q.target_names and all("lora_" in n for n in q.target_names)
     m = q.train_step(_mdp_batch())
     assert math.isfinite(m["loss/td"]) and q.target_updates == 1
+
+
+def _grad_step(learner, batch, comm=None):
+    if comm is not None:
+        learner.comm = comm
+    captured = {}
+    learner.on_gradients = lambda params: captured.setdefault("g", flat_grads(params))
+    return captured, learner.train_step(batch)
+
+
+def _scored_groups(path):
+    lm = tiny_lm(path)
+    groups = [0, 0, 0, 1, 1, 2, 2, 2, 3]
+    ids, att, rm = grouped_batch(lm.config.vocab_size, groups, seed=4)
+    scores = [0.1 * i for i in range(len(groups))]
+    truncated = [i % 2 == 0 for i in range(len(groups))]
+    return experience(lm, ids, att, rm, scores, groups=groups, truncated=truncated, ref_shift=0.1)
+
+
+@pytest.mark.parametrize("kl_coef", [0.0, 0.1])
+def test_two_learners_take_the_one_learner_step(tiny_model_path, kl_coef):
+    """Each rank's loss is normalised by the global action count and gradients are summed: two
+    ranks give one rank's gradient, also over micro-batches and shared-prefix passes."""
+    batch = _scored_groups(tiny_model_path)
+    hp = {"kl_coef": kl_coef, "n_step": 2, "bootstrap_truncated": True}
+    g1, m1 = _grad_step(make_q_learner(tiny_model_path, qlearn=hp, train={"micro_batch_size": 8, "shared_prefix": False}), batch)
+    learners = [make_q_learner(tiny_model_path, qlearn=hp, train={"micro_batch_size": 2}) for _ in range(2)]
+    results = run_ranks(2, lambda rank, comm: _grad_step(learners[rank], batch, comm))
+    for g, m in results:
+        torch.testing.assert_close(g["g"], g1["g"], atol=2e-6, rtol=1e-4)
+        for key in ("loss/td", "loss/conservative", "loss/kl", "q/target", "policy/grad_norm"):
+            assert m[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-7), key
+    assert g1["g"].abs().sum() > 0
+    assert (m1["loss/kl"] > 1e-4) == (kl_coef > 0)
 
 
 def test_a_batch_without_rewards_is_refused(tiny_model_path):

@@ -182,3 +182,25 @@ def test_replay_buffer_sampling_is_deterministic():
     with pytest.raises(ValueError, match="empty replay buffer"):
         ReplayBuffer(capacity=3).sample(1, step=0)
     assert ReplayBuffer(capacity=3).stats()["mean_behaviour_version"] is None
+
+
+def test_replay_worker_refills_the_exported_steps_up_to_the_checkpoint(tmp_path):
+    """A resumed online run rebuilds its buffer from <run>/data/transitions/step-*.parquet: the
+    steps up to its checkpoint, in order, with the same evictions as the interrupted run."""
+    from cluster.actor_groups import ReplayWorker
+
+    def rows(step):
+        return [Transition(prompt_ids=[1, 2], response_ids=[3, step], rewards=[0.0, float(step)], done=True,
+                           behaviour_version=step, behaviour_logprobs=None, group_id=step * 10 + i) for i in range(3)]
+
+    for step in (1, 2, 3, 4):
+        write_transitions(rows(step), tmp_path / f"step-{step:06d}.parquet")
+    uninterrupted = ReplayBuffer(capacity=7, seed=5)
+    for step in (1, 2, 3):
+        uninterrupted.add(rows(step))
+    worker = ReplayWorker(capacity=7, seed=5, pad_token_id=0)
+    stats = worker.refill(str(tmp_path), upto_step=3)  # step 4 came after the checkpoint: not replayed
+    assert stats["files"] == 3 and stats["size"] == 7 and stats["evicted"] == 2
+    assert [t.group_id for t in worker.buffer.sample(7, step=4)] == [t.group_id for t in uninterrupted.sample(7, step=4)]
+    batch = worker.sample(4, step=4)
+    assert batch.batch_size == 4 and batch.token_rewards is not None
