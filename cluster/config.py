@@ -278,6 +278,10 @@ class QLearnConfig(Section):
                               "(Q-Transformer): sparse terminal rewards reach early tokens at once.")
     conservative_weight: float = _f(1.0, "alpha: weight of the conservative regulariser that pushes the Q of tokens "
                                     "not taken toward q_floor (0: off).", ge=0)
+    conservative: Literal["floor", "logsumexp"] = _f(
+        "floor", "Conservative regulariser: floor (Q-Transformer: the Q of every token not taken pushed toward q_floor) "
+        "or logsumexp (CQL(H): logsumexp_a Q - Q of the taken token; shift-invariant, so it leaves a pretrained "
+        "model's logit level alone).")
     q_floor: float = _f(0.0, "Value the regulariser pushes unseen tokens to: the lowest reward (in reward units).")
     reward_scale: float = _f(1.0, "Rewards are multiplied by this before the backups (Q values live on the logit "
                              "scale: with a Boltzmann policy, scale and rollout.temperature trade off).", gt=0)

@@ -35,6 +35,7 @@ __all__ = [
     "preference_metrics",
     "td_loss",
     "conservative_penalty",
+    "cql_penalty",
 ]
 
 KL_KINDS: tuple[str, ...] = ("k1", "k2", "k3", "abs")
@@ -551,3 +552,19 @@ def conservative_penalty(sq_dev_sum: Tensor, q_taken: Tensor, floor: float, voca
     if vocab_size < 2:
         raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
     return 0.5 * (sq_dev_sum - (q_taken - floor) ** 2) / (vocab_size - 1)
+
+
+def cql_penalty(logsumexp_q: Tensor, q_taken: Tensor) -> Tensor:
+    """CQL(H) regulariser (Kumar et al. 2020, eq. 4) with the data's action as the dataset
+    policy: ``log sum_a exp Q(s_t, a) - Q(s_t, a_t)``. It pushes down the soft maximum of Q, so
+    the high-valued tokens the data never took most, and lifts the taken one; unlike the floor
+    term it is invariant to a shift of all of a state's Q values, so it does not fight the level of
+    a pretrained model's logits (for a language model it is the cross-entropy of the data tokens).
+
+    Args:
+        logsumexp_q: ``(B, T)`` ``log sum_a exp Q(s_t, a)`` over the vocabulary.
+        q_taken: ``(B, T)`` Q of the taken actions.
+    Returns:
+        ``(B, T)`` penalties (>= 0); the caller masks, weights and normalises them.
+    """
+    return logsumexp_q - q_taken

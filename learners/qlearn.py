@@ -11,7 +11,8 @@ action dimensions to tokens:
   Monte-Carlo return (``learners.advantages.q_learning_targets``);
 * a squared TD error on the taken tokens plus the conservative regulariser that pushes the Q of
   every token not taken toward a floor (``learners.losses.td_loss`` / ``conservative_penalty``),
-  both reduced chunk by chunk over the vocabulary (``learners.modeling.q_heads_at_positions``);
+  or, as an option, CQL's logsumexp term (``cql_penalty``), all reduced chunk by chunk over the
+  vocabulary (``learners.modeling.q_heads_at_positions``);
 * optionally a k3 KL anchor of the Boltzmann policy to the reference model, as in PPO.
 
 One ``train_step`` is ``train.epochs`` x ``train.num_minibatches`` updates on the global batch
@@ -32,7 +33,7 @@ import torch
 from learners.advantages import episode_mask, q_learning_targets, token_rewards_from_scores
 from learners.base import LearnerContext, TrainParams
 from learners.experience import Experience, ExperienceError
-from learners.losses import conservative_penalty, kl_penalty, td_loss
+from learners.losses import conservative_penalty, cql_penalty, kl_penalty, td_loss
 from learners.modeling import autocast, max_q_after_positions, q_heads_at_positions, shared_prefix_hidden
 from learners.optim import ema_update_
 from learners.policy import PolicyLearner
@@ -48,6 +49,7 @@ class QLearnParams(Protocol):
     n_step: int
     mc_lower_bound: bool
     conservative_weight: float
+    conservative: str
     q_floor: float
     reward_scale: float
     target_decay: float
@@ -162,7 +164,11 @@ class QLearner(PolicyLearner):
                                        temperature=self.temperature, chunk=chunk)
         mf = m.float()
         td = (td_loss(out["q"], targets) * mf).sum() / n_actions
-        cons = (conservative_penalty(out["sq_dev_sum"], out["q"], floor, self.vocab_size) * mf).sum() / n_actions
+        if hp.conservative == "logsumexp":
+            penalty = cql_penalty(out["logsumexp"], out["q"])
+        else:
+            penalty = conservative_penalty(out["sq_dev_sum"], out["q"], floor, self.vocab_size)
+        cons = (penalty * mf).sum() / n_actions
         kl = torch.zeros(())
         if hp.uses_reference:
             ref = part.ref_logprobs

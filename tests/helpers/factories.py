@@ -170,3 +170,13 @@ def preference_batch(lm: Any, n_pairs: int, *, seed: int = 0, ref_shift: float |
 def flat_grads(params: Sequence[torch.nn.Parameter]) -> torch.Tensor:
     """Every gradient in one vector (zeros for parameters without one)."""
     return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).clone() for p in params])
+
+
+def step_with_grads(learner: Any, batch: Experience, comm: Collective | None = None) -> tuple[dict, dict[str, float]]:
+    """One ``train_step`` (on rank ``comm`` if given); returns ({"g": the global gradient as the
+    optimiser saw it, before clipping}, metrics)."""
+    if comm is not None:
+        learner.comm = comm
+    captured: dict = {}
+    learner.on_gradients = lambda params: captured.setdefault("g", flat_grads(params))
+    return captured, learner.train_step(batch)

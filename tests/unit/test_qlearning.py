@@ -9,13 +9,13 @@ import torch
 
 from learners.advantages import discounted_returns, episode_mask, q_learning_targets, token_rewards_from_scores
 from learners.experience import ExperienceError
-from learners.losses import conservative_penalty, td_loss
+from learners.losses import conservative_penalty, cql_penalty, td_loss
 from learners.modeling import max_q_after_positions, q_heads_at_positions
 from learners.optim import ema_update_
 from tests.helpers.collective import run_ranks
 from tests.helpers.factories import (
     experience,
-    flat_grads,
+    step_with_grads,
     grouped_batch,
     make_q_learner,
     ragged_batch,
@@ -133,6 +133,7 @@ def test_chunked_q_heads_equal_full_logits_values_and_gradients(tiny_model_path)
         assert small["sq_dev_sum"][b, t].item() == pytest.approx(((full - 0.3) ** 2).sum().item(), rel=1e-5)
         assert small["logprobs"][b, t].item() == pytest.approx(torch.log_softmax(full / 0.7, -1)[ids[b, t]].item(), abs=1e-5)
         assert small["q_max"][b, t].item() == pytest.approx(full.max().item(), abs=1e-5)
+        assert small["logsumexp"][b, t].item() == pytest.approx(torch.logsumexp(full, -1).item(), abs=1e-5)
     nxt = max_q_after_positions(hidden, rm, head, chunk=2)
     for b, t in rm.nonzero().tolist():
         assert nxt[b, t].item() == pytest.approx(logits[b, t].max().item(), abs=1e-5)
@@ -149,6 +150,10 @@ def test_conservative_penalty_is_the_mean_over_the_other_actions():
         others = torch.cat([logits[i, : taken[i]], logits[i, taken[i] + 1 :]])
         assert pen[i].item() == pytest.approx(0.5 * ((others - 0.5) ** 2).mean().item(), rel=1e-5)
     assert td_loss(torch.tensor([3.0]), torch.tensor([1.0])).item() == 2.0
+    # CQL(H): the data token's cross-entropy, unchanged by a shift of every Q of the state.
+    lse = torch.logsumexp(logits, 1)
+    torch.testing.assert_close(cql_penalty(lse, q), -torch.log_softmax(logits, 1).gather(1, taken[:, None]).squeeze(1))
+    torch.testing.assert_close(cql_penalty(torch.logsumexp(logits + 7, 1), q + 7), cql_penalty(lse, q))
 
 
 # -- the EMA target network ---------------------------------------------------------------------------
@@ -203,14 +208,6 @@ def test_lora_target_is_an_ema_of_the_adapter_only(tiny_model_path):
     assert math.isfinite(m["loss/td"]) and q.target_updates == 1
 
 
-def _grad_step(learner, batch, comm=None):
-    if comm is not None:
-        learner.comm = comm
-    captured = {}
-    learner.on_gradients = lambda params: captured.setdefault("g", flat_grads(params))
-    return captured, learner.train_step(batch)
-
-
 def _scored_groups(path):
     lm = tiny_lm(path)
     groups = [0, 0, 0, 1, 1, 2, 2, 2, 3]
@@ -226,9 +223,9 @@ def test_two_learners_take_the_one_learner_step(tiny_model_path, kl_coef):
     ranks give one rank's gradient, also over micro-batches and shared-prefix passes."""
     batch = _scored_groups(tiny_model_path)
     hp = {"kl_coef": kl_coef, "n_step": 2, "bootstrap_truncated": True}
-    g1, m1 = _grad_step(make_q_learner(tiny_model_path, qlearn=hp, train={"micro_batch_size": 8, "shared_prefix": False}), batch)
+    g1, m1 = step_with_grads(make_q_learner(tiny_model_path, qlearn=hp, train={"micro_batch_size": 8, "shared_prefix": False}), batch)
     learners = [make_q_learner(tiny_model_path, qlearn=hp, train={"micro_batch_size": 2}) for _ in range(2)]
-    results = run_ranks(2, lambda rank, comm: _grad_step(learners[rank], batch, comm))
+    results = run_ranks(2, lambda rank, comm: step_with_grads(learners[rank], batch, comm))
     for g, m in results:
         torch.testing.assert_close(g["g"], g1["g"], atol=2e-6, rtol=1e-4)
         for key in ("loss/td", "loss/conservative", "loss/kl", "q/target", "policy/grad_norm"):
@@ -313,6 +310,21 @@ def test_the_conservative_term_lowers_q_of_unseen_actions(converged):
         assert float(with_term.max()) < 0.3  # below every data action's value: max_a Q picks data actions
     # Without it, unseen tokens' logits leak into max_a Q and the values overshoot the optimum.
     assert float(tables["no_conservative"][0, 2, 10]) > 0.81 + 1.0
+
+
+def test_the_logsumexp_term_lowers_the_best_unseen_token_relative_to_the_data(tiny_model_path):
+    """CQL(H) is shift-invariant: it does not pull Q to a floor, it widens the gap between the data's
+    actions and the best token the data never took."""
+    batch = _mdp_batch()
+    unseen = torch.ones(512, dtype=torch.bool)
+    unseen[[10, 11]] = False
+    gap = {}
+    for weight in (0.3, 0.0):
+        q, m = _train(tiny_model_path, batch, 60, gamma=0.9, conservative="logsumexp", conservative_weight=weight)
+        root = _q_table(q, batch)[0, 2]
+        gap[weight] = float(root[unseen].max() - root[[10, 11]].max())
+        assert math.isfinite(m["loss/td"]) and m["loss/conservative"] > 0  # measured even at weight 0
+    assert gap[0.3] < gap[0.0], gap
 
 
 def test_n_step_and_one_step_agree_at_convergence(tiny_model_path):

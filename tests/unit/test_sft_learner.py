@@ -9,7 +9,7 @@ import torch
 from actors.offline_data import encode_demonstrations, read_demonstrations
 from learners.modeling import sequence_logprobs
 from tests.helpers.collective import run_ranks
-from tests.helpers.factories import experience, flat_grads, grouped_batch, make_sft_learner, tiny_lm
+from tests.helpers.factories import experience, grouped_batch, make_sft_learner, step_with_grads, tiny_lm
 
 TOL = dict(atol=2e-6, rtol=1e-4)
 
@@ -20,20 +20,12 @@ def _batch(path, n=5, seed=0):
     return lm, experience(lm, ids, att, rm, [0.0] * n, groups=list(range(n)), ref_shift=None)
 
 
-def _step(learner, batch, comm=None):
-    if comm is not None:
-        learner.comm = comm
-    captured = {}
-    learner.on_gradients = lambda params: captured.setdefault("g", flat_grads(params))
-    return captured, learner.train_step(batch)
-
-
 def test_loss_is_the_prompt_masked_nll(tiny_model_path):
     lm, batch = _batch(tiny_model_path)
     with torch.no_grad():
         lp = sequence_logprobs(lm, batch.input_ids, batch.attention_mask, batch.response_mask)
     expected = float(-(lp * batch.response_mask).sum() / batch.response_mask.sum())
-    captured, m = _step(make_sft_learner(tiny_model_path, train={"micro_batch_size": 2}), batch)
+    captured, m = step_with_grads(make_sft_learner(tiny_model_path, train={"micro_batch_size": 2}), batch)
     assert m["loss/total"] == pytest.approx(expected, rel=1e-5)
     assert m["learner/tokens"] == float(batch.response_mask.sum())
     assert captured["g"].abs().sum() > 0
@@ -42,9 +34,9 @@ def test_loss_is_the_prompt_masked_nll(tiny_model_path):
 def test_two_learners_match_one(tiny_model_path):
     _, batch = _batch(tiny_model_path, n=5, seed=1)
     train = {"micro_batch_size": 2, "num_minibatches": 2}
-    (c1, m1) = _step(make_sft_learner(tiny_model_path, train=train), batch)
+    (c1, m1) = step_with_grads(make_sft_learner(tiny_model_path, train=train), batch)
     learners = [make_sft_learner(tiny_model_path, train=train) for _ in range(2)]
-    results = run_ranks(2, lambda rank, comm: _step(learners[rank], batch, comm))
+    results = run_ranks(2, lambda rank, comm: step_with_grads(learners[rank], batch, comm))
     for c, m in results:
         torch.testing.assert_close(c["g"], c1["g"], **TOL)
         assert m["loss/total"] == pytest.approx(m1["loss/total"], rel=1e-5)
