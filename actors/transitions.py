@@ -3,7 +3,8 @@ response, each response token an action.
 
 A row holds the prompt (the state the episode starts from), the response tokens (the actions),
 one reward per response token and whether the episode ended at its last token (``done``) or was
-cut at a length limit (then the learner bootstraps past the cut). Rows carry the policy version
+cut at a length limit (the learner bootstraps past such a cut with ``qlearn.bootstrap_truncated``;
+by default a response's last token ends its episode, its reward having been given for the cut text). Rows carry the policy version
 and, when known, the log-probs of the policy that sampled them, so off-policy corrections and
 staleness checks work on data written long ago. Lists are stored unpadded, so a file does not
 fix a sequence length; ``transitions_to_experience`` pads a batch of rows for the learner.
@@ -39,8 +40,8 @@ TRANSITION_SCHEMA = pa.schema([
     ("response_ids", pa.list_(pa.int32())),
     # Reward of each response token (same length as response_ids).
     ("rewards", pa.list_(pa.float32())),
-    # True: the episode ended at the last response token (EOS); False: cut at a length limit,
-    # so the learner bootstraps past it.
+    # True: the episode ended at the last response token (EOS); False: cut at a length limit
+    # (with qlearn.bootstrap_truncated the learner bootstraps past the cut).
     ("done", pa.bool_()),
     # Weight version of the policy that sampled the response.
     ("behaviour_version", pa.int64()),

@@ -1,6 +1,7 @@
 """Token-level Q-learning through the real entry point: online (vLLM generators acting with the
 Boltzmann Q-policy, a replay actor, Ray Train learners, weight sync, resume with the buffer
-refilled) and offline on transitions a PPO run exported, with bad rows counted."""
+refilled) and offline on transitions a PPO run exported, with bad rows counted and the KL anchor
+fed by a Reference actor."""
 
 import json
 import math
@@ -65,7 +66,7 @@ def test_offline_q_learning_on_transitions_a_ppo_run_exported(ray_cluster, tiny_
     exported, _ = read_transitions(folder)
     cfg = load_config(ROOT / "configs" / "qlearn_tiny.yaml", [
         f"data.transition_file={folder}", "run.steps=6", "run.eval_every=3", "qlearn.batch_sequences=32",
-        "qlearn.eval_transitions=16"])
+        "qlearn.eval_transitions=16", "qlearn.kl_coef=0.01"])
     train(cfg, run_dir=tmp_path / "offline")
     rows = _rows(tmp_path / "offline")
     assert [r["step"] for r in rows] == list(range(0, 7))
@@ -81,3 +82,5 @@ def test_offline_q_learning_on_transitions_a_ppo_run_exported(ray_cluster, tiny_
     assert all(r["skipped_at_load"] == {"length_mismatch": 1, "nan_reward": 1, "empty_response": 1} for r in trained)
     assert trained[-1]["loss/td"] < trained[0]["loss/td"]
     assert all(r["learner/sequences"] == 32 for r in trained)
+    # The KL anchor ran: a Reference actor scored every sampled batch, the policy left the reference.
+    assert all(r["kl/ref_k3"] >= 0 for r in trained) and trained[-1]["kl/ref_k3"] > 1e-4
