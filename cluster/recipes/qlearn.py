@@ -103,7 +103,9 @@ def run(ctx: RunContext, model_path: str, train_data, eval_set) -> RunResult:
         else:
             ray.get(replay.add_rows.remote(transitions["train"]))
             held = transitions["held_out"]
-            held_ref = ray.put(_to_experience(held, pad_id)) if held else None
+            held_ref = None
+            if held:  # reference log-probs once (the KL anchor's term is part of the held-out loss)
+                held_ref = rollout.annotate_reference([ray.put(_to_experience(held, pad_id))])[0][0]
             behaviour = behaviour_summary(transitions["train"])
             source = (f"offline, {len(transitions['train'])} transitions, behaviour policy's mean reward "
                       f"{behaviour['data/behaviour_mean_reward']:.3f}")
@@ -170,7 +172,12 @@ def _online_steps(ctx: RunContext, rollout: RolloutGroup, replay: Any, learners:
         with ctx.phase("replay"):
             added = ray.get(replay.add.remote(exp, step))
         row: dict[str, Any] = {"skipped_at_load": dict(train_set.skipped), "data/prompt_ids": prompt_ids}
-        if added["size"] < max(cfg.qlearn.warmup_sequences, 1):
+        if added["size"] < max(cfg.qlearn.warmup_sequences, 1):  # still filling the buffer: no update
+            save_dir = ctx.checkpoint_dir(step)
+            if save_dir:
+                saved = learners.save(step, save_dir)
+                ctx.finish_checkpoint(saved["saved"], step, sampler, saved["version"])
+                row["checkpoint"] = saved["saved"]
             row.update(step_metrics(gen_stats, score_stats, {"learner/warmup": 1.0}))
             row.update(_replay_metrics(added, added))
             ctx.log_step(step, row)

@@ -26,7 +26,8 @@ def _rows(run_dir: Path) -> list[dict]:
 
 def test_online_q_learning_raises_the_reward_and_resumes_with_its_buffer(ray_cluster, tiny_model_path, tmp_path):
     run = tmp_path / "online"
-    cfg = load_config(ROOT / "configs" / "qlearn_tiny.yaml", ["run.steps=5", "run.save_every=5"])
+    cfg = load_config(ROOT / "configs" / "qlearn_tiny.yaml", ["run.steps=5", "run.save_every=5",
+                                                              "qlearn.warmup_sequences=33"])
     train(cfg, run_dir=run)
     # Continue to 10 steps: the replay buffer is refilled from the exported steps 1-5.
     assert cli.main(["train", "--resume", str(run), "--set", "run.steps=10"]) == 0
@@ -37,8 +38,11 @@ def test_online_q_learning_raises_the_reward_and_resumes_with_its_buffer(ray_clu
     assert sum(rewards[-3:]) / 3 > rewards[0] + 0.3, rewards
     # 32 sequences a step, nothing evicted (capacity 512): step 6 sees the refilled 5 x 32 plus its own.
     assert [r["replay/size"] for r in rows] == [32.0 * s for s in range(1, 11)]
-    assert all(r["learner/target_updates"] == 2 * r["step"] for r in rows)  # two minibatch updates a step
-    assert all(math.isfinite(r["loss/td"]) and r["q/unseen_mean"] < r["q/taken"] for r in rows)
+    # Step 1 only fills the buffer (32 < 33 sequences); then two minibatch updates a step.
+    assert rows[0]["learner/warmup"] == 1.0 and "loss/td" not in rows[0]
+    learned = rows[1:]
+    assert all(r["learner/target_updates"] == 2 * (r["step"] - 1) for r in learned)
+    assert all(math.isfinite(r["loss/td"]) and r["q/unseen_mean"] < r["q/taken"] for r in learned)
     exported, skipped = read_transitions(run / "data" / "transitions")
     assert len(exported) == 320 and not skipped
     ckpt = run / "checkpoints" / "step_00010"
