@@ -195,15 +195,22 @@ class ReplayWorker:
     def refill(self, folder: str, upto_step: int) -> dict:
         """A resumed run's buffer: the exported steps up to its checkpoint, in order (the same
         rows, the same evictions as the interrupted run)."""
-        import glob
+        import re
 
         from actors.transitions import read_transitions
 
-        files = sorted(f for f in glob.glob(os.path.join(folder, "step-*.parquet"))
-                       if int(os.path.basename(f)[5:11]) <= upto_step)
+        files, later = [], []
+        for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+            match = re.fullmatch(r"step-(\d{6})(-\d+)?\.parquet", name)
+            if match:
+                (files if int(match.group(1)) <= upto_step else later).append(os.path.join(folder, name))
         for f in files:
             self.buffer.add(read_transitions(f)[0])
-        return {"files": len(files), **self.buffer.stats()}
+        # Steps the interrupted run took after its checkpoint: the resumed run takes them again
+        # and writes them anew (a stale file could otherwise be refilled by a later resume).
+        for f in later:
+            os.remove(f)
+        return {"files": len(files), "removed_after_checkpoint": len(later), **self.buffer.stats()}
 
     def sample(self, n: int, step: int) -> Experience:
         from actors.transitions import transitions_to_experience

@@ -199,6 +199,7 @@ def q_heads_at_positions(
     floor: float = 0.0,
     temperature: float = 1.0,
     chunk: int = 1024,
+    terms: tuple[str, ...] = ("sq_dev_sum", "logprobs", "logsumexp"),
 ) -> dict[str, torch.Tensor]:
     """Q-learning reductions of the LM head (logits = Q(s, .)) at the actions in ``positions_mask``,
     one chunk of vocabulary-sized rows at a time (never a (B, L, V) tensor).
@@ -208,7 +209,8 @@ def q_heads_at_positions(
     ``q`` = Q(s_t, a_t); ``sq_dev_sum`` = sum_a (Q(s_t, a) - floor)^2 (the conservative term's
     input); ``logprobs`` = log softmax(Q(s_t, .) / temperature)[a_t], the Boltzmann policy's
     log-prob (the KL anchor's input); ``logsumexp`` = log sum_a exp Q(s_t, a) (the CQL term's
-    input); and, detached, ``q_mean`` = mean_a Q(s_t, a) and ``q_max``.
+    input); and, detached, ``q_mean`` = mean_a Q(s_t, a) and ``q_max``. Only the ``terms`` asked
+    for are built with gradient (each keeps vocabulary-sized tensors alive until the backward).
     """
     b, length = input_ids.shape
     target_mask = positions_mask.clone()
@@ -216,14 +218,17 @@ def q_heads_at_positions(
     rows, cols = target_mask.nonzero(as_tuple=True)
     h = hidden[rows, cols - 1]
     labels = input_ids[rows, cols]
-    parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("q", "sq_dev_sum", "logprobs", "logsumexp", "q_mean", "q_max")}
+    parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("q", *terms, "q_mean", "q_max")}
     for start in range(0, h.shape[0], chunk):
         logits = lm_head(h[start : start + chunk]).float()
         lab = labels[start : start + chunk]
         parts["q"].append(logits.gather(1, lab[:, None]).squeeze(1))
-        parts["sq_dev_sum"].append(((logits - floor) ** 2).sum(1))
-        parts["logprobs"].append(logprobs_from_logits(logits / temperature if temperature != 1.0 else logits, lab))
-        parts["logsumexp"].append(torch.logsumexp(logits, dim=1))
+        if "sq_dev_sum" in terms:  # sum_a (Q - f)^2 = sum Q^2 - 2 f sum Q + V f^2: no shifted copy
+            parts["sq_dev_sum"].append((logits * logits).sum(1) - 2 * floor * logits.sum(1) + logits.shape[1] * floor ** 2)
+        if "logprobs" in terms:
+            parts["logprobs"].append(logprobs_from_logits(logits / temperature if temperature != 1.0 else logits, lab))
+        if "logsumexp" in terms:
+            parts["logsumexp"].append(torch.logsumexp(logits, dim=1))
         with torch.no_grad():
             parts["q_mean"].append(logits.mean(1))
             parts["q_max"].append(logits.max(1).values)

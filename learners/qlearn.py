@@ -18,7 +18,9 @@ action dimensions to tokens:
 One ``train_step`` is ``train.epochs`` x ``train.num_minibatches`` updates on the global batch
 (sequences sampled from the replay buffer); each loss is normalised by the global action count of
 its minibatch and gradients are summed across ranks, so N learners take one learner's step. The
-target network follows after every update. With LoRA the target is an EMA of the adapter only.
+target network follows after every update. With LoRA the target is an EMA of the adapter only
+(of its A and B factors, each averaged on its own: the target's update B'A' is then close to, not
+exactly, the average of the online updates BA).
 """
 
 from __future__ import annotations
@@ -104,6 +106,10 @@ class QLearner(PolicyLearner):
         done = ended | ~batch.truncated.bool() if self.hp.bootstrap_truncated else torch.ones_like(ended)
         if batch.token_rewards is not None:
             rewards = torch.where(mask, batch.token_rewards, torch.zeros(()))
+            # A logged sequence that went on past its first EOS: what it earned after the cut is
+            # credited to the episode's last action instead of being lost.
+            beyond = torch.where(batch.response_mask & ~mask, batch.token_rewards, torch.zeros(())).sum(1)
+            rewards = rewards + token_rewards_from_scores(beyond, mask)
         else:
             rewards = token_rewards_from_scores(batch.scores, mask)
         return mask, rewards * self.hp.reward_scale, done
@@ -154,14 +160,21 @@ class QLearner(PolicyLearner):
         m, r = mask[idx, :width], rewards[idx, :width]
         head = self.model.lm.get_output_embeddings()
         chunk = self.tr.logprob_chunk
-        with torch.no_grad(), self.target_network(), autocast(self.tr.bf16):
-            next_max = max_q_after_positions(self._hidden(part), m, head, chunk=chunk)
+        was_training = self.model.training
+        self.model.eval()  # targets without dropout noise
+        try:
+            with torch.no_grad(), self.target_network(), autocast(self.tr.bf16):
+                next_max = max_q_after_positions(self._hidden(part), m, head, chunk=chunk)
+        finally:
+            self.model.train(was_training)
         targets = q_learning_targets(r, next_max, m, done[idx], gamma=hp.gamma, n_step=hp.n_step,
                                      mc_lower_bound=hp.mc_lower_bound)
         floor = hp.q_floor * hp.reward_scale
         with torch.set_grad_enabled(grad), autocast(self.tr.bf16):
             out = q_heads_at_positions(self._hidden(part), part.input_ids, m, head, floor=floor,
-                                       temperature=self.temperature, chunk=chunk)
+                                       temperature=self.temperature, chunk=chunk,
+                                       terms=("logsumexp" if hp.conservative == "logsumexp" else "sq_dev_sum",
+                                              *(("logprobs",) if hp.uses_reference else ())))
         mf = m.float()
         td = (td_loss(out["q"], targets) * mf).sum() / n_actions
         if hp.conservative == "logsumexp":

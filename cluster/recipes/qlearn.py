@@ -51,17 +51,30 @@ def load_data(cfg: Config):
         rows, skipped = read_transitions(cfg.data.transition_file)
     except (FileNotFoundError, TransitionsError) as e:
         raise UserError(f"data.transition_file: {e}") from None
-    n_eval = min(cfg.qlearn.eval_transitions, len(rows) // 4)
-    order = list(range(len(rows)))
-    random.Random(cfg.run.seed).shuffle(order)
-    held = [rows[i] for i in order[:n_eval]]
-    train = [rows[i] for i in order[n_eval:]]
+    train, held = split_by_group(rows, min(cfg.qlearn.eval_transitions, len(rows) // 4), cfg.run.seed)
     if not train:
         raise UserError(f"data.transition_file: no usable transitions (excluded while reading: {skipped})")
     transitions = {"train": train, "held_out": held, "skipped": skipped}
     description += (f"; offline Q-learning on {len(train)} transitions ({len(held)} held out) from "
                     f"{cfg.data.transition_file}" + (f", excluded while reading: {skipped}" if skipped else ""))
     return (train_set, transitions), eval_set, description
+
+
+def split_by_group(rows: list, n_eval: int, seed: int) -> tuple[list, list]:
+    """(train, held-out) with whole prompts (``group_id``) held out, at least ``n_eval`` rows
+    (when there are): a prompt's other samples in the training split would flatter the held-out
+    TD loss."""
+    groups: dict[int, list] = {}
+    for t in rows:
+        groups.setdefault(t.group_id, []).append(t)
+    order = sorted(groups)
+    random.Random(seed).shuffle(order)
+    held: list = []
+    for g in order:
+        if len(held) >= n_eval:
+            break
+        held += groups.pop(g)
+    return [t for t in rows if t.group_id in groups], held
 
 
 def sampling_seed(run_seed: int, step: int) -> int:

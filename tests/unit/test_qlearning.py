@@ -234,6 +234,17 @@ def test_two_learners_take_the_one_learner_step(tiny_model_path, kl_coef):
     assert (m1["loss/kl"] > 1e-4) == (kl_coef > 0)
 
 
+def test_rewards_logged_after_the_first_eos_go_to_the_last_action(tiny_model_path):
+    q = make_q_learner(tiny_model_path)
+    # A logged reply that went on past EOS (2): its later rewards are credited to the EOS action.
+    batch = transitions_batch([5, 6], [([10, 2, 11, 12], [0.1, 0.2, 0.3, 0.4]), ([10, 11], [0.0, 1.0])])
+    mask, rewards, done = q.episodes(batch)
+    assert mask.long().tolist() == [[0, 0, 1, 1, 0, 0], [0, 0, 1, 1, 0, 0]]
+    torch.testing.assert_close(rewards, torch.tensor([[0, 0, 0.1, 0.9, 0, 0], [0, 0, 0.0, 1.0, 0, 0]]))
+    assert done.tolist() == [True, True]
+    assert float(rewards.sum()) == pytest.approx(float(batch.token_rewards.sum()))  # nothing lost
+
+
 def test_a_batch_without_rewards_is_refused(tiny_model_path):
     q = make_q_learner(tiny_model_path)
     ids, att, rm = ragged_batch(512, b=2)

@@ -199,8 +199,23 @@ def test_replay_worker_refills_the_exported_steps_up_to_the_checkpoint(tmp_path)
     for step in (1, 2, 3):
         uninterrupted.add(rows(step))
     worker = ReplayWorker(capacity=7, seed=5, pad_token_id=0)
+    (tmp_path / "step-notes.parquet").write_text("not a step file")  # other names are left alone
     stats = worker.refill(str(tmp_path), upto_step=3)  # step 4 came after the checkpoint: not replayed
     assert stats["files"] == 3 and stats["size"] == 7 and stats["evicted"] == 2
+    # ... and removed: the resumed run takes step 4 again and writes it anew.
+    assert stats["removed_after_checkpoint"] == 1 and not (tmp_path / "step-000004.parquet").exists()
+    assert (tmp_path / "step-notes.parquet").exists()
     assert [t.group_id for t in worker.buffer.sample(7, step=4)] == [t.group_id for t in uninterrupted.sample(7, step=4)]
     batch = worker.sample(4, step=4)
     assert batch.batch_size == 4 and batch.token_rewards is not None
+
+
+def test_offline_split_holds_out_whole_prompts():
+    from cluster.recipes.qlearn import split_by_group
+
+    rows = [Transition(prompt_ids=[1], response_ids=[2], rewards=[0.0], done=True, behaviour_version=0,
+                       behaviour_logprobs=None, group_id=i // 4) for i in range(40)]  # 10 prompts x 4 samples
+    train, held = split_by_group(rows, 6, seed=0)
+    assert len(held) == 8 and len(train) == 32  # two whole prompts
+    assert not {t.group_id for t in train} & {t.group_id for t in held}
+    assert split_by_group(rows, 6, seed=0)[1] == held  # seeded
