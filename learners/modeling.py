@@ -147,6 +147,15 @@ def shared_prefix_hidden(
     return hidden.index_put((rows, plen[rows] + ks), h_cont[rows, ks])
 
 
+def _action_states(hidden: torch.Tensor, input_ids: torch.Tensor, positions_mask: torch.Tensor):
+    """(rows, cols, states (N, H), tokens (N,)) of the masked positions: hidden[:, t-1] is the
+    state in which token t was produced (position 0 has none and is skipped)."""
+    target_mask = positions_mask.clone()
+    target_mask[:, 0] = False
+    rows, cols = target_mask.nonzero(as_tuple=True)
+    return rows, cols, hidden[rows, cols - 1], input_ids[rows, cols]
+
+
 def heads_at_positions(
     hidden: torch.Tensor,
     input_ids: torch.Tensor,
@@ -163,11 +172,7 @@ def heads_at_positions(
     hidden: (B, L, H) from the decoder; hidden[:, t-1] predicts input_ids[:, t].
     """
     b, length = input_ids.shape
-    target_mask = positions_mask.clone()
-    target_mask[:, 0] = False
-    rows, cols = target_mask.nonzero(as_tuple=True)
-    h = hidden[rows, cols - 1]  # (N, H)
-    labels = input_ids[rows, cols]
+    rows, cols, h, labels = _action_states(hidden, input_ids, positions_mask)
     lp_parts, ent_parts = [], []
     for start in range(0, h.shape[0], chunk):
         logits = lm_head(h[start : start + chunk]).float()
@@ -213,11 +218,7 @@ def q_heads_at_positions(
     for are built with gradient (each keeps vocabulary-sized tensors alive until the backward).
     """
     b, length = input_ids.shape
-    target_mask = positions_mask.clone()
-    target_mask[:, 0] = False
-    rows, cols = target_mask.nonzero(as_tuple=True)
-    h = hidden[rows, cols - 1]
-    labels = input_ids[rows, cols]
+    rows, cols, h, labels = _action_states(hidden, input_ids, positions_mask)
     parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("q", *terms, "q_mean", "q_max")}
     for start in range(0, h.shape[0], chunk):
         logits = lm_head(h[start : start + chunk]).float()

@@ -155,9 +155,8 @@ class QLearner(PolicyLearner):
                done: torch.Tensor, n_actions: int, grad: bool) -> torch.Tensor:
         """Forward (online and target) and backward of rows ``idx``; returns their ``_SUMS``."""
         hp = self.hp
-        width = int(batch.attention_mask[idx].any(0).nonzero().max()) + 1
         part = batch.select(idx).replace(response_mask=mask[idx]).trimmed()
-        m, r = mask[idx, :width], rewards[idx, :width]
+        m, r = part.response_mask, rewards[idx, : part.seq_len]
         head = self.model.lm.get_output_embeddings()
         chunk = self.tr.logprob_chunk
         was_training = self.model.training
@@ -197,12 +196,15 @@ class QLearner(PolicyLearner):
         with torch.no_grad():
             q = out["q"]
             unseen = (out["q_mean"] * self.vocab_size - q) / (self.vocab_size - 1)
-            bootstrap_only = q_learning_targets(r, next_max, m, done[idx], gamma=hp.gamma, n_step=hp.n_step)
+            raised = 0.0  # actions whose target the Monte-Carlo bound lifted
+            if hp.mc_lower_bound:
+                plain = q_learning_targets(r, next_max, m, done[idx], gamma=hp.gamma, n_step=hp.n_step)
+                raised = float(((targets > plain) & m).sum())
             n = float(n_actions)
             return torch.tensor([
                 float(td) * n, float(cons) * n, float(kl) * n, float((q * mf).sum()), float((targets * mf).sum()),
                 float((unseen * mf).sum()), float((out["q_max"] * mf).sum()), float(((q - targets).abs() * mf).sum()),
-                float(((targets > bootstrap_only) & m).sum()), float(kl) * n,
+                raised, float(kl) * n,
             ], dtype=torch.float64)
 
     def train_step(self, batch: Experience) -> dict[str, float]:

@@ -30,6 +30,7 @@ from typing import Any
 
 import ray
 
+from actors.transitions import transitions_to_experience
 from cluster.actor_groups import ReplayWorker, RolloutGroup
 from cluster.config import Config, UserError
 from cluster.learner_group import LearnerGroup, learner_spec
@@ -118,7 +119,7 @@ def run(ctx: RunContext, model_path: str, train_data, eval_set) -> RunResult:
             held = transitions["held_out"]
             held_ref = None
             if held:  # reference log-probs once (the KL anchor's term is part of the held-out loss)
-                held_ref = rollout.annotate_reference([ray.put(_to_experience(held, pad_id))])[0][0]
+                held_ref = rollout.annotate_reference([ray.put(transitions_to_experience(held, pad_id))])[0][0]
             behaviour = behaviour_summary(transitions["train"])
             source = (f"offline, {len(transitions['train'])} transitions, behaviour policy's mean reward "
                       f"{behaviour['data/behaviour_mean_reward']:.3f}")
@@ -149,12 +150,6 @@ def run(ctx: RunContext, model_path: str, train_data, eval_set) -> RunResult:
         rollout.shutdown()
         ray.kill(replay)
     return ctx.result()
-
-
-def _to_experience(rows: list, pad_id: int):
-    from actors.transitions import transitions_to_experience
-
-    return transitions_to_experience(rows, pad_id)
 
 
 def _learn(ctx: RunContext, rollout: RolloutGroup, replay: Any, learners: LearnerGroup, step: int,
