@@ -25,6 +25,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from actors.scorer import TextScorer
+
 DEFAULT_TEMPLATE = """Review the user's question and the corresponding response using the additive 5-point \
 scoring system described below. Points are accumulated based on the satisfaction of each criterion:
 
@@ -194,3 +196,27 @@ def judge_demonstrations(task_rows: list[dict[str, Any]], n: int, template: str,
         out.append({"prompt": [{"role": "user", "content": judge_prompt(template, row["prompt"], answer)}],
                     "response": f"{verdict}\nScore: {score:g}", "index": i, "kind": "judge"})
     return out
+
+
+class JudgeScorer(TextScorer):
+    """The judge as a reward (``reward.function=llm_judge`` with ``reward.model``): any causal-LM
+    folder on its own vLLM engine grades each (prompt, response); an item without a valid
+    judgement is dropped and counted as ``unjudged`` (or raises, per ``on_error``)."""
+
+    def __init__(self, cfg: JudgeConfig, generator_config: Any, on_error: str = "skip") -> None:
+        from actors.generator import Generator
+
+        self.judge = Judge(cfg)
+        self.gen = Generator(generator_config)
+        self.on_error = on_error
+        self.last_metrics: dict[str, float] = {}
+        self._calls = 0
+
+    def score_texts(self, prompts: list[str], completions: list[str],
+                    meta: list[dict[str, Any]]) -> tuple[list[float | None], dict[str, int]]:
+        self._calls += 1
+        scores, counts, _ = self.judge.judge(self.gen, prompts, completions, seed=self._calls)
+        self.last_metrics = {f"judge/{k}": float(v) for k, v in counts.items()}
+        values: list[float | None] = list(scores)
+        return values, self._drop_or_raise(values, "unjudged", "LLM judge")
+

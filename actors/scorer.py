@@ -1,15 +1,24 @@
-"""Scorer: applies a reward function to an Experience and fills ``scores``.
+"""Scorers: fill an Experience's ``scores`` from its (prompt, completion) texts.
 
-Reward functions are user code: they may raise, return the wrong length, or NaN. Those samples
-are either dropped from the batch and counted (``on_error='skip'``) or fail the step with the
-sample named (``on_error='raise'``); a NaN never reaches a loss.
+Every kind shares ``TextScorer.score``: a sample whose reward could not be made (a function that
+raised or returned NaN, a judge reply that did not parse, a reward model fed an over-long
+sequence, a remote endpoint that answered ``null`` for it) is dropped from the batch and counted
+under its reason (``on_error='skip'``) or fails the step with the sample named
+(``on_error='raise'``); a NaN never reaches a loss. The kinds:
+
+    Scorer              a rule / verifier function (this module)
+    RewardModelScorer   a trained reward model (``actors/rm_scorer.py``)
+    JudgeScorer         an LLM judge on its own vLLM engine (``actors/judge.py``)
+    RemoteScorer        an HTTP scoring endpoint (``actors/remote.py``)
 """
 
 from __future__ import annotations
 
+import abc
 import importlib
 import logging
 import math
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -20,6 +29,9 @@ from learners.experience import Experience
 log = logging.getLogger("rayrlhf.scorer")
 
 RewardFn = Callable[..., list[float]]
+
+#: ``reward.function`` values that name a scorer kind rather than a rule function.
+SCORER_KINDS = ("reward_model", "llm_judge", "remote")
 
 
 class RewardError(RuntimeError):
@@ -45,7 +57,56 @@ def resolve_reward_fn(spec: str) -> RewardFn:
     return fn
 
 
-class Scorer:
+def prompt_text(meta: dict[str, Any]) -> str:
+    """The user prompt of a sample, as its data row gave it."""
+    if not isinstance(meta, dict):
+        return ""
+    return str(meta.get("prompt") or meta.get("question") or "")
+
+
+class TextScorer(abc.ABC):
+    """A scorer of texts; ``score`` applies it to a record (see module doc)."""
+
+    on_error: str = "skip"
+    #: What the last ``score_texts`` call counted besides dropped samples (e.g. judge parse
+    #: counts, remote retries), as metric names; the scorer actor reports them per step.
+    last_metrics: dict[str, float]
+
+    @abc.abstractmethod
+    def score_texts(self, prompts: list[str], completions: list[str],
+                    meta: list[dict[str, Any]]) -> tuple[list[float | None], dict[str, int]]:
+        """Rewards per sample, None where none could be made, and the dropped counts by reason."""
+
+    def _drop_or_raise(self, values: list[float | None], reason: str, what: str) -> dict[str, int]:
+        """Samples without a finite reward: counted under ``reason`` and set to None, or raised."""
+        n = 0
+        for i, v in enumerate(values):
+            if v is None or not math.isfinite(v):
+                if self.on_error == "raise":
+                    raise RewardError(f"{what}: no reward for sample {i} ({v})")
+                values[i] = None
+                n += 1
+        if n:
+            log.warning("%s: %d of %d samples without a reward, skipped (%s)", what, n, len(values), reason)
+        return {reason: n} if n else {}
+
+    def score(self, exp: Experience) -> Experience:
+        """Fills ``exp.scores``; rows whose reward failed are removed and counted."""
+        self.last_metrics = {}
+        prompts = [prompt_text(m) for m in exp.meta]
+        values, counts = self.score_texts(prompts, exp.completions, exp.meta)
+        keep = [i for i, v in enumerate(values) if v is not None]
+        skipped = dict(exp.skipped)
+        for k, n in counts.items():
+            skipped[k] = skipped.get(k, 0) + n
+        scores = torch.tensor([values[i] for i in keep], dtype=torch.float32)
+        out = exp if len(keep) == exp.batch_size else exp.select(keep)
+        return out.replace(scores=scores, skipped=skipped).validate()
+
+
+class Scorer(TextScorer):
+    """A rule or verifier: ``reward.function`` applied to the texts and the row's metadata."""
+
     def __init__(self, function: str = "reasoning_gym", kwargs: dict | None = None, on_error: str = "skip") -> None:
         if on_error not in ("skip", "raise"):
             raise ValueError("on_error must be 'skip' or 'raise'")
@@ -53,6 +114,7 @@ class Scorer:
         self.fn = resolve_reward_fn(function)
         self.kwargs = dict(kwargs or {})
         self.on_error = on_error
+        self.last_metrics = {}
 
     def _call(self, prompts: list[str], completions: list[str], meta: list[dict[str, Any]]) -> list[float]:
         keys = sorted({k for m in meta for k in m})
@@ -88,14 +150,50 @@ class Scorer:
                 values[i] = None
         return values, counts
 
-    def score(self, exp: Experience) -> Experience:
-        """Fills ``exp.scores``; rows whose reward failed are removed and counted."""
-        prompts = [m.get("question", "") if isinstance(m, dict) else "" for m in exp.meta]
-        values, counts = self.score_texts(prompts, exp.completions, exp.meta)
-        keep = [i for i, v in enumerate(values) if v is not None]
-        skipped = dict(exp.skipped)
-        for k, n in counts.items():
-            skipped[k] = skipped.get(k, 0) + n
-        scores = torch.tensor([values[i] for i in keep], dtype=torch.float32)
-        out = exp if len(keep) == exp.batch_size else exp.select(keep)
-        return out.replace(scores=scores, skipped=skipped).validate()
+
+@dataclass
+class ScorerSpec:
+    """Which scorer to build and its own settings (the scorer role, the scorer server and scripts
+    get this, not the run's config; ``cluster/actor_groups.scorer_spec`` picks it from one)."""
+
+    # A rule function (built-in or 'module:function'), 'reward_model', 'llm_judge' or 'remote'.
+    function: str = "reasoning_gym"
+    # Extra keyword arguments of a rule function.
+    kwargs: dict = field(default_factory=dict)
+    # 'skip' (drop and count a sample without a reward) or 'raise'.
+    on_error: str = "skip"
+    # Reward-model folder (reward_model) or judge model folder (llm_judge).
+    model: str = ""
+    # Reward model: sequences per forward pass, longest sequence, system prompt of the chat
+    # template (the one its pairs were encoded with), torch threads (0: leave as is).
+    batch_size: int = 16
+    max_tokens: int = 1024
+    system_prompt: str = ""
+    threads: int = 0
+    # llm_judge: the judge's settings and its engine's (an ``actors.generator.GeneratorConfig``).
+    judge: Any = None
+    judge_engine: Any = None
+    # remote: an ``actors.remote.RemoteSettings``.
+    remote: Any = None
+
+
+def build_scorer(spec: ScorerSpec) -> TextScorer:
+    """The scorer a spec names (heavy models load here, inside whichever process calls it)."""
+    if spec.function == "reward_model":
+        from actors.rm_scorer import RewardModelScorer
+
+        return RewardModelScorer(spec.model, batch_size=spec.batch_size, max_tokens=spec.max_tokens,
+                                 system_prompt=spec.system_prompt, on_error=spec.on_error, threads=spec.threads)
+    if spec.function == "llm_judge":
+        from actors.judge import JudgeScorer
+
+        if spec.judge is None or spec.judge_engine is None:
+            raise ValueError("an llm_judge scorer needs its judge settings and a judge model (engine) config")
+        return JudgeScorer(spec.judge, spec.judge_engine, on_error=spec.on_error)
+    if spec.function == "remote":
+        from actors.remote import RemoteScorer
+
+        if spec.remote is None:
+            raise ValueError("a remote scorer needs its settings (url, ...)")
+        return RemoteScorer(spec.remote, on_error=spec.on_error)
+    return Scorer(spec.function, spec.kwargs, spec.on_error)

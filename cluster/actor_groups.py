@@ -18,6 +18,8 @@ import torch
 from actors.generator import GeneratorConfig
 from actors.judge import JudgeConfig
 from actors.reference import ReferenceConfig
+from actors.remote import RemoteSettings
+from actors.scorer import ScorerSpec
 from cluster.config import Config
 from cluster.weight_sync import PackedWeights, unpack
 from learners.experience import Experience
@@ -48,7 +50,35 @@ def generator_config(cfg: Config, model_path: str, rank: int = 0, initial_versio
 
 def uses_judge(cfg: Config) -> bool:
     """Whether the generators also judge (they then need the judge's longer context)."""
-    return cfg.reward.function == "llm_judge" or (cfg.run.algorithm == "dpo" and cfg.dpo.pairs == "self_judge")
+    return self_judging(cfg) or (cfg.run.algorithm == "dpo" and cfg.dpo.pairs == "self_judge")
+
+
+def self_judging(cfg: Config) -> bool:
+    """reward.function=llm_judge without a judge model: the policy judges its samples on the generators."""
+    return cfg.reward.function == "llm_judge" and not cfg.reward.model
+
+
+def scorer_spec(cfg: Config) -> ScorerSpec:
+    """The scorer role's own settings, picked from the run's config."""
+    r = cfg.reward
+    spec = ScorerSpec(function=r.function, kwargs=dict(r.kwargs), on_error=r.on_error, model=r.model,
+                      batch_size=r.batch_size, max_tokens=cfg.model.max_prompt_tokens + cfg.model.max_new_tokens + 8,
+                      system_prompt=cfg.data.system_prompt, threads=_threads(r.threads))
+    if r.function == "llm_judge":
+        spec.judge = cfg.judge_config()
+        spec.judge_engine = GeneratorConfig(
+            model_path=r.model, dtype=cfg.model.generator_dtype, max_prompt_tokens=cfg.judge.max_prompt_tokens,
+            max_new_tokens=cfg.judge.max_new_tokens, temperature=cfg.judge.temperature, seed=cfg.run.seed + 4242,
+            kv_cache_gib=cfg.rollout.kv_cache_gib, threads=r.threads, trust_remote_code=cfg.model.trust_remote_code,
+            max_model_len=cfg.judge.max_prompt_tokens + cfg.judge.max_new_tokens)
+    if r.function == "remote":
+        rem = r.remote
+        spec.remote = RemoteSettings(
+            url=rem.url, api_key=os.environ.get(rem.api_key_env, "") if rem.api_key_env else "",
+            batch_size=rem.batch_size, concurrency=rem.concurrency, timeout_s=rem.timeout_s,
+            max_retries=rem.max_retries, backoff_s=rem.backoff_s, max_backoff_s=rem.max_backoff_s,
+            on_failure=rem.on_failure, max_wait_s=rem.max_wait_s)
+    return spec
 
 
 def reference_config(cfg: Config, model_path: str) -> ReferenceConfig:
@@ -137,16 +167,16 @@ class GeneratorWorker:
 
 
 class ScorerWorker:
-    def __init__(self, function: str, kwargs: dict, on_error: str) -> None:
-        from actors.scorer import Scorer
+    def __init__(self, spec: ScorerSpec) -> None:
+        from actors.scorer import build_scorer
 
-        self.scorer = Scorer(function, kwargs, on_error)
+        self.scorer = build_scorer(spec)
 
     def score(self, exp: Experience) -> tuple[Experience, dict]:
         t0 = time.perf_counter()
         out = self.scorer.score(exp)
         return out, {"seconds": time.perf_counter() - t0, "scores": out.scores.tolist(), "skipped": dict(out.skipped),
-                     "peak_rss_gb": peak_rss_gb()}
+                     "metrics": dict(self.scorer.last_metrics), "peak_rss_gb": peak_rss_gb()}
 
 
 class ReferenceWorker:
@@ -257,10 +287,9 @@ class RolloutGroup:
             )
             for i in range(cfg.rollout.num_generators)
         ]
-        # reward.function=llm_judge: the generators judge (no scorer actor).
-        self.scorer = None if cfg.reward.function == "llm_judge" else ray.remote(ScorerWorker).options(num_cpus=0.1).remote(
-            cfg.reward.function, cfg.reward.kwargs, cfg.reward.on_error
-        )
+        # reward.function=llm_judge without a judge model: the generators judge (no scorer actor).
+        self.scorer = None if self_judging(cfg) else ray.remote(ScorerWorker).options(
+            num_cpus=cfg.reward.cpus, runtime_env=role_env(cfg.reward.threads)).remote(scorer_spec(cfg))
         # With LoRA the learner scores the reference itself (its base model, adapter disabled):
         # no second copy of the weights, so no reference actor.
         # Without any KL term (beta = 0) nothing needs the reference, so it is not started.
@@ -310,7 +339,7 @@ class RolloutGroup:
         return [o[0] for o in out], [o[1] for o in out]
 
     def score(self, exp_refs: list) -> tuple[list, list]:
-        if self.scorer is None:  # reward.function=llm_judge: the policy judges itself, on the generators
+        if self.scorer is None:  # reward.function=llm_judge, no judge model: the policy judges itself
             return self.judge(exp_refs)
         pairs = [self.scorer.score.options(num_returns=2).remote(e) for e in exp_refs]
         return [p[0] for p in pairs], [p[1] for p in pairs]

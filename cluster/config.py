@@ -54,8 +54,8 @@ class RunConfig(Section):
     output_dir: str = _f("runs", "Where run directories (metrics, plots, checkpoints) are written.")
     algorithm: str = _f("ppo", "Training recipe and learner: 'ppo' (PPO with a critic and the GRPO family; see "
                         "ppo.advantage_estimator), 'dpo' (the DPO family on a preference file or on scored samples; see dpo.loss), "
-                        "'sft' (supervised fine-tuning) or 'qlearn' (token-level Q-learning, online or from "
-                        "data.transition_file).")
+                        "'sft' (supervised fine-tuning), 'qlearn' (token-level Q-learning, online or from "
+                        "data.transition_file) or 'reward_model' (a Bradley–Terry reward model on preference pairs).")
     seed: int = _f(0, "Seed for data order, sampling engines and learner initialisation.")
     steps: int = _f(20, "Number of iterations (for ppo: generate, score, reference, learn, sync).", ge=1)
     eval_every: int = _f(10, "Evaluate greedy accuracy on the held-out split every K steps and after the last (0: never).", ge=0)
@@ -124,20 +124,48 @@ class DataConfig(Section):
     )
 
 
+class RemoteScorerSection(Section):
+    """An HTTP scoring endpoint (``actors/remote.py``), e.g. ``rayrlhf serve scorer``'s ``/v1/score``."""
+
+    url: str = _f("", "Scoring endpoint (POST {prompts, completions, meta} -> {scores}), e.g. http://127.0.0.1:8000/v1/score.")
+    api_key_env: str = _f("RAYRLHF_SCORER_API_KEY", "Environment variable holding the endpoint's API key (sent as a Bearer token when set).")
+    batch_size: int = _f(32, "Samples per request.", ge=1)
+    concurrency: int = _f(4, "Requests in flight at once.", ge=1)
+    timeout_s: float = _f(30.0, "Timeout of one request (seconds).", gt=0)
+    max_retries: int = _f(3, "Retries of a failed request (connection error, timeout, 5xx, 429, malformed reply) before it counts as an outage.", ge=0)
+    backoff_s: float = _f(0.5, "First retry delay; it doubles with every retry (with jitter), up to max_backoff_s.", gt=0)
+    max_backoff_s: float = _f(10.0, "Longest delay between two retries.", gt=0)
+    on_failure: Literal["wait", "stop"] = _f(
+        "wait", "When a request still fails after its retries: 'wait' (keep retrying every max_backoff_s until the "
+        "endpoint answers, at most max_wait_s, then stop) or 'stop' (end the run with an error at once). A failed "
+        "request never becomes a reward.")
+    max_wait_s: float = _f(600.0, "With on_failure=wait: the longest outage a step waits out before the run stops.", ge=0)
+
+
 class RewardConfig(Section):
     function: str = _f(
         "reasoning_gym",
         "Reward function: 'reasoning_gym' (the task's answer checker on the last number of the reply), "
-        "another built-in from actors.rewards, 'llm_judge' (the policy judges its own samples on the "
-        "generators, see the judge section), or 'module:function' with signature "
-        "(prompts, completions, **meta) -> list[float].",
+        "another built-in from actors.rewards, 'reward_model' (a trained reward model in reward.model), "
+        "'llm_judge' (a judge model grades each sample, see the judge section; reward.model names it, empty: "
+        "the policy judges its own samples on the generators), 'remote' (an HTTP scoring endpoint, see "
+        "reward.remote), or 'module:function' with signature (prompts, completions, **meta) -> list[float].",
     )
     kwargs: dict = _f({}, "Extra keyword arguments passed to the reward function.")
     on_error: Literal["skip", "raise"] = _f(
         "skip",
-        "What to do when the reward function raises or returns NaN/inf for a sample: 'skip' (drop the "
-        "sample from the batch, count and log it) or 'raise'.",
+        "What to do when the reward function raises or returns NaN/inf for a sample, or a judge's replies do "
+        "not parse: 'skip' (drop the sample from the batch, count and log it) or 'raise'.",
     )
+    model: str = _f(
+        "", "Model folder of the scorer: the trained reward model for function=reward_model (a rayrlhf "
+        "reward_model checkpoint or any *ForSequenceClassification folder with one label), the judge for "
+        "function=llm_judge (any causal-LM folder; empty: the policy judges itself on the generators).")
+    batch_size: int = _f(16, "Sequences per forward pass of the reward model.", ge=1)
+    cpus: float = _f(0.1, "Ray CPUs reserved by the scorer actor (a reward model or judge computes: give it more).", ge=0)
+    threads: int = _f(0, "Torch/OpenMP threads of a reward-model or judge scorer (0: all cores of the node).", ge=0)
+    remote: RemoteScorerSection = Field(default_factory=RemoteScorerSection,
+                                        description="The HTTP scoring endpoint of function=remote.")
 
 
 class RolloutConfig(Section):
@@ -256,6 +284,16 @@ class DPOConfig(Section):
     def uses_reference(self) -> bool:
         """Every loss but SimPO compares against the reference's log-probs."""
         return self.loss != "simpo"
+
+
+class RewardModelConfig(Section):
+    """Bradley–Terry reward-model training (``learners/reward_model.py``). Its pairs come as DPO's do:
+    data.preference_file, or pairs the generators make (dpo.pairs=scorer), dpo.pairs_per_step per step."""
+
+    margin: float = _f(0.0, "Fixed margin m in -log sigma(r_chosen - r_rejected - m).")
+    center_coef: float = _f(0.0, "Weight of (r_chosen + r_rejected)^2, which keeps rewards centred on 0 (e.g. 0.01).", ge=0)
+    head_init_std: float = _f(0.0, "Std of the reward head's random initialisation (0: 1/sqrt(hidden+1)).", ge=0)
+    head_lr: float = _f(0.0, "Learning rate of the reward head (0: train.lr).", ge=0)
 
 
 class SFTConfig(Section):
@@ -385,6 +423,7 @@ class Config(Section):
     ppo: PPOConfig = Field(default_factory=PPOConfig)
     dpo: DPOConfig = Field(default_factory=DPOConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
+    reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig, description="Settings of run.algorithm=reward_model.")
     qlearn: QLearnConfig = Field(default_factory=QLearnConfig)
     judge: JudgeSection = Field(default_factory=JudgeSection)
     lora: LoRAConfig = Field(default_factory=LoRAConfig)
@@ -398,7 +437,7 @@ class Config(Section):
         from cluster.recipes import RECIPES
 
         rollout, ppo, algo = self.rollout, self.ppo, self.run.algorithm
-        batch, unit = {"dpo": (self.dpo.pairs_per_step, "pairs"), "sft": (self.sft.examples_per_step, "demonstrations"),
+        batch, unit = {"dpo": (self.dpo.pairs_per_step, "pairs"), "reward_model": (self.dpo.pairs_per_step, "pairs"), "sft": (self.sft.examples_per_step, "demonstrations"),
                        "qlearn": (self.qlearn.batch_sequences, "sequences")}.get(
             algo, (rollout.prompts_per_step * rollout.samples_per_prompt, "sequences"))
         checks = [
@@ -413,6 +452,12 @@ class Config(Section):
              "train.adam_betas must be two numbers in [0, 1)"),
             (ppo.advantage_estimator not in ("grpo", "dr_grpo", "rloo") or rollout.samples_per_prompt > 1,
              f"ppo.advantage_estimator={ppo.advantage_estimator} needs rollout.samples_per_prompt > 1 (a group)"),
+            (self.reward.function not in ("reward_model",) or bool(self.reward.model),
+             "reward.function=reward_model needs reward.model (a reward-model folder)"),
+            (self.reward.function != "remote" or bool(self.reward.remote.url),
+             "reward.function=remote needs reward.remote.url"),
+            (algo != "reward_model" or self.dpo.pairs == "scorer",
+             f"run.algorithm=reward_model trains on data.preference_file or on scored pairs (dpo.pairs=scorer), not dpo.pairs={self.dpo.pairs}"),
             (not (algo == "dpo" and self.data.preference_file and self.dpo.pairs != "scorer"),
              f"dpo.pairs={self.dpo.pairs} makes its own pairs: leave data.preference_file empty"),
             (not self.stages or len({st.name for st in self.stages}) == len(self.stages), "stages: names must be unique"),
@@ -565,10 +610,20 @@ def config_help() -> str:
             continue
         if not cls.model_fields:  # type: ignore[union-attr]
             lines.append("  (no settings of its own) " + " ".join((cls.__doc__ or "").split()))
-        for name, f in cls.model_fields.items():  # type: ignore[union-attr]
-            default = f.get_default(call_default_factory=True)
-            lines.append(f"  {name}: {default!r}\n      {f.description or ''}")
+        lines.extend(_field_help(cls))
     return "\n".join(lines)
+
+
+def _field_help(cls: type[Section], prefix: str = "") -> list[str]:
+    """Help lines of a section's fields; a nested section's as dotted names (reward.remote.url)."""
+    lines = []
+    for name, f in cls.model_fields.items():
+        if isinstance(f.annotation, type) and issubclass(f.annotation, Section):
+            lines.extend(_field_help(f.annotation, f"{prefix}{name}."))
+            continue
+        default = f.get_default(call_default_factory=True)
+        lines.append(f"  {prefix}{name}: {default!r}\n      {f.description or ''}")
+    return lines
 
 
 def config_schema() -> str:

@@ -119,12 +119,15 @@ def _merge_counts(stats: list[dict], key: str = "skipped") -> dict[str, int]:
 
 
 def judge_metrics(score_stats: list[dict]) -> dict[str, float]:
-    """Summed judge counts of every generator (``actors/judge.py``) as ``judge/<count>``, with the parse rate."""
+    """The scorers' own counts summed over shards: judge counts of judging generators
+    (``counts``, as ``judge/<count>``, with the parse rate) and a scorer actor's ``metrics``
+    (e.g. ``remote/failed_attempts``)."""
     out: dict[str, float] = {}
     for s in score_stats:
-        for k, v in s.get("counts", {}).items():
-            out[f"judge/{k}"] = out.get(f"judge/{k}", 0) + v
-    if out:
+        items = [(f"judge/{k}", v) for k, v in s.get("counts", {}).items()] + list(s.get("metrics", {}).items())
+        for k, v in items:
+            out[k] = out.get(k, 0) + v
+    if "judge/judgements" in out:
         out["judge/parse_rate"] = out["judge/parsed"] / max(out["judge/judgements"], 1)
     return out
 

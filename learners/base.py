@@ -37,6 +37,7 @@ LEARNERS: dict[str, str] = {
     "dpo": "learners.dpo:DPOLearner",
     "sft": "learners.sft:SFTLearner",
     "qlearn": "learners.qlearn:QLearner",
+    "reward_model": "learners.reward_model:RewardModelLearner",
 }
 
 CRITIC_DIR = "critic"

@@ -28,6 +28,7 @@ __all__ = [
     "policy_loss_clipped",
     "value_loss_clipped",
     "entropy_from_logits",
+    "bradley_terry_loss",
     "logprobs_from_logits",
     "PREFERENCE_LOSSES",
     "preference_loss",
@@ -511,6 +512,23 @@ def preference_metrics(chosen_rewards: Tensor, rejected_rewards: Tensor, chosen_
             "logps/chosen": chosen_logps.detach().sum(),
             "logps/rejected": rejected_logps.detach().sum(),
         }
+
+
+def bradley_terry_loss(chosen_rewards: Tensor, rejected_rewards: Tensor, margin: float = 0.0,
+                       center_coef: float = 0.0) -> Tensor:
+    """Per-pair reward-model loss of a Bradley–Terry preference model ``(P,)``.
+
+    InstructGPT (Ouyang et al. 2022) eq. 1: ``-log sigma(r(x, y_w) - r(x, y_l) - m)`` with an
+    optional fixed margin ``m`` (Llama 2 uses a rating-dependent one), plus
+    ``center_coef * (r_w + r_l)^2`` (Eisenstein et al. 2023), which pins the reward's free offset
+    near 0 so that rewards stay on one scale across runs.
+
+    chosen_rewards, rejected_rewards: ``(P,)`` scalar rewards of each pair's two responses.
+    """
+    loss = -torch.nn.functional.logsigmoid(chosen_rewards - rejected_rewards - margin)
+    if center_coef:
+        loss = loss + center_coef * (chosen_rewards + rejected_rewards) ** 2
+    return loss
 
 
 # -- token-level Q-learning -------------------------------------------------------------------------

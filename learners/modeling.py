@@ -313,3 +313,15 @@ def sequence_logprobs(
                 temperature=temperature, chunk=chunk,
             )["logprobs"]
     return out
+
+
+def last_token_hidden(decoder: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B, H) hidden state of each row's last attended token: where a reward model reads the
+    whole (prompt, response) sequence (InstructGPT's scalar head on the final token).
+
+    input_ids, attention_mask: (B, L); padding may sit anywhere after a row's last real token.
+    """
+    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask.long()).last_hidden_state
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+    last = (positions * attention_mask.long()).argmax(1)
+    return hidden[torch.arange(input_ids.shape[0], device=input_ids.device), last]

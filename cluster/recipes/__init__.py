@@ -17,6 +17,7 @@ RECIPES: dict[str, str] = {
     "dpo": "cluster.recipes.dpo",
     "sft": "cluster.recipes.sft",
     "qlearn": "cluster.recipes.qlearn",
+    "reward_model": "cluster.recipes.dpo",
 }
 
 

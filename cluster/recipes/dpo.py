@@ -1,4 +1,6 @@
-"""DPO recipe (Rafailov et al. 2023, sec. 4 and 5) on a fixed set of pairs:
+"""DPO recipe (Rafailov et al. 2023, sec. 4 and 5) on a fixed set of pairs; also the recipe of
+``run.algorithm=reward_model`` (a Bradley–Terry reward model on the same pairs: no reference, no
+generators after the pairs are made, held-out pairwise accuracy as its evaluation):
 
     pairs       <- preference rows (JSONL / Parquet), checked, counted, split, tokenised
                    or, without a preference file, made by the generators (``dpo.pairs``, see
@@ -80,7 +82,7 @@ def _with_reference(ctx: RunContext, model_path: str, parts: dict[str, Experienc
     """Reference log-probs of every pair, computed once by a Reference actor (then stopped) and
     cached in the run directory, so a resumed run does not score the data again."""
     cfg = ctx.cfg
-    if not cfg.dpo.uses_reference or cfg.lora.enabled:
+    if not cfg.dpo.uses_reference or cfg.lora.enabled or cfg.run.algorithm == "reward_model":
         return parts
     cache = ctx.dir / REFERENCE_CACHE
     if cache.is_file():
@@ -171,6 +173,10 @@ def _pairs_and_generators(ctx: RunContext, tok: Any, model_path: str, train_set:
         rollout.shutdown()
         raise
     parts = {"train": train_pairs, **({"eval": eval_pairs} if eval_pairs is not None else {})}
+    if cfg.run.algorithm == "reward_model":  # a reward model is no policy: the generators are done
+        rollout.shutdown()
+        ctx.runlog.eval_label = "pairwise accuracy"
+        return None, parts, [], counts
     return rollout, parts, eval_set.task_rows if cfg.dpo.pairs == "spin" else eval_set.rows, counts
 
 
@@ -228,8 +234,12 @@ def _train(ctx: RunContext, learners: LearnerGroup, rollout: RolloutGroup | None
         return row
 
     info = learners.wait_ready()
-    print(f"[rayrlhf] roles ready: {cfg.cluster.num_learners} learner(s), {cfg.dpo.loss} loss, beta {cfg.dpo.beta}, "
-          f"reference {'in the learner (LoRA)' if cfg.lora.enabled else 'scored once' if cfg.dpo.uses_reference else 'none'}"
+    if cfg.run.algorithm == "reward_model":
+        objective = "Bradley-Terry reward model"
+    else:
+        objective = (f"{cfg.dpo.loss} loss, beta {cfg.dpo.beta}, reference "
+                     f"{'in the learner (LoRA)' if cfg.lora.enabled else 'scored once' if cfg.dpo.uses_reference else 'none'}")
+    print(f"[rayrlhf] roles ready: {cfg.cluster.num_learners} learner(s), {objective}"
           f"; {n_pairs} training pairs; trainable fraction {info['trainable_fraction']:.4f}"
           + (f"; resumed from {ctx.resume_from} (step {ctx.start_step})" if ctx.resume_from else ""), flush=True)
     sampler = PromptSampler(n_pairs, min(cfg.dpo.pairs_per_step, n_pairs), cfg.run.seed, **ctx.run_state["sampler"])

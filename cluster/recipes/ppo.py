@@ -14,6 +14,7 @@ Placement, object refs and data-parallel details live in ``cluster/actor_groups.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -27,7 +28,7 @@ from cluster.run_context import PromptSampler, RunContext, RunResult, greedy_acc
 
 def load_data(cfg: Config):
     """Train and held-out prompts of ``data.task``; checks that the reward function imports."""
-    from actors.scorer import resolve_reward_fn
+    from actors.scorer import SCORER_KINDS, resolve_reward_fn
     from actors.tasks import load_prompts
 
     try:
@@ -38,10 +39,12 @@ def load_data(cfg: Config):
     except (FileNotFoundError, ValueError) as e:
         raise UserError(f"data.task: {e}") from None
     try:
-        if cfg.reward.function != "llm_judge":  # the judge runs on the generators, nothing to import
+        if cfg.reward.function not in SCORER_KINDS:  # a rule function: it must import
             resolve_reward_fn(cfg.reward.function)
     except ValueError as e:
         raise UserError(f"reward.function: {e}") from None
+    if cfg.reward.model and not (Path(cfg.reward.model) / "config.json").is_file():
+        raise UserError(f"reward.model: {cfg.reward.model} is not a model folder (no config.json)")
     description = (f"{len(train_set)} train / {len(eval_set)} held-out prompts from {cfg.data.task}"
                    + (f" (skipped while loading: {train_set.skipped})" if train_set.skipped else ""))
     return train_set, eval_set, description

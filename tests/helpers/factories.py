@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 import torch
 
-from cluster.config import DPOConfig, LoRAConfig, PPOConfig, QLearnConfig, SFTConfig, TrainConfig
+from cluster.config import DPOConfig, LoRAConfig, PPOConfig, QLearnConfig, RewardModelConfig, SFTConfig, TrainConfig
 from learners.base import LearnerContext
 from learners.distributed import Collective
 from learners.experience import Experience
@@ -180,3 +180,13 @@ def step_with_grads(learner: Any, batch: Experience, comm: Collective | None = N
     captured: dict = {}
     learner.on_gradients = lambda params: captured.setdefault("g", flat_grads(params))
     return captured, learner.train_step(batch)
+
+
+def make_rm_learner(path: str, *, train: dict | None = None, rm: dict | None = None, comm: Collective | None = None,
+                    seed: int = 0, total_steps: int = 10):
+    """A reward-model learner on the tiny model; ``train``/``rm`` override config fields."""
+    from learners.reward_model import RewardModelLearner
+
+    tr = TrainConfig(**{"bf16": False, "micro_batch_size": 8, **(train or {})})
+    ctx = LearnerContext(model_path=path, seed=seed, total_steps=total_steps, comm=comm)
+    return RewardModelLearner.build(ctx, tr, RewardModelConfig(**(rm or {})))

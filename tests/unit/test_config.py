@@ -97,7 +97,7 @@ def test_types_are_checked_and_coerced():
 
 def test_algorithm_must_be_a_registered_recipe():
     assert load_config(overrides=["run.algorithm=ppo"]).run.algorithm == "ppo"
-    with pytest.raises(ConfigError, match="run.algorithm must be one of dpo, ppo, qlearn, sft"):
+    with pytest.raises(ConfigError, match="run.algorithm must be one of dpo, ppo, qlearn, reward_model, sft"):
         load_config(overrides=["run.algorithm=kto"])
     with pytest.raises(ConfigError, match="dpo.candidates"):
         load_config(overrides=["run.algorithm=dpo", "dpo.candidates=1"])
@@ -127,7 +127,8 @@ def test_lora_target_modules_from_the_command_line_is_a_list(capsys):
 def test_schema_is_json_naming_every_section(capsys):
     schema = json.loads(config_schema())
     assert set(schema["properties"]) == {
-        "run", "model", "data", "reward", "rollout", "train", "ppo", "dpo", "sft", "qlearn", "judge", "lora", "cluster", "stages",
+        "run", "model", "data", "reward", "rollout", "train", "ppo", "dpo", "sft", "qlearn", "reward_model", "judge", "lora",
+        "cluster", "stages",
     }
     defs = schema["$defs"]
     assert {"TrainConfig", "PPOConfig"} <= set(defs)

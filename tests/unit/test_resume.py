@@ -159,5 +159,5 @@ def test_registry_finds_the_ppo_learner():
     from learners.ppo import PPOLearner
 
     assert get_learner("ppo") is PPOLearner
-    with pytest.raises(KeyError, match="registered: dpo, ppo, qlearn, sft"):
+    with pytest.raises(KeyError, match="registered: dpo, ppo, qlearn, reward_model, sft"):
         get_learner("nope")
