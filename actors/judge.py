@@ -203,11 +203,14 @@ class JudgeScorer(TextScorer):
     folder on its own vLLM engine grades each (prompt, response); an item without a valid
     judgement is dropped and counted as ``unjudged`` (or raises, per ``on_error``)."""
 
-    def __init__(self, cfg: JudgeConfig, generator_config: Any, on_error: str = "skip") -> None:
-        from actors.generator import Generator
-
+    def __init__(self, cfg: JudgeConfig, generator_config: Any, on_error: str = "skip", engine: Any = None) -> None:
+        """``engine``: an already built generator (default: a new one from ``generator_config``)."""
         self.judge = Judge(cfg)
-        self.gen = Generator(generator_config)
+        if engine is None:
+            from actors.generator import Generator
+
+            engine = Generator(generator_config)
+        self.gen = engine
         self.on_error = on_error
         self.last_metrics: dict[str, float] = {}
         self._calls = 0

@@ -124,6 +124,22 @@ def task_demonstrations(task_rows: list[dict[str, Any]]) -> list[dict[str, Any]]
             for i, r in enumerate(task_rows) if str(r.get("answer", "")).strip()]
 
 
+def answer_pairs(task_rows: list[dict[str, Any]], seed: int = 0) -> list[dict[str, Any]]:
+    """Preference pairs from task rows with known answers (``actors/tasks.py``): the row's correct
+    answer is chosen, another row's (different) answer to the same prompt is rejected. A reward
+    model trained on them must read the prompt to tell the two apart."""
+    import random
+
+    rng = random.Random(seed)
+    rows = [r for r in task_rows if str(r.get("answer", "")).strip()]
+    out = []
+    for i, r in enumerate(rows):
+        others = [str(o["answer"]) for o in rng.sample(rows, min(len(rows), 8)) if str(o["answer"]) != str(r["answer"])]
+        if others:
+            out.append({"prompt": r["prompt"], "chosen": str(r["answer"]), "rejected": others[0], "index": i})
+    return out
+
+
 def read_preferences(path: str | Path) -> PreferenceSet:
     """Rows of a ``.jsonl`` file (read line by line, so one bad line is counted, not fatal) or a
     ``.parquet`` file (pyarrow)."""

@@ -9,7 +9,8 @@ Samples go in requests of ``batch_size``, at most ``concurrency`` in flight. A r
 ``max_retries`` times with exponential back-off and jitter. If it still fails the endpoint counts
 as down: ``on_failure='stop'`` raises at once; ``'wait'`` keeps retrying every ``max_backoff_s``
 until it answers or ``max_wait_s`` has passed, then raises. Other 4xx answers (bad key, wrong
-path) are configuration errors and raise at once. Nothing ever becomes a reward that the endpoint
+path) are configuration errors and raise at once, except a 404 once the endpoint has answered (a
+Serve app being redeployed). Nothing ever becomes a reward that the endpoint
 did not give: every failed attempt is counted in ``last_metrics`` (``remote/...``), and a
 ``null`` score drops its sample (counted as ``remote_null``).
 """
@@ -96,6 +97,7 @@ class RemoteScorer(TextScorer):
             self.session.headers["Authorization"] = f"Bearer {settings.api_key}"
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(_COUNTERS, 0.0)
+        self._answered = False
         self.last_metrics = {}
 
     def _count(self, key: str, n: float = 1.0) -> None:
@@ -110,16 +112,20 @@ class RemoteScorer(TextScorer):
             r = self.session.post(self.s.url, data=json.dumps(payload), timeout=self.s.timeout_s)
         except requests.RequestException as e:
             raise _Retryable(f"{type(e).__name__}: {e}") from None
-        if r.status_code >= 500 or r.status_code == 429:
+        # 404 after the endpoint has answered: it is being redeployed behind its proxy (an outage);
+        # before that the URL is wrong (a configuration error, below).
+        if r.status_code >= 500 or r.status_code == 429 or (r.status_code == 404 and self._answered):
             raise _Retryable(f"HTTP {r.status_code}: {r.text[:200]}")
         if r.status_code >= 400:
             raise RemoteScorerError(f"remote scorer {self.s.url} refused the request: HTTP {r.status_code}: "
                                     f"{r.text[:300]} (check reward.remote.url and its API key)")
         try:
-            return parse_reply(r.content, n)
+            out = parse_reply(r.content, n)
         except _Retryable:
             self._count("malformed")
             raise
+        self._answered = True
+        return out
 
     def _delay(self, attempt: int) -> float:
         base = min(self.s.max_backoff_s, self.s.backoff_s * 2 ** attempt)

@@ -4,6 +4,7 @@
     rayrlhf train --resume RUN_DIR [--set run.steps=N ...]  continue a run from its latest checkpoint
     rayrlhf config [--schema]                               every field, its default and meaning
     rayrlhf validate CONFIG [--set ...]                     check a config without running it
+    rayrlhf serve policy|scorer|reload ...                  Ray Serve apps (serving/cli.py)
 
 User errors (a bad config key, a missing prompt file, an unknown task, a reward function that
 does not import, a model folder that does not exist) end with one line and exit code 2.
@@ -45,9 +46,16 @@ def main(argv: list[str] | None = None) -> int:
     va = sub.add_parser("validate", help="check a config file without running it")
     va.add_argument("config")
     va.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    from serving.cli import add_parser as add_serve_parser
+
+    add_serve_parser(sub)
     args = parser.parse_args(argv)
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.command == "serve":
+        from serving.cli import run as serve
+
+        return serve(args)
     if args.command == "config":
         print(config_schema() if args.schema else config_help())
         return 0

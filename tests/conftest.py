@@ -118,3 +118,14 @@ def wait_for(predicate, timeout: float, interval: float = 0.5):
             return value
         time.sleep(interval)
     raise TimeoutError("condition not met in time")
+
+
+@pytest.fixture(scope="session")
+def serve_url(ray_cluster):
+    """Ray Serve's HTTP proxy on 127.0.0.1 (its options are fixed per cluster: one for the session)."""
+    from ray import serve
+
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()

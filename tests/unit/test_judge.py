@@ -117,3 +117,22 @@ def test_judge_demonstrations_teach_the_format_on_both_ends_of_the_scale():
         assert status == "parsed"
         # Right answer -> top score; another row's answer -> 1 point.
         assert (shown == rows[i]["answer"]) == (i % 2 == 0) and score == (5.0 if i % 2 == 0 else 1.0)
+
+
+def test_judge_scorer_drops_unjudged_samples_and_reports_counts():
+    from actors.judge import JudgeScorer
+    from actors.scorer import RewardError
+
+    cfg = JudgeConfig(samples=2, max_prompt_tokens=len(DEFAULT_TEMPLATE) + 200)
+    engine = FakeEngine({"good": ["Score: 5", "Score: 4"], "junk": ["hmm", "no idea"]})
+    scorer = JudgeScorer(cfg, None, engine=engine)
+    exp = Experience(input_ids=torch.ones(2, 3, dtype=torch.long), attention_mask=torch.ones(2, 3, dtype=torch.bool),
+                     response_mask=torch.tensor([[False, True, True]] * 2), rollout_logprobs=torch.zeros(2, 3),
+                     group_ids=torch.arange(2), truncated=torch.zeros(2, dtype=torch.bool), policy_version=0,
+                     completions=["good", "junk"], meta=[{"prompt": "q1"}, {"prompt": "q2"}]).validate()
+    out = scorer.score(exp)
+    assert out.completions == ["good"] and out.scores.tolist() == [4.5]
+    assert out.skipped == {"unjudged": 1}
+    assert scorer.last_metrics["judge/parsed"] == 2 and scorer.last_metrics["judge/unparsed"] == 2
+    with pytest.raises(RewardError, match="no reward for sample 1"):
+        JudgeScorer(cfg, None, on_error="raise", engine=engine).score(exp)

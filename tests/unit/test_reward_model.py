@@ -104,3 +104,23 @@ def test_learns_a_separable_preference(tiny_model_path):
     end = learner.evaluate(batch)
     assert end["eval/loss/total"] < start["eval/loss/total"] - 0.2
     assert end["eval/rewards/accuracy"] == 1.0
+
+
+def test_reward_model_scorer_gives_the_learners_rewards(tiny_model_path, tmp_path):
+    from actors.offline_data import encode_pairs
+    from actors.rm_scorer import RewardModelScorer
+    from transformers import AutoTokenizer
+
+    learner = make_rm_learner(tiny_model_path, seed=7)
+    folder = learner.save(tmp_path / "rm", tokenizer_from=tiny_model_path)
+    rows = [{"prompt": [{"role": "user", "content": "What is 2 + 2?"}], "chosen": "4", "rejected": "five", "index": 0}]
+    exp, _ = encode_pairs(rows, AutoTokenizer.from_pretrained(tiny_model_path), max_prompt_tokens=64,
+                          max_response_tokens=16)
+    with torch.no_grad():
+        expected = learner.rewards(exp.input_ids, exp.attention_mask).tolist()
+    scorer = RewardModelScorer(str(folder), batch_size=1, max_tokens=64)
+    values, skipped = scorer.score_texts(["What is 2 + 2?"] * 2, ["4", "five"], [{}, {}])
+    assert values == pytest.approx(expected, abs=1e-5) and skipped == {}
+    # Over the token budget: counted, never scored.
+    values, skipped = RewardModelScorer(str(folder), max_tokens=8).score_texts(["What is 2 + 2?"], ["4"], [{}])
+    assert values == [None] and skipped == {"reward_too_long": 1}

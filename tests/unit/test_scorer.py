@@ -67,3 +67,26 @@ def test_wrong_length_is_isolated_per_sample_when_skipping():
     # Called one sample at a time the function returns the right length: nothing lost.
     assert out.batch_size == 2 and out.scores.tolist() == [0.0, 0.0]
     assert not math.isnan(float(out.scores.sum()))
+
+
+def test_scorer_spec_from_the_run_config(monkeypatch):
+    from actors.remote import RemoteSettings
+    from cluster.actor_groups import scorer_spec, self_judging
+    from cluster.config import ConfigError, load_config
+
+    cfg = load_config(overrides=["reward.function=llm_judge", "reward.model=/models/judge", "judge.samples=2"])
+    spec = scorer_spec(cfg)
+    assert not self_judging(cfg)  # a judge model of its own: a scorer actor, not the generators
+    assert spec.judge.samples == 2 and spec.judge_engine.model_path == "/models/judge"
+    assert spec.judge_engine.max_model_len == cfg.judge.max_prompt_tokens + cfg.judge.max_new_tokens
+    assert self_judging(load_config(overrides=["reward.function=llm_judge"]))
+    monkeypatch.setenv("MY_SCORER_KEY", "k1")
+    spec = scorer_spec(load_config(overrides=["reward.function=remote", "reward.remote.url=http://127.0.0.1:9/v1/score",
+                                              "reward.remote.api_key_env=MY_SCORER_KEY", "reward.remote.on_failure=stop"]))
+    assert isinstance(spec.remote, RemoteSettings) and spec.remote.api_key == "k1" and spec.remote.on_failure == "stop"
+    with pytest.raises(ConfigError, match="reward.model"):
+        load_config(overrides=["reward.function=reward_model"])
+    with pytest.raises(ConfigError, match="reward.remote.url"):
+        load_config(overrides=["reward.function=remote"])
+    with pytest.raises(ConfigError):
+        load_config(overrides=["reward.remote.urll=http://x"])

@@ -1,0 +1,110 @@
+"""``rayrlhf serve ...``: the Serve apps from the command line (on the cluster in RAY_ADDRESS, or a
+local one), bound to 127.0.0.1 unless ``--host`` says otherwise.
+
+    rayrlhf serve policy MODEL_DIR [--best-of-n-scorer FUNCTION] [--replicas N] ...
+    rayrlhf serve scorer (--function F | --reward-model DIR | --judge DIR) ...
+    rayrlhf serve reload URL CHECKPOINT      a running policy server switches to CHECKPOINT
+
+The API key, when wanted, is read from the environment variable ``--api-key-env`` names
+(default RAYRLHF_API_KEY), never from the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Any
+
+from serving.common import DEFAULT_HOST, DEFAULT_PORT
+
+
+def add_parser(sub: Any) -> None:
+    sv = sub.add_parser("serve", help="serve a policy (OpenAI API) or a scorer (/v1/score) with Ray Serve")
+    kinds = sv.add_subparsers(dest="app", required=True)
+    po = kinds.add_parser("policy", help="OpenAI-API policy server over vLLM (ray.serve.llm)")
+    po.add_argument("model_path", help="model folder or rayrlhf checkpoint")
+    po.add_argument("--model-id", default="policy", help="name clients pass as 'model'")
+    po.add_argument("--replicas", type=int, default=1, help="engine replicas")
+    po.add_argument("--max-model-len", type=int, default=1024)
+    po.add_argument("--dtype", default="bfloat16")
+    po.add_argument("--max-tokens", type=int, default=512, help="largest max_tokens a request may ask for")
+    po.add_argument("--max-n", type=int, default=8, help="largest n (and best-of-n) a request may ask for")
+    po.add_argument("--best-of-n-scorer", default="", metavar="FUNCTION",
+                    help="enable /v1/best_of_n ranked by this reward function (a rule, or reward_model with --scorer-model)")
+    po.add_argument("--scorer-model", default="", help="reward-model or judge folder of the best-of-n scorer")
+    sc = kinds.add_parser("scorer", help="/v1/score over a rule function, reward model or LLM judge")
+    what = sc.add_mutually_exclusive_group(required=True)
+    what.add_argument("--function", help="rule function: a built-in (reasoning_gym, exact_match, ...) or module:function")
+    what.add_argument("--reward-model", metavar="DIR", help="a trained reward model (run.algorithm=reward_model checkpoint)")
+    what.add_argument("--judge", metavar="DIR", help="an LLM judge (any causal-LM folder)")
+    sc.add_argument("--replicas", type=int, default=1)
+    sc.add_argument("--max-items", type=int, default=256, help="most samples per request")
+    for p in (po, sc):
+        p.add_argument("--host", default=DEFAULT_HOST, help="interface to bind (default loopback only)")
+        p.add_argument("--port", type=int, default=DEFAULT_PORT)
+        p.add_argument("--api-key-env", default="RAYRLHF_API_KEY",
+                       help="environment variable holding the API key (unset: no key required)")
+        p.add_argument("--address", default="", help="Ray cluster to join (default: RAY_ADDRESS, else a local one)")
+    rl = kinds.add_parser("reload", help="switch a running policy server to a newer checkpoint")
+    rl.add_argument("url", help="the server, e.g. http://127.0.0.1:8000")
+    rl.add_argument("checkpoint", help="model folder with the served model's architecture")
+    rl.add_argument("--api-key-env", default="RAYRLHF_API_KEY")
+
+
+def _scorer_args(ns: argparse.Namespace) -> dict[str, Any]:
+    if getattr(ns, "reward_model", None):
+        return {"function": "reward_model", "model": ns.reward_model}
+    if getattr(ns, "judge", None):
+        return {"function": "llm_judge", "model": ns.judge}
+    return {"function": ns.function}
+
+
+def _reload(ns: argparse.Namespace) -> int:
+    import requests
+
+    key = os.environ.get(ns.api_key_env, "")
+    r = requests.post(ns.url.rstrip("/") + "/v1/admin/reload", json={"model_path": os.path.abspath(ns.checkpoint)},
+                      headers={"Authorization": f"Bearer {key}"} if key else {}, timeout=600)
+    print(r.text)
+    return 0 if r.ok else 1
+
+
+def run(ns: argparse.Namespace) -> int:
+    if ns.app == "reload":
+        return _reload(ns)
+    import ray
+    from ray import serve
+
+    if ns.app == "policy":
+        from serving.policy import build_policy_app
+
+        args: dict[str, Any] = {"model_path": ns.model_path, "model_id": ns.model_id, "num_replicas": ns.replicas,
+                                "max_model_len": ns.max_model_len, "dtype": ns.dtype, "api_key_env": ns.api_key_env,
+                                "limits": {"max_tokens": ns.max_tokens, "max_n": ns.max_n}}
+        if ns.best_of_n_scorer:
+            args["best_of_n_scorer"] = {"function": ns.best_of_n_scorer, **({"model": ns.scorer_model} if ns.scorer_model else {})}
+        make, name = (lambda: build_policy_app(args)), "policy"
+    else:
+        from serving.scorer import build_scorer_app
+
+        args = {"scorer": _scorer_args(ns), "num_replicas": ns.replicas, "api_key_env": ns.api_key_env,
+                "limits": {"max_items": ns.max_items}}
+        make, name = (lambda: build_scorer_app(args)), "scorer"
+    address = ns.address or os.environ.get("RAY_ADDRESS") or None
+    ray.init(address=address, include_dashboard=False if address is None else None, log_to_driver=True)
+    serve.start(http_options={"host": ns.host, "port": ns.port})
+    try:
+        serve.run(make(), name=name, route_prefix="/", blocking=False)
+    except ValueError as e:
+        print(f"rayrlhf: {e}", file=sys.stderr)
+        return 2
+    key_note = f"API key from ${ns.api_key_env}" if os.environ.get(ns.api_key_env) else "no API key"
+    print(f"[rayrlhf] {name} server on http://{ns.host}:{ns.port} ({key_note}); Ctrl-C stops it", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        serve.delete(name)
+    return 0

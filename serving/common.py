@@ -1,0 +1,159 @@
+"""What every rayrlhf Serve app shares: safe defaults for an HTTP endpoint.
+
+``Guard`` is a plain ASGI middleware in front of an app: it refuses a request without the API key
+(``Authorization: Bearer <key>``, when one is set) with 401 before anything parses it, and a body
+over ``max_body_bytes`` with 413 (by its Content-Length, or while it streams in). Errors use the
+OpenAI error shape, ``{"error": {"message", "type", "code"}}``. Apps bind to 127.0.0.1 unless
+told otherwise (``serve_http_options``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+#: Paths answered without the key (liveness probes of Kubernetes / load balancers).
+OPEN_PATHS = ("/-/healthz", "/-/routes", "/health")
+
+
+@dataclass
+class Limits:
+    """Request limits of an endpoint: larger requests get a 4xx, never a hang or a 500."""
+
+    # Largest request body (bytes).
+    max_body_bytes: int = 1 << 20
+    # Most samples per request (OpenAI ``n``; best-of-n's candidates).
+    max_n: int = 8
+    # Most new tokens per sample (OpenAI ``max_tokens``).
+    max_tokens: int = 512
+    # Most (prompt, completion) items per scoring request.
+    max_items: int = 256
+
+
+def api_key_from_env(name: str) -> str:
+    """The API key held by environment variable ``name`` ('' when unset: no key required)."""
+    return os.environ.get(name, "") if name else ""
+
+
+def error_body(status: int, message: str, kind: str = "invalid_request_error") -> bytes:
+    return json.dumps({"error": {"message": message, "type": kind, "code": status}}).encode()
+
+
+class _TooLarge(Exception):
+    pass
+
+
+@dataclass
+class GuardSettings:
+    """What ``Guard`` enforces. One instance per app module, filled in by the deployment's
+    constructor inside its replica (the app object is imported there, not pickled)."""
+
+    api_key: str = ""
+    max_body_bytes: int = 1 << 20
+
+
+class Guard:
+    """ASGI middleware: API key (401) and body size (413) checks, see module doc.
+
+    ``settings`` is named as ``"module:attribute"`` and looked up in the serving process: Serve
+    ships an ingress app to its replica by value (a copy of any object it holds), while the
+    deployment's constructor fills in the module's own ``GuardSettings`` there."""
+
+    def __init__(self, app: Any, settings: str) -> None:
+        self.app, self._name = app, settings
+
+    @property
+    def settings(self) -> GuardSettings:
+        import importlib
+
+        module, attr = self._name.split(":")
+        return getattr(importlib.import_module(module), attr)
+
+    @property
+    def api_key(self) -> str:
+        return self.settings.api_key
+
+    @property
+    def max_body(self) -> int:
+        return self.settings.max_body_bytes
+
+    async def _reply(self, send: Any, status: int, message: str, kind: str) -> None:
+        body = error_body(status, message, kind)
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        if status == 401:
+            headers.append((b"www-authenticate", b"Bearer"))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope.get("path", "") in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        if self.api_key and headers.get("authorization", "") != f"Bearer {self.api_key}":
+            return await self._reply(send, 401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                                     "authentication_error")
+        try:
+            declared = int(headers.get("content-length", "0") or 0)
+        except ValueError:
+            return await self._reply(send, 400, "malformed Content-Length header", "invalid_request_error")
+        if declared > self.max_body:
+            return await self._reply(send, 413, f"request body of {declared} bytes is over the limit of "
+                                     f"{self.max_body}", "invalid_request_error")
+        seen = 0
+
+        async def counted_receive() -> dict:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_body:
+                    raise _TooLarge()
+            return message
+
+        started = False
+
+        async def tracked_send(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted_receive, tracked_send)
+        except _TooLarge:
+            if not started:
+                await self._reply(send, 413, f"request body over the limit of {self.max_body} bytes",
+                                  "invalid_request_error")
+
+
+def add_error_handlers(app: Any, validation: bool = True) -> None:
+    """OpenAI-shaped errors for ``HTTPException`` (FastAPI's default body is ``{"detail": ...}``) and,
+    with ``validation``, 400 with the reason for malformed JSON or fields (FastAPI's default: 422)."""
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse
+    from starlette.exceptions import HTTPException
+
+    async def http_error(request: Any, exc: HTTPException) -> JSONResponse:
+        kind = "authentication_error" if exc.status_code == 401 else (
+            "not_found_error" if exc.status_code == 404 else "invalid_request_error")
+        return JSONResponse(status_code=exc.status_code,
+                            content={"error": {"message": str(exc.detail), "type": kind, "code": exc.status_code}})
+
+    async def bad_request(request: Any, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        message = f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "invalid request")
+        return JSONResponse(status_code=400, content={"error": {"message": message, "type": "invalid_request_error",
+                                                               "code": 400}})
+
+    app.add_exception_handler(HTTPException, http_error)
+    if validation:
+        app.add_exception_handler(RequestValidationError, bad_request)
+
+
+def serve_http_options(host: str = DEFAULT_HOST, port: int = DEFAULT_PORT) -> dict[str, Any]:
+    """Serve's HTTP options: loopback by default."""
+    return {"host": host, "port": port}
