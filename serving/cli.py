@@ -47,6 +47,7 @@ def add_parser(sub: Any) -> None:
         p.add_argument("--api-key-env", default="RAYRLHF_API_KEY",
                        help="environment variable holding the API key (unset: no key required)")
         p.add_argument("--address", default="", help="Ray cluster to join (default: RAY_ADDRESS, else a local one)")
+        p.add_argument("--access-log", action="store_true", help="Serve's per-request log lines (off by default: they cost throughput)")
     rl = kinds.add_parser("reload", help="switch a running policy server to a newer checkpoint")
     rl.add_argument("url", help="the server, e.g. http://127.0.0.1:8000")
     rl.add_argument("checkpoint", help="model folder with the served model's architecture")
@@ -82,7 +83,7 @@ def run(ns: argparse.Namespace) -> int:
 
         args: dict[str, Any] = {"model_path": ns.model_path, "model_id": ns.model_id, "num_replicas": ns.replicas,
                                 "max_model_len": ns.max_model_len, "dtype": ns.dtype, "api_key_env": ns.api_key_env,
-                                "limits": {"max_tokens": ns.max_tokens, "max_n": ns.max_n}}
+                                "limits": {"max_tokens": ns.max_tokens, "max_n": ns.max_n}, "access_log": ns.access_log}
         if ns.best_of_n_scorer:
             args["best_of_n_scorer"] = {"function": ns.best_of_n_scorer, **({"model": ns.scorer_model} if ns.scorer_model else {})}
         make, name = (lambda: build_policy_app(args)), "policy"
@@ -94,7 +95,7 @@ def run(ns: argparse.Namespace) -> int:
         make, name = (lambda: build_scorer_app(args)), "scorer"
     address = ns.address or os.environ.get("RAY_ADDRESS") or None
     ray.init(address=address, include_dashboard=False if address is None else None, log_to_driver=True)
-    serve.start(http_options={"host": ns.host, "port": ns.port})
+    serve.start(http_options={"host": ns.host, "port": ns.port}, logging_config={"enable_access_log": ns.access_log})
     try:
         serve.run(make(), name=name, route_prefix="/", blocking=False)
     except ValueError as e:

@@ -13,7 +13,7 @@ rayrlhf's gateway, a subclass of Ray's ``OpenAiIngress`` that keeps its routes a
       drops its prefix cache and resumes: no request is dropped.
 
 ``build_policy_app(args)`` makes the application (``rayrlhf serve policy``, ``serve run`` with a
-config file such as ``configs/serve_policy.yaml``).
+config file such as ``configs/serve/apps.yaml``).
 """
 
 from __future__ import annotations
@@ -198,14 +198,15 @@ Gateway = make_fastapi_ingress(PolicyGateway, app=app, endpoint_map=ENDPOINTS)
 
 def llm_config(model_path: str, *, model_id: str = DEFAULT_MODEL_ID, max_model_len: int = 1024,
                dtype: str = "bfloat16", kv_cache_gib: float = 1.0, threads: int = 0, num_replicas: int = 1,
-               autoscaling: dict | None = None, seed: int = 0, accelerator: str = "cpu") -> Any:
-    """``ray.serve.llm.LLMConfig`` of one served checkpoint (safetensors only, no remote code)."""
+               autoscaling: dict | None = None, seed: int = 0, accelerator: str = "cpu", access_log: bool = False) -> Any:
+    """``ray.serve.llm.LLMConfig`` of one served checkpoint (safetensors only, no remote code).
+    ``access_log``: Serve's per-request log lines (off: on a small machine they cost throughput)."""
     import os
 
     from ray.serve.llm import LLMConfig
 
-    deployment: dict[str, Any] = {"ray_actor_options": {"num_cpus": 0},
-                                  "graceful_shutdown_timeout_s": 120}
+    deployment: dict[str, Any] = {"ray_actor_options": {"num_cpus": 0}, "graceful_shutdown_timeout_s": 120,
+                                  "logging_config": {"enable_access_log": access_log}}
     if autoscaling:
         deployment["autoscaling_config"] = dict(autoscaling)
     else:
@@ -226,13 +227,14 @@ def llm_config(model_path: str, *, model_id: str = DEFAULT_MODEL_ID, max_model_l
 
 
 POLICY_ARGS = ("model_path", "model_id", "max_model_len", "dtype", "kv_cache_gib", "threads", "num_replicas",
-               "autoscaling", "seed", "accelerator", "api_key_env", "limits", "best_of_n_scorer")
+               "autoscaling", "seed", "accelerator", "access_log", "api_key_env", "limits", "best_of_n_scorer")
 
 
 def build_policy_app(args: dict[str, Any]) -> Any:
     """The policy application. ``args``: ``model_path`` (required), ``model_id``, ``max_model_len``,
     ``dtype``, ``kv_cache_gib``, ``threads``, ``num_replicas`` or ``autoscaling`` (Serve's
-    autoscaling_config), ``seed``, ``accelerator`` ('cpu' or a GPU kind), ``api_key_env`` (default
+    autoscaling_config), ``seed``, ``accelerator`` ('cpu' or a GPU kind), ``access_log`` (Serve's
+    per-request log lines, default off), ``api_key_env`` (default
     RAYRLHF_API_KEY), ``limits`` (``serving.common.Limits`` fields), ``best_of_n_scorer`` (scorer
     settings as for ``serving.scorer``: enables ``/v1/best_of_n``)."""
     from ray.serve.llm import build_llm_deployment
@@ -247,7 +249,7 @@ def build_policy_app(args: dict[str, Any]) -> Any:
         raise ValueError(f"model_path {folder} is not a model folder (no config.json)")
     limits = Limits(**args.get("limits", {}))
     engine = {k: args[k] for k in ("model_id", "max_model_len", "dtype", "kv_cache_gib", "threads", "num_replicas",
-                                   "autoscaling", "seed", "accelerator") if k in args}
+                                   "autoscaling", "seed", "accelerator", "access_log") if k in args}
     engine.setdefault("max_model_len", max(1024, limits.max_tokens + 512))
     cfg = llm_config(folder, **engine)
     llm = build_llm_deployment(cfg)
@@ -258,8 +260,8 @@ def build_policy_app(args: dict[str, Any]) -> Any:
         scorer = serve.deployment(ScorerBackend, name="BestOfNScorer", ray_actor_options={"num_cpus": 0}).bind(
             scorer_spec_from_args(dict(args["best_of_n_scorer"])))
     api_key = api_key_from_env(args.get("api_key_env", "RAYRLHF_API_KEY"))
-    return serve.deployment(Gateway, name="PolicyGateway", ray_actor_options={"num_cpus": 0},
-                            max_ongoing_requests=256).bind(
+    return serve.deployment(Gateway, name="PolicyGateway", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256,
+                            logging_config={"enable_access_log": bool(args.get("access_log", False))}).bind(
         llm_deployments={cfg.model_id: llm}, model_cards={cfg.model_id: to_model_metadata(cfg.model_id, cfg)},
         limits=limits, api_key=api_key, scorer=scorer, model_path=folder)
 
