@@ -16,7 +16,7 @@ take exactly the step one learner takes on the same batch.
 from __future__ import annotations
 
 import time
-from typing import Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -62,6 +62,24 @@ def preference_pairs(group_ids: torch.Tensor, scores: torch.Tensor) -> tuple[tor
         chosen.append(win)
         rejected.append(lose)
     return torch.tensor(chosen, dtype=torch.long), torch.tensor(rejected, dtype=torch.long), bad
+
+
+def evaluate_pairs(batch: Experience, comm: Any, micro_pairs: int, stats: tuple[str, ...],
+                   micro_step: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]) -> dict[str, float]:
+    """Held-out metrics of a pairwise learner under ``eval/``: each rank runs every ``world``-th
+    pair through ``micro_step(chosen, rejected, global_pairs)`` (no gradient), which returns its
+    pairs' sums of ``stats``; the loss (first stat) is already a mean, the others become one."""
+    chosen, rejected, malformed = preference_pairs(batch.group_ids, batch.scores)
+    if len(chosen) == 0:
+        return {"eval/pairs": 0.0, "eval/malformed_pairs": float(malformed)}
+    totals = torch.zeros(len(stats), dtype=torch.float64)
+    mine = torch.arange(len(chosen))[comm.rank :: comm.world]
+    for micro in torch.split(mine, max(1, micro_pairs)):
+        totals += micro_step(chosen[micro], rejected[micro], len(chosen))
+    summed = comm.all_reduce_sum(totals)
+    out = {f"eval/{k}": float(v) / (1 if i == 0 else len(chosen)) for i, (k, v) in enumerate(zip(stats, summed))}
+    out.update({"eval/pairs": float(len(chosen)), "eval/malformed_pairs": float(malformed)})
+    return out
 
 
 class DPOLearner(PolicyLearner):
@@ -145,20 +163,11 @@ class DPOLearner(PolicyLearner):
     def evaluate(self, batch: Experience) -> dict[str, float]:
         """Loss, implicit-reward accuracy and margin on held-out pairs, under ``eval/``."""
         self.check_batch(batch)
-        chosen, rejected, malformed = preference_pairs(batch.group_ids, batch.scores)
-        if len(chosen) == 0:
-            return {"eval/pairs": 0.0, "eval/malformed_pairs": float(malformed)}
         ref_seq = self._reference_sums(batch)
         lengths = batch.response_mask.sum(1).float()
         self.model.eval()
-        totals = torch.zeros(len(_STATS), dtype=torch.float64)
-        mine = torch.arange(len(chosen))[self.comm.rank :: self.comm.world]
-        for micro in torch.split(mine, max(1, self.tr.micro_batch_size // 2)):
-            totals += self._micro_step(batch, chosen[micro], rejected[micro], ref_seq, lengths, len(chosen), grad=False)
-        summed = self.comm.all_reduce_sum(totals)
-        out = {f"eval/{k}": float(v) / (1 if k == "loss/total" else len(chosen)) for k, v in zip(_STATS, summed)}
-        out.update({"eval/pairs": float(len(chosen)), "eval/malformed_pairs": float(malformed)})
-        return out
+        return evaluate_pairs(batch, self.comm, self.tr.micro_batch_size // 2, _STATS,
+                              lambda c, r, n: self._micro_step(batch, c, r, ref_seq, lengths, n, grad=False))
 
     def _micro_step(self, batch: Experience, chosen: torch.Tensor, rejected: torch.Tensor,
                     ref_seq: torch.Tensor | None, lengths: torch.Tensor, global_pairs: int,

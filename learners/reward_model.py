@@ -25,7 +25,7 @@ from typing import Any, Iterator, Protocol
 import torch
 
 from learners.base import LearnerContext, TrainParams, load_learner_state, load_model_weights
-from learners.dpo import preference_pairs
+from learners.dpo import evaluate_pairs, preference_pairs
 from learners.experience import Experience
 from learners.losses import bradley_terry_loss
 from learners.modeling import autocast, last_token_hidden
@@ -105,18 +105,9 @@ class RewardModelLearner(PolicyLearner):
     def evaluate(self, batch: Experience) -> dict[str, float]:
         """Loss, pairwise accuracy and margin on held-out pairs, under ``eval/``."""
         self.check_batch(batch)
-        chosen, rejected, malformed = preference_pairs(batch.group_ids, batch.scores)
-        if len(chosen) == 0:
-            return {"eval/pairs": 0.0, "eval/malformed_pairs": float(malformed)}
         self.model.eval()
-        totals = torch.zeros(len(_STATS), dtype=torch.float64)
-        mine = torch.arange(len(chosen))[self.comm.rank :: self.comm.world]
-        for micro in torch.split(mine, max(1, self.tr.micro_batch_size // 2)):
-            totals += self._micro_step(batch, chosen[micro], rejected[micro], len(chosen), grad=False)
-        summed = self.comm.all_reduce_sum(totals)
-        out = {f"eval/{k}": float(v) / (1 if k == "loss/total" else len(chosen)) for k, v in zip(_STATS, summed)}
-        out.update({"eval/pairs": float(len(chosen)), "eval/malformed_pairs": float(malformed)})
-        return out
+        return evaluate_pairs(batch, self.comm, self.tr.micro_batch_size // 2, _STATS,
+                              lambda c, r, n: self._micro_step(batch, c, r, n, grad=False))
 
     def _micro_step(self, batch: Experience, chosen: torch.Tensor, rejected: torch.Tensor, global_pairs: int,
                     grad: bool = True) -> torch.Tensor:
