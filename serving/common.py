@@ -56,6 +56,17 @@ class GuardSettings:
     max_body_bytes: int = 1 << 20
 
 
+def configure_guard(name: str, api_key: str, max_body_bytes: int) -> None:
+    """Fills in the ``GuardSettings`` named ``"module:attribute"`` in this process (called by a
+    deployment's constructor in its replica; a by-value copy of the class would otherwise set a
+    copy of the settings, not the ones ``Guard`` reads)."""
+    import importlib
+
+    module, attr = name.split(":")
+    settings = getattr(importlib.import_module(module), attr)
+    settings.api_key, settings.max_body_bytes = api_key, max_body_bytes
+
+
 class Guard:
     """ASGI middleware: API key (401) and body size (413) checks, see module doc.
 

@@ -36,7 +36,7 @@ from ray.llm._internal.serve.core.configs.openai_api_models import (
 )
 from ray.llm._internal.serve.core.ingress.ingress import DEFAULT_ENDPOINTS, OpenAiIngress, init, make_fastapi_ingress
 
-from serving.common import Guard, GuardSettings, Limits, add_error_handlers, api_key_from_env
+from serving.common import Guard, GuardSettings, Limits, add_error_handlers, api_key_from_env, configure_guard
 
 DEFAULT_MODEL_ID = "policy"
 
@@ -80,7 +80,8 @@ def check_model_folder(path: str) -> Path:
 app = init()  # Ray's OpenAI app: its error middleware maps validation errors to 400
 add_error_handlers(app, validation=False)
 guard = GuardSettings()
-app.add_middleware(Guard, settings="serving.policy:guard")
+GUARD = "serving.policy:guard"
+app.add_middleware(Guard, settings=GUARD)
 
 
 class PolicyGateway(OpenAiIngress):
@@ -88,7 +89,7 @@ class PolicyGateway(OpenAiIngress):
                  scorer: Any = None, model_path: str = "") -> None:
         super().__init__(llm_deployments, model_cards)
         self.limits = limits or Limits()
-        guard.api_key, guard.max_body_bytes = api_key, self.limits.max_body_bytes
+        configure_guard(GUARD, api_key, self.limits.max_body_bytes)
         self.scorer = scorer
         self.model_path = model_path
         self._reload_lock = asyncio.Lock()

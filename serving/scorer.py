@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 
-from serving.common import Guard, GuardSettings, Limits, add_error_handlers, api_key_from_env
+from serving.common import Guard, GuardSettings, Limits, add_error_handlers, api_key_from_env, configure_guard
 
 
 class ScoreRequest(BaseModel):
@@ -47,7 +47,8 @@ def check_items(req: ScoreRequest, limits: Limits) -> str | None:
 app = FastAPI(title="rayrlhf scorer")
 add_error_handlers(app)
 guard = GuardSettings()
-app.add_middleware(Guard, settings="serving.scorer:guard")
+GUARD = "serving.scorer:guard"
+app.add_middleware(Guard, settings=GUARD)
 
 
 class ScorerBackend:
@@ -78,7 +79,7 @@ class ScorerServer(ScorerBackend):
 
     def __init__(self, spec: Any, limits: Limits | None = None, api_key: str = "", name: str = "") -> None:
         self.limits = limits or Limits()
-        guard.api_key, guard.max_body_bytes = api_key, self.limits.max_body_bytes
+        configure_guard(GUARD, api_key, self.limits.max_body_bytes)
         super().__init__(spec, name)
 
     @app.post("/v1/score")

@@ -86,3 +86,20 @@ def test_on_failure_stop_ends_the_run_with_a_clear_error(serve_url, tmp_path):
     with pytest.raises(Exception) as info:
         train(_config(url, "run.steps=2", "reward.remote.on_failure=stop"), run_dir=tmp_path / "run")
     assert "nothing-here" in str(info.value) and ("404" in str(info.value) or isinstance(info.value, RemoteScorerError))
+
+
+def test_scorer_server_answers_scores_and_refuses_bad_requests(scorer_url):
+    import requests
+
+    from actors.rewards import digit_density
+
+    auth = {"Authorization": f"Bearer {KEY}"}
+    body = {"prompts": ["p", "q"], "completions": ["12 apples", "none"]}
+    r = requests.post(scorer_url, json=body, headers=auth, timeout=30)
+    assert r.status_code == 200 and r.json()["scores"] == pytest.approx(digit_density(["p", "q"], body["completions"]))
+    assert requests.post(scorer_url, json=body, timeout=30).status_code == 401
+    assert requests.post(scorer_url, json=body, headers={"Authorization": "Bearer nope"}, timeout=30).status_code == 401
+    bad = requests.post(scorer_url, json={"prompts": ["p"], "completions": []}, headers=auth, timeout=30)
+    assert bad.status_code == 400 and "same length" in bad.json()["error"]["message"]
+    bad = requests.post(scorer_url, data="{nope", headers={**auth, "Content-Type": "application/json"}, timeout=30)
+    assert bad.status_code == 400
