@@ -19,7 +19,6 @@ config file such as ``configs/serve/apps.yaml``).
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -267,4 +266,4 @@ def build_policy_app(args: dict[str, Any]) -> Any:
         limits=limits, api_key=api_key, scorer=scorer, model_path=folder)
 
 
-__all__ = ["BestOfNRequest", "Gateway", "build_policy_app", "llm_config", "json"]
+__all__ = ["BestOfNRequest", "Gateway", "build_policy_app", "llm_config"]
