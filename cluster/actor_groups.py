@@ -125,6 +125,7 @@ class GeneratorWorker:
             "truncated": int(exp.truncated.sum()),
             "skipped": dict(exp.skipped),
             "policy_version": exp.policy_version,
+            "groups": exp.group_ids.tolist(),
             "peak_rss_gb": peak_rss_gb(),
             "samples": [(r, c) for r, c in zip([m.get("question", "") for m in exp.meta[:2]], exp.completions[:2])],
         }
@@ -153,7 +154,8 @@ class GeneratorWorker:
         out = exp.select(keep).replace(scores=torch.tensor([scores[i] for i in keep], dtype=torch.float32),
                                        skipped=skipped).validate()
         stats = {"seconds": time.perf_counter() - t0, "counts": counts, "scores": [scores[i] for i in keep],
-                 "skipped": skipped, "samples": [(p, r) for p, r in zip(exp.completions[:2], replies[:2])],
+                 "skipped": skipped, "groups": out.group_ids.tolist(),
+                 "samples": [(p, r) for p, r in zip(exp.completions[:2], replies[:2])],
                  "peak_rss_gb": peak_rss_gb()}
         return out, stats
 
@@ -176,6 +178,7 @@ class ScorerWorker:
         t0 = time.perf_counter()
         out = self.scorer.score(exp)
         return out, {"seconds": time.perf_counter() - t0, "scores": out.scores.tolist(), "skipped": dict(out.skipped),
+                     "groups": out.group_ids.tolist(),
                      "metrics": dict(self.scorer.last_metrics), "peak_rss_gb": peak_rss_gb()}
 
 
@@ -281,8 +284,11 @@ class RolloutGroup:
         ``with_reference``: start a Reference actor (default: when a PPO KL term needs one)."""
         self.cfg = cfg
         gen_cls = ray.remote(GeneratorWorker)
+        # Restarted by Ray after a crash; a restarted generator starts from its constructor's weights
+        # and is brought to the current ones by ``recover``.
         self.generators = [
-            gen_cls.options(num_cpus=cfg.rollout.cpus_per_generator, runtime_env=role_env(cfg.rollout.threads)).remote(
+            gen_cls.options(num_cpus=cfg.rollout.cpus_per_generator, runtime_env=role_env(cfg.rollout.threads),
+                            max_restarts=cfg.rollout.max_restarts).remote(
                 generator_config(cfg, policy_path or model_path, i, policy_version)
             )
             for i in range(cfg.rollout.num_generators)
@@ -293,6 +299,13 @@ class RolloutGroup:
         # With LoRA the learner scores the reference itself (its base model, adapter disabled):
         # no second copy of the weights, so no reference actor.
         # Without any KL term (beta = 0) nothing needs the reference, so it is not started.
+        # The policy version the generators hold (None: unknown), and a callable that returns a
+        # reference to the current packed weights (set by the recipe: the learners pack them), for
+        # a generator that restarted.
+        self.version: int | None = policy_version
+        self.weights_source: Any = None
+        self.restarts = 0
+        self.restart_log: list[dict] = []
         self.reference = None
         if with_reference is None:
             with_reference = not cfg.lora.enabled and cfg.ppo.uses_reference
@@ -311,6 +324,10 @@ class RolloutGroup:
         # Contiguous shards keep each prompt's samples on one generator (n is per prompt).
         size = -(-len(rows) // n)
         return [(rows[i : i + size], group_ids[i : i + size]) for i in range(0, len(rows), size)]
+
+    def assignment(self, group_ids: list[int]) -> list[list[int]]:
+        """The group ids each generator gets (``generate``'s shards)."""
+        return [g for _, g in self._shards(group_ids, group_ids)]
 
     def generate(
         self, rows: list[dict], group_ids: list[int], greedy: bool = False, seed: int | None = None
@@ -350,8 +367,77 @@ class RolloutGroup:
         pairs = [self.reference.annotate.options(num_returns=2).remote(e) for e in exp_refs]
         return [p[0] for p in pairs], [p[1] for p in pairs]
 
-    def sync_weights(self, weights_ref) -> list[float]:
-        return ray.get([g.load_weights.remote([weights_ref]) for g in self.generators])
+    def generate_checked(self, rows: list[dict], group_ids: list[int], greedy: bool = False, seed: int | None = None,
+                         on_reissue: Any = None) -> tuple[list, list[dict]]:
+        """``generate``, waiting for every shard's stats, and surviving a generator that dies:
+        its shard is issued again (same rows, same seed) once Ray has restarted it and it holds
+        the current weights. ``on_reissue(generator_index, group_ids, error)`` is told first."""
+        shards = self._shards(rows, group_ids)
+        calls = [self._generate_shard(i, r, g, greedy, seed) for i, (r, g) in enumerate(shards)]
+        exp_refs, stats = [], []
+        for i, (r, g) in enumerate(shards):
+            while True:
+                exp, stat = calls[i]
+                try:
+                    stats.append(ray.get(stat))
+                    exp_refs.append(exp)
+                    break
+                except ray.exceptions.RayActorError as e:
+                    if on_reissue is not None:
+                        on_reissue(i, g, e)
+                    self.recover(i, reason=type(e).__name__)
+                    calls[i] = self._generate_shard(i, r, g, greedy, seed)
+        return exp_refs, stats
+
+    def _generate_shard(self, i: int, rows: list, group_ids: list[int], greedy: bool, seed: int | None) -> tuple:
+        return self.generators[i].generate.options(num_returns=2).remote(
+            rows, group_ids, greedy, None if seed is None else seed + 7919 * i)
+
+    def recover(self, i: int, reason: str = "", weights_source: Any = None, timeout_s: float = 600) -> None:
+        """Waits for generator ``i`` to be restarted by Ray (``rollout.max_restarts``), then loads
+        the current weights into it (``weights_source()``: a reference to packed weights)."""
+        self.restarts += 1
+        if self.restarts > self.cfg.rollout.max_restarts * len(self.generators):
+            raise RuntimeError(f"generators restarted {self.restarts} times (rollout.max_restarts="
+                               f"{self.cfg.rollout.max_restarts} per generator)")
+        print(f"[rayrlhf] generator {i} died ({reason}); waiting for Ray to restart it", flush=True)
+        gen, t0 = self.generators[i], time.time()
+        while True:
+            try:
+                ray.get(gen.ready.remote(), timeout=60)
+                break
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
+                if isinstance(e, ray.exceptions.ActorDiedError) and "max_restarts" in str(e).lower() \
+                        or time.time() - t0 > timeout_s:
+                    raise RuntimeError(f"generator {i} did not come back: {e}") from e
+                time.sleep(1.0)
+        held = ray.get(gen.version.remote())
+        source = weights_source or self.weights_source
+        if held != self.version:
+            if source is None:
+                raise RuntimeError(f"generator {i} restarted with policy version {held} and this run has no source "
+                                   f"of the current weights (version {self.version})")
+            ray.get(gen.load_weights.remote([source()]))
+            held = ray.get(gen.version.remote())
+            if self.version is not None and held != self.version:
+                raise RuntimeError(f"generator {i} restarted with policy version {held}, the others hold {self.version}")
+        self.restart_log.append({"generator": i, "reason": reason, "seconds": round(time.time() - t0, 2),
+                                 "version": held})
+        print(f"[rayrlhf] generator {i} restarted in {time.time() - t0:.1f}s with policy version {held}", flush=True)
+
+    def sync_weights(self, weights_ref, version: int | None = None) -> list[float]:
+        """Loads the packed weights into every generator; one that died on the way is restarted
+        and given them. ``version``: the policy version they carry."""
+        self.version = version
+        refs = [g.load_weights.remote([weights_ref]) for g in self.generators]
+        out = []
+        for i, ref in enumerate(refs):
+            try:
+                out.append(ray.get(ref))
+            except ray.exceptions.RayActorError as e:
+                self.recover(i, reason=type(e).__name__, weights_source=lambda: weights_ref)
+                out.append(0.0)
+        return out
 
     def shutdown(self) -> None:
         for a in [*self.generators, self.scorer, self.reference]:

@@ -4,6 +4,7 @@
     rayrlhf train --resume RUN_DIR [--set run.steps=N ...]  continue a run from its latest checkpoint
     rayrlhf config [--schema]                               every field, its default and meaning
     rayrlhf validate CONFIG [--set ...]                     check a config without running it
+    rayrlhf status RUN_DIR [--json]                         step, reward, checkpoint, prompt ledger of a run
     rayrlhf serve policy|scorer|reload ...                  Ray Serve apps (serving/cli.py)
 
 User errors (a bad config key, a missing prompt file, an unknown task, a reward function that
@@ -41,6 +42,11 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("--run-dir", default=None, help="exact run directory (default: <output_dir>/<name>-<timestamp>)")
     tr.add_argument("--resume", default=None, metavar="RUN_DIR",
                     help="continue RUN_DIR from its latest checkpoint (its config, with --set changes)")
+    tr.add_argument("--verbose", action="store_true",
+                    help="show every library's output on the console too (it is always in <run dir>/train.log)")
+    st = sub.add_parser("status", help="summarise a run: step, reward, last checkpoint, prompt ledger")
+    st.add_argument("run_dir")
+    st.add_argument("--json", action="store_true", help="print the summary as JSON")
     co = sub.add_parser("config", help="print every config field with its default and meaning")
     co.add_argument("--schema", action="store_true", help="print the JSON schema instead")
     va = sub.add_parser("validate", help="check a config file without running it")
@@ -51,7 +57,13 @@ def main(argv: list[str] | None = None) -> int:
     add_serve_parser(sub)
     args = parser.parse_args(argv)
 
+    if args.command == "train":
+        return _train(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.command == "status":
+        from cluster.status import main as status
+
+        return status(args.run_dir, as_json=args.json)
     if args.command == "serve":
         from serving.cli import run as serve
 
@@ -60,15 +72,26 @@ def main(argv: list[str] | None = None) -> int:
         print(config_schema() if args.schema else config_help())
         return 0
     try:
-        if args.command == "train" and args.resume:
+        load_config(args.config, args.overrides)
+    except (ConfigError, UserError) as e:
+        print(f"rayrlhf: config error: {e}", file=sys.stderr)
+        return 2
+    print("config OK")
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    """``rayrlhf train``: on a quiet console (rayrlhf's lines; the rest in <run dir>/train.log)."""
+    from cluster import console
+
+    con = console.active = console.Console(verbose=args.verbose).install()
+    try:
+        if args.resume:
             if args.run_dir:
                 raise ConfigError("--resume names the run directory already; drop --run-dir")
             cfg = _resume_config(args.resume, args.config, args.overrides)
         else:
             cfg = load_config(args.config, args.overrides)
-        if args.command == "validate":
-            print("config OK")
-            return 0
         from cluster.driver import train
 
         train(cfg, run_dir=args.resume or args.run_dir, resume=bool(args.resume))
@@ -78,6 +101,17 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"rayrlhf: {e}", file=sys.stderr)
         return 2
+    except BaseException as e:  # the traceback goes to the terminal and the log, not through the filter
+        import traceback
+
+        text = traceback.format_exc()
+        con.log.write(text)
+        where = f" (log: {con.log.path})" if con.log.path else ""
+        print(text + f"rayrlhf: the run failed: {e!r}{where}", file=con.real_stderr, flush=True)
+        return 130 if isinstance(e, KeyboardInterrupt) else 1
+    finally:
+        con.close()
+        console.active = None
     return 0
 
 

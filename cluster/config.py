@@ -64,6 +64,7 @@ class RunConfig(Section):
     keep_last: int = _f(3, "Periodic checkpoints kept (older ones are deleted; 0: keep all).", ge=0)
     save_final: bool = _f(True, "Save a checkpoint at the end of the run.")
     plot: bool = _f(True, "Write a reward/KL curve PNG into the run directory.")
+    tensorboard: bool = _f(True, "Write TensorBoard event files to <run dir>/tensorboard/ (every metric of metrics.jsonl).")
     export_transitions: bool = _f(
         False, "Write every step's scored samples as token transitions (Parquet) to <run dir>/data/transitions/, "
         "the data of offline Q-learning (ppo and qlearn recipes).")
@@ -175,8 +176,13 @@ class RolloutConfig(Section):
     temperature: float = _f(1.0, "Sampling temperature of the rollouts.", ge=0)
     top_p: float = _f(1.0, "Nucleus sampling threshold of the rollouts.", gt=0, le=1)
     kv_cache_gib: float = _f(1.0, "vLLM CPU KV-cache size per generator (VLLM_CPU_KVCACHE_SPACE, GiB).", gt=0)
-    cpus_per_generator: float = _f(1.0, "Ray CPUs reserved by each generator actor.", ge=0)
+    cpus_per_generator: float = _f(
+        0.5, "Ray CPUs reserved by each generator actor (a placement claim: the phases of a step run one after "
+        "another and each uses rollout.threads; the defaults of all roles fit a 2-CPU cluster).", ge=0)
     threads: int = _f(0, "Torch/OpenMP threads of each generator (0: all cores of the node).", ge=0)
+    max_restarts: int = _f(
+        3, "Times Ray restarts a generator actor that died; a restarted generator gets the current weights "
+           "and its unfinished prompts are issued again (0: a lost generator ends the run).", ge=0)
 
 
 class TrainConfig(Section):
@@ -387,7 +393,13 @@ class ClusterConfig(Section):
     num_cpus: int = _f(0, "CPUs of a locally started cluster (0: enough logical CPUs for all roles).", ge=0)
     num_learners: int = _f(1, "Ray Train learner workers (data-parallel, gloo on CPU).", ge=1)
     cpus_per_learner: float = _f(1.0, "Ray CPUs reserved by each learner worker.", ge=0)
-    cpus_per_reference: float = _f(0.5, "Ray CPUs reserved by the reference actor.", ge=0)
+    cpus_per_reference: float = _f(0.25, "Ray CPUs reserved by the reference actor.", ge=0)
+    learner_max_failures: int = _f(
+        2, "Times Ray Train restarts the learner workers after one dies (FailureConfig); the learners reload "
+           "the last checkpoint and the steps since are replayed from the object store (0: a lost learner ends the run).",
+        ge=0)
+    metrics_export: bool = _f(True, "Export the run's metrics as Ray metrics (Prometheus on each node's metrics "
+                                    "export port, the Ray Dashboard, Grafana).")
     threads: int = _f(0, "Torch threads of learners and the reference (0: all cores of the node).", ge=0)
     dashboard_host: str = _f("127.0.0.1", "Interface of a locally started Ray Dashboard.")
     include_dashboard: bool = _f(True, "Start the Ray Dashboard (bound to dashboard_host) with a local cluster.")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import yaml
 
+from cluster.console import attach_run_dir
 from cluster.config import Config, UserError, check_resume_compatible, load_config
 from cluster.recipes import get_recipe
 from cluster.run_context import RUN_STATE_FILE, RunContext, RunResult, latest_checkpoint, preflight
@@ -67,6 +68,7 @@ def train_stages(cfg: Config, run_dir: str | Path | None = None, resume: bool = 
             train_set, eval_set, description = recipe.load_data(scfg)
         loaded.append((model_path, train_set, eval_set, description))
     root.mkdir(parents=True, exist_ok=True)
+    attach_run_dir(root)
     (root / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     print(f"[rayrlhf] run directory: {root.resolve()} ({len(stages)} stages: "
           f"{' -> '.join(f'{n} ({c.run.algorithm})' for n, c in stages)})", flush=True)

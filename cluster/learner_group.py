@@ -74,6 +74,8 @@ class LearnerSpec:
     num_learners: int = 1
     cpus_per_learner: float = 1.0
     threads: int = 0
+    # Restarts of the worker group Ray Train may make after a worker dies (``FailureConfig``).
+    max_failures: int = 0
 
 
 def learner_spec(cfg: Config, model_path: str, pad_token_id: int, resume_from: str | None = None) -> LearnerSpec:
@@ -88,18 +90,23 @@ def learner_spec(cfg: Config, model_path: str, pad_token_id: int, resume_from: s
         resume_from=resume_from, tokenizer_path=model_path, pad_token_id=pad_token_id,
         sync_dtype=cfg.model.generator_dtype, num_learners=cfg.cluster.num_learners,
         cpus_per_learner=cfg.cluster.cpus_per_learner, threads=cfg.cluster.threads,
+        max_failures=cfg.cluster.learner_max_failures,
     )
 
 
 def learner_loop(config: dict[str, Any]) -> None:
-    """The Ray Train worker function (runs on every rank)."""
+    """The Ray Train worker function (runs on every rank; again from the top after a restart).
+
+    Protocol: rank 0 reports ``ready``; the ranks then ignore every item until the driver's
+    ``begin`` (its epoch, and the checkpoint to restore after a restart), and after it every item
+    of another epoch: an item put before a restart is never taken for one meant after it. Every
+    reply carries the epoch, so the driver never takes a reply or a second ``ready`` for the
+    answer to the item it waits on."""
     import torch
 
     from cluster.actor_groups import peak_rss_gb
-    from cluster.weight_sync import pack
     from learners.base import get_learner
     from learners.distributed import default_collective
-    from learners.experience import Experience
 
     spec: LearnerSpec = config["spec"]
     channel = config["channel"]
@@ -116,62 +123,98 @@ def learner_loop(config: dict[str, Any]) -> None:
             "ready": True, "world": comm.world, "trainable_fraction": learner.trainable_fraction,
             "version": learner.version,
         }))
+    epoch = None
     while True:
         item = ray.get(channel.get.remote(rank))
         if item.get("stop"):
             break
-        step = item["step"]
-        if item.get("save_only"):  # a checkpoint outside a step (early stopping)
+        if "begin" in item:
+            epoch = item["begin"]
+            if item.get("restore"):
+                learner.restore(item["restore"])
             if rank == 0:
-                learner.save(item["save_dir"], tokenizer_from=spec.tokenizer_path)
-                ray.get(channel.report.remote({"step": step, "saved": item["save_dir"], "version": learner.version}))
+                ray.get(channel.report.remote({"epoch": epoch, "begun": True, "version": learner.version}))
             continue
+        if epoch is None or item.get("epoch") != epoch:
+            continue  # put before the restart this worker group is
         try:
-            parts = ray.get(item["exp_refs"])
-            batch = Experience.concat(parts, pad_token_id=spec.pad_token_id)
-            if item.get("evaluate"):
-                # Held-out metrics only: no update, no weights.
-                reply: dict[str, Any] = {"step": step, "metrics": learner.evaluate(batch), "version": learner.version}
-                if rank == 0:
-                    ray.get(channel.report.remote(reply))
-                continue
-            # Every rank gets the global batch and takes its own rows inside the learner.
-            metrics = learner.train_step(batch)
-            peak = torch.tensor([peak_rss_gb()], dtype=torch.float64)
-            if comm.world > 1:
-                torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
-            metrics["memory/learner_peak_gb"] = float(peak)
-            reply = {"step": step, "metrics": metrics, "version": learner.version}
-            if rank == 0:
-                if item.get("sync", True):
-                    t0 = time.perf_counter()
-                    with learner.policy_weights() as weights:
-                        packed = pack(weights, spec.sync_dtype, version=learner.version)
-                    reply["weights"] = [ray.put(packed)]
-                    reply["metrics"]["sync/pack_s"] = time.perf_counter() - t0
-                    reply["metrics"]["sync/bytes"] = float(packed.nbytes)
-                if item.get("save_dir"):
-                    learner.save(item["save_dir"], tokenizer_from=spec.tokenizer_path)
-                    reply["saved"] = item["save_dir"]
+            reply = _handle(item, learner, spec, comm, peak_rss_gb)
         except Exception as e:  # surface the error to the driver instead of hanging it
-            log.exception("learner step %s failed", step)
+            log.exception("learner step %s failed", item.get("step"))
             if rank == 0:
-                ray.get(channel.report.remote({"step": step, "error": repr(e)}))
+                ray.get(channel.report.remote({"epoch": epoch, "step": item.get("step"), "error": repr(e)}))
             raise
-        if rank == 0:
-            ray.get(channel.report.remote(reply))
-        # A compact subset: Ray Train logs every report, the full set goes to the run's JSONL.
-        ray.train.report({k: round(metrics[k], 6) for k in _REPORTED if k in metrics})
+        if reply is not None and rank == 0:
+            ray.get(channel.report.remote({"epoch": epoch, **reply}))
+        if reply is not None and "metrics" in reply and not item.get("evaluate"):
+            # A compact subset: Ray Train logs every report, the full set goes to the run's JSONL.
+            ray.train.report({k: round(reply["metrics"][k], 6) for k in _REPORTED if k in reply["metrics"]})
+
+
+def _handle(item: dict, learner: Any, spec: LearnerSpec, comm: Any, peak_rss_gb: Any) -> dict | None:
+    """One item of the driver: a training step, a held-out evaluation, a checkpoint or the current
+    weights. Returns rank 0's reply (every rank computes; only rank 0's is sent)."""
+    import torch
+
+    from cluster.weight_sync import pack
+    from learners.experience import Experience
+
+    step = item.get("step")
+    if item.get("weights_only"):  # a restarted generator needs the weights the others hold
+        if comm.rank != 0:
+            return None
+        with learner.policy_weights() as weights:
+            packed = pack(weights, spec.sync_dtype, version=learner.version)
+        return {"step": step, "weights": [ray.put(packed)], "version": learner.version}
+    if item.get("save_only"):  # a checkpoint outside a step (early stopping)
+        if comm.rank == 0:
+            learner.save(item["save_dir"], tokenizer_from=spec.tokenizer_path)
+        return {"step": step, "saved": item["save_dir"], "version": learner.version}
+    parts = ray.get(item["exp_refs"])
+    batch = Experience.concat(parts, pad_token_id=spec.pad_token_id)
+    if item.get("evaluate"):  # held-out metrics only: no update, no weights
+        return {"step": step, "metrics": learner.evaluate(batch), "version": learner.version}
+    # Every rank gets the global batch and takes its own rows inside the learner.
+    metrics = learner.train_step(batch)
+    peak = torch.tensor([peak_rss_gb()], dtype=torch.float64)
+    if comm.world > 1:
+        torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
+    metrics["memory/learner_peak_gb"] = float(peak)
+    reply: dict[str, Any] = {"step": step, "metrics": metrics, "version": learner.version}
+    if comm.rank == 0:
+        if item.get("sync", True):
+            t0 = time.perf_counter()
+            with learner.policy_weights() as weights:
+                packed = pack(weights, spec.sync_dtype, version=learner.version)
+            reply["weights"] = [ray.put(packed)]
+            metrics["sync/pack_s"] = time.perf_counter() - t0
+            metrics["sync/bytes"] = float(packed.nbytes)
+        if item.get("save_dir"):
+            learner.save(item["save_dir"], tokenizer_from=spec.tokenizer_path)
+            reply["saved"] = item["save_dir"]
+    return reply
+
+
+class _Restarted(Exception):
+    """The learner workers started again (Ray Train restarted the group after a failure)."""
 
 
 class LearnerGroup:
-    """Driver-side handle: start once, ``learn(step, exp_refs)`` per iteration, ``stop()``."""
+    """Driver-side handle: start once, ``learn(step, exp_refs)`` per iteration, ``stop()``.
+
+    Surviving a lost learner: Ray Train restarts the worker group (``FailureConfig``) and runs the
+    worker function again from the top. The group then restores the last checkpoint this run
+    wrote (or the state it started from), replays the training items sent since (their
+    experience is still in the object store) without weight syncs, and sends the interrupted
+    item again: the learners end in the state an uninterrupted run would have reached, and every
+    batch is in the weights once."""
 
     def __init__(self, spec: LearnerSpec, storage_dir: Path) -> None:
-        from ray.train import RunConfig, ScalingConfig
+        from ray.train import FailureConfig, RunConfig, ScalingConfig
         from ray.train.torch import TorchConfig, TorchTrainer
 
         self.spec = spec
+        self.max_failures = max_failures = spec.max_failures
         n = spec.num_learners
         self.channel = LearnerChannel.remote(n)
         self.trainer = TorchTrainer(
@@ -184,9 +227,18 @@ class LearnerGroup:
             # A fresh name per start: Ray Train would otherwise treat a resumed run's learners as a
             # restart of the old Train run. The run's own checkpoints are what a resume reads.
             run_config=RunConfig(name=f"learner-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}",
-                                 storage_path=str(Path(storage_dir).resolve())),
+                                 storage_path=str(Path(storage_dir).resolve()),
+                                 failure_config=FailureConfig(max_failures=max_failures)),
         )
         self.error: BaseException | None = None
+        self.epoch = 0
+        # What a restarted group restores (None: the state it builds from) and the training items
+        # sent after it, replayed in order.
+        self.checkpoint: str | None = spec.resume_from
+        self.history: list[dict] = []
+        self.restarts = 0
+        # (step the driver was at, items replayed) per restart, for the run's ledger and log.
+        self.restart_log: list[dict] = []
         self.thread = threading.Thread(target=self._fit, name="rayrlhf-learner", daemon=True)
         self.thread.start()
 
@@ -196,39 +248,103 @@ class LearnerGroup:
         except BaseException as e:  # kept for the driver, which re-raises it with context
             self.error = e
 
-    def _result(self, timeout_s: float) -> dict:
+    def _next(self, deadline: float) -> dict:
         ref = self.channel.result.remote()
-        deadline = time.time() + timeout_s
         while True:
             ready, _ = ray.wait([ref], timeout=1.0)
             if ready:
-                item = ray.get(ref)
-                if "error" in item:
-                    raise RuntimeError(f"learner failed at step {item.get('step')}: {item['error']}")
-                return item
+                return ray.get(ref)
             if not self.thread.is_alive():
                 raise RuntimeError(f"learner group stopped: {self.error!r}")
             if time.time() > deadline:
-                raise TimeoutError(f"no answer from the learners after {timeout_s:.0f}s")
+                raise TimeoutError(f"no answer from the learners after {deadline - self._t_wait:.0f}s")
+
+    def _reply(self, timeout_s: float) -> dict:
+        """The current epoch's next reply; a new ``ready`` means the group restarted."""
+        self._t_wait = time.time()
+        deadline = self._t_wait + timeout_s
+        while True:
+            item = self._next(deadline)
+            if item.get("ready"):
+                raise _Restarted()
+            if item.get("epoch") != self.epoch:
+                continue  # from before a restart
+            if "error" in item:
+                if self.restarts < self.max_failures:
+                    log.warning("learner failed at step %s (%s); waiting for Ray Train to restart it",
+                                item.get("step"), item["error"])
+                    continue
+                raise RuntimeError(f"learner failed at step {item.get('step')}: {item['error']}")
+            return item
+
+    def _begin(self, restore: str | None, timeout_s: float = 600) -> dict:
+        self.epoch += 1
+        self.channel.put.remote({"begin": self.epoch, "restore": restore})
+        return self._reply(timeout_s)
+
+    def _send(self, item: dict, timeout_s: float) -> dict:
+        self.channel.put.remote({**item, "epoch": self.epoch})
+        return self._reply(timeout_s)
+
+    def _call(self, item: dict, timeout_s: float, replayable: bool = False) -> dict:
+        """Sends one item and returns its reply, recovering from any number of restarts (up to
+        ``max_failures``) on the way. ``replayable``: a training item, replayed after a restart."""
+        while True:
+            try:
+                reply = self._send(item, timeout_s)
+                break
+            except _Restarted:
+                self._recover(item.get("step"), timeout_s)
+        if replayable:
+            self.history.append(item)
+        if reply.get("saved"):
+            self.checkpoint, self.history = reply["saved"], []
+        return reply
+
+    def _recover(self, step: Any, timeout_s: float) -> None:
+        """After a restart: restore, then replay the training items since the last checkpoint."""
+        self.restarts += 1
+        if self.restarts > self.max_failures:
+            raise RuntimeError(f"the learner workers restarted {self.restarts} times (cluster.learner_max_failures="
+                               f"{self.max_failures})")
+        print(f"[rayrlhf] learner workers restarted at step {step} (restart {self.restarts} of at most "
+              f"{self.max_failures}): restoring {self.checkpoint or 'the starting weights'} and replaying "
+              f"{len(self.history)} step(s) since", flush=True)
+        try:
+            restore = self.checkpoint if self.checkpoint != self.spec.resume_from else None
+            self._begin(restore)
+            for past in self.history:
+                self._send({**past, "sync": False, "save_dir": None}, timeout_s)
+        except _Restarted:  # it failed again while recovering: start over
+            return self._recover(step, timeout_s)
+        self.restart_log.append({"step": step, "replayed": [p.get("step") for p in self.history],
+                                 "restored": self.checkpoint})
 
     def wait_ready(self, timeout_s: float = 600) -> dict:
-        return self._result(timeout_s)
+        while True:
+            info = self._next(time.time() + timeout_s)
+            if info.get("ready"):
+                break
+        begun = self._begin(None, timeout_s)
+        return {**info, "version": begun["version"]}
 
     def learn(self, step: int, exp_refs: list, save_dir: str | None = None, sync: bool = True,
               timeout_s: float = 3600) -> dict:
         """One update; ``sync=False`` skips packing weights for generators (offline recipes)."""
-        self.channel.put.remote({"step": step, "exp_refs": list(exp_refs), "save_dir": save_dir, "sync": sync})
-        return self._result(timeout_s)
+        return self._call({"step": step, "exp_refs": list(exp_refs), "save_dir": save_dir, "sync": sync},
+                          timeout_s, replayable=True)
 
     def save(self, step: int, save_dir: str, timeout_s: float = 600) -> dict:
         """Writes a checkpoint of the learners' current state (no update)."""
-        self.channel.put.remote({"step": step, "save_dir": save_dir, "save_only": True})
-        return self._result(timeout_s)
+        return self._call({"step": step, "save_dir": save_dir, "save_only": True}, timeout_s)
 
     def evaluate(self, step: int, exp_refs: list, timeout_s: float = 3600) -> dict[str, float]:
         """The learners' held-out metrics on a batch (``Learner.evaluate``), no update."""
-        self.channel.put.remote({"step": step, "exp_refs": list(exp_refs), "evaluate": True})
-        return self._result(timeout_s)["metrics"]
+        return self._call({"step": step, "exp_refs": list(exp_refs), "evaluate": True}, timeout_s)["metrics"]
+
+    def current_weights(self, timeout_s: float = 600) -> dict:
+        """The learners' current weights, packed (for a generator that restarted): ``{"weights": [ref], "version"}``."""
+        return self._call({"weights_only": True}, timeout_s)
 
     def stop(self, timeout_s: float = 60) -> None:
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import sys
 import time
@@ -10,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+log = logging.getLogger("rayrlhf.metrics")
 
 
 class RunLog:
@@ -26,6 +29,8 @@ class RunLog:
         self.first_step = 1
         # What eval/accuracy measures (set by the recipe): a label for logs and plots.
         self.eval_label = "greedy accuracy"
+        # Where rows go besides metrics.jsonl (TensorBoard, Ray metrics): objects with write(row), close().
+        self.sinks: list[Any] = []
         if keep_until_step is not None and self.path.is_file():
             old = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
             self.rows = [r for r in old if r.get("step", 0) <= keep_until_step]
@@ -40,6 +45,21 @@ class RunLog:
         self.rows.append(row)
         with self.path.open("a") as fh:
             fh.write(json.dumps(row) + "\n")
+        for sink in list(self.sinks):
+            try:
+                sink.write(row)
+            except Exception as e:  # a metrics exporter never stops a run; it is turned off, once
+                log.warning("%s failed (%r): turned off for this run; metrics.jsonl has every row",
+                            type(sink).__name__, e)
+                self.sinks.remove(sink)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            try:
+                sink.close()
+            except Exception:
+                pass
+        self.sinks = []
 
     def progress(self, row: dict[str, Any]) -> None:
         step = row["step"]

@@ -64,6 +64,13 @@ class PromptSampler:
             self._perm = (epoch, order)
         return self._perm[1]
 
+    def next_with_uids(self) -> tuple[list[int], list[int]]:
+        """The next step's rows and their uids: positions in the run's prompt stream, unique per
+        draw (a prompt drawn again in a later epoch gets a new one) and the same on resume."""
+        first = self.consumed
+        rows = self.next()
+        return rows, list(range(first, first + len(rows)))
+
     def next(self) -> list[int]:
         out: list[int] = []
         while len(out) < self.per_step:
@@ -121,21 +128,44 @@ class RunContext:
         self.start_step = int(self.run_state["step"])
         self.runlog = RunLog(self.dir, cfg.run.steps, keep_until_step=self.start_step if resume else None)
         self.runlog.save_config(cfg.to_dict())
+        from cluster.console import attach_run_dir
+
+        attach_run_dir(self.dir)
+        if cfg.run.tensorboard:
+            from cluster.telemetry import TensorBoardSink
+
+            self.runlog.sinks.append(TensorBoardSink(self.dir))
         # Early stopping: best value, its step, evaluations since (carried by checkpoints).
         self.early = dict(self.run_state.get("early_stop") or {"best": None, "best_step": None, "bad": 0, "stopped": False})
         self.final_checkpoint: Path | None = None
         self._last_version = int(self.run_state["version"])
         self.times: dict[str, float] = {}
         self.started_cluster = False
+        self.dashboard_url = ""
 
     # -- cluster ---------------------------------------------------------------------------------
     def connect(self) -> None:
-        """Joins the configured / ambient cluster, else starts a local one."""
+        """Joins the configured / ambient cluster, else starts a local one; then checks that the
+        roles fit it (a request no node can meet would otherwise wait forever)."""
+        import ray
+
+        from cluster.resources import check_fits, cluster_node_cpus, role_requests
+
+        cfg = self.cfg
+        requests = role_requests(cfg)
+        if not ray.is_initialized():
+            self._init_ray(sum(r.count * r.cpus for r in requests))
+        check_fits(requests, cluster_node_cpus())
+        self._announce_cluster()
+        if cfg.cluster.metrics_export:
+            from cluster.telemetry import RayMetricsSink
+
+            self.runlog.sinks.append(RayMetricsSink(self.dir.name))
+
+    def _init_ray(self, needed_cpus: float) -> None:
         import ray
 
         cfg = self.cfg
-        if ray.is_initialized():
-            return
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         address = cfg.cluster.address or os.environ.get("RAY_ADDRESS", "")
         # Job-wide default for every worker, Ray Train's included: Ray would otherwise pin each
@@ -145,27 +175,35 @@ class RunContext:
             "OMP_NUM_THREADS": str(cfg.cluster.threads or os.cpu_count() or 1),
         }
         if address:
-            ray.init(address=address, runtime_env={"env_vars": env_vars}, log_to_driver=True)
+            self.dashboard_url = ray.init(address=address, runtime_env={"env_vars": env_vars}, log_to_driver=True).dashboard_url
             return
-        needed = (
-            cfg.rollout.num_generators * cfg.rollout.cpus_per_generator
-            + cfg.cluster.num_learners * cfg.cluster.cpus_per_learner
-            + cfg.cluster.cpus_per_reference
-            + 1
-        )
         kwargs: dict[str, Any] = dict(
-            num_cpus=cfg.cluster.num_cpus or max(os.cpu_count() or 1, math.ceil(needed)),
+            num_cpus=cfg.cluster.num_cpus or max(os.cpu_count() or 1, math.ceil(needed_cpus)),
             include_dashboard=cfg.cluster.include_dashboard, dashboard_host=cfg.cluster.dashboard_host,
             runtime_env={"env_vars": env_vars},
         )
         if cfg.cluster.temp_dir:
             kwargs["_temp_dir"] = cfg.cluster.temp_dir
-        ray.init(**kwargs)
+        self.dashboard_url = ray.init(**kwargs).dashboard_url
         self.started_cluster = True
+
+    def _announce_cluster(self) -> None:
+        """One line on the cluster (Ray's own start-up messages go to the log file)."""
+        import ray
+
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        cpus = sum(n["Resources"].get("CPU", 0) for n in nodes)
+        ports = sorted({n.get("MetricsExportPort") for n in nodes if n.get("MetricsExportPort")})
+        url = self.dashboard_url
+        print(f"[rayrlhf] Ray cluster: {len(nodes)} node(s), {cpus:g} CPUs"
+              + (f"; dashboard http://{url}" if url else "")
+              + (f"; Prometheus metrics on port {', '.join(map(str, ports))}" if ports else "")
+              + ("" if self.started_cluster else " (joined)"), flush=True)
 
     def close(self) -> None:
         import ray
 
+        self.runlog.close()
         if self.started_cluster:
             ray.shutdown()
 
@@ -288,7 +326,7 @@ def greedy_accuracy(rollout: Any, rows: list[dict]) -> dict[str, float]:
 
     if not rows:
         return {}
-    exp_refs, _ = rollout.generate(rows, list(range(len(rows))), greedy=True)
+    exp_refs, _ = rollout.generate_checked(rows, list(range(len(rows))), greedy=True)
     _, score_stats = rollout.score(exp_refs)
     scores = [x for s in ray.get(score_stats) for x in s["scores"]]
     return {

@@ -21,6 +21,7 @@ import ray
 
 from cluster.actor_groups import RolloutGroup
 from cluster.learner_group import LearnerGroup, learner_spec
+from cluster.ledger import Ledger, issue_records, outcome_records
 from cluster.metrics import step_metrics
 from cluster.config import Config, UserError
 from cluster.run_context import PromptSampler, RunContext, RunResult, greedy_accuracy
@@ -75,6 +76,9 @@ def run(ctx: RunContext, model_path: str, train_set, eval_set) -> RunResult:
     resume = str(ctx.resume_from) if ctx.resume_from else None
     rollout = RolloutGroup(cfg, model_path, policy_path=resume, policy_version=int(ctx.run_state["version"]))
     learners = LearnerGroup(learner_spec(cfg, model_path, pad_id, resume_from=resume), ctx.dir / "ray_train")
+    # A generator that restarts gets the weights the learners hold.
+    rollout.weights_source = lambda: learners.current_weights()["weights"][0]
+    ledger = Ledger(ctx.dir, resume_step=ctx.start_step if resume else None)
     try:
         rollout.wait_ready()
         info = learners.wait_ready()
@@ -89,32 +93,53 @@ def run(ctx: RunContext, model_path: str, train_set, eval_set) -> RunResult:
               flush=True)
         sampler = PromptSampler(len(train_set.rows), cfg.rollout.prompts_per_step, cfg.run.seed,
                                 **ctx.run_state["sampler"])
+        learner_version = int(info["version"])
         if ctx.eval_due(0):
             with ctx.phase("eval"):
                 ctx.log_base_eval(greedy_accuracy(rollout, eval_set.rows))
         for step in ctx.steps():
-            prompt_ids = sampler.next()
+            prompt_ids, uids = sampler.next_with_uids()
             prompts = [train_set.rows[i] for i in prompt_ids]
+            shards = rollout.assignment(uids)
+            ledger.record("issued", issue_records(step, uids, prompt_ids, [i for i, s in enumerate(shards) for _ in s],
+                                                  rollout.version))
+
+            def reissue(gen: int, group: list[int], err: Exception, step: int = step) -> None:
+                ledger.record("reissued", [{"step": step, "uid": u, "generator": gen, "reason": type(err).__name__}
+                                           for u in group])
+
             with ctx.phase("generate"):
-                exp, gen_stats = rollout.generate(prompts, prompt_ids, seed=sampling_seed(cfg.run.seed, step))
-                gen_stats = ray.get(gen_stats)
+                # Group ids are the prompts' uids: a prompt drawn twice in one batch is two groups.
+                exp, gen_stats = rollout.generate_checked(prompts, uids, seed=sampling_seed(cfg.run.seed, step),
+                                                          on_reissue=reissue)
             with ctx.phase("score"):
                 exp, score_stats = rollout.score(exp)
                 score_stats = ray.get(score_stats)
             with ctx.phase("reference"):
                 exp, ref_stats = rollout.annotate_reference(exp)
                 ref_stats = ray.get(ref_stats)
+            dropped, kept = outcome_records(step, shards, gen_stats, score_stats, cfg.rollout.samples_per_prompt)
+            ledger.record("dropped", dropped)
             exports = export_step(ctx, step, exp) if cfg.run.export_transitions else []
             save_dir = ctx.checkpoint_dir(step)
             with ctx.phase("learn"):
                 result = learners.learn(step, exp, save_dir=save_dir)
+            ledger.record("trained", [{"step": step, "uid": u, "samples": n, "version": result["version"]}
+                                      for u, n in kept.items()])
             with ctx.phase("sync"):
-                load_times = rollout.sync_weights(result["weights"][0])
+                load_times = rollout.sync_weights(result["weights"][0], version=result["version"])
             if result.get("saved"):
                 ctx.finish_checkpoint(result["saved"], step, sampler, result["version"])
+            _record_restarts(ledger, step, rollout, learners)
 
             row: dict[str, Any] = {"skipped_at_load": dict(train_set.skipped), "data/prompt_ids": prompt_ids}
             row.update(step_metrics(gen_stats, score_stats, result["metrics"]))
+            row["policy/version"] = result["version"]
+            row["policy/staleness"] = learner_version - row["generate/policy_version"]
+            row["queue/depth"] = 0  # synchronous: each batch is trained on as soon as it is made
+            learner_version = result["version"]
+            row.update(ledger.metrics())
+            row["restarts/generator"], row["restarts/learner"] = rollout.restarts, learners.restarts
             row["reference/in_learner"] = rollout.reference is None and cfg.ppo.uses_reference
             row["sync/load_s"] = max(load_times)
             row["memory/generator_peak_gb"] = max(s["peak_rss_gb"] for s in gen_stats)
@@ -134,3 +159,11 @@ def run(ctx: RunContext, model_path: str, train_set, eval_set) -> RunResult:
         learners.stop()
         rollout.shutdown()
     return ctx.result()
+
+
+def _record_restarts(ledger: Ledger, step: int, rollout: RolloutGroup, learners: LearnerGroup) -> None:
+    """Restarts since the last step into the ledger (each role keeps its own list)."""
+    for role, entries in (("generator", rollout.restart_log), ("learner", learners.restart_log)):
+        if entries:
+            ledger.record("restart", [{"step": step, "role": role, "detail": e} for e in entries])
+            entries.clear()

@@ -1,0 +1,69 @@
+"""What a run's roles ask of the cluster, checked before any role starts.
+
+Ray queues a request that no node can meet and Ray Train retries its worker group forever, so an
+over-asking run would hang. The check compares the roles' CPU claims with the cluster's total
+(and each role with the largest node) and ends the run at once with a message naming both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cluster.config import Config, UserError
+
+
+@dataclass(frozen=True)
+class RoleRequest:
+    # Role name as the message shows it, e.g. "generator".
+    role: str
+    # Actors (or Train workers) of this role.
+    count: int
+    # Ray CPUs each one reserves.
+    cpus: float
+    # The config key that sets ``cpus``.
+    key: str
+
+
+def role_requests(cfg: Config) -> list[RoleRequest]:
+    """The roles the run may hold at once (an upper bound: a DPO run's reference scores before the
+    generators start, but both are counted)."""
+    algo = cfg.run.algorithm
+    out = [RoleRequest("generator", cfg.rollout.num_generators, cfg.rollout.cpus_per_generator,
+                       "rollout.cpus_per_generator")]
+    self_judging = cfg.reward.function == "llm_judge" and not cfg.reward.model
+    if not self_judging:
+        out.append(RoleRequest("scorer", 1, cfg.reward.cpus, "reward.cpus"))
+    reference = not cfg.lora.enabled and (
+        (algo == "ppo" and cfg.ppo.uses_reference)
+        or (algo == "qlearn" and cfg.qlearn.uses_reference)
+        or (algo == "dpo" and cfg.dpo.loss != "simpo")
+    )
+    if reference:
+        out.append(RoleRequest("reference", 1, cfg.cluster.cpus_per_reference, "cluster.cpus_per_reference"))
+    out.append(RoleRequest("learner", cfg.cluster.num_learners, cfg.cluster.cpus_per_learner, "cluster.cpus_per_learner"))
+    return out
+
+
+def check_fits(requests: list[RoleRequest], node_cpus: list[float]) -> None:
+    """Raises UserError when the roles cannot all be placed: their CPUs exceed the cluster's, or one
+    role's claim exceeds every node's. ``node_cpus``: the CPUs of each alive node."""
+    total = sum(r.count * r.cpus for r in requests)
+    have = sum(node_cpus)
+    asked = ", ".join(f"{r.role} {r.count} x {r.cpus:g}" if r.count > 1 else f"{r.role} {r.cpus:g}" for r in requests)
+    nodes = f"{len(node_cpus)} node{'s' if len(node_cpus) != 1 else ''}"
+    if total > have + 1e-9:
+        keys = ", ".join(sorted({r.key for r in requests if r.cpus > 0}))
+        raise UserError(
+            f"the roles ask for {total:g} CPUs ({asked}) but the cluster has {have:g} CPUs ({nodes}); "
+            f"lower {keys} (a role's CPUs are a placement claim; its threads are set apart) or add nodes")
+    largest = max(node_cpus, default=0.0)
+    for r in requests:
+        if r.cpus > largest + 1e-9:
+            raise UserError(f"a {r.role} asks for {r.cpus:g} CPUs ({r.key}) but the largest node has {largest:g}")
+
+
+def cluster_node_cpus() -> list[float]:
+    """CPUs of every alive node of the connected cluster."""
+    import ray
+
+    return [float(n["Resources"].get("CPU", 0.0)) for n in ray.nodes() if n.get("Alive")]
