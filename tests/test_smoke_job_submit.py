@@ -1,9 +1,16 @@
-"""Smoke test of the real entry point: `ray job submit ... -- rayrlhf train ...` against the
-running test cluster (dashboard on 127.0.0.1); the job joins that cluster."""
+"""Smoke test of the real entry point: `ray job submit ... -- rayrlhf train ...` against a Ray
+head started the way the README says (dashboard on 127.0.0.1, token authentication, the
+machine's own CPUs); the job joins that cluster. Plus the CLI's one-line user errors."""
 
 import json
+import os
+import re
+import secrets
+import shutil
 import subprocess
 import sys
+import tempfile
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -15,37 +22,98 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.smoke
 
 
-def test_ray_job_submit_runs_the_cli(ray_cluster, tmp_path):
-    url = f"{ray_cluster['dashboard']}/api/version"
-    # The dashboard answers only requests carrying the cluster's token.
-    with pytest.raises(urllib.error.HTTPError, match="401"):
-        urllib.request.urlopen(url, timeout=30)
-    token = Path(ray_cluster["env"]["RAY_AUTH_TOKEN_PATH"]).read_text().strip()
-    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
-    with urllib.request.urlopen(req, timeout=30) as r:
-        assert "ray_version" in json.loads(r.read())
-    out_dir = tmp_path / "runs"
+def _scrape(port: int) -> dict[str, float]:
+    """The project's Ray metrics on a node's Prometheus endpoint: ``name{labels}`` -> value."""
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    except OSError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("ray_rayrlhf_"):
+            key, value = line.rsplit(" ", 1)
+            out[key] = float(value)
+    return out
+
+
+def _metric(scraped: dict[str, float], name: str, **labels: str) -> float | None:
+    for key, value in scraped.items():
+        if key.startswith(name + "{") and all(f'{k}="{v}"' in key for k, v in labels.items()):
+            return value
+    return None
+
+
+def test_ray_job_submit_on_a_cluster_started_as_the_readme_says(tiny_model_path, tmp_path):
+    """README's "On a running cluster": `ray start --head --dashboard-host=127.0.0.1
+    --metrics-export-port=...` (no --num-cpus: the machine's CPUs), token authentication on, then
+    the real `ray job submit`. During the run Prometheus' endpoint serves the project's metrics;
+    the job succeeds and leaves its outputs (TensorBoard events included)."""
+    from tests.conftest import _free_port, _stop_cluster
+
+    temp = tempfile.mkdtemp(prefix="rrj-", dir="/tmp")
+    token = Path(temp) / "auth_token"
+    token.write_text(secrets.token_hex(32))
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token),
+           "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")}
+    env.pop("RAY_ADDRESS", None)
+    port, dash, metrics_port = _free_port(), _free_port(), _free_port()
     ray_bin = str(Path(sys.executable).parent / "ray")
-    cmd = [
-        ray_bin, "job", "submit", "--address", ray_cluster["dashboard"], "--working-dir", str(ROOT), "--",
-        "rayrlhf", "train", "configs/ppo_tiny.yaml", "--set", "run.steps=2", "--set", f"run.output_dir={out_dir}",
-        "--set", "run.name=smoke", "--set", "run.eval_every=2",
-    ]
-    proc = subprocess.run(cmd, env=ray_cluster["env"], capture_output=True, text=True, timeout=600, cwd=ROOT)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-4000:]
-    assert "succeeded" in log, log[-4000:]
-    # The job joined the running cluster rather than starting its own.
-    assert "Connecting to existing Ray cluster" in log or "Connected to Ray cluster" in log, log[-4000:]
-    assert "step 2/2" in log
+    subprocess.run([ray_bin, "start", "--head", f"--port={port}", "--dashboard-host=127.0.0.1",
+                    f"--dashboard-port={dash}", f"--metrics-export-port={metrics_port}", f"--temp-dir={temp}",
+                    "--disable-usage-stats"], check=True, env=env, capture_output=True, timeout=120)
+    address = f"http://127.0.0.1:{dash}"
+    try:
+        # The dashboard answers only requests carrying the cluster's token.
+        with pytest.raises(urllib.error.HTTPError, match="401"):
+            urllib.request.urlopen(f"{address}/api/version", timeout=30)
+        out_dir = tmp_path / "runs"
+        submit = subprocess.run(
+            [ray_bin, "job", "submit", "--address", address, "--working-dir", str(ROOT), "--no-wait", "--",
+             "rayrlhf", "train", "configs/ppo_tiny.yaml", "--set", "run.steps=10", "--set", f"run.output_dir={out_dir}",
+             "--set", "run.name=smoke", "--set", "run.eval_every=10"],
+            env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert submit.returncode == 0, submit.stdout + submit.stderr
+        job_id = re.search(r"Job '([^']+)' submitted successfully", submit.stdout + submit.stderr).group(1)
+        seen: dict[str, float] = {}
+        status = ""
+        deadline = time.time() + 600
+        while time.time() < deadline:
+            scraped = _scrape(metrics_port)
+            if _metric(scraped, "ray_rayrlhf_reward_mean") is not None:
+                seen = scraped
+            status = subprocess.run([ray_bin, "job", "status", "--address", address, job_id], env=env,
+                                    capture_output=True, text=True, timeout=60).stdout
+            if any(s in status for s in ("SUCCEEDED", "FAILED", "STOPPED")):
+                break
+            time.sleep(1.0)
+        logs = subprocess.run([ray_bin, "job", "logs", "--address", address, job_id], env=env,
+                              capture_output=True, text=True, timeout=60).stdout
+        assert "SUCCEEDED" in status, status + logs[-4000:]
+    finally:
+        _stop_cluster(temp, port)
+        shutil.rmtree(temp, ignore_errors=True)
+    # The job joined the cluster it was submitted to, which has the machine's CPUs, and fit on it.
+    assert re.search(r"\[rayrlhf\] Ray cluster: 1 node\(s\), \d+ CPUs.*\(joined\)", logs), logs[-3000:]
+    assert "step 10/10" in logs
+    # Prometheus saw the project's metrics mid-run, with sane values.
+    assert seen, "no ray_rayrlhf_* metric on the Prometheus endpoint during the run"
+    step = _metric(seen, "ray_rayrlhf_step")
+    reward = _metric(seen, "ray_rayrlhf_reward_mean")
+    assert step is not None and 1 <= step <= 10 and 0.0 <= reward <= 1.0, seen
+    assert (_metric(seen, "ray_rayrlhf_rollout_tokens_per_s") or 0) > 0, seen
+    assert (_metric(seen, "ray_rayrlhf_phase_seconds", phase="learn") or 0) > 0, seen
+    assert _metric(seen, "ray_rayrlhf_prompts", event="issued") == 32 * step, seen
     runs = list(out_dir.glob("smoke-*"))
     assert len(runs) == 1
     rows = [json.loads(l) for l in (runs[0] / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1, 2]  # step 0: the starting policy's evaluation
+    assert [r["step"] for r in rows] == list(range(11))  # step 0: the starting policy's evaluation
     assert "eval/accuracy" in rows[0] and "eval/accuracy" in rows[-1]
-    assert "before training: held-out greedy accuracy" in log and "(first evaluation) ->" in log
+    assert "before training: held-out greedy accuracy" in logs and "(first evaluation) ->" in logs
     assert (runs[0] / "curves.png").is_file()
-    assert (runs[0] / "checkpoints" / "step_00002" / "model.safetensors").is_file()
+    assert (runs[0] / "checkpoints" / "step_00010" / "model.safetensors").is_file()
+    events = list((runs[0] / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(events) == 1 and b"reward/mean" in events[0].read_bytes()
+    assert (runs[0] / "train.log").is_file() and (runs[0] / "ledger.jsonl").is_file()
 
 
 def test_cli_rejects_a_wrong_config_key_before_starting_anything(tmp_path):
