@@ -115,13 +115,14 @@ class Console:
 
     def install(self) -> "Console":
         self._saved = (sys.stdout, sys.stderr)
+        root = logging.getLogger()
+        self._saved_logging = (root.handlers[:], root.level, warnings.filters[:])
         sys.stdout = _FilteredStream(sys.stdout, self.log, self.verbose)  # type: ignore[assignment]
         sys.stderr = _FilteredStream(sys.stderr, self.log, self.verbose)  # type: ignore[assignment]
         # Library log records and Python warnings go through the root logger to the (filtered)
         # stderr: into the log file, not onto a quiet terminal.
         logging.captureWarnings(True)
         warnings.simplefilter("default")
-        root = logging.getLogger()
         root.handlers = [logging.StreamHandler(sys.stderr)]
         root.handlers[0].setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
         root.setLevel(logging.INFO)
@@ -144,7 +145,10 @@ class Console:
                 stream.finish()
         sys.stdout, sys.stderr = self._saved
         self._saved = None
-        logging.getLogger().handlers = [logging.StreamHandler(sys.stderr)]
+        root = logging.getLogger()
+        root.handlers, level, warnings.filters[:] = self._saved_logging
+        root.setLevel(level)
+        logging.captureWarnings(False)
         self.log.close()
 
 

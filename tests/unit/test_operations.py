@@ -1,0 +1,205 @@
+"""Operations without a cluster: the resource check, the ledger's bookkeeping, the quiet console,
+the metrics sinks and `rayrlhf status`."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+from cluster.config import Config, UserError
+from cluster.console import Console, is_own_line
+from cluster.ledger import Ledger, issue_records, outcome_records, read_ledger, summarize, valid_records
+from cluster.resources import RoleRequest, check_fits, role_requests
+from cluster.status import format_status, run_status
+from cluster.telemetry import METRICS, TensorBoardSink, flat_numbers, gauge_values
+
+
+# -- resources --------------------------------------------------------------------------------
+def test_the_default_roles_fit_a_two_cpu_cluster():
+    requests = role_requests(Config())
+    assert {r.role for r in requests} == {"generator", "scorer", "reference", "learner"}
+    assert sum(r.count * r.cpus for r in requests) <= 2.0
+    check_fits(requests, [2.0])
+
+
+def test_roles_follow_the_config():
+    cfg = Config.model_validate({"reward": {"function": "llm_judge"}, "ppo": {"kl_coef": 0.0},
+                                 "cluster": {"num_learners": 2}, "rollout": {"num_generators": 3}})
+    by_role = {r.role: r for r in role_requests(cfg)}
+    assert "scorer" not in by_role  # the generators judge
+    assert "reference" not in by_role  # no KL term
+    assert by_role["generator"].count == 3 and by_role["learner"].count == 2
+
+
+def test_too_many_cpus_is_an_error_naming_both_sides():
+    requests = [RoleRequest("generator", 1, 1.0, "rollout.cpus_per_generator"),
+                RoleRequest("reference", 1, 0.5, "cluster.cpus_per_reference"),
+                RoleRequest("scorer", 1, 0.1, "reward.cpus"),
+                RoleRequest("learner", 1, 1.0, "cluster.cpus_per_learner")]
+    with pytest.raises(UserError) as err:
+        check_fits(requests, [2.0])
+    msg = str(err.value)
+    assert "2.6 CPUs" in msg and "generator 1, reference 0.5, scorer 0.1, learner 1" in msg
+    assert "the cluster has 2 CPUs (1 node)" in msg and "rollout.cpus_per_generator" in msg
+
+
+def test_a_role_larger_than_every_node_is_an_error():
+    with pytest.raises(UserError, match="a learner asks for 3 CPUs .* the largest node has 2"):
+        check_fits([RoleRequest("learner", 1, 3.0, "cluster.cpus_per_learner")], [2.0, 2.0])
+
+
+# -- ledger -----------------------------------------------------------------------------------
+def _step(ledger: Ledger, step: int, uids: list[int], trained: bool = True) -> None:
+    ledger.record("issued", issue_records(step, uids, [u % 7 for u in uids], [0] * len(uids), step - 1))
+    if trained:
+        ledger.record("trained", [{"step": step, "uid": u, "samples": 2, "version": step} for u in uids])
+
+
+def test_outcome_records_count_drops_per_prompt():
+    gen = [{"groups": [0, 0, 1, 1]}, {"groups": [2, 2]}]  # prompt 3 produced nothing (too long)
+    score = [{"groups": [0, 0, 1], "skipped": {"reward_error": 1, "truncated": 4}},
+             {"groups": [2, 2], "skipped": {"prompt_too_long": 1}}]
+    dropped, kept = outcome_records(5, [[0, 1], [2, 3]], gen, score, samples_per_prompt=2)
+    assert kept == {0: 2, 1: 1, 2: 2}
+    assert dropped == [
+        {"step": 5, "uid": 1, "samples": 1, "all": False, "reasons": {"reward_error": 1}},
+        {"step": 5, "uid": 3, "samples": 2, "all": True, "reasons": {"prompt_too_long": 1}},
+    ]
+
+
+def test_ledger_summary_finds_lost_and_twice_trained_prompts(tmp_path):
+    ledger = Ledger(tmp_path)
+    _step(ledger, 1, [0, 1])
+    _step(ledger, 2, [2, 3], trained=False)
+    ledger.record("trained", [{"step": 2, "uid": 2, "samples": 2, "version": 2},
+                              {"step": 2, "uid": 0, "samples": 2, "version": 2}])  # uid 0 again, uid 3 never
+    _step(ledger, 3, [4, 5], trained=False)  # the step in progress
+    p = summarize(read_ledger(tmp_path))["prompts"]
+    assert p == {"issued": 6, "reissued": 0, "trained": 3, "dropped": 0, "lost": 1, "trained_twice": 1, "pending": 2}
+    assert summarize(read_ledger(tmp_path))["lost_uids"] == [3]
+    assert ledger.metrics() == {"ledger/issued": 6, "ledger/reissued": 0, "ledger/trained": 4, "ledger/dropped": 0}
+
+
+def test_a_resume_voids_the_steps_after_its_checkpoint(tmp_path):
+    first = Ledger(tmp_path)
+    for step in (1, 2, 3):
+        _step(first, step, [2 * step, 2 * step + 1])
+    resumed = Ledger(tmp_path, resume_step=2)  # the checkpoint of step 2; step 3 runs again
+    assert resumed.metrics()["ledger/trained"] == 4
+    for step in (3, 4):
+        _step(resumed, step, [2 * step, 2 * step + 1])
+    records = read_ledger(tmp_path)
+    assert sum(r["event"] == "trained" for r in records) == 10
+    assert sum(r["event"] == "trained" for r in valid_records(records)) == 8
+    summary = summarize(records)
+    assert summary["prompts"]["trained"] == 8 and summary["prompts"]["trained_twice"] == 0
+    assert summary["prompts"]["lost"] == 0 and summary["resumes"] == 1
+
+
+# -- console ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("line, own", [
+    ("[rayrlhf] run directory: /x", True),
+    ("[####----] step 3/20 | reward 0.5", True),
+    ("rayrlhf: config error: x", True),
+    ("\x1b[36m(GeneratorWorker pid=123)\x1b[0m [rayrlhf] INFO rayrlhf.generator: vLLM engine ready", True),
+    ("(pid=4, ip=10.0.0.1) [rayrlhf] WARNING rayrlhf.scorer: 2 of 8 samples", True),
+    ("(GeneratorWorker pid=123) INFO 11-23 vllm: Automatically detected platform cpu.", False),
+    ("/x/ray/data/context.py:1285: DeprecationWarning: `use_push_based_shuffle` is deprecated!", False),
+    ("2026-11-23 21:13:21 INFO worker.py:2029 -- Connected to Ray cluster.", False),
+    ("(RayTrainWorker pid=9) Reporting training result 3", False),
+])
+def test_own_lines(line, own):
+    assert is_own_line(line) is own
+
+
+def test_console_keeps_own_lines_and_logs_everything(tmp_path, capsys):
+    con = Console().install()
+    try:
+        print("early library chatter")
+        print("[rayrlhf] run directory: here")
+        con.attach(tmp_path)
+        warnings.warn("old API", DeprecationWarning)
+        logging.getLogger("ray.train").info("Reporting training result 1")
+        logging.getLogger("rayrlhf.run").warning("something of ours")  # rayrlhf's handler: [rayrlhf] ...
+        sys.stdout.write("[####--] step 1/2 | reward")
+        sys.stdout.write(" 0.5\n")
+    finally:
+        con.close()
+    shown = capsys.readouterr()
+    assert shown.out.splitlines() == ["[rayrlhf] run directory: here", "[####--] step 1/2 | reward 0.5"]
+    assert shown.err.splitlines() == ["[rayrlhf] WARNING rayrlhf.run: something of ours"]
+    log = (tmp_path / "train.log").read_text()
+    for text in ("early library chatter", "DeprecationWarning: old API", "Reporting training result 1",
+                 "something of ours", "step 1/2 | reward 0.5"):
+        assert text in log, text
+
+
+def test_verbose_console_shows_everything(tmp_path, capsys):
+    con = Console(verbose=True).install()
+    try:
+        con.attach(tmp_path)
+        print("library line")
+    finally:
+        con.close()
+    assert "library line" in capsys.readouterr().out
+    assert "library line" in (tmp_path / "train.log").read_text()
+
+
+# -- metrics sinks ----------------------------------------------------------------------------
+ROW = {"step": 4, "reward/mean": 0.5, "kl/ref_k1": 0.01, "loss/policy": -0.2, "loss/value": 0.3,
+       "time/generate_s": 1.5, "time/learn_s": 2.0, "time/step_s": 4.0, "generate/tokens_per_s": 300.0,
+       "policy/version": 4, "policy/staleness": 0, "queue/depth": 0, "time/sync_s": 0.1,
+       "skipped": {"reward_error": 2, "truncated": 5}, "ledger/issued": 64, "restarts/generator": 1,
+       "sample": [["q", "a"]], "data/prompt_ids": [1, 2], "eval/accuracy": float("nan")}
+
+
+def test_gauges_of_a_row():
+    totals: dict[str, float] = {}
+    values = {(m, tuple(sorted(t.items()))): v for m, v, t in gauge_values(ROW, totals)}
+    assert values[("rayrlhf_step", ())] == 4 and values[("rayrlhf_reward_mean", ())] == 0.5
+    assert values[("rayrlhf_loss", (("kind", "value"),))] == 0.3
+    assert values[("rayrlhf_phase_seconds", (("phase", "generate"),))] == 1.5
+    assert ("rayrlhf_phase_seconds", (("phase", "step"),)) not in values
+    assert values[("rayrlhf_samples_dropped", (("reason", "reward_error"),))] == 2
+    assert ("rayrlhf_samples_dropped", (("reason", "truncated"),)) not in values  # kept samples
+    assert values[("rayrlhf_prompts", (("event", "issued"),))] == 64
+    assert values[("rayrlhf_restarts", (("role", "generator"),))] == 1
+    assert ("rayrlhf_eval_accuracy", ()) not in values  # NaN is not exported
+    gauge_values(ROW, totals)
+    assert totals == {"reward_error": 4.0}  # cumulative over rows
+    for metric, _, tags in gauge_values(ROW, {}):
+        assert metric in METRICS and set(tags) <= set(METRICS[metric][1])
+
+
+def test_tensorboard_events_hold_every_number(tmp_path):
+    sink = TensorBoardSink(tmp_path)
+    sink.write(ROW)
+    sink.close()
+    data = next((tmp_path / "tensorboard").glob("events.out.tfevents.*")).read_bytes()
+    for name in flat_numbers(ROW):
+        if name != "step":
+            assert name.encode() in data, name
+    assert b"skipped/reward_error" in data and b"data/prompt_ids" not in data
+
+
+# -- status -----------------------------------------------------------------------------------
+def test_status_of_a_run_directory(tmp_path):
+    (tmp_path / "config.yaml").write_text("run:\n  steps: 3\n  algorithm: ppo\n")
+    rows = [{"step": 0, "eval/accuracy": 0.25}, {"step": 1, "reward/mean": 0.4, "loss/total": 0.1},
+            {"step": 2, "reward/mean": 0.6, "loss/total": 0.05, "eval/accuracy": 0.5, "time/elapsed_s": 30}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ledger = Ledger(tmp_path)
+    _step(ledger, 1, [0, 1])
+    _step(ledger, 2, [2, 3])
+    s = run_status(tmp_path)
+    assert s["step"] == 2 and s["steps"] == 3 and not s["finished"] and s["last_checkpoint"] is None
+    text = format_status(s)
+    assert "step       2/3" in text and "reward     0.600" in text and "0.250 (first evaluation) -> 0.500" in text
+    assert "4 issued, 4 trained, 0 dropped, 0 pending, 0 lost, 0 trained twice" in text
+    with pytest.raises(FileNotFoundError):
+        run_status(tmp_path / "nope")
