@@ -398,8 +398,8 @@ class RolloutGroup:
         the current weights into it (``weights_source()``: a reference to packed weights)."""
         self.restarts += 1
         if self.restarts > self.cfg.rollout.max_restarts * len(self.generators):
-            raise RuntimeError(f"generators restarted {self.restarts} times (rollout.max_restarts="
-                               f"{self.cfg.rollout.max_restarts} per generator)")
+            raise RuntimeError(f"generator {i} died ({reason}) and rollout.max_restarts="
+                               f"{self.cfg.rollout.max_restarts} allows no more restarts ({self.restarts - 1} so far)")
         print(f"[rayrlhf] generator {i} died ({reason}); waiting for Ray to restart it", flush=True)
         gen, t0 = self.generators[i], time.time()
         while True:
