@@ -7,6 +7,8 @@ repeated prompt is visible and countable.
   (``uid``: its position in the run's prompt stream, unique per draw and the same on resume;
   ``prompt``: its row in the dataset; ``version``: the policy version that samples it);
 * ``reissued`` {step, uid, generator, reason}: sent again after its generator died;
+* ``scored``   {step, uid, samples, reward}: the prompt's samples that got a reward, and their
+  mean reward;
 * ``dropped``  {step, uid, samples, all, reasons}: samples of the prompt left out before the loss
   (``all``: none of its samples was left; ``reasons``: the drop counts of the shard it was in,
   e.g. ``{"reward_error": 1}``);
@@ -29,8 +31,8 @@ from pathlib import Path
 from typing import Any, Iterable
 
 LEDGER_FILE = "ledger.jsonl"
-EVENTS = ("issued", "reissued", "dropped", "trained", "restart", "resume")
-_COUNTED = ("issued", "reissued", "trained", "dropped")
+EVENTS = ("issued", "reissued", "scored", "dropped", "trained", "restart", "resume")
+_COUNTED = ("issued", "reissued", "scored", "trained", "dropped")
 
 
 class Ledger:
@@ -96,6 +98,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         "prompts": {
             "issued": len(issued),
             "reissued": sum(1 for r in valid if r["event"] == "reissued"),
+            "scored": len({r["uid"] for r in valid if r["event"] == "scored"}),
             "trained": len(trained),
             "dropped": len(dropped_all),
             "lost": len(lost),
@@ -117,21 +120,30 @@ def issue_records(step: int, uids: list[int], prompt_ids: list[int], generators:
 
 
 def outcome_records(step: int, shard_uids: list[list[int]], gen_stats: list[dict], score_stats: list[dict],
-                    samples_per_prompt: int) -> tuple[list[dict], dict[int, int]]:
-    """What became of one step's prompts between the generators and the loss: ``dropped``
-    records (samples missing after generation and scoring, with the shard's drop counts) and the
-    samples of each prompt that reach the learners. Shard ``i`` is generator ``i``'s."""
+                    samples_per_prompt: int) -> tuple[list[dict], list[dict], dict[int, int]]:
+    """What became of one step's prompts between the generators and the loss: ``scored``
+    records (the samples that got a reward, their mean), ``dropped`` records (samples missing
+    after generation and scoring, with the shard's drop counts) and the samples of each prompt
+    that reach the learners. Shard ``i`` is generator ``i``'s."""
+    scored: list[dict] = []
     dropped: list[dict] = []
     kept: dict[int, int] = {}
     for uids, gen, score in zip(shard_uids, gen_stats, score_stats):
-        survivors = Counter(score.get("groups", gen.get("groups", [])))
+        groups = score.get("groups", gen.get("groups", []))
+        rewards: dict[int, list[float]] = {}
+        for g, r in zip(groups, score.get("scores", [])):
+            rewards.setdefault(g, []).append(float(r))
+        survivors = Counter(groups)
         # "truncated" counts samples that hit the length limit, which are kept.
         reasons = {k: int(v) for k, v in (score.get("skipped") or {}).items() if v and k != "truncated"}
         for u in uids:
             n = survivors.get(u, 0)
             if n:
                 kept[u] = n
+                got = rewards.get(u, [])
+                scored.append({"step": step, "uid": u, "samples": n,
+                               "reward": round(sum(got) / len(got), 6) if got else None})
             if n < samples_per_prompt:
                 dropped.append({"step": step, "uid": u, "samples": samples_per_prompt - n, "all": n == 0,
                                 "reasons": reasons})
-    return dropped, kept
+    return scored, dropped, kept

@@ -63,7 +63,7 @@ def format_status(s: dict[str, Any]) -> str:
     led = s.get("ledger")
     if led:
         p = led["prompts"]
-        lines.append(f"prompts    {p['issued']} issued, {p['trained']} trained, {p['dropped']} dropped, "
+        lines.append(f"prompts    {p['issued']} issued, {p['scored']} scored, {p['trained']} trained, {p['dropped']} dropped, "
                      f"{p['pending']} pending, {p['lost']} lost, {p['trained_twice']} trained twice, "
                      f"{p['reissued']} reissued")
         if led["samples_dropped"]:

@@ -27,7 +27,7 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "rayrlhf_phase_seconds": ("Seconds of each phase of the last step (generate, score, reference, learn, sync).", ("phase",)),
     "rayrlhf_eval_accuracy": ("Held-out accuracy at the last evaluation.", ()),
     "rayrlhf_samples_dropped": ("Samples dropped so far in this run, by reason (cumulative).", ("reason",)),
-    "rayrlhf_prompts": ("Prompts so far in this run by ledger event: issued, reissued, trained, dropped (cumulative).", ("event",)),
+    "rayrlhf_prompts": ("Prompts so far in this run by ledger event: issued, reissued, scored, trained, dropped (cumulative).", ("event",)),
     "rayrlhf_restarts": ("Role restarts so far in this run, by role: generator, learner (cumulative).", ("role",)),
 }
 

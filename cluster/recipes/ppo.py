@@ -118,7 +118,8 @@ def run(ctx: RunContext, model_path: str, train_set, eval_set) -> RunResult:
             with ctx.phase("reference"):
                 exp, ref_stats = rollout.annotate_reference(exp)
                 ref_stats = ray.get(ref_stats)
-            dropped, kept = outcome_records(step, shards, gen_stats, score_stats, cfg.rollout.samples_per_prompt)
+            scored, dropped, kept = outcome_records(step, shards, gen_stats, score_stats, cfg.rollout.samples_per_prompt)
+            ledger.record("scored", scored)
             ledger.record("dropped", dropped)
             exports = export_step(ctx, step, exp) if cfg.run.export_transitions else []
             save_dir = ctx.checkpoint_dir(step)

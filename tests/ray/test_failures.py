@@ -68,7 +68,7 @@ def _rows(run_dir: Path) -> list[dict]:
 def _check_exactly_once(run_dir: Path) -> dict:
     summary = summarize(read_ledger(run_dir))
     p = summary["prompts"]
-    assert p["issued"] == STEPS * PROMPTS, p
+    assert p["issued"] == p["scored"] == STEPS * PROMPTS, p
     assert p["trained"] == STEPS * PROMPTS and p["lost"] == 0 and p["trained_twice"] == 0, p
     # The generators always held the learners' newest weights: policy version k-1 sampled step k.
     rows = [r for r in _rows(run_dir) if r["step"] > 0]

@@ -62,10 +62,12 @@ def _step(ledger: Ledger, step: int, uids: list[int], trained: bool = True) -> N
 
 def test_outcome_records_count_drops_per_prompt():
     gen = [{"groups": [0, 0, 1, 1]}, {"groups": [2, 2]}]  # prompt 3 produced nothing (too long)
-    score = [{"groups": [0, 0, 1], "skipped": {"reward_error": 1, "truncated": 4}},
-             {"groups": [2, 2], "skipped": {"prompt_too_long": 1}}]
-    dropped, kept = outcome_records(5, [[0, 1], [2, 3]], gen, score, samples_per_prompt=2)
+    score = [{"groups": [0, 0, 1], "scores": [1.0, 0.0, 0.5], "skipped": {"reward_error": 1, "truncated": 4}},
+             {"groups": [2, 2], "scores": [0.25, 0.25], "skipped": {"prompt_too_long": 1}}]
+    scored, dropped, kept = outcome_records(5, [[0, 1], [2, 3]], gen, score, samples_per_prompt=2)
     assert kept == {0: 2, 1: 1, 2: 2}
+    assert scored == [{"step": 5, "uid": 0, "samples": 2, "reward": 0.5}, {"step": 5, "uid": 1, "samples": 1, "reward": 0.5},
+                      {"step": 5, "uid": 2, "samples": 2, "reward": 0.25}]
     assert dropped == [
         {"step": 5, "uid": 1, "samples": 1, "all": False, "reasons": {"reward_error": 1}},
         {"step": 5, "uid": 3, "samples": 2, "all": True, "reasons": {"prompt_too_long": 1}},
@@ -80,9 +82,10 @@ def test_ledger_summary_finds_lost_and_twice_trained_prompts(tmp_path):
                               {"step": 2, "uid": 0, "samples": 2, "version": 2}])  # uid 0 again, uid 3 never
     _step(ledger, 3, [4, 5], trained=False)  # the step in progress
     p = summarize(read_ledger(tmp_path))["prompts"]
-    assert p == {"issued": 6, "reissued": 0, "trained": 3, "dropped": 0, "lost": 1, "trained_twice": 1, "pending": 2}
+    assert p == {"issued": 6, "reissued": 0, "scored": 0, "trained": 3, "dropped": 0, "lost": 1, "trained_twice": 1, "pending": 2}
     assert summarize(read_ledger(tmp_path))["lost_uids"] == [3]
-    assert ledger.metrics() == {"ledger/issued": 6, "ledger/reissued": 0, "ledger/trained": 4, "ledger/dropped": 0}
+    assert ledger.metrics() == {"ledger/issued": 6, "ledger/reissued": 0, "ledger/scored": 0, "ledger/trained": 4,
+                                "ledger/dropped": 0}
 
 
 def test_a_resume_voids_the_steps_after_its_checkpoint(tmp_path):
@@ -200,6 +203,6 @@ def test_status_of_a_run_directory(tmp_path):
     assert s["step"] == 2 and s["steps"] == 3 and not s["finished"] and s["last_checkpoint"] is None
     text = format_status(s)
     assert "step       2/3" in text and "reward     0.600" in text and "0.250 (first evaluation) -> 0.500" in text
-    assert "4 issued, 4 trained, 0 dropped, 0 pending, 0 lost, 0 trained twice" in text
+    assert "4 issued, 0 scored, 4 trained, 0 dropped, 0 pending, 0 lost, 0 trained twice" in text
     with pytest.raises(FileNotFoundError):
         run_status(tmp_path / "nope")
