@@ -252,6 +252,15 @@ class PPOConfig(Section):
         "truncation_penalty to their reward) or mask (leave them out of the loss); always counted.",
     )
     truncation_penalty: float = _f(-1.0, "Added to the reward of truncated responses when truncation=penalize.")
+    rollout_correction: Literal["none", "truncate", "mask"] = _f(
+        "none",
+        "Importance correction from the generators' sampling policy to the learner's old policy, per token "
+        "(w = pi_old / pi_rollout): truncate (loss weighted by min(w, rollout_is_cap): truncated IS), mask "
+        "(tokens with w outside [rollout_is_low, rollout_is_high] left out) or none. The gap is always measured "
+        "(logprob_gap/*).")
+    rollout_is_cap: float = _f(2.0, "Cap of rollout_correction=truncate.", gt=0)
+    rollout_is_low: float = _f(0.5, "Lower end of the band of rollout_correction=mask.", ge=0, le=1)
+    rollout_is_high: float = _f(2.0, "Upper end of the band of rollout_correction=mask.", ge=1)
 
     @property
     def uses_reference(self) -> bool:

@@ -26,6 +26,8 @@ __all__ = [
     "kl_penalty",
     "KL_KINDS",
     "policy_loss_clipped",
+    "ROLLOUT_CORRECTIONS",
+    "rollout_importance_weights",
     "value_loss_clipped",
     "entropy_from_logits",
     "bradley_terry_loss",
@@ -256,6 +258,7 @@ def policy_loss_clipped(
     *,
     loss_agg: str = "token_mean",
     loss_agg_constant: Optional[float] = None,
+    weights: Optional[Tensor] = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate loss (Schulman et al. 2017, eq. 7), token-mean by default.
 
@@ -282,6 +285,9 @@ def policy_loss_clipped(
         loss_agg: reduction of the per-token loss, one of ``LOSS_AGG_MODES``.
         loss_agg_constant: ``constant`` of ``agg_loss`` (needed by
             ``"seq_mean_token_sum_norm"``).
+        weights: optional ``(B, T)`` per-token factors of the loss, treated as
+            constants (e.g. ``rollout_importance_weights``: the correction from
+            the rollout policy that sampled the tokens to the old policy).
 
     Returns:
         ``(loss, stats)``: scalar loss, and detached scalars -- token means
@@ -302,6 +308,8 @@ def policy_loss_clipped(
     loss_unclipped = -adv * ratio
     loss_clipped = -adv * ratio.clamp(1.0 - clip_eps, 1.0 + eps_high)
     per_token = torch.maximum(loss_unclipped, loss_clipped)
+    if weights is not None:
+        per_token = per_token * torch.where(valid, weights.detach(), torch.zeros_like(weights))
     loss = agg_loss(per_token, valid, loss_agg, loss_agg_constant)
 
     with torch.no_grad():
@@ -311,6 +319,82 @@ def policy_loss_clipped(
             "ratio_mean": masked_mean(ratio, valid),
         }
     return loss, {k: v.detach() for k, v in stats.items()}
+
+
+ROLLOUT_CORRECTIONS: tuple[str, ...] = ("none", "truncate", "mask")
+
+
+def rollout_importance_weights(
+    old_logprobs: Tensor,
+    rollout_logprobs: Tensor,
+    mask: Tensor,
+    mode: str = "truncate",
+    cap: float = 2.0,
+    low: float = 0.5,
+    high: float = 2.0,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Token-level importance weights from the rollout policy mu that sampled the tokens (the
+    inference engine: other kernels, other precision, or older weights) to the learner's old
+    policy pi_old, whose ratio PPO clips.
+
+    ``w_t = pi_old(a_t | s_t) / mu(a_t | s_t) = exp(old_logprobs - rollout_logprobs)``, then
+
+    * ``"truncate"``: ``min(w_t, cap)`` -- truncated importance sampling (Ionides 2008; the
+      "TIS" correction of Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You
+      Off-Policy RL Training", eq. 4), which bounds the variance a rare token can add;
+    * ``"mask"``: ``1[low <= w_t <= high]`` -- tokens whose ratio leaves the band are left out
+      of the loss (weight 0; they stay in its normaliser) and the rest are not reweighted;
+    * ``"none"``: all ones.
+
+    The weights are constants of the gradient. The log-ratio is zeroed at masked positions and
+    clamped to [-20, 20] before ``exp``.
+
+    Args:
+        old_logprobs: ``(B, T)`` log pi_old of the taken tokens (the learner's pass).
+        rollout_logprobs: ``(B, T)`` log mu of the same tokens (the generator's).
+        mask: ``(B, T)``; bool or float.
+        mode: one of ``ROLLOUT_CORRECTIONS``.
+        cap: upper bound of ``"truncate"``; > 0.
+        low, high: the band of ``"mask"``; ``0 <= low <= 1 <= high``.
+
+    Returns:
+        ``(weights, stats)``: ``(B, T)`` weights (0 at masked positions) and detached token
+        means over the mask: ``"gap_mean_abs"`` (|log pi_old - log mu|), ``"kl_k3"`` (k3 estimate
+        of KL(mu || pi_old) from mu's samples), ``"ratio_mean"`` (w before the correction),
+        ``"weight_mean"`` and ``"corrected_frac"`` (tokens truncated or masked).
+
+    Raises:
+        ValueError: for an unknown ``mode`` or a bad ``cap`` / band.
+    """
+    if mode not in ROLLOUT_CORRECTIONS:
+        raise ValueError(f"Unknown rollout correction {mode!r}; expected one of {ROLLOUT_CORRECTIONS}")
+    if not cap > 0 or not 0 <= low <= 1 <= high:
+        raise ValueError(f"need cap > 0 and 0 <= low <= 1 <= high, got cap={cap}, low={low}, high={high}")
+    valid = mask.to(old_logprobs.dtype) != 0
+    with torch.no_grad():
+        log_ratio = torch.where(valid, old_logprobs - rollout_logprobs, torch.zeros_like(old_logprobs))
+        log_ratio = log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+        ratio = torch.exp(log_ratio)
+        if mode == "truncate":
+            weights = ratio.clamp(max=cap)
+            corrected = ratio > cap
+        elif mode == "mask":
+            inside = (ratio >= low) & (ratio <= high)
+            weights = inside.to(ratio.dtype)
+            corrected = ~inside
+        else:
+            weights = torch.ones_like(ratio)
+            corrected = torch.zeros_like(valid)
+        weights = torch.where(valid, weights, torch.zeros_like(weights))
+        stats = {
+            "gap_mean_abs": masked_mean(log_ratio.abs(), valid),
+            # Tokens come from mu: log(mu / pi_old) = -log_ratio, and k3 estimates KL(mu || pi_old).
+            "kl_k3": masked_mean(kl_penalty(-log_ratio, torch.zeros_like(log_ratio), "k3"), valid),
+            "ratio_mean": masked_mean(ratio, valid),
+            "weight_mean": masked_mean(weights, valid),
+            "corrected_frac": masked_mean(corrected.to(ratio.dtype), valid),
+        }
+    return weights, stats
 
 
 def value_loss_clipped(

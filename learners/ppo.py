@@ -31,7 +31,14 @@ from learners.advantages import (
 from learners.base import CRITIC_DIR, LearnerContext, TrainParams
 from learners.experience import Experience
 from learners.kl_control import make_kl_controller
-from learners.losses import kl_penalty, masked_mean, masked_whiten, policy_loss_clipped, value_loss_clipped
+from learners.losses import (
+    kl_penalty,
+    masked_mean,
+    masked_whiten,
+    policy_loss_clipped,
+    rollout_importance_weights,
+    value_loss_clipped,
+)
 from learners.modeling import autocast, micro_batch_order
 from learners.policy import PolicyLearner
 
@@ -59,6 +66,10 @@ class PPOParams(Protocol):
     reward_clip: float
     truncation: str
     truncation_penalty: float
+    rollout_correction: str
+    rollout_is_cap: float
+    rollout_is_low: float
+    rollout_is_high: float
 
     @property
     def uses_reference(self) -> bool: ...
@@ -67,7 +78,7 @@ class PPOParams(Protocol):
 # Metrics accumulated over micro-batches; every rank reports all of them (zeros where it had no
 # rows) so that one all-reduce turns them into global values.
 _STATS = ("loss/policy", "loss/value", "loss/total", "policy/entropy", "policy/clip_frac", "policy/approx_kl",
-          "value/clip_frac")
+          "value/clip_frac", "rollout_is/weight_mean", "rollout_is/corrected_frac")
 
 
 class PPOLearner(PolicyLearner):
@@ -238,6 +249,7 @@ class PPOLearner(PolicyLearner):
                 "kl/ref_k3": float(masked_mean(kl_penalty(old_logprobs, ref_logprobs, "k3"), mask)),
             })
         gap = (old_logprobs - batch.rollout_logprobs).abs()
+        _, gap_stats = rollout_importance_weights(old_logprobs, batch.rollout_logprobs, mask, "none")
         resp = mask.sum(1).float()
         metrics.update({
             "kl/coef": kl_coef,
@@ -250,6 +262,8 @@ class PPOLearner(PolicyLearner):
             "kl/penalty_per_seq": float((kl * mask).sum(1).mean()) * kl_coef,
             "logprob_gap/mean_abs": float(masked_mean(gap, mask)),
             "logprob_gap/max_abs": float(gap[mask].max()) if bool(mask.any()) else 0.0,
+            # KL(rollout policy || old policy), k3 from the rollout's tokens: the off-policy gap.
+            "logprob_gap/kl_k3": float(gap_stats["kl_k3"]),
             "advantage/mean": float(masked_mean(advantages, mask)),
             "response/length_mean": float(resp.mean()),
             "learner/prep_s": t_prep,
@@ -306,9 +320,18 @@ class PPOLearner(PolicyLearner):
                     out = fused_out if fused_out is not None else self._forward(part, grad=True)
                     if streamed:
                         old_logprobs[micro, :width] = out["logprobs"].detach()
+                    is_weights = None
+                    if hp.rollout_correction != "none":
+                        is_weights, is_stats = rollout_importance_weights(
+                            old_logprobs[micro, :width], part.rollout_logprobs, mmask, hp.rollout_correction,
+                            cap=hp.rollout_is_cap, low=hp.rollout_is_low, high=hp.rollout_is_high,
+                        )
+                        totals["rollout_is/weight_mean"] += float(is_stats["weight_mean"]) * w_tok
+                        totals["rollout_is/corrected_frac"] += float(is_stats["corrected_frac"]) * w_tok
                     pg_loss, pg_stats = policy_loss_clipped(
                         out["logprobs"], old_logprobs[micro, :width], advantages[micro, :width], mmask,
                         clip_eps=hp.clip_eps, loss_agg=hp.loss_agg, loss_agg_constant=self.loss_agg_constant,
+                        weights=is_weights,
                     )
                     loss = pg_loss * w_agg
                     if self.use_critic:
@@ -341,6 +364,9 @@ class PPOLearner(PolicyLearner):
         if not self.use_critic:
             stats.pop("loss/value")
             stats.pop("value/clip_frac")
+        if hp.rollout_correction == "none":
+            stats.pop("rollout_is/weight_mean")
+            stats.pop("rollout_is/corrected_frac")
         return stats, grad_norms, old_logprobs
 
     # -- checkpoints -----------------------------------------------------------------------------
