@@ -239,6 +239,14 @@ class Generator:
         ).validate()
 
     # -- weights ---------------------------------------------------------------------------------
+    def probe_logprobs(self, token_ids: list[int]) -> list[float]:
+        """The engine's log-prob of each token of a fixed probe sequence given the tokens before it
+        (every token but the first): a fingerprint of the weights it serves, compared with the
+        learner's after a sync. Raw model log-probs (no temperature)."""
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+        out = self.llm.generate([{"prompt_token_ids": list(token_ids)}], params, use_tqdm=False)[0]
+        return [float(step[tok].logprob) for tok, step in zip(token_ids[1:], out.prompt_logprobs[1:])]
+
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> float:
         """Replaces the engine's weights in place; returns seconds taken."""
         t0 = time.perf_counter()

@@ -21,7 +21,7 @@ from actors.reference import ReferenceConfig
 from actors.remote import RemoteSettings
 from actors.scorer import ScorerSpec
 from cluster.config import Config
-from cluster.weight_sync import PackedWeights, unpack
+from cluster.weight_sync import PackedWeights, SyncError, probe_gaps, unpack
 from learners.experience import Experience
 
 
@@ -166,6 +166,10 @@ class GeneratorWorker:
 
     def version(self) -> int:
         return self.gen.version
+
+    def probe(self, token_ids: list[int]) -> dict:
+        """The policy version this generator holds and its log-probs of the probe sequence."""
+        return {"version": self.gen.version, "logprobs": self.gen.probe_logprobs(token_ids)}
 
 
 class ScorerWorker:
@@ -424,6 +428,25 @@ class RolloutGroup:
         self.restart_log.append({"generator": i, "reason": reason, "seconds": round(time.time() - t0, 2),
                                  "version": held})
         print(f"[rayrlhf] generator {i} restarted in {time.time() - t0:.1f}s with policy version {held}", flush=True)
+
+    def verify_sync(self, probe_ids: list[int], expected: list[float], version: int, tolerance: float) -> dict[str, float]:
+        """Checks that every generator serves the weights the learners sent: it holds ``version``
+        and its log-probs of the probe match the learner's (``expected``) within ``tolerance``
+        (mean |difference|), and the generators match each other. Raises SyncError naming the
+        generators that do not."""
+        served = ray.get([g.probe.remote(probe_ids) for g in self.generators])
+        gaps = probe_gaps(expected, [s["logprobs"] for s in served])
+        spread = max(probe_gaps(served[0]["logprobs"], [s["logprobs"] for s in served[1:]]), default=0.0)
+        problems = [f"generator {i} holds policy version {s['version']}, not {version}"
+                    for i, s in enumerate(served) if s["version"] != version]
+        problems += [f"generator {i} serves log-probs {gap:.4g} nats from the learner's (mean over "
+                     f"{len(expected)} probe tokens; tolerance {tolerance:g})"
+                     for i, gap in enumerate(gaps) if not gap <= tolerance]
+        if len(served) > 1 and not spread <= min(tolerance, 1e-3):
+            problems.append(f"the generators' probe log-probs differ by up to {spread:.4g} nats")
+        if problems:
+            raise SyncError("weight sync failed: " + "; ".join(problems))
+        return {"sync/probe_gap": max(gaps), "sync/probe_spread": spread}
 
     def sync_weights(self, weights_ref, version: int | None = None) -> list[float]:
         """Loads the packed weights into every generator; one that died on the way is restarted

@@ -180,6 +180,12 @@ class RolloutConfig(Section):
         0.5, "Ray CPUs reserved by each generator actor (a placement claim: the phases of a step run one after "
         "another and each uses rollout.threads; the defaults of all roles fit a 2-CPU cluster).", ge=0)
     threads: int = _f(0, "Torch/OpenMP threads of each generator (0: all cores of the node).", ge=0)
+    verify_sync: bool = _f(
+        True, "After every weight sync, each generator scores a fixed probe sequence and its log-probs are compared "
+              "with the learner's: a generator that does not serve the sent weights stops the run (SyncError).")
+    sync_tolerance: float = _f(
+        0.0, "Largest mean |log-prob difference| over the probe accepted by verify_sync (0: by model.generator_dtype: "
+             "1e-3 for float32, 0.1 for bf16, whose kernels differ from the learner's by about 1e-2).", ge=0)
     max_restarts: int = _f(
         3, "Times Ray restarts a generator actor that died; a restarted generator gets the current weights "
            "and its unfinished prompts are issued again (0: a lost generator ends the run).", ge=0)

@@ -76,9 +76,13 @@ class LearnerSpec:
     threads: int = 0
     # Restarts of the worker group Ray Train may make after a worker dies (``FailureConfig``).
     max_failures: int = 0
+    # Token ids of the verified-sync probe: rank 0 answers every weight sync with the policy's
+    # log-probs of them (empty: no probe).
+    probe_ids: list[int] = dataclasses.field(default_factory=list)
 
 
-def learner_spec(cfg: Config, model_path: str, pad_token_id: int, resume_from: str | None = None) -> LearnerSpec:
+def learner_spec(cfg: Config, model_path: str, pad_token_id: int, resume_from: str | None = None,
+                 probe_ids: list[int] | None = None) -> LearnerSpec:
     """The learner's slice of the run's config."""
     return LearnerSpec(
         algorithm=cfg.run.algorithm, train=cfg.train, algo=getattr(cfg, cfg.run.algorithm),
@@ -90,7 +94,7 @@ def learner_spec(cfg: Config, model_path: str, pad_token_id: int, resume_from: s
         resume_from=resume_from, tokenizer_path=model_path, pad_token_id=pad_token_id,
         sync_dtype=cfg.model.generator_dtype, num_learners=cfg.cluster.num_learners,
         cpus_per_learner=cfg.cluster.cpus_per_learner, threads=cfg.cluster.threads,
-        max_failures=cfg.cluster.learner_max_failures,
+        max_failures=cfg.cluster.learner_max_failures, probe_ids=list(probe_ids or []),
     )
 
 
@@ -165,7 +169,10 @@ def _handle(item: dict, learner: Any, spec: LearnerSpec, comm: Any, peak_rss_gb:
             return None
         with learner.policy_weights() as weights:
             packed = pack(weights, spec.sync_dtype, version=learner.version)
-        return {"step": step, "weights": [ray.put(packed)], "version": learner.version}
+        reply = {"step": step, "weights": [ray.put(packed)], "version": learner.version}
+        if spec.probe_ids:
+            reply["probe"] = learner.probe_logprobs(spec.probe_ids)
+        return reply
     if item.get("save_only"):  # a checkpoint outside a step (early stopping)
         if comm.rank == 0:
             learner.save(item["save_dir"], tokenizer_from=spec.tokenizer_path)
@@ -187,6 +194,8 @@ def _handle(item: dict, learner: Any, spec: LearnerSpec, comm: Any, peak_rss_gb:
             with learner.policy_weights() as weights:
                 packed = pack(weights, spec.sync_dtype, version=learner.version)
             reply["weights"] = [ray.put(packed)]
+            if spec.probe_ids:
+                reply["probe"] = learner.probe_logprobs(spec.probe_ids)
             metrics["sync/pack_s"] = time.perf_counter() - t0
             metrics["sync/bytes"] = float(packed.nbytes)
         if item.get("save_dir"):

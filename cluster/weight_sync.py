@@ -63,3 +63,32 @@ def unpack(packed: PackedWeights) -> Iterator[tuple[str, torch.Tensor]]:
     for name, shape, offset in packed.layout:
         n = int(np.prod(shape)) if shape else 1
         yield name, flat[offset : offset + n].view(shape)
+
+
+# A fixed probe for verified syncs: text any tokenizer encodes to a few dozen tokens.
+PROBE_TEXT = ("Verified sync probe: 12 + 30 = 42. The quick brown fox jumps over the lazy dog; "
+              "weights in the engine should equal the learner's.")
+
+
+def probe_token_ids(tokenizer) -> list[int]:
+    return list(tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"])
+
+
+def sync_tolerance(dtype: str, configured: float = 0.0) -> float:
+    """Largest mean |log-prob difference| over the probe accepted between a generator and the
+    learner: the precision gap of the generator's weights and kernels (fp32: about 1e-6 measured;
+    bf16: about 1e-2) with a margin, or the configured value."""
+    if configured > 0:
+        return configured
+    return 1e-3 if dtype == "float32" else 0.1
+
+
+class SyncError(RuntimeError):
+    """A generator does not serve the weights the learners sent."""
+
+
+def probe_gaps(expected: list[float], served: list[list[float]]) -> list[float]:
+    """Mean |log-prob difference| over the probe of each generator's answer vs the learner's."""
+    e = torch.tensor(expected, dtype=torch.float64)
+    return [float((torch.tensor(s, dtype=torch.float64) - e).abs().mean()) if len(s) == len(expected) else float("inf")
+            for s in served]

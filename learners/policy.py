@@ -114,6 +114,22 @@ class PolicyLearner(Learner):
             )
 
     # -- weights out -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def probe_logprobs(self, token_ids: list[int]) -> list[float]:
+        """The policy's log-prob of each token of ``token_ids`` after the first (eval mode, no
+        temperature): what a generator holding the same weights answers to the same probe."""
+        lm = self.model.lm
+        was_training = lm.training
+        lm.eval()
+        try:
+            ids = torch.tensor([list(token_ids)], dtype=torch.long)
+            positions = torch.ones_like(ids, dtype=torch.bool)
+            positions[0, 0] = False
+            lp = sequence_logprobs(lm, ids, torch.ones_like(positions), positions, chunk=self.tr.logprob_chunk)
+        finally:
+            lm.train(was_training)
+        return lp[0, 1:].tolist()
+
     @contextlib.contextmanager
     def policy_weights(self) -> Iterator[dict[str, torch.Tensor]]:
         """Policy weights in transformers (checkpoint) naming, without extra heads or a tied

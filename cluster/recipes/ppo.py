@@ -22,6 +22,7 @@ import ray
 from cluster.actor_groups import RolloutGroup
 from cluster.learner_group import LearnerGroup, learner_spec
 from cluster.ledger import Ledger, issue_records, outcome_records
+from cluster.weight_sync import probe_token_ids, sync_tolerance
 from cluster.metrics import step_metrics
 from cluster.config import Config, UserError
 from cluster.run_context import PromptSampler, RunContext, RunResult, greedy_accuracy
@@ -75,7 +76,10 @@ def run(ctx: RunContext, model_path: str, train_set, eval_set) -> RunResult:
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     resume = str(ctx.resume_from) if ctx.resume_from else None
     rollout = RolloutGroup(cfg, model_path, policy_path=resume, policy_version=int(ctx.run_state["version"]))
-    learners = LearnerGroup(learner_spec(cfg, model_path, pad_id, resume_from=resume), ctx.dir / "ray_train")
+    probe_ids = probe_token_ids(tok) if cfg.rollout.verify_sync else []
+    learners = LearnerGroup(learner_spec(cfg, model_path, pad_id, resume_from=resume, probe_ids=probe_ids),
+                            ctx.dir / "ray_train")
+    tolerance = sync_tolerance(cfg.model.generator_dtype, cfg.rollout.sync_tolerance)
     # A generator that restarts gets the weights the learners hold.
     rollout.weights_source = lambda: learners.current_weights()["weights"][0]
     ledger = Ledger(ctx.dir, resume_step=ctx.start_step if resume else None)
@@ -129,6 +133,8 @@ def run(ctx: RunContext, model_path: str, train_set, eval_set) -> RunResult:
                                       for u, n in kept.items()])
             with ctx.phase("sync"):
                 load_times = rollout.sync_weights(result["weights"][0], version=result["version"])
+                verified = rollout.verify_sync(probe_ids, result["probe"], result["version"], tolerance) \
+                    if probe_ids else {}
             if result.get("saved"):
                 ctx.finish_checkpoint(result["saved"], step, sampler, result["version"])
             _record_restarts(ledger, step, rollout, learners)
@@ -143,6 +149,7 @@ def run(ctx: RunContext, model_path: str, train_set, eval_set) -> RunResult:
             row["restarts/generator"], row["restarts/learner"] = rollout.restarts, learners.restarts
             row["reference/in_learner"] = rollout.reference is None and cfg.ppo.uses_reference
             row["sync/load_s"] = max(load_times)
+            row.update(verified)
             row["memory/generator_peak_gb"] = max(s["peak_rss_gb"] for s in gen_stats)
             row["memory/scorer_peak_gb"] = max(s["peak_rss_gb"] for s in score_stats)  # the judging generators' with llm_judge
             if ref_stats:

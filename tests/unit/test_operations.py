@@ -10,6 +10,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 from cluster.config import Config, UserError
 from cluster.console import Console, is_own_line
@@ -206,3 +207,28 @@ def test_status_of_a_run_directory(tmp_path):
     assert "4 issued, 0 scored, 4 trained, 0 dropped, 0 pending, 0 lost, 0 trained twice" in text
     with pytest.raises(FileNotFoundError):
         run_status(tmp_path / "nope")
+
+
+# -- verified sync ----------------------------------------------------------------------------
+def test_probe_gaps_and_tolerances():
+    from cluster.weight_sync import probe_gaps, sync_tolerance
+
+    assert probe_gaps([-1.0, -2.0], [[-1.0, -2.0], [-1.5, -2.5], [-1.0]]) == [0.0, 0.5, float("inf")]
+    assert sync_tolerance("float32") == 1e-3 and sync_tolerance("bfloat16") == 0.1
+    assert sync_tolerance("bfloat16", 0.02) == 0.02
+
+
+def test_the_learners_probe_is_its_eval_mode_log_probs(tiny_model_path):
+    from learners.modeling import sequence_logprobs
+    from tests.helpers.factories import make_learner
+
+    learner = make_learner(tiny_model_path)
+    learner.model.train()
+    ids = [5, 17, 42, 8, 99, 3]
+    got = learner.probe_logprobs(ids)
+    assert learner.model.lm.training  # its mode is left as it was
+    t = torch.tensor([ids])
+    pos = torch.ones_like(t, dtype=torch.bool)
+    pos[0, 0] = False
+    want = sequence_logprobs(learner.model.lm.eval(), t, torch.ones_like(pos), pos)[0, 1:]
+    assert len(got) == 5 and torch.allclose(torch.tensor(got), want, atol=1e-6)
