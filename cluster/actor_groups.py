@@ -376,12 +376,22 @@ class RolloutGroup:
         """``generate``, waiting for every shard's stats, and surviving a generator that dies:
         its shard is issued again (same rows, same seed) once Ray has restarted it and it holds
         the current weights. ``on_reissue(generator_index, group_ids, error)`` is told first."""
+        return self.collect(self.submit(rows, group_ids, greedy, seed), on_reissue)
+
+    def submit(self, rows: list[dict], group_ids: list[int], greedy: bool = False, seed: int | None = None) -> dict:
+        """Starts a generation and returns at once (``collect`` waits for it): the generators work
+        while the caller does something else, e.g. the learners train on the previous batch."""
         shards = self._shards(rows, group_ids)
         calls = [self._generate_shard(i, r, g, greedy, seed) for i, (r, g) in enumerate(shards)]
+        return {"shards": shards, "calls": calls, "greedy": greedy, "seed": seed}
+
+    def collect(self, pending: dict, on_reissue: Any = None) -> tuple[list, list[dict]]:
+        """The records and stats of a ``submit``; a shard whose generator died is issued again."""
         exp_refs, stats = [], []
-        for i, (r, g) in enumerate(shards):
+        for i, (r, g) in enumerate(pending["shards"]):
+            call = pending["calls"][i]
             while True:
-                exp, stat = calls[i]
+                exp, stat = call
                 try:
                     stats.append(ray.get(stat))
                     exp_refs.append(exp)
@@ -390,7 +400,7 @@ class RolloutGroup:
                     if on_reissue is not None:
                         on_reissue(i, g, e)
                     self.recover(i, reason=type(e).__name__)
-                    calls[i] = self._generate_shard(i, r, g, greedy, seed)
+                    call = self._generate_shard(i, r, g, pending["greedy"], pending["seed"])
         return exp_refs, stats
 
     def _generate_shard(self, i: int, rows: list, group_ids: list[int], greedy: bool, seed: int | None) -> tuple:

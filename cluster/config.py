@@ -180,6 +180,10 @@ class RolloutConfig(Section):
         0.5, "Ray CPUs reserved by each generator actor (a placement claim: the phases of a step run one after "
         "another and each uses rollout.threads; the defaults of all roles fit a 2-CPU cluster).", ge=0)
     threads: int = _f(0, "Torch/OpenMP threads of each generator (0: all cores of the node).", ge=0)
+    max_staleness: int = _f(
+        0, "Asynchronous training (ppo): the generation of up to this many later batches runs while the learners "
+           "train, so a batch may be sampled by weights this many policy versions old (older ones never reach a "
+           "loss). 0: synchronous (generate, then learn, then sync).", ge=0)
     verify_sync: bool = _f(
         True, "After every weight sync, each generator scores a fixed probe sequence and its log-probs are compared "
               "with the learner's: a generator that does not serve the sent weights stops the run (SyncError).")
@@ -258,12 +262,12 @@ class PPOConfig(Section):
         "truncation_penalty to their reward) or mask (leave them out of the loss); always counted.",
     )
     truncation_penalty: float = _f(-1.0, "Added to the reward of truncated responses when truncation=penalize.")
-    rollout_correction: Literal["none", "truncate", "mask"] = _f(
-        "none",
+    rollout_correction: Literal["auto", "none", "truncate", "mask"] = _f(
+        "auto",
         "Importance correction from the generators' sampling policy to the learner's old policy, per token "
         "(w = pi_old / pi_rollout): truncate (loss weighted by min(w, rollout_is_cap): truncated IS), mask "
-        "(tokens with w outside [rollout_is_low, rollout_is_high] left out) or none. The gap is always measured "
-        "(logprob_gap/*).")
+        "(tokens with w outside [rollout_is_low, rollout_is_high] left out), none, or auto (truncate when "
+        "rollout.max_staleness > 0, else none). The gap is always measured (logprob_gap/*).")
     rollout_is_cap: float = _f(2.0, "Cap of rollout_correction=truncate.", gt=0)
     rollout_is_low: float = _f(0.5, "Lower end of the band of rollout_correction=mask.", ge=0, le=1)
     rollout_is_high: float = _f(2.0, "Upper end of the band of rollout_correction=mask.", ge=1)

@@ -84,8 +84,12 @@ class LearnerSpec:
 def learner_spec(cfg: Config, model_path: str, pad_token_id: int, resume_from: str | None = None,
                  probe_ids: list[int] | None = None) -> LearnerSpec:
     """The learner's slice of the run's config."""
+    algo = getattr(cfg, cfg.run.algorithm)
+    if cfg.run.algorithm == "ppo" and algo.rollout_correction == "auto":
+        # Asynchronous batches come from older weights: correct for them by default.
+        algo = algo.model_copy(update={"rollout_correction": "truncate" if cfg.rollout.max_staleness > 0 else "none"})
     return LearnerSpec(
-        algorithm=cfg.run.algorithm, train=cfg.train, algo=getattr(cfg, cfg.run.algorithm),
+        algorithm=cfg.run.algorithm, train=cfg.train, algo=algo,
         context=LearnerContext(
             model_path=model_path, seed=cfg.run.seed, total_steps=cfg.run.steps,
             temperature=cfg.rollout.temperature or 1.0, max_new_tokens=cfg.model.max_new_tokens,

@@ -93,6 +93,8 @@ class PPOLearner(PolicyLearner):
         self.use_critic = hp.advantage_estimator == "gae"
         self.loss_agg_constant = hp.loss_agg_constant or float(ctx.max_new_tokens) or None
         self.kl_ctl = make_kl_controller(hp.kl_controller, hp.kl_coef, hp.kl_target, hp.kl_horizon)
+        # "auto" is resolved by the run (truncate for asynchronous runs); on its own it means none.
+        self.rollout_correction = "none" if hp.rollout_correction == "auto" else hp.rollout_correction
         if not self.use_critic:
             # Critic-free estimators never touch the value head.
             self.model.value_head.requires_grad_(False)
@@ -321,9 +323,9 @@ class PPOLearner(PolicyLearner):
                     if streamed:
                         old_logprobs[micro, :width] = out["logprobs"].detach()
                     is_weights = None
-                    if hp.rollout_correction != "none":
+                    if self.rollout_correction != "none":
                         is_weights, is_stats = rollout_importance_weights(
-                            old_logprobs[micro, :width], part.rollout_logprobs, mmask, hp.rollout_correction,
+                            old_logprobs[micro, :width], part.rollout_logprobs, mmask, self.rollout_correction,
                             cap=hp.rollout_is_cap, low=hp.rollout_is_low, high=hp.rollout_is_high,
                         )
                         totals["rollout_is/weight_mean"] += float(is_stats["weight_mean"]) * w_tok
@@ -364,7 +366,7 @@ class PPOLearner(PolicyLearner):
         if not self.use_critic:
             stats.pop("loss/value")
             stats.pop("value/clip_frac")
-        if hp.rollout_correction == "none":
+        if self.rollout_correction == "none":
             stats.pop("rollout_is/weight_mean")
             stats.pop("rollout_is/corrected_frac")
         return stats, grad_norms, old_logprobs

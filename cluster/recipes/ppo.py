@@ -6,7 +6,15 @@
         experience <- scorer adds task rewards
         experience <- reference adds its log-probs (when a KL term needs them)
         learners   <- PPO update on the batch (advantages, clipped losses)
-        generators <- the learners' new weights
+        generators <- the learners' new weights (verified by a probe)
+
+Asynchronous (``rollout.max_staleness = s > 0``): the generation of the next s steps' batches
+is started before the learners train on this one, so sampling overlaps learning. A batch is
+then sampled by weights up to s versions older than the learners' (its ``policy_version``);
+one older than that never reaches a loss (counted as ``skipped.stale``), and the importance
+correction from the rollout policy to the old policy is on by default. Weight syncs queue
+behind the generation calls on each generator actor, so an update never lands mid-generation.
+With s = 0 this is the synchronous loop above, step for step.
 
 Placement, object refs and data-parallel details live in ``cluster/actor_groups.py`` and
 ``cluster/learner_group.py``; this file is the algorithm's loop.
@@ -14,6 +22,8 @@ Placement, object refs and data-parallel details live in ``cluster/actor_groups.
 
 from __future__ import annotations
 
+from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -101,49 +111,72 @@ def run(ctx: RunContext, model_path: str, train_set, eval_set) -> RunResult:
         if ctx.eval_due(0):
             with ctx.phase("eval"):
                 ctx.log_base_eval(greedy_accuracy(rollout, eval_set.rows))
-        for step in ctx.steps():
+        max_staleness = cfg.rollout.max_staleness
+        ahead: deque[_Launched] = deque()
+
+        def launch(step: int) -> _Launched:
+            """Draws the step's prompts and starts their generation (returns at once)."""
             prompt_ids, uids = sampler.next_with_uids()
-            prompts = [train_set.rows[i] for i in prompt_ids]
             shards = rollout.assignment(uids)
             ledger.record("issued", issue_records(step, uids, prompt_ids, [i for i, s in enumerate(shards) for _ in s],
                                                   rollout.version))
+            # Group ids are the prompts' uids: a prompt drawn twice in one batch is two groups.
+            pending = rollout.submit([train_set.rows[i] for i in prompt_ids], uids, seed=sampling_seed(cfg.run.seed, step))
+            return _Launched(step, prompt_ids, uids, shards, pending, sampler.consumed)
+
+        for step in ctx.steps():
+            cur = ahead.popleft() if ahead else launch(step)
 
             def reissue(gen: int, group: list[int], err: Exception, step: int = step) -> None:
                 ledger.record("reissued", [{"step": step, "uid": u, "generator": gen, "reason": type(err).__name__}
                                            for u in group])
 
             with ctx.phase("generate"):
-                # Group ids are the prompts' uids: a prompt drawn twice in one batch is two groups.
-                exp, gen_stats = rollout.generate_checked(prompts, uids, seed=sampling_seed(cfg.run.seed, step),
-                                                          on_reissue=reissue)
+                exp, gen_stats = rollout.collect(cur.pending, on_reissue=reissue)
             with ctx.phase("score"):
                 exp, score_stats = rollout.score(exp)
                 score_stats = ray.get(score_stats)
+            sampled = min(s["policy_version"] for s in gen_stats)
+            staleness = learner_version - sampled
+            scored, dropped, kept = outcome_records(step, cur.shards, gen_stats, score_stats, cfg.rollout.samples_per_prompt)
+            ledger.record("scored", scored)
+            ledger.record("dropped", dropped)
+            # Overlap: the next batches' generation runs while the learners train on this one.
+            while len(ahead) < max_staleness and step + len(ahead) + 1 <= cfg.run.steps:
+                ahead.append(launch(step + len(ahead) + 1))
+            if staleness > max_staleness:
+                # The pipeline never lets this happen; should it, the batch never reaches a loss.
+                n = sum(len(s["groups"]) for s in gen_stats)
+                ledger.record("dropped", [{"step": step, "uid": u, "samples": k, "all": True, "reasons": {"stale": k}}
+                                          for u, k in kept.items()])
+                print(f"[rayrlhf] step {step}: batch sampled by policy version {sampled}, {staleness} behind the "
+                      f"learners (rollout.max_staleness={max_staleness}): {n} samples dropped", flush=True)
+                ctx.log_step(step, {"skipped": {"stale": n}, "policy/staleness": staleness, **ledger.metrics()})
+                continue
             with ctx.phase("reference"):
                 exp, ref_stats = rollout.annotate_reference(exp)
                 ref_stats = ray.get(ref_stats)
-            scored, dropped, kept = outcome_records(step, shards, gen_stats, score_stats, cfg.rollout.samples_per_prompt)
-            ledger.record("scored", scored)
-            ledger.record("dropped", dropped)
             exports = export_step(ctx, step, exp) if cfg.run.export_transitions else []
             save_dir = ctx.checkpoint_dir(step)
             with ctx.phase("learn"):
                 result = learners.learn(step, exp, save_dir=save_dir)
-            ledger.record("trained", [{"step": step, "uid": u, "samples": n, "version": result["version"]}
+            ledger.record("trained", [{"step": step, "uid": u, "samples": n, "version": result["version"],
+                                       "sampled_version": sampled, "learner_version": learner_version}
                                       for u, n in kept.items()])
             with ctx.phase("sync"):
                 load_times = rollout.sync_weights(result["weights"][0], version=result["version"])
                 verified = rollout.verify_sync(probe_ids, result["probe"], result["version"], tolerance) \
                     if probe_ids else {}
+            position = _SamplerPosition(cur.consumed)  # the prompts of batches started ahead are not in it
             if result.get("saved"):
-                ctx.finish_checkpoint(result["saved"], step, sampler, result["version"])
+                ctx.finish_checkpoint(result["saved"], step, position, result["version"])
             _record_restarts(ledger, step, rollout, learners)
 
-            row: dict[str, Any] = {"skipped_at_load": dict(train_set.skipped), "data/prompt_ids": prompt_ids}
+            row: dict[str, Any] = {"skipped_at_load": dict(train_set.skipped), "data/prompt_ids": cur.prompt_ids}
             row.update(step_metrics(gen_stats, score_stats, result["metrics"]))
             row["policy/version"] = result["version"]
-            row["policy/staleness"] = learner_version - row["generate/policy_version"]
-            row["queue/depth"] = 0  # synchronous: each batch is trained on as soon as it is made
+            row["policy/staleness"] = staleness
+            row["queue/depth"] = len(ahead)
             learner_version = result["version"]
             row.update(ledger.metrics())
             row["restarts/generator"], row["restarts/learner"] = rollout.restarts, learners.restarts
@@ -167,6 +200,31 @@ def run(ctx: RunContext, model_path: str, train_set, eval_set) -> RunResult:
         learners.stop()
         rollout.shutdown()
     return ctx.result()
+
+
+@dataclass
+class _Launched:
+    """A step whose generation has been started."""
+
+    step: int
+    prompt_ids: list[int]
+    uids: list[int]
+    # The uids each generator got.
+    shards: list[list[int]]
+    # ``RolloutGroup.submit``'s handle.
+    pending: dict
+    # The sampler's position after this step's prompts (what a checkpoint of this step records).
+    consumed: int
+
+
+@dataclass
+class _SamplerPosition:
+    """A checkpoint's prompt-sampler state: the position after the checkpointed step's prompts."""
+
+    consumed: int
+
+    def state_dict(self) -> dict[str, int]:
+        return {"consumed": self.consumed}
 
 
 def _record_restarts(ledger: Ledger, step: int, rollout: RolloutGroup, learners: LearnerGroup) -> None:
