@@ -3,7 +3,10 @@ rayrlhf's Generator class, and the Generator inside a Ray actor (what training u
 
 Same model (SmolLM2-135M-Instruct), prompts (reasoning-gym basic_arithmetic, chat template),
 dtype (bf16), sampling (temperature 1, logprobs of the sampled tokens), and a fixed number of
-new tokens per sequence (EOS ignored) so every contender produces the same token count.
+new tokens per sequence (EOS ignored) so every contender produces the same token count: the
+actor contender runs the training code path (``GeneratorWorker``: the Generator, the record,
+its stats) with the same stopping rule as the others, and every contender's tokens are counted
+from what it returned.
 
     .venv/bin/python benchmarks/rollout.py [--batch-sizes 16 64 256] [--new-tokens 64] [--out docs/results/rollout.json]
 """
@@ -87,29 +90,48 @@ def bench_generator(gen, texts: list[str], new_tokens: int, repeats: int) -> lis
     return out
 
 
+def _fixed_length_worker():
+    """``GeneratorWorker`` (what training runs in its actor) with one more method: its
+    ``generate`` with EOS ignored, the stopping rule of the other contenders."""
+    from cluster.actor_groups import GeneratorWorker
+
+    class FixedLengthWorker(GeneratorWorker):
+        def generate_fixed(self, rows: list[dict], group_ids: list[int]) -> tuple:
+            g = self.gcfg
+            t0 = time.perf_counter()
+            exp = self.gen.generate([r["prompt"] for r in rows], [r["meta"] for r in rows], group_ids,
+                                    max_new_tokens=g.max_new_tokens, max_prompt_tokens=g.max_prompt_tokens,
+                                    temperature=g.temperature, top_p=g.top_p, n=1, ignore_eos=True)
+            return exp, {"seconds": time.perf_counter() - t0, "tokens": int(exp.response_mask.sum())}
+
+    return FixedLengthWorker
+
+
 def bench_actor(model_path: str, texts: list[str], new_tokens: int, repeats: int, batch_sizes: list[int]) -> dict:
     import ray
 
-    from cluster.actor_groups import GeneratorWorker, generator_config, role_env
+    from cluster.actor_groups import generator_config, role_env
     from cluster.config import load_config
 
     cfg = load_config(overrides=[f"model.max_new_tokens={new_tokens}", "model.max_prompt_tokens=256",
                                  "rollout.temperature=1.0", "rollout.kv_cache_gib=2"])
     ray.init(num_cpus=4, include_dashboard=False)
     try:
-        actor = ray.remote(GeneratorWorker).options(num_cpus=1, runtime_env=role_env(0)).remote(generator_config(cfg, model_path))
+        actor = ray.remote(_fixed_length_worker()).options(num_cpus=1, runtime_env=role_env(0)).remote(
+            generator_config(cfg, model_path))
         ray.get(actor.ready.remote())
         rows = [{"prompt": t, "meta": {}} for t in texts]
         results = {}
         for bs in batch_sizes:
             warm = min(bs, 16)
-            ray.get(actor.generate.options(num_returns=2).remote(rows[:warm], list(range(warm)))[1])  # warm-up
+            ray.get(actor.generate_fixed.options(num_returns=2).remote(rows[:warm], list(range(warm)))[1])  # warm-up
             vals = []
             for _ in range(repeats):
                 t0 = time.perf_counter()
-                exp_ref, stats_ref = actor.generate.options(num_returns=2).remote(rows[:bs], list(range(bs)))
+                exp_ref, stats_ref = actor.generate_fixed.options(num_returns=2).remote(rows[:bs], list(range(bs)))
                 stats = ray.get(stats_ref)
                 ray.wait([exp_ref], fetch_local=False)
+                assert stats["tokens"] == bs * new_tokens, stats  # the same work as the other contenders
                 vals.append(stats["tokens"] / (time.perf_counter() - t0))
             results[bs] = vals
         return results
