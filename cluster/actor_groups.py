@@ -167,6 +167,10 @@ class GeneratorWorker:
     def version(self) -> int:
         return self.gen.version
 
+    def node(self) -> str:
+        """The Ray node this generator runs on."""
+        return ray.get_runtime_context().get_node_id()
+
     def probe(self, token_ids: list[int]) -> dict:
         """The policy version this generator holds and its log-probs of the probe sequence."""
         return {"version": self.gen.version, "logprobs": self.gen.probe_logprobs(token_ids)}
@@ -292,7 +296,7 @@ class RolloutGroup:
         # and is brought to the current ones by ``recover``.
         self.generators = [
             gen_cls.options(num_cpus=cfg.rollout.cpus_per_generator, runtime_env=role_env(cfg.rollout.threads),
-                            max_restarts=cfg.rollout.max_restarts).remote(
+                            resources=dict(cfg.rollout.resources) or None, max_restarts=cfg.rollout.max_restarts).remote(
                 generator_config(cfg, policy_path or model_path, i, policy_version)
             )
             for i in range(cfg.rollout.num_generators)
@@ -322,6 +326,10 @@ class RolloutGroup:
         if self.reference is not None:
             ray.get(self.reference.__ray_ready__.remote())
         return ray.get([g.ready.remote() for g in self.generators])
+
+    def nodes(self) -> list[str]:
+        """The Ray node of each generator."""
+        return ray.get([g.node.remote() for g in self.generators])
 
     def _shards(self, rows: list, group_ids: list[int]) -> list[tuple[list, list[int]]]:
         n = len(self.generators)

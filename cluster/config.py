@@ -180,6 +180,9 @@ class RolloutConfig(Section):
         0.5, "Ray CPUs reserved by each generator actor (a placement claim: the phases of a step run one after "
         "another and each uses rollout.threads; the defaults of all roles fit a 2-CPU cluster).", ge=0)
     threads: int = _f(0, "Torch/OpenMP threads of each generator (0: all cores of the node).", ge=0)
+    resources: dict[str, float] = _f(
+        {}, "Extra Ray resources each generator actor requests, e.g. {gpu_node: 1} to place the generators on the "
+            "nodes that offer that custom resource (disaggregated layouts).")
     max_staleness: int = _f(
         0, "Asynchronous training (ppo): the generation of up to this many later batches runs while the learners "
            "train, so a batch may be sampled by weights this many policy versions old (older ones never reach a "
@@ -412,6 +415,9 @@ class ClusterConfig(Section):
     num_cpus: int = _f(0, "CPUs of a locally started cluster (0: enough logical CPUs for all roles).", ge=0)
     num_learners: int = _f(1, "Ray Train learner workers (data-parallel, gloo on CPU).", ge=1)
     cpus_per_learner: float = _f(1.0, "Ray CPUs reserved by each learner worker.", ge=0)
+    learner_resources: dict[str, float] = _f(
+        {}, "Extra Ray resources each learner worker requests, e.g. {trainer_node: 1} to place the learners on "
+            "the nodes that offer that custom resource.")
     cpus_per_reference: float = _f(0.25, "Ray CPUs reserved by the reference actor.", ge=0)
     learner_max_failures: int = _f(
         2, "Times Ray Train restarts the learner workers after one dies (FailureConfig); the learners reload "

@@ -74,6 +74,8 @@ class LearnerSpec:
     num_learners: int = 1
     cpus_per_learner: float = 1.0
     threads: int = 0
+    # Extra Ray resources of each worker (placement on the nodes that offer them).
+    resources: dict = dataclasses.field(default_factory=dict)
     # Restarts of the worker group Ray Train may make after a worker dies (``FailureConfig``).
     max_failures: int = 0
     # Token ids of the verified-sync probe: rank 0 answers every weight sync with the policy's
@@ -99,6 +101,7 @@ def learner_spec(cfg: Config, model_path: str, pad_token_id: int, resume_from: s
         sync_dtype=cfg.model.generator_dtype, num_learners=cfg.cluster.num_learners,
         cpus_per_learner=cfg.cluster.cpus_per_learner, threads=cfg.cluster.threads,
         max_failures=cfg.cluster.learner_max_failures, probe_ids=list(probe_ids or []),
+        resources=dict(cfg.cluster.learner_resources),
     )
 
 
@@ -129,7 +132,7 @@ def learner_loop(config: dict[str, Any]) -> None:
     if rank == 0:
         ray.get(channel.report.remote({
             "ready": True, "world": comm.world, "trainable_fraction": learner.trainable_fraction,
-            "version": learner.version,
+            "version": learner.version, "node": ray.get_runtime_context().get_node_id(),
         }))
     epoch = None
     while True:
@@ -234,7 +237,7 @@ class LearnerGroup:
             learner_loop,
             train_loop_config={"spec": spec, "channel": self.channel},
             scaling_config=ScalingConfig(
-                num_workers=n, use_gpu=False, resources_per_worker={"CPU": spec.cpus_per_learner}
+                num_workers=n, use_gpu=False, resources_per_worker={"CPU": spec.cpus_per_learner, **spec.resources}
             ),
             torch_config=TorchConfig(backend="gloo"),
             # A fresh name per start: Ray Train would otherwise treat a resumed run's learners as a

@@ -22,6 +22,8 @@ class RoleRequest:
     cpus: float
     # The config key that sets ``cpus``.
     key: str
+    # Custom Ray resources each one requests (name -> amount).
+    resources: tuple[tuple[str, float], ...] = ()
 
 
 def role_requests(cfg: Config) -> list[RoleRequest]:
@@ -29,7 +31,7 @@ def role_requests(cfg: Config) -> list[RoleRequest]:
     generators start, but both are counted)."""
     algo = cfg.run.algorithm
     out = [RoleRequest("generator", cfg.rollout.num_generators, cfg.rollout.cpus_per_generator,
-                       "rollout.cpus_per_generator")]
+                       "rollout.cpus_per_generator", tuple(cfg.rollout.resources.items()))]
     self_judging = cfg.reward.function == "llm_judge" and not cfg.reward.model
     if not self_judging:
         out.append(RoleRequest("scorer", 1, cfg.reward.cpus, "reward.cpus"))
@@ -40,13 +42,16 @@ def role_requests(cfg: Config) -> list[RoleRequest]:
     )
     if reference:
         out.append(RoleRequest("reference", 1, cfg.cluster.cpus_per_reference, "cluster.cpus_per_reference"))
-    out.append(RoleRequest("learner", cfg.cluster.num_learners, cfg.cluster.cpus_per_learner, "cluster.cpus_per_learner"))
+    out.append(RoleRequest("learner", cfg.cluster.num_learners, cfg.cluster.cpus_per_learner, "cluster.cpus_per_learner",
+                           tuple(cfg.cluster.learner_resources.items())))
     return out
 
 
-def check_fits(requests: list[RoleRequest], node_cpus: list[float]) -> None:
-    """Raises UserError when the roles cannot all be placed: their CPUs exceed the cluster's, or one
-    role's claim exceeds every node's. ``node_cpus``: the CPUs of each alive node."""
+def check_fits(requests: list[RoleRequest], node_cpus: list[float], custom: dict[str, float] | None = None) -> None:
+    """Raises UserError when the roles cannot all be placed: their CPUs exceed the cluster's, one
+    role's claim exceeds every node's, or a custom resource they ask for is missing or short.
+    ``node_cpus``: the CPUs of each alive node; ``custom``: the cluster's total of every other
+    resource."""
     total = sum(r.count * r.cpus for r in requests)
     have = sum(node_cpus)
     asked = ", ".join(f"{r.role} {r.count} x {r.cpus:g}" if r.count > 1 else f"{r.role} {r.cpus:g}" for r in requests)
@@ -60,6 +65,16 @@ def check_fits(requests: list[RoleRequest], node_cpus: list[float]) -> None:
     for r in requests:
         if r.cpus > largest + 1e-9:
             raise UserError(f"a {r.role} asks for {r.cpus:g} CPUs ({r.key}) but the largest node has {largest:g}")
+    wanted: dict[str, float] = {}
+    for r in requests:
+        for name, amount in r.resources:
+            wanted[name] = wanted.get(name, 0.0) + r.count * amount
+    custom = custom or {}
+    for name, amount in wanted.items():
+        if amount > custom.get(name, 0.0) + 1e-9:
+            who = ", ".join(f"{r.role} {r.count} x {dict(r.resources)[name]:g}" for r in requests if name in dict(r.resources))
+            raise UserError(f"the roles ask for {amount:g} of the resource {name!r} ({who}) but the cluster has "
+                            f"{custom.get(name, 0.0):g}")
 
 
 def cluster_node_cpus() -> list[float]:
@@ -67,3 +82,10 @@ def cluster_node_cpus() -> list[float]:
     import ray
 
     return [float(n["Resources"].get("CPU", 0.0)) for n in ray.nodes() if n.get("Alive")]
+
+
+def cluster_resources() -> dict[str, float]:
+    """The connected cluster's total of every resource."""
+    import ray
+
+    return {k: float(v) for k, v in ray.cluster_resources().items()}

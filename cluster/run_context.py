@@ -149,13 +149,13 @@ class RunContext:
         roles fit it (a request no node can meet would otherwise wait forever)."""
         import ray
 
-        from cluster.resources import check_fits, cluster_node_cpus, role_requests
+        from cluster.resources import check_fits, cluster_node_cpus, cluster_resources, role_requests
 
         cfg = self.cfg
         requests = role_requests(cfg)
         if not ray.is_initialized():
             self._init_ray(sum(r.count * r.cpus for r in requests))
-        check_fits(requests, cluster_node_cpus())
+        check_fits(requests, cluster_node_cpus(), cluster_resources())
         self._announce_cluster()
         if cfg.cluster.metrics_export:
             from cluster.telemetry import RayMetricsSink

@@ -22,6 +22,7 @@ Placement, object refs and data-parallel details live in ``cluster/actor_groups.
 
 from __future__ import annotations
 
+import json
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,6 +106,8 @@ def run(ctx: RunContext, model_path: str, train_set, eval_set) -> RunResult:
               f"fraction {info['trainable_fraction']:.4f}"
               + (f"; resumed from {resume} (step {ctx.start_step}, policy version {info['version']})" if resume else ""),
               flush=True)
+        # Where the roles run (multi-node layouts): each generator's node, learner rank 0's node.
+        (ctx.dir / "placement.json").write_text(json.dumps({"generators": rollout.nodes(), "learner_rank0": info.get("node")}))
         sampler = PromptSampler(len(train_set.rows), cfg.rollout.prompts_per_step, cfg.run.seed,
                                 **ctx.run_state["sampler"])
         learner_version = int(info["version"])

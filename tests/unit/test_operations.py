@@ -232,3 +232,14 @@ def test_the_learners_probe_is_its_eval_mode_log_probs(tiny_model_path):
     pos[0, 0] = False
     want = sequence_logprobs(learner.model.lm.eval(), t, torch.ones_like(pos), pos)[0, 1:]
     assert len(got) == 5 and torch.allclose(torch.tensor(got), want, atol=1e-6)
+
+
+def test_custom_resources_must_exist_in_the_cluster():
+    cfg = Config.model_validate({"rollout": {"num_generators": 2, "resources": {"rollout_node": 1}},
+                                 "cluster": {"learner_resources": {"trainer_node": 0.5}}})
+    requests = role_requests(cfg)
+    check_fits(requests, [2.0, 3.0], {"rollout_node": 2.0, "trainer_node": 1.0})
+    with pytest.raises(UserError, match=r"2 of the resource 'rollout_node' \(generator 2 x 1\) but the cluster has 1"):
+        check_fits(requests, [2.0, 3.0], {"rollout_node": 1.0, "trainer_node": 1.0})
+    with pytest.raises(UserError, match="'trainer_node'.* but the cluster has 0"):
+        check_fits(requests, [2.0, 3.0], {"rollout_node": 2.0})
