@@ -167,6 +167,30 @@ class GeneratorWorker:
     def version(self) -> int:
         return self.gen.version
 
+    # -- the collective transport (``cluster/transports.py``) ------------------------------------
+    def join_weight_group(self, host: str, port: int, rank: int, world: int) -> bool:
+        """Joins the broadcast group of learner rank 0 and the generators (blocks until all joined)."""
+        from cluster.collective import join
+
+        self.weight_group = join(host, port, rank, world)
+        return True
+
+    def receive_weights(self, layout: list, dtype: str, total: int, version: int, bucket_bytes: int) -> float:
+        """Receives the learner's broadcast into a buffer kept between syncs and loads it."""
+        import numpy as np
+
+        from cluster.collective import broadcast_buffer
+        from cluster.weight_sync import carrier_dtype
+
+        buf = getattr(self, "_recv", None)
+        if buf is None or buf.size != total or buf.dtype != carrier_dtype(dtype):
+            buf = self._recv = np.empty(total, dtype=carrier_dtype(dtype))
+        t0 = time.perf_counter()
+        broadcast_buffer(self.weight_group, torch.from_numpy(buf), bucket_bytes)
+        received = time.perf_counter() - t0
+        load = self.gen.load_weights(unpack(PackedWeights(buffer=buf, dtype=dtype, layout=layout, version=version)), version)
+        return received + load
+
     def node(self) -> str:
         """The Ray node this generator runs on."""
         return ray.get_runtime_context().get_node_id()

@@ -183,6 +183,11 @@ class RolloutConfig(Section):
     resources: dict[str, float] = _f(
         {}, "Extra Ray resources each generator actor requests, e.g. {gpu_node: 1} to place the generators on the "
             "nodes that offer that custom resource (disaggregated layouts).")
+    weight_transport: Literal["object_store", "collective"] = _f(
+        "object_store", "How new weights reach the generators: object_store (one flat buffer through Ray's object "
+        "store) or collective (learner rank 0 broadcasts it over a gloo group of its own with the generators; NCCL "
+        "on GPUs).")
+    bucket_mb: int = _f(64, "Bucket size of the collective weight broadcast (MiB per message).", ge=1)
     max_staleness: int = _f(
         0, "Asynchronous training (ppo): the generation of up to this many later batches runs while the learners "
            "train, so a batch may be sampled by weights this many policy versions old (older ones never reach a "

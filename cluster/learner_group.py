@@ -171,6 +171,8 @@ def _handle(item: dict, learner: Any, spec: LearnerSpec, comm: Any, peak_rss_gb:
     from learners.experience import Experience
 
     step = item.get("step")
+    if "weights_group" in item:
+        return _weights_group(item, learner, spec, comm)
     if item.get("weights_only"):  # a restarted generator needs the weights the others hold
         if comm.rank != 0:
             return None
@@ -209,6 +211,47 @@ def _handle(item: dict, learner: Any, spec: LearnerSpec, comm: Any, peak_rss_gb:
             learner.save(item["save_dir"], tokenizer_from=spec.tokenizer_path)
             reply["saved"] = item["save_dir"]
     return reply
+
+
+# This worker's end of the weight-broadcast group (rank 0 only): the store, then the group.
+_WEIGHT_GROUP: dict[str, Any] = {}
+
+
+def _weights_group(item: dict, learner: Any, spec: LearnerSpec, comm: Any) -> dict | None:
+    """The collective transport's learner side: ``open`` (a store on a free port; the layout of
+    the weights), ``join`` (the group, once the generators are joining), ``broadcast`` (pack and
+    send the current weights, in buckets)."""
+    import torch
+
+    from cluster import collective
+    from cluster.weight_sync import layout_of, pack
+
+    if comm.rank != 0:
+        return None
+    op = item["weights_group"]
+    if op == "open":
+        store, host, port = collective.open_store(item["world"])
+        _WEIGHT_GROUP.clear()
+        _WEIGHT_GROUP.update(store=store, host=host, port=port, world=item["world"])
+        with learner.policy_weights() as weights:
+            layout, total = layout_of(weights)
+        return {"host": host, "port": port, "layout": layout, "total": total, "dtype": spec.sync_dtype}
+    if op == "join":
+        g = _WEIGHT_GROUP
+        g["group"] = collective.join(g["host"], g["port"], 0, g["world"], store=g["store"])
+        return {"joined": True}
+    if op == "broadcast":
+        t0 = time.perf_counter()
+        with learner.policy_weights() as weights:
+            packed = pack(weights, spec.sync_dtype, version=learner.version)
+        t_pack = time.perf_counter() - t0
+        collective.broadcast_buffer(_WEIGHT_GROUP["group"], torch.from_numpy(packed.buffer), item["bucket_bytes"])
+        reply = {"version": learner.version, "bytes": float(packed.nbytes), "pack_s": t_pack,
+                 "broadcast_s": time.perf_counter() - t0 - t_pack}
+        if spec.probe_ids:
+            reply["probe"] = learner.probe_logprobs(spec.probe_ids)
+        return reply
+    raise ValueError(f"unknown weights_group operation {op!r}")
 
 
 class _Restarted(Exception):
@@ -357,6 +400,10 @@ class LearnerGroup:
     def evaluate(self, step: int, exp_refs: list, timeout_s: float = 3600) -> dict[str, float]:
         """The learners' held-out metrics on a batch (``Learner.evaluate``), no update."""
         return self._call({"step": step, "exp_refs": list(exp_refs), "evaluate": True}, timeout_s)["metrics"]
+
+    def weights_group(self, op: str, timeout_s: float = 600, **kw: Any) -> dict:
+        """The collective transport's learner side (``_weights_group``): open, join, broadcast."""
+        return self._call({"weights_group": op, **kw}, timeout_s)
 
     def current_weights(self, timeout_s: float = 600) -> dict:
         """The learners' current weights, packed (for a generator that restarted): ``{"weights": [ref], "version"}``."""

@@ -51,6 +51,20 @@ def pack(state_dict: dict[str, torch.Tensor], dtype: str, version: int) -> Packe
     return PackedWeights(buffer=carrier.numpy(), dtype=dtype, layout=layout, version=version)
 
 
+def layout_of(state_dict: dict[str, torch.Tensor]) -> tuple[list[tuple[str, tuple[int, ...], int]], int]:
+    """``pack``'s layout and total element count, without copying anything."""
+    layout, offset = [], 0
+    for name, t in state_dict.items():
+        layout.append((name, tuple(t.shape), offset))
+        offset += t.numel()
+    return layout, offset
+
+
+def carrier_dtype(dtype: str) -> np.dtype:
+    """The numpy dtype a packed buffer of ``dtype`` travels as."""
+    return np.dtype(_CARRIER[_DTYPES[dtype]])
+
+
 def unpack(packed: PackedWeights) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) views into the buffer; no copy (the receiver's loader copies)."""
     tdtype = _DTYPES[packed.dtype]

@@ -33,6 +33,7 @@ import ray
 from cluster.actor_groups import RolloutGroup
 from cluster.learner_group import LearnerGroup, learner_spec
 from cluster.ledger import Ledger, issue_records, outcome_records
+from cluster.transports import make_transport
 from cluster.weight_sync import probe_token_ids, sync_tolerance
 from cluster.metrics import step_metrics
 from cluster.config import Config, UserError
@@ -91,6 +92,7 @@ def run(ctx: RunContext, model_path: str, train_set, eval_set) -> RunResult:
     learners = LearnerGroup(learner_spec(cfg, model_path, pad_id, resume_from=resume, probe_ids=probe_ids),
                             ctx.dir / "ray_train")
     tolerance = sync_tolerance(cfg.model.generator_dtype, cfg.rollout.sync_tolerance)
+    transport = make_transport(cfg.rollout.weight_transport, cfg.rollout.bucket_mb)
     # A generator that restarts gets the weights the learners hold.
     rollout.weights_source = lambda: learners.current_weights()["weights"][0]
     ledger = Ledger(ctx.dir, resume_step=ctx.start_step if resume else None)
@@ -162,13 +164,13 @@ def run(ctx: RunContext, model_path: str, train_set, eval_set) -> RunResult:
             exports = export_step(ctx, step, exp) if cfg.run.export_transitions else []
             save_dir = ctx.checkpoint_dir(step)
             with ctx.phase("learn"):
-                result = learners.learn(step, exp, save_dir=save_dir)
+                result = learners.learn(step, exp, save_dir=save_dir, sync=transport.packs_in_step)
             ledger.record("trained", [{"step": step, "uid": u, "samples": n, "version": result["version"],
                                        "sampled_version": sampled, "learner_version": learner_version}
                                       for u, n in kept.items()])
             with ctx.phase("sync"):
-                load_times = rollout.sync_weights(result["weights"][0], version=result["version"])
-                verified = rollout.verify_sync(probe_ids, result["probe"], result["version"], tolerance) \
+                synced = transport.sync(result, rollout, learners)
+                verified = rollout.verify_sync(probe_ids, synced["probe"], result["version"], tolerance) \
                     if probe_ids else {}
             position = _SamplerPosition(cur.consumed)  # the prompts of batches started ahead are not in it
             if result.get("saved"):
@@ -184,7 +186,8 @@ def run(ctx: RunContext, model_path: str, train_set, eval_set) -> RunResult:
             row.update(ledger.metrics())
             row["restarts/generator"], row["restarts/learner"] = rollout.restarts, learners.restarts
             row["reference/in_learner"] = rollout.reference is None and cfg.ppo.uses_reference
-            row["sync/load_s"] = max(load_times)
+            row["sync/load_s"] = max(synced["load_s"])
+            row.update({k: v for k, v in synced.items() if k.startswith("sync/")})
             row.update(verified)
             row["memory/generator_peak_gb"] = max(s["peak_rss_gb"] for s in gen_stats)
             row["memory/scorer_peak_gb"] = max(s["peak_rss_gb"] for s in score_stats)  # the judging generators' with llm_judge

@@ -1,0 +1,47 @@
+"""The weight-broadcast group on its own (no Ray, no vLLM): three processes, a gloo group built
+from its own TCPStore beside any default group, a buffer broadcast in buckets."""
+
+from __future__ import annotations
+
+import socket
+
+import numpy as np
+import torch
+import torch.multiprocessing as mp
+
+from cluster.collective import broadcast_buffer, join
+
+N = 10_007  # not a multiple of the bucket: the last bucket is short
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank: int, world: int, port: int, out: "mp.Queue") -> None:
+    # A default process group first, as in a vLLM worker or a Ray Train worker: the broadcast
+    # group must live beside it.
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port + 1}", rank=rank, world_size=world)
+    store = torch.distributed.TCPStore("127.0.0.1", port, world, is_master=rank == 0, wait_for_workers=False) \
+        if rank == 0 else None
+    group = join("127.0.0.1", port, rank, world, store=store)
+    src = (torch.arange(N, dtype=torch.float32) / 7).to(torch.bfloat16).view(torch.int16)  # bf16 as its bit pattern
+    buf = torch.from_numpy(src.numpy().copy()) if rank == 0 else torch.from_numpy(np.zeros(N, dtype=np.int16))
+    broadcast_buffer(group, buf, bucket_bytes=1000)
+    out.put((rank, bool(torch.equal(buf, src))))
+    torch.distributed.destroy_process_group()
+
+
+def test_broadcast_in_buckets_beside_a_default_group():
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank, args=(r, 3, port, out)) for r in range(3)]
+    for p in procs:
+        p.start()
+    results = dict(out.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    assert results == {0: True, 1: True, 2: True}
