@@ -119,6 +119,15 @@ class Console:
         self._saved_logging = (root.handlers[:], root.level, warnings.filters[:])
         sys.stdout = _FilteredStream(sys.stdout, self.log, self.verbose)  # type: ignore[assignment]
         sys.stderr = _FilteredStream(sys.stderr, self.log, self.verbose)  # type: ignore[assignment]
+        # Libraries that set up their own handlers before this (Ray's "ray" logger, for one)
+        # hold the real streams: point those handlers at the filters too.
+        swap = {id(self._saved[0]): sys.stdout, id(self._saved[1]): sys.stderr}
+        self._moved: list[tuple[logging.StreamHandler, object]] = []
+        loggers = [logging.getLogger(n) for n in list(logging.Logger.manager.loggerDict)]
+        for handler in {h for lg in loggers for h in getattr(lg, "handlers", [])}:
+            if isinstance(handler, logging.StreamHandler) and id(getattr(handler, "stream", None)) in swap:
+                self._moved.append((handler, handler.stream))
+                handler.stream = swap[id(handler.stream)]
         # Library log records and Python warnings go through the root logger to the (filtered)
         # stderr: into the log file, not onto a quiet terminal.
         logging.captureWarnings(True)
@@ -145,6 +154,8 @@ class Console:
                 stream.finish()
         sys.stdout, sys.stderr = self._saved
         self._saved = None
+        for handler, stream in self._moved:
+            handler.stream = stream
         root = logging.getLogger()
         root.handlers, level, warnings.filters[:] = self._saved_logging
         root.setLevel(level)

@@ -122,23 +122,29 @@ def test_own_lines(line, own):
 
 
 def test_console_keeps_own_lines_and_logs_everything(tmp_path, capsys):
+    # A library logger with its own handler on the terminal, set up before the console (as Ray's is).
+    lib = logging.getLogger("lib_with_own_handler")
+    lib.addHandler(logging.StreamHandler(sys.stderr))
+    lib.propagate = False
     con = Console().install()
     try:
         print("early library chatter")
         print("[rayrlhf] run directory: here")
         con.attach(tmp_path)
         warnings.warn("old API", DeprecationWarning)
-        logging.getLogger("ray.train").info("Reporting training result 1")
+        logging.getLogger("some_library").info("Reporting training result 1")
+        lib.warning("a library warning")
         logging.getLogger("rayrlhf.run").warning("something of ours")  # rayrlhf's handler: [rayrlhf] ...
         sys.stdout.write("[####--] step 1/2 | reward")
         sys.stdout.write(" 0.5\n")
     finally:
         con.close()
+        lib.handlers.clear()
     shown = capsys.readouterr()
     assert shown.out.splitlines() == ["[rayrlhf] run directory: here", "[####--] step 1/2 | reward 0.5"]
     assert shown.err.splitlines() == ["[rayrlhf] WARNING rayrlhf.run: something of ours"]
     log = (tmp_path / "train.log").read_text()
-    for text in ("early library chatter", "DeprecationWarning: old API", "Reporting training result 1",
+    for text in ("early library chatter", "DeprecationWarning: old API", "Reporting training result 1", "a library warning",
                  "something of ours", "step 1/2 | reward 0.5"):
         assert text in log, text
 
