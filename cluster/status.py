@@ -68,9 +68,11 @@ def format_status(s: dict[str, Any]) -> str:
                      f"{p['reissued']} reissued")
         if led["samples_dropped"]:
             lines.append("dropped    " + ", ".join(f"{k} {v}" for k, v in sorted(led["samples_dropped"].items())) + " (samples)")
-        if led["restarts"] or led["resumes"]:
-            lines.append("restarts   " + ", ".join(f"{k} {v}" for k, v in sorted(led["restarts"].items()))
-                         + (f"; resumed {led['resumes']} time(s)" if led["resumes"] else ""))
+        parts = [f"{k} {v}" for k, v in sorted(led["restarts"].items())]
+        if led["resumes"]:
+            parts.append(f"resumed {led['resumes']} time(s)")
+        if parts:
+            lines.append("restarts   " + ", ".join(parts))
         if led["lost_uids"]:
             lines.append(f"lost uids  {led['lost_uids']}")
     return "\n".join(lines)
