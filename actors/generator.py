@@ -243,6 +243,8 @@ class Generator:
         """The engine's log-prob of each token of a fixed probe sequence given the tokens before it
         (every token but the first): a fingerprint of the weights it serves, compared with the
         learner's after a sync. Raw model log-probs (no temperature)."""
+        from vllm import SamplingParams
+
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
         out = self.llm.generate([{"prompt_token_ids": list(token_ids)}], params, use_tqdm=False)[0]
         return [float(step[tok].logprob) for tok, step in zip(token_ids[1:], out.prompt_logprobs[1:])]

@@ -67,11 +67,17 @@ def test_ray_job_submit_on_a_cluster_started_as_the_readme_says(tiny_model_path,
         with pytest.raises(urllib.error.HTTPError, match="401"):
             urllib.request.urlopen(f"{address}/api/version", timeout=30)
         out_dir = tmp_path / "runs"
-        submit = subprocess.run(
-            [ray_bin, "job", "submit", "--address", address, "--working-dir", str(ROOT), "--no-wait", "--",
-             "rayrlhf", "train", "configs/ppo_tiny.yaml", "--set", "run.steps=10", "--set", f"run.output_dir={out_dir}",
-             "--set", "run.name=smoke", "--set", "run.eval_every=10"],
-            env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+        # Right after `ray start` the dashboard may not have a job agent yet ("No available agent to
+        # submit job, please try again later"): submit again until one takes it, as a user would.
+        for _ in range(30):
+            submit = subprocess.run(
+                [ray_bin, "job", "submit", "--address", address, "--working-dir", str(ROOT), "--no-wait", "--",
+                 "rayrlhf", "train", "configs/ppo_tiny.yaml", "--set", "run.steps=10", "--set", f"run.output_dir={out_dir}",
+                 "--set", "run.name=smoke", "--set", "run.eval_every=10"],
+                env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+            if "No available agent" not in submit.stdout + submit.stderr:
+                break
+            time.sleep(2.0)
         assert submit.returncode == 0, submit.stdout + submit.stderr
         job_id = re.search(r"Job '([^']+)' submitted successfully", submit.stdout + submit.stderr).group(1)
         seen: dict[str, float] = {}
