@@ -7,7 +7,6 @@ import json
 import logging
 import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
