@@ -56,10 +56,13 @@ def test_ray_job_submit_on_a_cluster_started_as_the_readme_says(tiny_model_path,
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token),
            "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")}
     env.pop("RAY_ADDRESS", None)
-    port, dash, metrics_port = _free_port(), _free_port(), _free_port()
+    port, dash, metrics_port, agent, client = (_free_port() for _ in range(5))
     ray_bin = str(Path(sys.executable).parent / "ray")
+    # Ports: the README's command plus free ports where Ray's defaults would collide with the
+    # session's shared test cluster (the job agent's HTTP port 52365, the client server's 10001).
     subprocess.run([ray_bin, "start", "--head", f"--port={port}", "--dashboard-host=127.0.0.1",
                     f"--dashboard-port={dash}", f"--metrics-export-port={metrics_port}", f"--temp-dir={temp}",
+                    f"--dashboard-agent-listen-port={agent}", f"--ray-client-server-port={client}",
                     "--disable-usage-stats"], check=True, env=env, capture_output=True, timeout=120)
     address = f"http://127.0.0.1:{dash}"
     try:
@@ -69,7 +72,7 @@ def test_ray_job_submit_on_a_cluster_started_as_the_readme_says(tiny_model_path,
         out_dir = tmp_path / "runs"
         # Right after `ray start` the dashboard may not have a job agent yet ("No available agent to
         # submit job, please try again later"): submit again until one takes it, as a user would.
-        for _ in range(30):
+        for _ in range(10):
             submit = subprocess.run(
                 [ray_bin, "job", "submit", "--address", address, "--working-dir", str(ROOT), "--no-wait", "--",
                  "rayrlhf", "train", "configs/ppo_tiny.yaml", "--set", "run.steps=10", "--set", f"run.output_dir={out_dir}",
