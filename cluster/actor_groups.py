@@ -369,12 +369,8 @@ class RolloutGroup:
         self, rows: list[dict], group_ids: list[int], greedy: bool = False, seed: int | None = None
     ) -> tuple[list, list]:
         """``seed``: reseeds every generator's sampler (each with its own offset) for this call."""
-        exp_refs, stat_refs = [], []
-        for i, (gen, (r, g)) in enumerate(zip(self.generators, self._shards(rows, group_ids))):
-            e, s = gen.generate.options(num_returns=2).remote(r, g, greedy, None if seed is None else seed + 7919 * i)
-            exp_refs.append(e)
-            stat_refs.append(s)
-        return exp_refs, stat_refs
+        calls = [self._generate_shard(i, r, g, greedy, seed) for i, (r, g) in enumerate(self._shards(rows, group_ids))]
+        return [c[0] for c in calls], [c[1] for c in calls]
 
     def judge(self, exp_refs: list, seed: int | None = None) -> tuple[list, list]:
         """Each shard judged by the generator that holds it (the judge is the generators' current

@@ -167,7 +167,6 @@ def _handle(item: dict, learner: Any, spec: LearnerSpec, comm: Any, peak_rss_gb:
     weights. Returns rank 0's reply (every rank computes; only rank 0's is sent)."""
     import torch
 
-    from cluster.weight_sync import pack
     from learners.experience import Experience
 
     step = item.get("step")
@@ -176,12 +175,8 @@ def _handle(item: dict, learner: Any, spec: LearnerSpec, comm: Any, peak_rss_gb:
     if item.get("weights_only"):  # a restarted generator needs the weights the others hold
         if comm.rank != 0:
             return None
-        with learner.policy_weights() as weights:
-            packed = pack(weights, spec.sync_dtype, version=learner.version)
-        reply = {"step": step, "weights": [ray.put(packed)], "version": learner.version}
-        if spec.probe_ids:
-            reply["probe"] = learner.probe_logprobs(spec.probe_ids)
-        return reply
+        packed, _ = _pack_weights(learner, spec)
+        return {"step": step, "weights": [ray.put(packed)], "version": learner.version, **_probe(learner, spec)}
     if item.get("save_only"):  # a checkpoint outside a step (early stopping)
         if comm.rank == 0:
             learner.save(item["save_dir"], tokenizer_from=spec.tokenizer_path)
@@ -199,18 +194,29 @@ def _handle(item: dict, learner: Any, spec: LearnerSpec, comm: Any, peak_rss_gb:
     reply: dict[str, Any] = {"step": step, "metrics": metrics, "version": learner.version}
     if comm.rank == 0:
         if item.get("sync", True):
-            t0 = time.perf_counter()
-            with learner.policy_weights() as weights:
-                packed = pack(weights, spec.sync_dtype, version=learner.version)
+            packed, metrics["sync/pack_s"] = _pack_weights(learner, spec)
             reply["weights"] = [ray.put(packed)]
-            if spec.probe_ids:
-                reply["probe"] = learner.probe_logprobs(spec.probe_ids)
-            metrics["sync/pack_s"] = time.perf_counter() - t0
+            reply.update(_probe(learner, spec))
             metrics["sync/bytes"] = float(packed.nbytes)
         if item.get("save_dir"):
             learner.save(item["save_dir"], tokenizer_from=spec.tokenizer_path)
             reply["saved"] = item["save_dir"]
     return reply
+
+
+def _pack_weights(learner: Any, spec: LearnerSpec) -> tuple[Any, float]:
+    """The policy as one flat buffer in the generators' dtype, and the seconds it took."""
+    from cluster.weight_sync import pack
+
+    t0 = time.perf_counter()
+    with learner.policy_weights() as weights:
+        packed = pack(weights, spec.sync_dtype, version=learner.version)
+    return packed, time.perf_counter() - t0
+
+
+def _probe(learner: Any, spec: LearnerSpec) -> dict:
+    """The verified-sync probe's log-probs under the weights just packed (none without a probe)."""
+    return {"probe": learner.probe_logprobs(spec.probe_ids)} if spec.probe_ids else {}
 
 
 # This worker's end of the weight-broadcast group (rank 0 only): the store, then the group.
@@ -224,7 +230,7 @@ def _weights_group(item: dict, learner: Any, spec: LearnerSpec, comm: Any) -> di
     import torch
 
     from cluster import collective
-    from cluster.weight_sync import layout_of, pack
+    from cluster.weight_sync import layout_of
 
     if comm.rank != 0:
         return None
@@ -241,16 +247,11 @@ def _weights_group(item: dict, learner: Any, spec: LearnerSpec, comm: Any) -> di
         g["group"] = collective.join(g["host"], g["port"], 0, g["world"], store=g["store"])
         return {"joined": True}
     if op == "broadcast":
+        packed, t_pack = _pack_weights(learner, spec)
         t0 = time.perf_counter()
-        with learner.policy_weights() as weights:
-            packed = pack(weights, spec.sync_dtype, version=learner.version)
-        t_pack = time.perf_counter() - t0
         collective.broadcast_buffer(_WEIGHT_GROUP["group"], torch.from_numpy(packed.buffer), item["bucket_bytes"])
-        reply = {"version": learner.version, "bytes": float(packed.nbytes), "pack_s": t_pack,
-                 "broadcast_s": time.perf_counter() - t0 - t_pack}
-        if spec.probe_ids:
-            reply["probe"] = learner.probe_logprobs(spec.probe_ids)
-        return reply
+        return {"version": learner.version, "bytes": float(packed.nbytes), "pack_s": t_pack,
+                "broadcast_s": time.perf_counter() - t0, **_probe(learner, spec)}
     raise ValueError(f"unknown weights_group operation {op!r}")
 
 
