@@ -21,6 +21,7 @@ from actors.reference import ReferenceConfig
 from actors.remote import RemoteSettings
 from actors.scorer import ScorerSpec
 from cluster.config import Config
+from cluster.rollout_pool import GeneratorPool, Unit, unit_sizes
 from cluster.weight_sync import PackedWeights, SyncError, probe_gaps, unpack
 from learners.experience import Experience
 
@@ -339,6 +340,10 @@ class RolloutGroup:
         self.restarts = 0
         self.restart_log: list[dict] = []
         self.reference = None
+        # Generation for ``submit``/``collect``: work units to whichever generator is free; with a
+        # scorer actor each finished unit is scored at once (scoring streams behind generation).
+        self.pool = GeneratorPool(len(self.generators), self._start_unit,
+                                  on_done=None if self.scorer is None else self._score_unit)
         if with_reference is None:
             with_reference = not cfg.lora.enabled and cfg.ppo.uses_reference
         if with_reference:
@@ -362,8 +367,23 @@ class RolloutGroup:
         return [(rows[i : i + size], group_ids[i : i + size]) for i in range(0, len(rows), size)]
 
     def assignment(self, group_ids: list[int]) -> list[list[int]]:
-        """The group ids each generator gets (``generate``'s shards)."""
-        return [g for _, g in self._shards(group_ids, group_ids)]
+        """The group ids of each work unit of ``submit`` (in unit order)."""
+        return [u.group_ids for u in self._units(group_ids, group_ids, False, None)]
+
+    def _units(self, rows: list, group_ids: list[int], greedy: bool, seed: int | None) -> list[Unit]:
+        sizes = unit_sizes(len(rows), len(self.generators), self.cfg.rollout.unit_prompts)
+        units, start = [], 0
+        for k, n in enumerate(sizes):
+            units.append(Unit(k, rows[start:start + n], group_ids[start:start + n], greedy,
+                              None if seed is None else seed + 7919 * k))
+            start += n
+        return units
+
+    def _start_unit(self, i: int, unit: Unit) -> tuple:
+        return self.generators[i].generate.options(num_returns=2).remote(unit.rows, unit.group_ids, unit.greedy, unit.seed)
+
+    def _score_unit(self, unit: Unit) -> tuple:
+        return tuple(self.scorer.score.options(num_returns=2).remote(unit.exp))
 
     def generate(
         self, rows: list[dict], group_ids: list[int], greedy: bool = False, seed: int | None = None
@@ -387,7 +407,12 @@ class RolloutGroup:
                for i, (gen, (p, g)) in enumerate(zip(self.generators, self._shards(prompts, group_ids)))]
         return [o[0] for o in out], [o[1] for o in out]
 
-    def score(self, exp_refs: list) -> tuple[list, list]:
+    def score(self, exp_refs: list, pending: dict | None = None) -> tuple[list, list]:
+        """Rewards of the records; for a ``submit``'s batch (``pending``) whose units were scored
+        as they finished, those scores."""
+        if pending is not None and self.scorer is not None:
+            units = pending["batch"].units
+            return [u.handed_on[0] for u in units], [u.handed_on[1] for u in units]
         if self.scorer is None:  # reward.function=llm_judge, no judge model: the policy judges itself
             return self.judge(exp_refs)
         pairs = [self.scorer.score.options(num_returns=2).remote(e) for e in exp_refs]
@@ -408,28 +433,26 @@ class RolloutGroup:
 
     def submit(self, rows: list[dict], group_ids: list[int], greedy: bool = False, seed: int | None = None) -> dict:
         """Starts a generation and returns at once (``collect`` waits for it): the generators work
-        while the caller does something else, e.g. the learners train on the previous batch."""
-        shards = self._shards(rows, group_ids)
-        calls = [self._generate_shard(i, r, g, greedy, seed) for i, (r, g) in enumerate(shards)]
-        return {"shards": shards, "calls": calls, "greedy": greedy, "seed": seed}
+        while the caller does something else, e.g. the learners train on the previous batch. The
+        batch goes out in work units (``rollout.unit_prompts``) to whichever generator is free."""
+        return {"batch": self.pool.submit(self._units(rows, group_ids, greedy, seed))}
 
     def collect(self, pending: dict, on_reissue: Any = None) -> tuple[list, list[dict]]:
-        """The records and stats of a ``submit``; a shard whose generator died is issued again."""
-        exp_refs, stats = [], []
-        for i, (r, g) in enumerate(pending["shards"]):
-            call = pending["calls"][i]
-            while True:
-                exp, stat = call
-                try:
-                    stats.append(ray.get(stat))
-                    exp_refs.append(exp)
-                    break
-                except ray.exceptions.RayActorError as e:
-                    if on_reissue is not None:
-                        on_reissue(i, g, e)
-                    self.recover(i, reason=type(e).__name__)
-                    call = self._generate_shard(i, r, g, pending["greedy"], pending["seed"])
-        return exp_refs, stats
+        """The records and stats of a ``submit``, in unit order. A unit whose generator died goes
+        to another (or the same once Ray restarted it and it holds the current weights);
+        ``on_reissue(generator, group_ids, error)`` is told of each."""
+        batch = pending["batch"]
+        while True:
+            died = self.pool.wait(batch)
+            for g, unit, err in died:
+                if on_reissue is not None and unit is not None:
+                    on_reissue(g, unit.group_ids, err)
+            for g in sorted({g for g, _, _ in died}):
+                self.recover(g, reason=type(next(e for d, _, e in died if d == g)).__name__)
+            if not died:
+                break
+        units = batch.units
+        return [u.exp for u in units], [u.result for u in units]
 
     def _generate_shard(self, i: int, rows: list, group_ids: list[int], greedy: bool, seed: int | None) -> tuple:
         return self.generators[i].generate.options(num_returns=2).remote(
@@ -463,6 +486,7 @@ class RolloutGroup:
             held = ray.get(gen.version.remote())
             if self.version is not None and held != self.version:
                 raise RuntimeError(f"generator {i} restarted with policy version {held}, the others hold {self.version}")
+        self.pool.revive(i)
         self.restart_log.append({"generator": i, "reason": reason, "seconds": round(time.time() - t0, 2),
                                  "version": held})
         print(f"[rayrlhf] generator {i} restarted in {time.time() - t0:.1f}s with policy version {held}", flush=True)
@@ -501,6 +525,7 @@ class RolloutGroup:
         return out
 
     def shutdown(self) -> None:
+        self.pool.close()
         for a in [*self.generators, self.scorer, self.reference]:
             if a is not None:
                 ray.kill(a)

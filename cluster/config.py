@@ -170,7 +170,10 @@ class RewardConfig(Section):
 
 
 class RolloutConfig(Section):
-    num_generators: int = _f(1, "Number of vLLM generator actors; prompts are sharded across them.", ge=1)
+    num_generators: int = _f(1, "Number of vLLM generator actors (a pool: each takes the next work unit when free).", ge=1)
+    unit_prompts: int = _f(
+        0, "Prompts per work unit of the generator pool (a prompt's samples stay in one unit; finished units are "
+        "scored at once). 0: the whole batch with one generator, else two units per generator.", ge=0)
     prompts_per_step: int = _f(16, "Prompts drawn from the dataset per iteration.", ge=1)
     samples_per_prompt: int = _f(1, "Responses sampled per prompt (groups stay together).", ge=1)
     temperature: float = _f(1.0, "Sampling temperature of the rollouts.", ge=0)

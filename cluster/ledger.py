@@ -3,12 +3,13 @@ repeated prompt is visible and countable.
 
 ``<run dir>/ledger.jsonl`` is append-only, one JSON record per line:
 
-* ``issued``   {step, uid, prompt, generator, version}: a prompt drawn and sent to a generator
-  (``uid``: its position in the run's prompt stream, unique per draw and the same on resume;
-  ``prompt``: its row in the dataset; ``version``: the policy version that samples it);
+* ``issued``   {step, uid, prompt, unit, version}: a prompt drawn and queued for the generator
+  pool (``uid``: its position in the run's prompt stream, unique per draw and the same on resume;
+  ``prompt``: its row in the dataset; ``unit``: its work unit in the step; ``version``: the
+  policy version the generators held when it was issued);
 * ``reissued`` {step, uid, generator, reason}: sent again after its generator died;
-* ``scored``   {step, uid, samples, reward}: the prompt's samples that got a reward, and their
-  mean reward;
+* ``scored``   {step, uid, samples, reward, generator, version}: the prompt's samples that got a
+  reward, their mean reward, the generator that sampled them and its policy version;
 * ``dropped``  {step, uid, samples, all, reasons}: samples of the prompt left out before the loss
   (``all``: none of its samples was left; ``reasons``: the drop counts of the shard it was in,
   e.g. ``{"reward_error": 1}``);
@@ -113,10 +114,10 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def issue_records(step: int, uids: list[int], prompt_ids: list[int], generators: list[int], version: int | None) -> list[dict]:
-    """``issued`` records of one step (``generators[i]``: the generator of the i-th prompt)."""
-    return [{"step": step, "uid": u, "prompt": p, "generator": g, "version": version}
-            for u, p, g in zip(uids, prompt_ids, generators)]
+def issue_records(step: int, uids: list[int], prompt_ids: list[int], units: list[int], version: int | None) -> list[dict]:
+    """``issued`` records of one step (``units[i]``: the work unit of the i-th prompt)."""
+    return [{"step": step, "uid": u, "prompt": p, "unit": k, "version": version}
+            for u, p, k in zip(uids, prompt_ids, units)]
 
 
 def outcome_records(step: int, shard_uids: list[list[int]], gen_stats: list[dict], score_stats: list[dict],
@@ -124,7 +125,8 @@ def outcome_records(step: int, shard_uids: list[list[int]], gen_stats: list[dict
     """What became of one step's prompts between the generators and the loss: ``scored``
     records (the samples that got a reward, their mean), ``dropped`` records (samples missing
     after generation and scoring, with the shard's drop counts) and the samples of each prompt
-    that reach the learners. Shard ``i`` is generator ``i``'s."""
+    that reach the learners. ``shard_uids[i]`` are the uids of the work unit whose stats are
+    ``gen_stats[i]`` and ``score_stats[i]``."""
     scored: list[dict] = []
     dropped: list[dict] = []
     kept: dict[int, int] = {}
@@ -142,7 +144,8 @@ def outcome_records(step: int, shard_uids: list[list[int]], gen_stats: list[dict
                 kept[u] = n
                 got = rewards.get(u, [])
                 scored.append({"step": step, "uid": u, "samples": n,
-                               "reward": round(sum(got) / len(got), 6) if got else None})
+                               "reward": round(sum(got) / len(got), 6) if got else None,
+                               "generator": gen.get("generator"), "version": gen.get("policy_version")})
             if n < samples_per_prompt:
                 dropped.append({"step": step, "uid": u, "samples": samples_per_prompt - n, "all": n == 0,
                                 "reasons": reasons})

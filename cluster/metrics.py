@@ -156,7 +156,12 @@ def step_metrics(gen_stats: list[dict], score_stats: list[dict], learner: dict[s
     """One step's row from the generators', scorer's and learners' stats."""
     lengths = [x for s in gen_stats for x in s["response_lengths"]]
     scores = [x for s in score_stats for x in s["scores"]]
-    gen_s = max(s["seconds"] for s in gen_stats)
+    # Per generator, the seconds of all its work units; the busiest one bounds the phase.
+    busy: dict[Any, float] = {}
+    for i, s in enumerate(gen_stats):
+        key = s.get("generator", i)
+        busy[key] = busy.get(key, 0.0) + s["seconds"]
+    gen_s = max(busy.values())
     tokens = sum(s["tokens"] for s in gen_stats)
     n = max(len(scores), 1)
     mean = sum(scores) / n

@@ -122,8 +122,8 @@ def run(ctx: RunContext, model_path: str, train_set, eval_set) -> RunResult:
         def launch(step: int) -> _Launched:
             """Draws the step's prompts and starts their generation (returns at once)."""
             prompt_ids, uids = sampler.next_with_uids()
-            shards = rollout.assignment(uids)
-            ledger.record("issued", issue_records(step, uids, prompt_ids, [i for i, s in enumerate(shards) for _ in s],
+            shards = rollout.assignment(uids)  # the uids of each work unit
+            ledger.record("issued", issue_records(step, uids, prompt_ids, [k for k, s in enumerate(shards) for _ in s],
                                                   rollout.version))
             # Group ids are the prompts' uids: a prompt drawn twice in one batch is two groups.
             pending = rollout.submit([train_set.rows[i] for i in prompt_ids], uids, seed=sampling_seed(cfg.run.seed, step))
@@ -138,8 +138,8 @@ def run(ctx: RunContext, model_path: str, train_set, eval_set) -> RunResult:
 
             with ctx.phase("generate"):
                 exp, gen_stats = rollout.collect(cur.pending, on_reissue=reissue)
-            with ctx.phase("score"):
-                exp, score_stats = rollout.score(exp)
+            with ctx.phase("score"):  # the units already finished were scored while the rest generated
+                exp, score_stats = rollout.score(exp, pending=cur.pending)
                 score_stats = ray.get(score_stats)
             sampled = min(s["policy_version"] for s in gen_stats)
             staleness = learner_version - sampled
@@ -182,6 +182,9 @@ def run(ctx: RunContext, model_path: str, train_set, eval_set) -> RunResult:
             row["policy/version"] = result["version"]
             row["policy/staleness"] = staleness
             row["queue/depth"] = len(ahead)
+            # How the pool spread this step's work units over the generators.
+            row["rollout/units_by_generator"] = [sum(1 for s in gen_stats if s.get("generator") == g)
+                                                 for g in range(len(rollout.generators))]
             learner_version = result["version"]
             row.update(ledger.metrics())
             row["restarts/generator"], row["restarts/learner"] = rollout.restarts, learners.restarts
@@ -215,7 +218,7 @@ class _Launched:
     step: int
     prompt_ids: list[int]
     uids: list[int]
-    # The uids each generator got.
+    # The uids of each work unit (in unit order).
     shards: list[list[int]]
     # ``RolloutGroup.submit``'s handle.
     pending: dict

@@ -61,13 +61,15 @@ def _step(ledger: Ledger, step: int, uids: list[int], trained: bool = True) -> N
 
 
 def test_outcome_records_count_drops_per_prompt():
-    gen = [{"groups": [0, 0, 1, 1]}, {"groups": [2, 2]}]  # prompt 3 produced nothing (too long)
+    # Two work units, run by generators 1 and 0 (prompt 3 produced nothing: too long).
+    gen = [{"groups": [0, 0, 1, 1], "generator": 1, "policy_version": 4}, {"groups": [2, 2], "generator": 0, "policy_version": 3}]
     score = [{"groups": [0, 0, 1], "scores": [1.0, 0.0, 0.5], "skipped": {"reward_error": 1, "truncated": 4}},
              {"groups": [2, 2], "scores": [0.25, 0.25], "skipped": {"prompt_too_long": 1}}]
     scored, dropped, kept = outcome_records(5, [[0, 1], [2, 3]], gen, score, samples_per_prompt=2)
     assert kept == {0: 2, 1: 1, 2: 2}
-    assert scored == [{"step": 5, "uid": 0, "samples": 2, "reward": 0.5}, {"step": 5, "uid": 1, "samples": 1, "reward": 0.5},
-                      {"step": 5, "uid": 2, "samples": 2, "reward": 0.25}]
+    assert scored == [{"step": 5, "uid": 0, "samples": 2, "reward": 0.5, "generator": 1, "version": 4},
+                      {"step": 5, "uid": 1, "samples": 1, "reward": 0.5, "generator": 1, "version": 4},
+                      {"step": 5, "uid": 2, "samples": 2, "reward": 0.25, "generator": 0, "version": 3}]
     assert dropped == [
         {"step": 5, "uid": 1, "samples": 1, "all": False, "reasons": {"reward_error": 1}},
         {"step": 5, "uid": 3, "samples": 2, "all": True, "reasons": {"prompt_too_long": 1}},

@@ -1,0 +1,94 @@
+"""The generator pool's dispatch on real Ray actors (stand-ins that sleep instead of running
+vLLM, so the timing is controlled): work goes by load, finished units are handed on while others
+still run, a dead replica's unit goes to a survivor, and the batch comes back in unit order.
+The pool inside real PPO runs with real vLLM generators: tests/ray/test_async.py and
+tests/ray/test_multinode.py (2 generators), tests/ray/test_failures.py (a generator killed)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import ray
+
+from cluster.rollout_pool import GeneratorPool, Unit
+
+pytestmark = pytest.mark.ray
+
+
+@ray.remote(num_cpus=0)
+class _Replica:
+    """Answers a unit after ``delay`` seconds, like GeneratorWorker.generate's (record, stats)."""
+
+    def __init__(self, delay: float, die_on_call: int = -1) -> None:
+        self.delay, self.die_on_call, self.calls = delay, die_on_call, 0
+
+    def generate(self, rows, group_ids, greedy, seed):
+        self.calls += 1
+        if self.calls == self.die_on_call:
+            os._exit(1)
+        time.sleep(self.delay)
+        return {"groups": group_ids, "seed": seed}, {"groups": group_ids, "seed": seed, "policy_version": 0,
+                                                     "finished_at": time.time()}
+
+
+def _units(n: int, per_unit: int = 2) -> list[Unit]:
+    return [Unit(k, [f"row{k}"] * per_unit, [k * per_unit + j for j in range(per_unit)], False, 100 + k)
+            for k in range(n)]
+
+
+def _pool(replicas, on_done=None) -> GeneratorPool:
+    return GeneratorPool(len(replicas), lambda g, u: replicas[g].generate.options(num_returns=2).remote(
+        u.rows, u.group_ids, u.greedy, u.seed), on_done=on_done)
+
+
+def test_units_go_to_whichever_replica_is_free_and_come_back_in_unit_order(ray_cluster):
+    fast, slow = _Replica.remote(0.05), _Replica.remote(0.6)
+    handed_on: list[tuple[int, float]] = []
+    pool = _pool([fast, slow], on_done=lambda u: handed_on.append((u.index, time.time())) or u.index)
+    try:
+        t0 = time.time()
+        batch = pool.submit(_units(8))
+        assert pool.wait(batch) == [] and batch.done
+        wall = time.time() - t0
+        units = batch.units
+        # Load, not fixed shards: the fast replica took most units (fixed halves would give it 4
+        # and leave the batch waiting 4 x 0.6 s for the slow one).
+        by_gen = pool.units_run()
+        assert sum(by_gen) == 8 and by_gen[0] >= 6, by_gen
+        assert wall < 4 * 0.6, wall
+        # Unit order and unit seeds, whoever ran them; every result names its generator.
+        assert [u.result["groups"] for u in units] == [u.group_ids for u in units]
+        assert [u.result["seed"] for u in units] == [100 + k for k in range(8)]
+        assert {u.result["generator"] for u in units} == {0, 1}
+        assert ray.get([u.exp for u in units])[3]["groups"] == [6, 7]
+        # Streaming: each unit was handed on when it finished, the first ones before the last finished.
+        assert sorted(i for i, _ in handed_on) == list(range(8))
+        assert [u.handed_on for u in units] == list(range(8))
+        assert min(t for _, t in handed_on) < max(u.result["finished_at"] for u in units) - 0.3
+    finally:
+        pool.close()
+
+
+def test_a_dead_replica_is_reported_once_and_its_unit_taken_by_a_survivor(ray_cluster):
+    doomed = _Replica.options(max_restarts=0).remote(0.2, die_on_call=2)
+    survivor = _Replica.remote(0.2)
+    pool = _pool([doomed, survivor])
+    try:
+        batch = pool.submit(_units(6))
+        died = pool.wait(batch)
+        assert len(died) == 1 and died[0][0] == 0 and isinstance(died[0][2], ray.exceptions.RayActorError)
+        lost_unit = died[0][1]
+        assert pool.down() == {0}
+        # Nothing is lost: the survivor runs the dead replica's unit and the rest of the batch.
+        assert pool.wait(batch) == [] and batch.done
+        assert lost_unit.result["generator"] == 1 and lost_unit.failures[0][0] == 0
+        assert [u.result["groups"] for u in batch.units] == [u.group_ids for u in batch.units]
+        assert pool.units_run() == [1, 5]
+        # A revived slot is used again (here a fresh replica stands in for the restarted one).
+        pool.revive(0)
+        assert pool.down() == set()
+    finally:
+        pool.close()
+
