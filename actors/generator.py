@@ -20,12 +20,16 @@ from learners.experience import Experience
 log = logging.getLogger("rayrlhf.generator")
 
 
-def configure_vllm_env(kv_cache_gib: float, threads: int = 0) -> None:
-    """Environment vLLM reads at import time; must run before ``import vllm``."""
+def configure_vllm_env(kv_cache_gib: float, threads: int = 0, first_core: int = 0) -> None:
+    """Environment vLLM reads at import time; must run before ``import vllm``. The engine's
+    OpenMP threads bind to ``threads`` cores from ``first_core`` (wrapped to the machine's cores),
+    so generators that share a node with fewer threads each bind to different cores."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(kv_cache_gib)))))
-    n = threads or os.cpu_count() or 1
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{n - 1}" if n > 1 else "0")
+    cores = os.cpu_count() or 1
+    n = min(threads or cores, cores)
+    first = first_core % cores if first_core % cores + n <= cores else 0
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"{first}-{first + n - 1}" if n > 1 else str(first))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -51,6 +55,8 @@ class GeneratorConfig:
     # CPU KV-cache size (GiB) and OpenMP threads (0: every core).
     kv_cache_gib: float = 1.0
     threads: int = 0
+    # First core the engine's threads bind to (generator rank x threads; wrapped to the node's cores).
+    first_core: int = 0
     # Optional system message of the chat template.
     system_prompt: str = ""
     trust_remote_code: bool = False
@@ -98,8 +104,9 @@ class Generator:
         system_prompt: str = "",
         trust_remote_code: bool = False,
         initial_version: int = 0,
+        first_core: int = 0,
     ) -> None:
-        configure_vllm_env(kv_cache_gib, threads)
+        configure_vllm_env(kv_cache_gib, threads, first_core)
         from vllm import LLM  # heavy import at the edge: only generator processes pay it
 
         t0 = time.time()
@@ -130,7 +137,7 @@ class Generator:
         return cls(
             cfg.model_path, dtype=cfg.dtype, max_model_len=_fit_context(cfg.model_path, wanted),
             seed=cfg.seed, kv_cache_gib=cfg.kv_cache_gib, threads=cfg.threads, system_prompt=cfg.system_prompt,
-            trust_remote_code=cfg.trust_remote_code, initial_version=cfg.initial_version,
+            trust_remote_code=cfg.trust_remote_code, initial_version=cfg.initial_version, first_core=cfg.first_core,
         )
 
     # -- prompts ---------------------------------------------------------------------------------

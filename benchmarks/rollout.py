@@ -8,6 +8,11 @@ actor contender runs the training code path (``GeneratorWorker``: the Generator,
 its stats) with the same stopping rule as the others, and every contender's tokens are counted
 from what it returned.
 
+Scale-out (issue 13): a pool of 2 generator actors with 1 thread each, fed by the training
+code's ``GeneratorPool`` (one work unit of half the batch per actor), against a bare 1-thread
+engine on that half batch (each pool actor at equal work), and against the single 2-thread actor
+on the whole batch (scaling 1 -> 2 replicas on the same cores).
+
     .venv/bin/python benchmarks/rollout.py [--batch-sizes 16 64 256] [--new-tokens 64] [--out docs/results/rollout.json]
 """
 
@@ -139,6 +144,57 @@ def bench_actor(model_path: str, texts: list[str], new_tokens: int, repeats: int
         ray.shutdown()
 
 
+def bench_pool(model_path: str, texts: list[str], new_tokens: int, repeats: int, batch_sizes: list[int],
+               replicas: int = 2) -> dict:
+    """``replicas`` generator actors of 1 thread each (bound to different cores), one work unit
+    of ``bs / replicas`` prompts each per batch, through the training code's GeneratorPool."""
+    import ray
+
+    from cluster.actor_groups import generator_config, role_env
+    from cluster.config import load_config
+    from cluster.rollout_pool import GeneratorPool, Unit, unit_sizes
+
+    cfg = load_config(overrides=[f"model.max_new_tokens={new_tokens}", "model.max_prompt_tokens=256",
+                                 "rollout.temperature=1.0", "rollout.kv_cache_gib=2", "rollout.threads=1",
+                                 f"rollout.num_generators={replicas}"])
+    ray.init(num_cpus=4, include_dashboard=False)
+    try:
+        cls = ray.remote(_fixed_length_worker())
+        actors = [cls.options(num_cpus=1, runtime_env=role_env(1)).remote(generator_config(cfg, model_path, i))
+                  for i in range(replicas)]
+        ray.get([g.ready.remote() for g in actors])
+        pool = GeneratorPool(replicas, lambda g, u: actors[g].generate_fixed.options(num_returns=2).remote(
+            u.rows, u.group_ids))
+        rows = [{"prompt": t, "meta": {}} for t in texts]
+
+        def run(bs: int) -> tuple[float, list[float]]:
+            units, start = [], 0
+            for k, n in enumerate(unit_sizes(bs, replicas, -(-bs // replicas))):
+                units.append(Unit(k, rows[start:start + n], list(range(start, start + n)), False, None))
+                start += n
+            t0 = time.perf_counter()
+            batch = pool.submit(units)
+            assert pool.wait(batch) == []
+            wall = time.perf_counter() - t0
+            assert sum(u.result["tokens"] for u in units) == bs * new_tokens  # the same work as the others
+            assert sorted(u.result["generator"] for u in units) == list(range(replicas))
+            return bs * new_tokens / wall, [u.result["tokens"] / u.result["seconds"] for u in units]
+
+        results = {}
+        for bs in batch_sizes:
+            run(min(bs, 16))  # warm-up
+            totals, per_actor = [], []
+            for _ in range(repeats):
+                total, each = run(bs)
+                totals.append(total)
+                per_actor.append(each)
+            results[bs] = {"pool_total": totals, "pool_per_actor": per_actor}
+        pool.close()
+        return results
+    finally:
+        ray.shutdown()
+
+
 def run_part(part: str, a) -> dict:
     """One contender family in this process: 'vllm' (bare engine + Generator class, one engine),
     'actor' (the Generator in a Ray actor) or 'hf' (transformers generate)."""
@@ -148,13 +204,25 @@ def run_part(part: str, a) -> dict:
     texts = prompts(max(a.batch_sizes))
     if part == "actor":
         return {str(k): v for k, v in bench_actor(model_path, texts, a.new_tokens, a.repeats, a.batch_sizes).items()}
+    if part == "pool":
+        return {str(k): v for k, v in bench_pool(model_path, texts, a.new_tokens, a.repeats, a.batch_sizes).items()}
     if part == "hf":
         return {str(bs): bench_hf(model_path, texts[:bs], a.new_tokens, 1) for bs in a.batch_sizes if bs <= a.skip_hf_above}
     from actors.generator import Generator, configure_vllm_env
 
-    configure_vllm_env(kv_cache_gib=2)
-    gen = Generator(model_path, dtype="bfloat16", max_model_len=256 + a.new_tokens, seed=0, kv_cache_gib=2)
+    threads = 1 if part == "vllm1" else 0
+    configure_vllm_env(kv_cache_gib=2, threads=threads)
+    gen = Generator(model_path, dtype="bfloat16", max_model_len=256 + a.new_tokens, seed=0, kv_cache_gib=2,
+                    threads=threads)
     out = {}
+    if part == "vllm1":  # the bare engine on one core, on each pool actor's share of the batch
+        for bs in a.batch_sizes:
+            half = -(-bs // 2)
+            bench_bare_vllm(model_path, texts[: min(half, 16)], a.new_tokens, 1, llm=gen.llm)  # warm-up
+            out[str(bs)] = {"bare_vllm_1thread_half_batch": bench_bare_vllm(model_path, texts[:half], a.new_tokens,
+                                                                             a.repeats, llm=gen.llm)}
+            print(bs, out[str(bs)], flush=True)
+        return out
     for bs in a.batch_sizes:
         bench_generator(gen, texts[: min(bs, 16)], a.new_tokens, 1)  # warm-up
         out[str(bs)] = {"bare_vllm": bench_bare_vllm(model_path, texts[:bs], a.new_tokens, a.repeats, llm=gen.llm),
@@ -171,15 +239,18 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--skip-hf-above", type=int, default=256, help="transformers generate is slow: skip larger batches")
     ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "rollout.json"))
-    ap.add_argument("--part", choices=["vllm", "actor", "hf"], help="internal: run one contender family, print JSON")
+    ap.add_argument("--part", choices=["vllm", "vllm1", "actor", "pool", "hf"],
+                    help="internal: run one contender family, print JSON")
+    ap.add_argument("--parts", nargs="+", default=["vllm", "vllm1", "actor", "pool", "hf"],
+                    help="contender families to run (each in a fresh process)")
     a = ap.parse_args()
     if a.part:
         print("RESULT " + json.dumps(run_part(a.part, a)), flush=True)
         return
     # Each family in a fresh process, one after the other: an engine (or its OpenMP threads)
     # left alive in the benchmark process would take cores from the next contender.
-    parts = {}
-    for part in ("vllm", "actor", "hf"):
+    parts: dict = {}
+    for part in a.parts:
         cmd = [sys.executable, __file__, "--part", part, "--model", a.model, "--new-tokens", str(a.new_tokens),
                "--repeats", str(a.repeats), "--skip-hf-above", str(a.skip_hf_above), "--batch-sizes",
                *map(str, a.batch_sizes)]
@@ -190,14 +261,28 @@ def main() -> None:
     results: dict = {"model": a.model, "dtype": "bfloat16", "new_tokens": a.new_tokens, "cpus": os.cpu_count(),
                      "note": "each contender family ran in its own fresh process", "rows": []}
     for bs in a.batch_sizes:
-        row = {"batch": bs, **parts["vllm"][str(bs)], "generator_actor": parts["actor"][str(bs)]}
-        if str(bs) in parts["hf"]:
+        row: dict = {"batch": bs}
+        for part in ("vllm", "vllm1"):
+            row.update(parts.get(part, {}).get(str(bs), {}))
+        if "actor" in parts:
+            row["generator_actor"] = parts["actor"][str(bs)]
+        if str(bs) in parts.get("hf", {}):
             row["hf_generate"] = parts["hf"][str(bs)]
-        best = {k: max(v) for k, v in row.items() if isinstance(v, list)}
+        pool = parts.get("pool", {}).get(str(bs))
+        if pool:
+            row["pool_total"] = pool["pool_total"]
+            # Best repeat of each actor of the pool, on its own.
+            row["pool_actor_best"] = [max(rep[i] for rep in pool["pool_per_actor"]) for i in range(len(pool["pool_per_actor"][0]))]
+        best = {k: max(v) for k, v in row.items() if isinstance(v, list) and k != "pool_actor_best"}
         row["best_tokens_per_s"] = best
-        if "hf_generate" in best:
+        if "hf_generate" in best and "generator_actor" in best:
             row["actor_vs_hf"] = best["generator_actor"] / best["hf_generate"]
-        row["actor_vs_bare_vllm"] = best["generator_actor"] / best["bare_vllm"]
+        if "generator_actor" in best and "bare_vllm" in best:
+            row["actor_vs_bare_vllm"] = best["generator_actor"] / best["bare_vllm"]
+        if pool and "bare_vllm_1thread_half_batch" in best:
+            row["pool_actor_vs_bare_1thread"] = [x / best["bare_vllm_1thread_half_batch"] for x in row["pool_actor_best"]]
+        if pool and "generator_actor" in best:
+            row["scaling_1_to_2"] = best["pool_total"] / best["generator_actor"]
         results["rows"].append(row)
         print(row, flush=True)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

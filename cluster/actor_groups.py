@@ -43,7 +43,8 @@ def generator_config(cfg: Config, model_path: str, rank: int = 0, initial_versio
         model_path=model_path, dtype=cfg.model.generator_dtype, max_prompt_tokens=cfg.model.max_prompt_tokens,
         max_new_tokens=cfg.model.max_new_tokens, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
         samples_per_prompt=cfg.rollout.samples_per_prompt, seed=cfg.run.seed * 1000 + rank,
-        kv_cache_gib=cfg.rollout.kv_cache_gib, threads=cfg.rollout.threads, system_prompt=cfg.data.system_prompt,
+        kv_cache_gib=cfg.rollout.kv_cache_gib, threads=cfg.rollout.threads, first_core=rank * cfg.rollout.threads,
+        system_prompt=cfg.data.system_prompt,
         trust_remote_code=cfg.model.trust_remote_code, initial_version=initial_version,
         max_model_len=cfg.judge.max_prompt_tokens + cfg.judge.max_new_tokens if uses_judge(cfg) else 0,
     )
@@ -311,19 +312,25 @@ class RolloutGroup:
     """The inference-side roles: N generators, one scorer, one reference."""
 
     def __init__(self, cfg: Config, model_path: str, policy_path: str | None = None, policy_version: int = 0,
-                 with_reference: bool | None = None) -> None:
+                 with_reference: bool | None = None, colocate_nodes: list[str] | None = None) -> None:
         """``policy_path``/``policy_version``: weights the generators start from when they are not
         the initial model (a resumed run's checkpoint); the reference always scores ``model_path``.
-        ``with_reference``: start a Reference actor (default: when a PPO KL term needs one)."""
+        ``with_reference``: start a Reference actor (default: when a PPO KL term needs one).
+        ``colocate_nodes``: the learner ranks' nodes, with ``cluster.layout=colocated``
+        (``cluster/placement.py``)."""
+        from cluster import placement
+
         self.cfg = cfg
         gen_cls = ray.remote(GeneratorWorker)
+        if colocate_nodes:
+            self.placement_group, where = None, placement.colocated_options(cfg.rollout.num_generators, colocate_nodes)
+        else:
+            self.placement_group, where = placement.reserve_generators(cfg)
         # Restarted by Ray after a crash; a restarted generator starts from its constructor's weights
         # and is brought to the current ones by ``recover``.
         self.generators = [
-            gen_cls.options(num_cpus=cfg.rollout.cpus_per_generator, runtime_env=role_env(cfg.rollout.threads),
-                            resources=dict(cfg.rollout.resources) or None, max_restarts=cfg.rollout.max_restarts).remote(
-                generator_config(cfg, policy_path or model_path, i, policy_version)
-            )
+            gen_cls.options(runtime_env=role_env(cfg.rollout.threads), max_restarts=cfg.rollout.max_restarts,
+                            **where[i]).remote(generator_config(cfg, policy_path or model_path, i, policy_version))
             for i in range(cfg.rollout.num_generators)
         ]
         # reward.function=llm_judge without a judge model: the generators judge (no scorer actor).
@@ -525,7 +532,10 @@ class RolloutGroup:
         return out
 
     def shutdown(self) -> None:
+        from cluster.placement import release
+
         self.pool.close()
         for a in [*self.generators, self.scorer, self.reference]:
             if a is not None:
                 ray.kill(a)
+        release(self.placement_group)

@@ -186,6 +186,10 @@ class RolloutConfig(Section):
     resources: dict[str, float] = _f(
         {}, "Extra Ray resources each generator actor requests, e.g. {gpu_node: 1} to place the generators on the "
             "nodes that offer that custom resource (disaggregated layouts).")
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = _f(
+        "PACK", "Ray placement-group strategy of the generators' bundles (one per generator: cpus_per_generator and "
+        "resources): PACK fills few nodes, SPREAD spreads over nodes, STRICT_* insists. Ignored with "
+        "cluster.layout=colocated.")
     weight_transport: Literal["object_store", "collective"] = _f(
         "object_store", "How new weights reach the generators: object_store (one flat buffer through Ray's object "
         "store) or collective (learner rank 0 broadcasts it over a gloo group of its own with the generators; NCCL "
@@ -230,6 +234,10 @@ class TrainConfig(Section):
     bf16: bool = _f(True, "bf16 autocast in forward passes (learner master weights stay fp32; the reference holds bf16 weights).")
     gradient_checkpointing: bool = _f(False, "Recompute activations in the backward pass (less memory, ~30% slower).")
     logprob_chunk: int = _f(1024, "Positions per chunk when turning hidden states into log-probs (memory cap).", ge=1)
+    fused_logprobs: bool = _f(
+        False, "PPO/GRPO policy passes: the LM head's log-probs chunk by chunk in the backward pass too "
+        "(learners/losses.fused_head_logprobs): no vocabulary-sized logits are kept for the backward (less "
+        "memory), at the cost of recomputing them (one more LM-head matmul).")
     shared_prefix: bool = _f(
         True,
         "Forward passes run each prompt once for all its samples (samples_per_prompt > 1): its "
@@ -427,6 +435,14 @@ class ClusterConfig(Section):
         {}, "Extra Ray resources each learner worker requests, e.g. {trainer_node: 1} to place the learners on "
             "the nodes that offer that custom resource.")
     cpus_per_reference: float = _f(0.25, "Ray CPUs reserved by the reference actor.", ge=0)
+    learner_placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = _f(
+        "PACK", "Ray placement-group strategy of the learner workers' bundles (Ray Train's ScalingConfig).")
+    layout: Literal["disaggregated", "colocated"] = _f(
+        "disaggregated", "disaggregated: generators hold resources of their own (rollout.cpus_per_generator, "
+        "rollout.resources) in their own placement group; colocated: generator i runs on the node of learner rank "
+        "i (mod num_learners) and shares that learner's reservation (rollout.cpus_per_generator and "
+        "rollout.resources are not requested): generation and learning take turns on the same resources. "
+        "PPO/GRPO recipe only.")
     learner_max_failures: int = _f(
         2, "Times Ray Train restarts the learner workers after one dies (FailureConfig); the learners reload "
            "the last checkpoint and the steps since are replayed from the object store (0: a lost learner ends the run).",
@@ -506,6 +522,8 @@ class Config(Section):
             (not (algo == "dpo" and self.data.preference_file and self.dpo.pairs != "scorer"),
              f"dpo.pairs={self.dpo.pairs} makes its own pairs: leave data.preference_file empty"),
             (not self.stages or len({st.name for st in self.stages}) == len(self.stages), "stages: names must be unique"),
+            (self.cluster.layout == "disaggregated" or algo == "ppo",
+             f"cluster.layout=colocated is built for the PPO/GRPO recipe (run.algorithm=ppo), not run.algorithm={algo}"),
         ]
         for ok, msg in checks:
             if not ok:

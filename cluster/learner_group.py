@@ -76,6 +76,8 @@ class LearnerSpec:
     threads: int = 0
     # Extra Ray resources of each worker (placement on the nodes that offer them).
     resources: dict = dataclasses.field(default_factory=dict)
+    # Ray placement-group strategy of the workers' bundles.
+    placement_strategy: str = "PACK"
     # Restarts of the worker group Ray Train may make after a worker dies (``FailureConfig``).
     max_failures: int = 0
     # Token ids of the verified-sync probe: rank 0 answers every weight sync with the policy's
@@ -101,7 +103,7 @@ def learner_spec(cfg: Config, model_path: str, pad_token_id: int, resume_from: s
         sync_dtype=cfg.model.generator_dtype, num_learners=cfg.cluster.num_learners,
         cpus_per_learner=cfg.cluster.cpus_per_learner, threads=cfg.cluster.threads,
         max_failures=cfg.cluster.learner_max_failures, probe_ids=list(probe_ids or []),
-        resources=dict(cfg.cluster.learner_resources),
+        resources=dict(cfg.cluster.learner_resources), placement_strategy=cfg.cluster.learner_placement_strategy,
     )
 
 
@@ -129,10 +131,11 @@ def learner_loop(config: dict[str, Any]) -> None:
     learner = get_learner(spec.algorithm).build(ctx, spec.train, spec.algo)
     if spec.resume_from:
         learner.restore(spec.resume_from)
+    nodes = _all_nodes(comm.world)
     if rank == 0:
         ray.get(channel.report.remote({
             "ready": True, "world": comm.world, "trainable_fraction": learner.trainable_fraction,
-            "version": learner.version, "node": ray.get_runtime_context().get_node_id(),
+            "version": learner.version, "node": nodes[0], "nodes": nodes,
         }))
     epoch = None
     while True:
@@ -259,6 +262,18 @@ class _Restarted(Exception):
     """The learner workers started again (Ray Train restarted the group after a failure)."""
 
 
+def _all_nodes(world: int) -> list[str]:
+    """The Ray node of every learner rank, in rank order (where a colocated generator goes)."""
+    import torch.distributed as dist
+
+    node = ray.get_runtime_context().get_node_id()
+    if world == 1 or not dist.is_initialized():
+        return [node]
+    nodes: list = [None] * world
+    dist.all_gather_object(nodes, node)
+    return nodes
+
+
 class LearnerGroup:
     """Driver-side handle: start once, ``learn(step, exp_refs)`` per iteration, ``stop()``.
 
@@ -281,7 +296,8 @@ class LearnerGroup:
             learner_loop,
             train_loop_config={"spec": spec, "channel": self.channel},
             scaling_config=ScalingConfig(
-                num_workers=n, use_gpu=False, resources_per_worker={"CPU": spec.cpus_per_learner, **spec.resources}
+                num_workers=n, use_gpu=False, resources_per_worker={"CPU": spec.cpus_per_learner, **spec.resources},
+                placement_strategy=spec.placement_strategy,
             ),
             torch_config=TorchConfig(backend="gloo"),
             # A fresh name per start: Ray Train would otherwise treat a resumed run's learners as a
@@ -381,12 +397,16 @@ class LearnerGroup:
                                  "restored": self.checkpoint})
 
     def wait_ready(self, timeout_s: float = 600) -> dict:
+        """Rank 0's ready report (``nodes``: every rank's Ray node); a second call returns it again."""
+        if getattr(self, "_ready", None) is not None:
+            return self._ready
         while True:
             info = self._next(time.time() + timeout_s)
             if info.get("ready"):
                 break
         begun = self._begin(None, timeout_s)
-        return {**info, "version": begun["version"]}
+        self._ready = {**info, "version": begun["version"]}
+        return self._ready
 
     def learn(self, step: int, exp_refs: list, save_dir: str | None = None, sync: bool = True,
               timeout_s: float = 3600) -> dict:

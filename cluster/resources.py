@@ -30,8 +30,10 @@ def role_requests(cfg: Config) -> list[RoleRequest]:
     """The roles the run may hold at once (an upper bound: a DPO run's reference scores before the
     generators start, but both are counted)."""
     algo = cfg.run.algorithm
-    out = [RoleRequest("generator", cfg.rollout.num_generators, cfg.rollout.cpus_per_generator,
-                       "rollout.cpus_per_generator", tuple(cfg.rollout.resources.items()))]
+    # Colocated generators share their learner's reservation: they request nothing of their own.
+    colocated = cfg.cluster.layout == "colocated"
+    out = [RoleRequest("generator", cfg.rollout.num_generators, 0.0 if colocated else cfg.rollout.cpus_per_generator,
+                       "rollout.cpus_per_generator", () if colocated else tuple(cfg.rollout.resources.items()))]
     self_judging = cfg.reward.function == "llm_judge" and not cfg.reward.model
     if not self_judging:
         out.append(RoleRequest("scorer", 1, cfg.reward.cpus, "reward.cpus"))

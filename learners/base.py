@@ -73,6 +73,7 @@ class TrainParams(Protocol):
     bf16: bool
     gradient_checkpointing: bool
     logprob_chunk: int
+    fused_logprobs: bool
     shared_prefix: bool
 
 

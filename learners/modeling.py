@@ -54,6 +54,7 @@ class PolicyWithValueHead(nn.Module):
         with_values: bool = False,
         with_entropy: bool = False,
         group_ids: torch.Tensor | None = None,
+        fused: bool = False,
     ) -> dict[str, torch.Tensor]:
         """Per-token log-probs (and values / entropy) at ``positions_mask``.
 
@@ -81,7 +82,7 @@ class PolicyWithValueHead(nn.Module):
         return heads_at_positions(
             hidden, input_ids, positions_mask, self.lm.get_output_embeddings(),
             self.value_head if with_values else None,
-            temperature=temperature, chunk=chunk, with_entropy=with_entropy,
+            temperature=temperature, chunk=chunk, with_entropy=with_entropy, fused=fused,
         )
 
 
@@ -166,22 +167,20 @@ def heads_at_positions(
     temperature: float = 1.0,
     chunk: int = 1024,
     with_entropy: bool = False,
+    fused: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Applies the LM head (chunked) and value head to hidden states predicting masked tokens.
 
     hidden: (B, L, H) from the decoder; hidden[:, t-1] predicts input_ids[:, t].
+    ``fused``: the log-probs by ``fused_head_logprobs`` (chunked in the backward pass too), for
+    a bias-free LM head.
     """
     b, length = input_ids.shape
     rows, cols, h, labels = _action_states(hidden, input_ids, positions_mask)
-    lp_parts, ent_parts = [], []
-    for start in range(0, h.shape[0], chunk):
-        logits = lm_head(h[start : start + chunk]).float()
-        if temperature != 1.0:
-            logits = logits / temperature
-        lp_parts.append(logprobs_from_logits(logits, labels[start : start + chunk]))
-        if with_entropy:
-            with torch.no_grad():
-                ent_parts.append(entropy_from_logits(logits.detach()))
+    if fused and getattr(lm_head, "bias", None) is None:
+        lp_parts, ent_parts = _fused_head(h, lm_head.weight, labels, temperature, chunk, with_entropy)
+    else:
+        lp_parts, ent_parts = _plain_head(h, lm_head, labels, temperature, chunk, with_entropy)
     out: dict[str, torch.Tensor] = {}
     flat = torch.cat(lp_parts) if lp_parts else h.new_zeros(0, dtype=torch.float32)
     logprobs = torch.zeros(b, length, dtype=torch.float32, device=hidden.device)
@@ -193,6 +192,31 @@ def heads_at_positions(
         v = value_head(h.float() if value_head.weight.dtype == torch.float32 else h).squeeze(-1).float()
         out["values"] = torch.zeros_like(logprobs).index_put((rows, cols), v)
     return out
+
+
+def _plain_head(h: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor, temperature: float, chunk: int,
+                with_entropy: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Log-probs (and detached entropies) chunk by chunk; autograd keeps each chunk's logits."""
+    lp_parts, ent_parts = [], []
+    for start in range(0, h.shape[0], chunk):
+        logits = lm_head(h[start : start + chunk]).float()
+        if temperature != 1.0:
+            logits = logits / temperature
+        lp_parts.append(logprobs_from_logits(logits, labels[start : start + chunk]))
+        if with_entropy:
+            with torch.no_grad():
+                ent_parts.append(entropy_from_logits(logits.detach()))
+    return lp_parts, ent_parts
+
+
+def _fused_head(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float, chunk: int,
+                with_entropy: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``fused_head_logprobs`` in the dtype the plain LM head would run in (autocast's, if on)."""
+    from learners.losses import fused_head_logprobs
+
+    dtype = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else h.dtype
+    lp, ent = fused_head_logprobs(h.to(dtype), weight.to(dtype), labels, temperature, chunk, with_entropy)
+    return [lp], [ent] if with_entropy else []
 
 
 def q_heads_at_positions(

@@ -108,7 +108,7 @@ class PPOLearner(PolicyLearner):
                 exp.input_ids, exp.attention_mask, exp.response_mask,
                 temperature=self.temperature, chunk=self.tr.logprob_chunk,
                 with_values=self.use_critic, with_entropy=True,
-                group_ids=exp.group_ids if self.tr.shared_prefix else None,
+                group_ids=exp.group_ids if self.tr.shared_prefix else None, fused=self.tr.fused_logprobs,
             )
 
     @torch.no_grad()

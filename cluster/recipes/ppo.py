@@ -87,10 +87,16 @@ def run(ctx: RunContext, model_path: str, train_set, eval_set) -> RunResult:
     tok = AutoTokenizer.from_pretrained(model_path)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     resume = str(ctx.resume_from) if ctx.resume_from else None
-    rollout = RolloutGroup(cfg, model_path, policy_path=resume, policy_version=int(ctx.run_state["version"]))
     probe_ids = probe_token_ids(tok) if cfg.rollout.verify_sync else []
     learners = LearnerGroup(learner_spec(cfg, model_path, pad_id, resume_from=resume, probe_ids=probe_ids),
                             ctx.dir / "ray_train")
+    try:  # colocated: each generator goes to its learner's node, so the learners are placed first
+        colocate = learners.wait_ready()["nodes"] if cfg.cluster.layout == "colocated" else None
+        rollout = RolloutGroup(cfg, model_path, policy_path=resume, policy_version=int(ctx.run_state["version"]),
+                               colocate_nodes=colocate)
+    except BaseException:
+        learners.stop()
+        raise
     tolerance = sync_tolerance(cfg.model.generator_dtype, cfg.rollout.sync_tolerance)
     transport = make_transport(cfg.rollout.weight_transport, cfg.rollout.bucket_mb)
     # A generator that restarts gets the weights the learners hold.
@@ -109,7 +115,9 @@ def run(ctx: RunContext, model_path: str, train_set, eval_set) -> RunResult:
               + (f"; resumed from {resume} (step {ctx.start_step}, policy version {info['version']})" if resume else ""),
               flush=True)
         # Where the roles run (multi-node layouts): each generator's node, learner rank 0's node.
-        (ctx.dir / "placement.json").write_text(json.dumps({"generators": rollout.nodes(), "learner_rank0": info.get("node")}))
+        (ctx.dir / "placement.json").write_text(json.dumps({
+            "layout": cfg.cluster.layout, "generators": rollout.nodes(), "learner_rank0": info.get("node"),
+            "learners": info.get("nodes"), "generator_placement_group": rollout.placement_group is not None}))
         sampler = PromptSampler(len(train_set.rows), cfg.rollout.prompts_per_step, cfg.run.seed,
                                 **ctx.run_state["sampler"])
         learner_version = int(info["version"])

@@ -1,8 +1,10 @@
 """A tiny PPO run on a simulated two-node cluster (``ray.cluster_utils.Cluster``: two raylets on
-this machine), generators placed on one node and learners on the other by custom resources.
-Run as a script (its own driver and cluster); prints ``RESULT <json>`` with the run's outcome.
+this machine). Layout ``disaggregated``: generators placed on one node and learners on the other
+by custom resources. Layout ``colocated``: one learner per node (STRICT_SPREAD) and each
+generator on its learner's node, sharing its reservation. Run as a script (its own driver and
+cluster); prints ``RESULT <json>`` with the run's outcome.
 
-    python -m tests.helpers.multinode_run OUT_DIR
+    python -m tests.helpers.multinode_run OUT_DIR [disaggregated|colocated]
 """
 
 from __future__ import annotations
@@ -14,7 +16,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def main(out_dir: str) -> None:
+LAYOUTS = {
+    "disaggregated": ["rollout.resources={rollout_node: 1}", "cluster.learner_resources={trainer_node: 1}"],
+    "colocated": ["cluster.layout=colocated", "cluster.learner_placement_strategy=STRICT_SPREAD"],
+}
+
+
+def main(out_dir: str, layout: str = "disaggregated") -> None:
     import ray
     from ray.cluster_utils import Cluster
 
@@ -28,10 +36,9 @@ def main(out_dir: str) -> None:
         from cluster.driver import train
 
         cfg = load_config(ROOT / "configs" / "ppo_tiny.yaml", [
-            "rollout.num_generators=2", "cluster.num_learners=2", "rollout.resources={rollout_node: 1}",
-            "cluster.learner_resources={trainer_node: 1}", "cluster.threads=1", "rollout.threads=1",
-            "run.steps=5", f"run.output_dir={out_dir}", "run.name=multinode", "run.plot=false",
-            "cluster.metrics_export=false"])
+            "rollout.num_generators=2", "cluster.num_learners=2", *LAYOUTS[layout], "cluster.threads=1",
+            "rollout.threads=1", "run.steps=5", f"run.output_dir={out_dir}", f"run.name=multinode-{layout}",
+            "run.plot=false", "cluster.metrics_export=false"])
         result = train(cfg)
         nodes = {n["NodeID"]: sorted(k for k in n["Resources"] if k.endswith("_node")) for n in ray.nodes()}
         placement = json.loads((result.run_dir / "placement.json").read_text())
@@ -48,4 +55,4 @@ def main(out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:3])

@@ -16,22 +16,39 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.ray
 
 
-def test_two_generators_and_two_learners_on_separate_nodes_learn(ray_cluster, tmp_path):
+def _run(ray_cluster, tmp_path, layout: str) -> dict:
     env = {**ray_cluster["env"]}
     env.pop("RAY_ADDRESS", None)
-    proc = subprocess.run([sys.executable, "-m", "tests.helpers.multinode_run", str(tmp_path)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "tests.helpers.multinode_run", str(tmp_path), layout], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
-    res = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[len("RESULT "):])
+    return json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[len("RESULT "):])
+
+
+def test_two_generators_and_two_learners_on_separate_nodes_learn(ray_cluster, tmp_path):
+    res = _run(ray_cluster, tmp_path, "disaggregated")
     nodes = res["nodes"]
     assert len(nodes) == 2
     gen_nodes = set(res["placement"]["generators"])
     assert len(res["placement"]["generators"]) == 2 and gen_nodes == {n for n, r in nodes.items() if r == ["rollout_node"]}
     assert nodes[res["placement"]["learner_rank0"]] == ["trainer_node"]
+    assert res["placement"]["layout"] == "disaggregated" and res["placement"]["generator_placement_group"]
     # Weights crossed the nodes every step: each batch was sampled by the previous step's policy,
     # verified on both generators against the learners' probe.
     assert res["versions"] == [0, 1, 2, 3, 4]
     assert all(g is not None and g < 1e-3 for g in res["probe_gaps"])
     assert all(n == 16 for n in res["learner_sequences"])  # 32 sequences split over 2 learners
+    assert res["rewards"][-1] > res["rewards"][0] + 0.3, res["rewards"]
+
+
+def test_colocated_layout_puts_each_generator_on_its_learners_node_and_learns(ray_cluster, tmp_path):
+    res = _run(ray_cluster, tmp_path, "colocated")
+    placement = res["placement"]
+    assert placement["layout"] == "colocated" and not placement["generator_placement_group"]
+    # One learner per node (STRICT_SPREAD), and generator i on learner rank i's node.
+    assert len(set(placement["learners"])) == 2 and set(placement["learners"]) == set(res["nodes"])
+    assert placement["generators"] == placement["learners"]
+    assert res["versions"] == [0, 1, 2, 3, 4]
+    assert all(g is not None and g < 1e-3 for g in res["probe_gaps"])
     assert res["rewards"][-1] > res["rewards"][0] + 0.3, res["rewards"]

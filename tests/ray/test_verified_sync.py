@@ -60,7 +60,9 @@ def test_every_generator_serves_the_learners_weights_and_a_failed_sync_is_named(
         assert checked["sync/probe_gap"] < 1e-5
         rows = [{"prompt": f"What is {i} + {i}?", "meta": {}} for i in range(4)]
         exp_refs, stats = rollout.generate_checked(rows, list(range(4)), seed=3)
-        assert [s["policy_version"] for s in stats] == [1, 1]
+        # Two work units per generator, all sampled by the synced weights; both generators took units.
+        assert [s["policy_version"] for s in stats] == [1, 1, 1, 1]
+        assert {s["generator"] for s in stats} == {0, 1}
         for exp in ray.get(exp_refs):
             trainer = sequence_logprobs(learner.model.lm.eval(), exp.input_ids, exp.attention_mask, exp.response_mask)
             gap = (trainer - exp.rollout_logprobs)[exp.response_mask].abs()

@@ -1,5 +1,7 @@
 """The plain Generator class (a real in-process vLLM engine), without Ray."""
 
+import os
+
 import pytest
 import torch
 
@@ -53,3 +55,21 @@ def test_a_seeded_call_samples_reproducibly(generator):
     c = generator.generate(prompts, seed=124, **kw)
     assert torch.equal(a.input_ids, b.input_ids)
     assert a.completions == b.completions and a.completions != c.completions
+
+
+@pytest.mark.parametrize("threads,first_core,cores,bind", [
+    (0, 0, 2, "0-1"),   # one generator: every core
+    (1, 0, 2, "0"),     # a pool of two with one thread each: generator 0 on core 0 ...
+    (1, 1, 2, "1"),     # ... and generator 1 on core 1
+    (2, 2, 8, "2-3"),
+    (2, 8, 8, "0-1"),   # wrapped to the node's cores
+    (4, 6, 8, "0-3"),   # would run past the last core: starts again at 0
+    (16, 0, 8, "0-7"),  # more threads than cores: every core once
+])
+def test_generators_sharing_a_node_bind_their_threads_to_different_cores(monkeypatch, threads, first_core, cores, bind):
+    from actors.generator import configure_vllm_env
+
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: cores)
+    configure_vllm_env(1, threads, first_core)
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == bind

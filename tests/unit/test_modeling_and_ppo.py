@@ -148,3 +148,30 @@ def test_an_empty_record_passes_through_the_reference_pass(tiny_model_path):
     out, _ = Reference(tiny_model_path).annotate(empty)
     assert out.batch_size == 0 and out.ref_logprobs.shape == (0, ids.shape[1])
     assert make_learner(tiny_model_path).train_step(out)["learner/empty_batch"] == 1.0
+
+
+def test_fused_head_logprobs_give_the_plain_paths_ppo_gradient(tiny_model_path, monkeypatch):
+    """train.fused_logprobs: the LM head's log-probs chunked through the backward pass too
+    (learners/losses.fused_head_logprobs) give the same update as the plain chunked head, on the
+    tied embedding and the trunk, in fp32 and under bf16 autocast."""
+    lm = tiny_lm(tiny_model_path)
+    ids, att, rm = ragged_batch(lm.config.vocab_size)
+    exp = experience(lm, ids, att, rm, SCORES, ref_shift=0.01)
+    ppo = {"critic_lr": 1e-2, "advantage_estimator": "gae", "kl_coef": 0.05}
+    import learners.losses
+
+    calls = []
+    real = learners.losses.fused_head_logprobs
+    monkeypatch.setattr(learners.losses, "fused_head_logprobs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for bf16, tol in ((False, GRAD_TOL), (True, dict(atol=2e-3, rtol=2e-2))):
+        runs = {}
+        for fused in (False, True):
+            train = {"lr": 1e-2, "micro_batch_size": 3, "logprob_chunk": 7, "fused_logprobs": fused, "bf16": bf16}
+            calls.clear()
+            runs[fused] = _step_capturing_gradients(tiny_model_path, exp, train=train, ppo=ppo)
+            assert bool(calls) == fused  # the fused head ran exactly when asked for
+        (m_plain, g_plain), (m_fused, g_fused) = runs[False], runs[True]
+        assert g_plain.abs().sum() > 0
+        torch.testing.assert_close(g_fused, g_plain, **tol)
+        for k in ("loss/policy", "loss/total", "policy/entropy", "kl/ref_k1"):
+            torch.testing.assert_close(m_fused[k], m_plain[k], atol=1e-5 if not bf16 else 1e-3, rtol=1e-4, msg=k)

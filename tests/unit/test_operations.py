@@ -250,3 +250,29 @@ def test_custom_resources_must_exist_in_the_cluster():
         check_fits(requests, [2.0, 3.0], {"rollout_node": 1.0, "trainer_node": 1.0})
     with pytest.raises(UserError, match="'trainer_node'.* but the cluster has 0"):
         check_fits(requests, [2.0, 3.0], {"rollout_node": 2.0})
+
+
+def test_colocated_generators_request_nothing_of_their_own_and_only_ppo_colocates():
+    from cluster.config import ConfigError
+    from cluster.placement import generator_bundle
+
+    base = {"rollout": {"num_generators": 2, "cpus_per_generator": 0.5, "resources": {"rollout_node": 1}},
+            "cluster": {"num_learners": 2}}
+    cfg = Config.model_validate(base)
+    assert generator_bundle(cfg) == {"CPU": 0.5, "rollout_node": 1.0}
+    by_role = {r.role: r for r in role_requests(cfg)}
+    assert by_role["generator"].cpus == 0.5 and dict(by_role["generator"].resources) == {"rollout_node": 1}
+    colocated = Config.model_validate({**base, "cluster": {"num_learners": 2, "layout": "colocated"}})
+    by_role = {r.role: r for r in role_requests(colocated)}
+    assert by_role["generator"].cpus == 0.0 and by_role["generator"].resources == ()
+    # The generators fit on a cluster that holds the learners alone (they share their reservation).
+    check_fits(role_requests(colocated), [1.2, 1.2])
+    with pytest.raises(UserError, match=r"generator 2 x 0.5"):
+        check_fits(role_requests(cfg), [1.2, 1.2], {"rollout_node": 2.0})
+    assert generator_bundle(Config.model_validate({"rollout": {"cpus_per_generator": 0}})) == {}
+    with pytest.raises(ConfigError, match="cluster.layout=colocated is built for the PPO/GRPO recipe"):
+        Config.model_validate({"run": {"algorithm": "dpo"}, "cluster": {"layout": "colocated"},
+                               "data": {"preference_file": "x.jsonl"}}).validate_run()
+    colocated.validate_run()  # PPO (the default algorithm) may colocate
+    with pytest.raises(ValueError, match="placement_strategy"):
+        Config.model_validate({"rollout": {"placement_strategy": "EVERYWHERE"}})
