@@ -1,9 +1,11 @@
-"""Peak memory (RSS) and step time of one learner update: full fine-tuning vs LoRA.
+"""Peak memory (RSS) and step time of one learner update: full fine-tuning, full fine-tuning with
+the fused LM-head log-probs (``train.fused_logprobs``), and LoRA.
 
 Each mode runs in a fresh subprocess (peak RSS is per process), on the same synthetic batch
-shaped like the main job's (16 sequences, 60 prompt + 48 response tokens), bf16 autocast.
+shaped like the main job's (16 sequences, 60 prompt + 48 response tokens), bf16 autocast. With
+``--rounds R`` the modes alternate R times (noise on a shared machine hits each alike).
 
-    .venv/bin/python benchmarks/learner_memory.py [--model smollm2-135m] [--out docs/results/learner_memory.json]
+    .venv/bin/python benchmarks/learner_memory.py [--modes full full_fused lora] [--rounds 1] [--out ...]
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ def one(model: str, mode: str, steps: int) -> dict:
 
     torch.manual_seed(0)
     path = resolve_model(model)
-    train = TrainConfig(num_minibatches=1, micro_batch_size=16, bf16=True)
-    lora = LoRAConfig(enabled=True) if mode == "lora" else None
+    train = TrainConfig(num_minibatches=1, micro_batch_size=16, bf16=True, fused_logprobs=mode.endswith("_fused"))
+    lora = LoRAConfig(enabled=True) if mode.startswith("lora") else None
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     learner = PPOLearner.build(LearnerContext(model_path=path, lora=lora), train, PPOConfig())
     b, p, r = 16, 60, 48
@@ -43,7 +45,7 @@ def one(model: str, mode: str, steps: int) -> dict:
     rm[:, :p] = False
     zeros = torch.zeros(b, p + r)
     exp = Experience(ids, att, rm, zeros, torch.arange(b), torch.zeros(b, dtype=torch.bool), 0, [""] * b, [{}] * b,
-                     scores=torch.rand(b), ref_logprobs=None if mode == "lora" else zeros)
+                     scores=torch.rand(b), ref_logprobs=None if lora else zeros)
     times = []
     for _ in range(steps):
         t = time.perf_counter()
@@ -61,23 +63,35 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--modes", nargs="+", default=["full", "full_fused", "lora"])
+    ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "learner_memory.json"))
     ap.add_argument("--child", default=None)
     a = ap.parse_args()
     if a.child:
         print(json.dumps(one(a.model, a.child, a.steps)))
         return
+    import statistics
+
     results = []
-    for mode in ("full", "lora"):
-        out = subprocess.run([sys.executable, __file__, "--child", mode, "--model", a.model, "--steps", str(a.steps)],
-                             capture_output=True, text=True, check=True)
-        results.append(json.loads(out.stdout.strip().splitlines()[-1]))
-        print(results[-1], flush=True)
+    for _ in range(a.rounds):
+        for mode in a.modes:
+            out = subprocess.run([sys.executable, __file__, "--child", mode, "--model", a.model, "--steps", str(a.steps)],
+                                 capture_output=True, text=True, check=True)
+            results.append(json.loads(out.stdout.strip().splitlines()[-1]))
+            print(results[-1], flush=True)
+    # Per mode: the median step after each process's first (warm-up) step, and the peak RSS.
+    summary = {m: {"median_step_s": statistics.median(t for r in results if r["mode"] == m
+                                                      for t in (r["step_s"][1:] or r["step_s"])),
+                   "peak_rss_gb": max(r["peak_rss_gb"] for r in results if r["mode"] == m)} for m in a.modes}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(results, indent=1))
-    full, lora = results
-    print(f"peak RSS: full {full['peak_rss_gb']:.2f} GB, LoRA {lora['peak_rss_gb']:.2f} GB "
-          f"({lora['peak_rss_gb'] / full['peak_rss_gb']:.2f}x); trainable {lora['trainable_fraction']:.4f}")
+    Path(a.out).write_text(json.dumps({"runs": results, "summary": summary}, indent=1))
+    for m, v in summary.items():
+        print(f"{m:12s} step {v['median_step_s']:.2f} s  peak RSS {v['peak_rss_gb']:.2f} GB")
+    if "full" in summary and "full_fused" in summary:
+        f, u = summary["full"], summary["full_fused"]
+        print(f"fused / plain: step {u['median_step_s'] / f['median_step_s']:.2f}x, "
+              f"peak RSS {u['peak_rss_gb'] / f['peak_rss_gb']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ def rollout(path: Path) -> Path:
     plt = _plt()
     res = json.loads(path.read_text())
     names = [("hf_generate", "transformers generate"), ("bare_vllm", "bare vLLM"), ("generator", "Generator class"),
-             ("generator_actor", "Generator Ray actor")]
+             ("generator_actor", "Generator Ray actor"), ("pool_total", "2-actor pool (1 thread each)")]
     batches = [r["batch"] for r in res["rows"]]
     fig, ax = plt.subplots(figsize=(7, 3.8))
     width = 0.8 / len(names)
@@ -54,7 +54,7 @@ def weight_sync(path: Path) -> Path:
     res = json.loads(path.read_text())
     labels = {"raw_copy_s": "raw copy (floor)", "pack_s": "pack to flat bf16", "object_store_flat_s": "object store, flat",
               "object_store_dict_s": "object store, dict", "vllm_load_inside_actor_s": "vLLM reload in actor",
-              "sync_end_to_end_s": "whole sync"}
+              "sync_end_to_end_s": "whole sync, object store", "collective_end_to_end_s": "whole sync, collective"}
     keys = [k for k in labels if k in res]
     fig, ax = plt.subplots(figsize=(7, 3.5))
     ax.barh([labels[k] for k in keys], [statistics.median(res[k]) * 1e3 for k in keys])
@@ -68,12 +68,14 @@ def learner_memory(path: Path) -> Path:
     plt = _plt()
     res = json.loads(path.read_text())
     fig, (a, b) = plt.subplots(1, 2, figsize=(7, 3.2))
-    modes = [r["mode"] for r in res]
-    a.bar(modes, [r["peak_rss_gb"] for r in res])
+    summary = res["summary"] if isinstance(res, dict) else {
+        r["mode"]: {"peak_rss_gb": r["peak_rss_gb"], "median_step_s": min(r["step_s"])} for r in res}
+    modes = list(summary)
+    a.bar(modes, [summary[m]["peak_rss_gb"] for m in modes])
     a.set_ylabel("peak RSS (GB)")
-    b.bar(modes, [min(r["step_s"]) for r in res])
+    b.bar(modes, [summary[m]["median_step_s"] for m in modes])
     b.set_ylabel("learner step (s)")
-    fig.suptitle("Learner, SmolLM2-135M: full fine-tuning vs LoRA")
+    fig.suptitle("Learner, SmolLM2-135M: full, full with fused log-probs, LoRA")
     return _save(fig, path)
 
 
