@@ -455,7 +455,8 @@ class RolloutGroup:
                 if on_reissue is not None and unit is not None:
                     on_reissue(g, unit.group_ids, err)
             for g in sorted({g for g, _, _ in died}):
-                self.recover(g, reason=type(next(e for d, _, e in died if d == g)).__name__)
+                err = next(e for d, _, e in died if d == g)
+                self.recover(g, reason=type(err).__name__ if err is not None else "died during another batch")
             if not died:
                 break
         units = batch.units

@@ -213,8 +213,15 @@ def _pack_weights(learner: Any, spec: LearnerSpec) -> tuple[Any, float]:
 
     t0 = time.perf_counter()
     with learner.policy_weights() as weights:
-        packed = pack(weights, spec.sync_dtype, version=learner.version)
+        # Every caller hands the buffer on (ray.put copies it; the broadcast is synchronous)
+        # before the next pack, so this worker reuses one buffer.
+        packed = pack(weights, spec.sync_dtype, version=learner.version, out=_PACK_BUFFER.get("buffer"))
+    _PACK_BUFFER["buffer"] = packed.buffer
     return packed, time.perf_counter() - t0
+
+
+# The last pack's buffer in this learner worker, reused by the next.
+_PACK_BUFFER: dict[str, Any] = {}
 
 
 def _probe(learner: Any, spec: LearnerSpec) -> dict:

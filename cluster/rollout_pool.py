@@ -61,12 +61,14 @@ class Unit:
     result: dict | None = None
     # What ``on_done`` returned for it (e.g. the scorer's (record, stats) refs).
     handed_on: Any = None
+    # The error the generator raised for it (not a death: that is a failure, and the unit runs again).
+    error: BaseException | None = None
     # (generator, error) for each try whose generator died.
     failures: list = field(default_factory=list)
 
     @property
     def done(self) -> bool:
-        return self.result is not None
+        return self.result is not None or self.error is not None
 
 
 @dataclass
@@ -115,10 +117,14 @@ class GeneratorPool:
     def wait(self, batch: Batch) -> list[tuple[int, Unit, BaseException]]:
         """Blocks until the batch is done or a generator died; returns the deaths not yet
         reported as (generator, unit, error). Empty when the batch is done. When every generator
-        is down for deaths reported with another batch, returns them with no unit and error."""
+        is down for deaths reported with another batch, returns them with no unit and error.
+        Raises the error a generator raised for one of the batch's units."""
         with self._cond:
             while True:
                 self._raise_if_broken()
+                failed = next((u for u in batch.units if u.error is not None), None)
+                if failed is not None:
+                    raise failed.error
                 new = [(g, u, e) for u in batch.units for k, (g, e) in enumerate(u.failures)
                        if (u.index, k) not in batch.reported]
                 if new or batch.done:
@@ -190,6 +196,12 @@ class GeneratorPool:
         unit = self._running[g]
         try:
             result = ray.get(unit.stats)
+        except ray.exceptions.RayTaskError as e:  # the generator raised: the caller's to handle
+            with self._cond:
+                del self._running[g]
+                unit.error = e
+                self._cond.notify_all()
+            return
         except ray.exceptions.RayActorError as e:
             with self._cond:
                 del self._running[g]

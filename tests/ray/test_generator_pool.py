@@ -21,13 +21,15 @@ pytestmark = pytest.mark.ray
 class _Replica:
     """Answers a unit after ``delay`` seconds, like GeneratorWorker.generate's (record, stats)."""
 
-    def __init__(self, delay: float, die_on_call: int = -1) -> None:
-        self.delay, self.die_on_call, self.calls = delay, die_on_call, 0
+    def __init__(self, delay: float, die_on_call: int = -1, raise_on_call: int = -1) -> None:
+        self.delay, self.die_on_call, self.raise_on_call, self.calls = delay, die_on_call, raise_on_call, 0
 
     def generate(self, rows, group_ids, greedy, seed):
         self.calls += 1
         if self.calls == self.die_on_call:
             os._exit(1)
+        if self.calls == self.raise_on_call:
+            raise ValueError(f"bad rows {rows}")
         time.sleep(self.delay)
         return {"groups": group_ids, "seed": seed}, {"groups": group_ids, "seed": seed, "policy_version": 0,
                                                      "finished_at": time.time()}
@@ -92,3 +94,16 @@ def test_a_dead_replica_is_reported_once_and_its_unit_taken_by_a_survivor(ray_cl
     finally:
         pool.close()
 
+
+
+def test_an_error_a_replica_raises_reaches_the_caller_and_the_pool_goes_on(ray_cluster):
+    pool = _pool([_Replica.remote(0.05, raise_on_call=2)])
+    try:
+        batch = pool.submit(_units(3))
+        with pytest.raises(ValueError, match="bad rows"):
+            pool.wait(batch)
+        assert pool.down() == set()  # not a death: nothing to restart
+        again = pool.submit(_units(2))
+        assert pool.wait(again) == [] and all(u.result for u in again.units)
+    finally:
+        pool.close()

@@ -41,3 +41,20 @@ def test_pack_unpack_roundtrip(dtype):
     # Read-only buffers (object-store views) unpack without a copy.
     p.buffer.setflags(write=False)
     assert dict(unpack(p))["b.bias"].shape == (5,)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_pack_writes_into_the_previous_packs_buffer_when_it_fits(dtype):
+    sd = {"a": torch.randn(3, 4), "b": torch.randn(5)}
+    first = pack(sd, dtype, version=1)
+    sd2 = {k: v + 1 for k, v in sd.items()}
+    second = pack(sd2, dtype, version=2, out=first.buffer)
+    assert second.buffer is first.buffer or np.shares_memory(second.buffer, first.buffer)
+    tol = 0 if dtype == "float32" else 2e-2
+    for k, v in unpack(second):
+        torch.testing.assert_close(v.float(), sd2[k], atol=tol, rtol=tol)
+    # A buffer of another size or dtype is not used: a fresh one is allocated.
+    other = pack({"a": torch.randn(7)}, dtype, version=3, out=first.buffer)
+    assert not np.shares_memory(other.buffer, first.buffer) and other.buffer.size == 7
+    wrong = np.empty(first.buffer.size, dtype=np.float64)
+    assert not np.shares_memory(pack(sd, dtype, version=4, out=wrong).buffer, wrong)
