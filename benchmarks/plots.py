@@ -36,6 +36,7 @@ def rollout(path: Path) -> Path:
     res = json.loads(path.read_text())
     names = [("hf_generate", "transformers generate"), ("bare_vllm", "bare vLLM"), ("generator", "Generator class"),
              ("generator_actor", "Generator Ray actor"), ("pool_total", "2-actor pool (1 thread each)")]
+    names = [(k, label) for k, label in names if any(k in r["best_tokens_per_s"] for r in res["rows"])]  # measured ones
     batches = [r["batch"] for r in res["rows"]]
     fig, ax = plt.subplots(figsize=(7, 3.8))
     width = 0.8 / len(names)
@@ -52,7 +53,7 @@ def rollout(path: Path) -> Path:
 def weight_sync(path: Path) -> Path:
     plt = _plt()
     res = json.loads(path.read_text())
-    labels = {"raw_copy_s": "raw copy (floor)", "pack_s": "pack to flat bf16", "object_store_flat_s": "object store, flat",
+    labels = {"raw_copy_s": "raw copy (floor)", "pack_s": "pack to flat bf16", "pack_reused_s": "pack, reused buffer", "object_store_flat_s": "object store, flat",
               "object_store_dict_s": "object store, dict", "vllm_load_inside_actor_s": "vLLM reload in actor",
               "sync_end_to_end_s": "whole sync, object store", "collective_end_to_end_s": "whole sync, collective"}
     keys = [k for k in labels if k in res]
