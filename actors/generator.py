@@ -30,6 +30,13 @@ def configure_vllm_env(kv_cache_gib: float, threads: int = 0, first_core: int = 
     n = min(threads or cores, cores)
     first = first_core % cores if first_core % cores + n <= cores else 0
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"{first}-{first + n - 1}" if n > 1 else str(first))
+    if threads:
+        # Every OpenMP pool of the process gets the engine's share. Left at the machine's core
+        # count, two 1-thread engines on one node spin against each other: measured 7x slower
+        # each (benchmarks/rollout.py, vllm1pair). Ray sets this for actors; plain processes
+        # need it here.
+        os.environ.setdefault("OMP_NUM_THREADS", str(n))
+        torch.set_num_threads(n)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

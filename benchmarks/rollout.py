@@ -9,9 +9,10 @@ its stats) with the same stopping rule as the others, and every contender's toke
 from what it returned.
 
 Scale-out (issue 13): a pool of 2 generator actors with 1 thread each, fed by the training
-code's ``GeneratorPool`` (one work unit of half the batch per actor), against a bare 1-thread
-engine on that half batch (each pool actor at equal work), and against the single 2-thread actor
-on the whole batch (scaling 1 -> 2 replicas on the same cores).
+code's ``GeneratorPool`` (one work unit of half the batch per actor), against two bare 1-thread
+engines running at the same time on the two halves, each bound to its own core (``vllm1pair``:
+each pool actor at equal work and equal conditions; ``vllm1``: one such engine alone), and
+against the single 2-thread actor on the whole batch (scaling 1 -> 2 replicas on the same cores).
 
     .venv/bin/python benchmarks/rollout.py [--batch-sizes 16 64 256] [--new-tokens 64] [--out docs/results/rollout.json]
 """
@@ -195,6 +196,35 @@ def bench_pool(model_path: str, texts: list[str], new_tokens: int, repeats: int,
         ray.shutdown()
 
 
+def _barrier(a, name: str, timeout_s: float = 600) -> None:
+    """Waits until every engine of a ``vllm1pair`` run reached ``name`` (files in a shared folder)."""
+    if not a.barrier:
+        return
+    Path(a.barrier, f"{name}.{a.first_core}").touch()
+    t0 = time.time()
+    while len(list(Path(a.barrier).glob(f"{name}.*"))) < 2:
+        if time.time() - t0 > timeout_s:
+            raise TimeoutError(f"the partner engine never reached {name}")
+        time.sleep(0.01)
+
+
+def run_pair(a) -> dict:
+    """Two bare 1-thread engines at once (cores 0 and 1), each on half of every batch."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as barrier:
+        procs = [subprocess.Popen([sys.executable, __file__, "--part", "vllm1", "--model", a.model, "--new-tokens",
+                                   str(a.new_tokens), "--repeats", str(a.repeats), "--first-core", str(core),
+                                   "--barrier", barrier, "--batch-sizes", *map(str, a.batch_sizes)],
+                                  stdout=subprocess.PIPE, text=True) for core in (0, 1)]
+        outs = [p.communicate()[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError("a vllm1pair engine failed")
+    res = [json.loads(next(x for x in o.splitlines() if x.startswith("RESULT "))[len("RESULT "):]) for o in outs]
+    return {str(bs): {"bare_vllm_1thread_pair": [r[str(bs)]["bare_vllm_1thread_half_batch"] for r in res]}
+            for bs in a.batch_sizes}
+
+
 def run_part(part: str, a) -> dict:
     """One contender family in this process: 'vllm' (bare engine + Generator class, one engine),
     'actor' (the Generator in a Ray actor) or 'hf' (transformers generate)."""
@@ -211,16 +241,20 @@ def run_part(part: str, a) -> dict:
     from actors.generator import Generator, configure_vllm_env
 
     threads = 1 if part == "vllm1" else 0
-    configure_vllm_env(kv_cache_gib=2, threads=threads)
+    configure_vllm_env(kv_cache_gib=2, threads=threads, first_core=a.first_core)
     gen = Generator(model_path, dtype="bfloat16", max_model_len=256 + a.new_tokens, seed=0, kv_cache_gib=2,
-                    threads=threads)
+                    threads=threads, first_core=a.first_core)
     out = {}
     if part == "vllm1":  # the bare engine on one core, on each pool actor's share of the batch
         for bs in a.batch_sizes:
             half = -(-bs // 2)
+            _barrier(a, f"{bs}-warm")
             bench_bare_vllm(model_path, texts[: min(half, 16)], a.new_tokens, 1, llm=gen.llm)  # warm-up
-            out[str(bs)] = {"bare_vllm_1thread_half_batch": bench_bare_vllm(model_path, texts[:half], a.new_tokens,
-                                                                             a.repeats, llm=gen.llm)}
+            runs = []
+            for r in range(a.repeats):
+                _barrier(a, f"{bs}-{r}")  # with a partner engine: both start each run together
+                runs += bench_bare_vllm(model_path, texts[:half], a.new_tokens, 1, llm=gen.llm)
+            out[str(bs)] = {"bare_vllm_1thread_half_batch": runs}
             print(bs, out[str(bs)], flush=True)
         return out
     for bs in a.batch_sizes:
@@ -241,8 +275,10 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "rollout.json"))
     ap.add_argument("--part", choices=["vllm", "vllm1", "actor", "pool", "hf"],
                     help="internal: run one contender family, print JSON")
-    ap.add_argument("--parts", nargs="+", default=["vllm", "vllm1", "actor", "pool", "hf"],
-                    help="contender families to run (each in a fresh process)")
+    ap.add_argument("--parts", nargs="+", default=["vllm", "vllm1", "vllm1pair", "actor", "pool", "hf"],
+                    help="contender families to run (each in fresh processes)")
+    ap.add_argument("--first-core", type=int, default=0, help="internal: the core a 1-thread engine binds to")
+    ap.add_argument("--barrier", default="", help="internal: folder the vllm1pair engines meet in")
     a = ap.parse_args()
     if a.part:
         print("RESULT " + json.dumps(run_part(a.part, a)), flush=True)
@@ -251,6 +287,10 @@ def main() -> None:
     # left alive in the benchmark process would take cores from the next contender.
     parts: dict = {}
     for part in a.parts:
+        if part == "vllm1pair":
+            parts[part] = run_pair(a)
+            print(part, parts[part], flush=True)
+            continue
         cmd = [sys.executable, __file__, "--part", part, "--model", a.model, "--new-tokens", str(a.new_tokens),
                "--repeats", str(a.repeats), "--skip-hf-above", str(a.skip_hf_above), "--batch-sizes",
                *map(str, a.batch_sizes)]
@@ -264,6 +304,10 @@ def main() -> None:
         row: dict = {"batch": bs}
         for part in ("vllm", "vllm1"):
             row.update(parts.get(part, {}).get(str(bs), {}))
+        pair = parts.get("vllm1pair", {}).get(str(bs))
+        if pair:
+            row["bare_vllm_1thread_pair"] = pair["bare_vllm_1thread_pair"]
+            row["pair_engine_best"] = [max(runs) for runs in pair["bare_vllm_1thread_pair"]]
         if "actor" in parts:
             row["generator_actor"] = parts["actor"][str(bs)]
         if str(bs) in parts.get("hf", {}):
@@ -273,7 +317,8 @@ def main() -> None:
             row["pool_total"] = pool["pool_total"]
             # Best repeat of each actor of the pool, on its own.
             row["pool_actor_best"] = [max(rep[i] for rep in pool["pool_per_actor"]) for i in range(len(pool["pool_per_actor"][0]))]
-        best = {k: max(v) for k, v in row.items() if isinstance(v, list) and k != "pool_actor_best"}
+        best = {k: max(v) for k, v in row.items()
+                if isinstance(v, list) and k not in ("pool_actor_best", "pair_engine_best", "bare_vllm_1thread_pair")}
         row["best_tokens_per_s"] = best
         if "hf_generate" in best and "generator_actor" in best:
             row["actor_vs_hf"] = best["generator_actor"] / best["hf_generate"]
@@ -281,6 +326,8 @@ def main() -> None:
             row["actor_vs_bare_vllm"] = best["generator_actor"] / best["bare_vllm"]
         if pool and "bare_vllm_1thread_half_batch" in best:
             row["pool_actor_vs_bare_1thread"] = [x / best["bare_vllm_1thread_half_batch"] for x in row["pool_actor_best"]]
+        if pool and pair:  # each pool actor against the engine on its core, both pairs running at once
+            row["pool_actor_vs_bare_pair"] = [x / y for x, y in zip(row["pool_actor_best"], row["pair_engine_best"])]
         if pool and "generator_actor" in best:
             row["scaling_1_to_2"] = best["pool_total"] / best["generator_actor"]
         results["rows"].append(row)

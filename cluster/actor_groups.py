@@ -392,24 +392,18 @@ class RolloutGroup:
     def _score_unit(self, unit: Unit) -> tuple:
         return tuple(self.scorer.score.options(num_returns=2).remote(unit.exp))
 
-    def generate(
-        self, rows: list[dict], group_ids: list[int], greedy: bool = False, seed: int | None = None
-    ) -> tuple[list, list]:
-        """``seed``: reseeds every generator's sampler (each with its own offset) for this call."""
-        calls = [self._generate_shard(i, r, g, greedy, seed) for i, (r, g) in enumerate(self._shards(rows, group_ids))]
-        return [c[0] for c in calls], [c[1] for c in calls]
-
     def judge(self, exp_refs: list, seed: int | None = None) -> tuple[list, list]:
-        """Each shard judged by the generator that holds it (the judge is the generators' current
-        weights; see ``actors/judge.py``)."""
+        """Each record (a work unit's) judged by a generator, round robin: the judge is the
+        generators' current weights, which they all hold (see ``actors/judge.py``)."""
         jcfg = self.cfg.judge_config()
-        out = [gen.judge.options(num_returns=2).remote(e, jcfg, None if seed is None else seed + 7919 * i)
-               for i, (gen, e) in enumerate(zip(self.generators, exp_refs))]
+        n = len(self.generators)
+        out = [self.generators[i % n].judge.options(num_returns=2).remote(e, jcfg, None if seed is None else seed + 7919 * i)
+               for i, e in enumerate(exp_refs)]
         return [o[0] for o in out], [o[1] for o in out]
 
     def generate_texts(self, prompts: list[str], group_ids: list[int], n: int, temperature: float,
                        seed: int | None = None) -> tuple[list, list]:
-        """Text prompts sharded over the generators like ``generate``."""
+        """Text prompts in contiguous shards, one per generator (SPIN's demonstrations)."""
         out = [gen.generate_texts.options(num_returns=2).remote(p, g, n, temperature, None if seed is None else seed + 7919 * i)
                for i, (gen, (p, g)) in enumerate(zip(self.generators, self._shards(prompts, group_ids)))]
         return [o[0] for o in out], [o[1] for o in out]
@@ -433,9 +427,11 @@ class RolloutGroup:
 
     def generate_checked(self, rows: list[dict], group_ids: list[int], greedy: bool = False, seed: int | None = None,
                          on_reissue: Any = None) -> tuple[list, list[dict]]:
-        """``generate``, waiting for every shard's stats, and surviving a generator that dies:
-        its shard is issued again (same rows, same seed) once Ray has restarted it and it holds
-        the current weights. ``on_reissue(generator_index, group_ids, error)`` is told first."""
+        """``submit`` then ``collect``: the records and stats of every work unit, in unit order,
+        surviving a generator that dies (its unit is issued again, same rows and seed, to a
+        survivor or to the generator once Ray restarted it with the current weights).
+        ``seed`` reseeds the samplers (unit k: ``seed + 7919 k``); ``on_reissue(generator_index,
+        group_ids, error)`` is told of each re-issue."""
         return self.collect(self.submit(rows, group_ids, greedy, seed), on_reissue)
 
     def submit(self, rows: list[dict], group_ids: list[int], greedy: bool = False, seed: int | None = None) -> dict:
@@ -454,17 +450,15 @@ class RolloutGroup:
             for g, unit, err in died:
                 if on_reissue is not None and unit is not None:
                     on_reissue(g, unit.group_ids, err)
-            for g in sorted({g for g, _, _ in died}):
+            # Only generators still down need a restart: one revived meanwhile (a weight sync
+            # found it dead and restarted it) would otherwise count against max_restarts twice.
+            for g in sorted({g for g, _, _ in died} & self.pool.down()):
                 err = next(e for d, _, e in died if d == g)
                 self.recover(g, reason=type(err).__name__ if err is not None else "died during another batch")
             if not died:
                 break
         units = batch.units
         return [u.exp for u in units], [u.result for u in units]
-
-    def _generate_shard(self, i: int, rows: list, group_ids: list[int], greedy: bool, seed: int | None) -> tuple:
-        return self.generators[i].generate.options(num_returns=2).remote(
-            rows, group_ids, greedy, None if seed is None else seed + 7919 * i)
 
     def recover(self, i: int, reason: str = "", weights_source: Any = None, timeout_s: float = 600) -> None:
         """Waits for generator ``i`` to be restarted by Ray (``rollout.max_restarts``), then loads

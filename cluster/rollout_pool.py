@@ -65,6 +65,8 @@ class Unit:
     error: BaseException | None = None
     # (generator, error) for each try whose generator died.
     failures: list = field(default_factory=list)
+    # How many times its generator had been revived when the unit started on it (see ``revive``).
+    life: int = 0
 
     @property
     def done(self) -> bool:
@@ -99,6 +101,9 @@ class GeneratorPool:
         self._queue: deque[Unit] = deque()
         self._running: dict[int, Unit] = {}  # generator -> its unit
         self._down: set[int] = set()
+        # Times each generator was revived: a death seen by a unit started in an earlier life was
+        # already recovered by the caller (e.g. during a weight sync) and is not a new one.
+        self._lives = [0] * num_generators
         self._units_run = [0] * num_generators
         self._closed = False
         self._error: BaseException | None = None
@@ -116,9 +121,10 @@ class GeneratorPool:
 
     def wait(self, batch: Batch) -> list[tuple[int, Unit, BaseException]]:
         """Blocks until the batch is done or a generator died; returns the deaths not yet
-        reported as (generator, unit, error). Empty when the batch is done. When every generator
-        is down for deaths reported with another batch, returns them with no unit and error.
-        Raises the error a generator raised for one of the batch's units."""
+        reported as (generator, unit, error): each unit was re-queued, and the generators still
+        in ``down()`` need a restart (one revived meanwhile does not). Empty when the batch is
+        done. When every generator is down for deaths reported with another batch, returns them
+        with no unit and error. Raises the error a generator raised for one of the batch's units."""
         with self._cond:
             while True:
                 self._raise_if_broken()
@@ -143,7 +149,13 @@ class GeneratorPool:
         """Puts a generator that the caller restarted back into the rotation."""
         with self._cond:
             self._down.discard(generator)
+            self._lives[generator] += 1
             self._cond.notify_all()
+
+    def running(self) -> dict[int, int]:
+        """generator -> index of the unit it is running now."""
+        with self._cond:
+            return {g: u.index for g, u in self._running.items()}
 
     def units_run(self) -> list[int]:
         """Units each generator has finished so far (how the load spread)."""
@@ -188,7 +200,7 @@ class GeneratorPool:
             if g in self._running or g in self._down:
                 continue
             unit = self._queue.popleft()
-            unit.generator = g
+            unit.generator, unit.life = g, self._lives[g]
             unit.exp, unit.stats = self._call(g, unit)
             self._running[g] = unit
 
@@ -205,7 +217,10 @@ class GeneratorPool:
         except ray.exceptions.RayActorError as e:
             with self._cond:
                 del self._running[g]
-                self._down.add(g)
+                if unit.life == self._lives[g]:
+                    self._down.add(g)
+                # else the caller revived g after this unit started on it: the death it saw is
+                # the one the caller already recovered from, and g stays in the rotation.
                 unit.failures.append((g, e))
                 unit.exp = unit.stats = None
                 self._queue.appendleft(unit)  # the survivors (or g once revived) take it next

@@ -69,13 +69,13 @@ def ranked_pairs(ctx: RunContext, rollout: Any, rows: list[dict], by: str) -> tu
     case is counted."""
     cfg = ctx.cfg
     ids = _prompt_ids(cfg, len(rows))
-    exp_refs, gen_stats = rollout.generate([rows[i] for i in ids], ids, seed=cfg.run.seed * 100_003)
+    exp_refs, gen_stats = rollout.generate_checked([rows[i] for i in ids], ids, seed=cfg.run.seed * 100_003)
     if by == "self_judge":
         exp_refs, score_stats = rollout.judge(exp_refs, seed=cfg.run.seed * 100_003 + 1)
     else:
         exp_refs, score_stats = rollout.score(exp_refs)
     exp = Experience.concat(ray.get(exp_refs), pad_token_id=0)
-    gen_stats, score_stats = ray.get(gen_stats), ray.get(score_stats)
+    score_stats = ray.get(score_stats)
     counts = {"prompts": len(ids), "candidates": exp.batch_size, "no_pair_tie": 0, "no_pair_unscored": 0,
               "no_pair_low_score": 0, "no_pair_identical": 0}
     best, worst, kept = [], [], []

@@ -171,9 +171,8 @@ def _online_steps(ctx: RunContext, rollout: RolloutGroup, replay: Any, learners:
     for step in ctx.steps():
         prompt_ids = sampler.next()
         with ctx.phase("generate"):
-            exp, gen_stats = rollout.generate([train_set.rows[i] for i in prompt_ids], prompt_ids, greedy=greedy,
-                                              seed=sampling_seed(cfg.run.seed, step))
-            gen_stats = ray.get(gen_stats)
+            exp, gen_stats = rollout.generate_checked([train_set.rows[i] for i in prompt_ids], prompt_ids,
+                                                      greedy=greedy, seed=sampling_seed(cfg.run.seed, step))
         with ctx.phase("score"):
             exp, score_stats = rollout.score(exp)
             score_stats = ray.get(score_stats)

@@ -21,11 +21,16 @@ pytestmark = pytest.mark.ray
 class _Replica:
     """Answers a unit after ``delay`` seconds, like GeneratorWorker.generate's (record, stats)."""
 
-    def __init__(self, delay: float, die_on_call: int = -1, raise_on_call: int = -1) -> None:
+    def __init__(self, delay: float, die_on_call: int = -1, raise_on_call: int = -1, die_once: str = "") -> None:
         self.delay, self.die_on_call, self.raise_on_call, self.calls = delay, die_on_call, raise_on_call, 0
+        self.die_once = die_once  # a marker file: the first call of any incarnation dies mid-unit, once
 
     def generate(self, rows, group_ids, greedy, seed):
         self.calls += 1
+        if self.die_once and not os.path.exists(self.die_once):
+            time.sleep(self.delay)
+            open(self.die_once, "w").close()
+            os._exit(1)
         if self.calls == self.die_on_call:
             os._exit(1)
         if self.calls == self.raise_on_call:
@@ -94,6 +99,30 @@ def test_a_dead_replica_is_reported_once_and_its_unit_taken_by_a_survivor(ray_cl
     finally:
         pool.close()
 
+
+def test_a_death_the_caller_already_recovered_from_is_not_a_new_one(ray_cluster, tmp_path):
+    # In async mode a weight sync can find a generator dead and restart it (``revive``) while
+    # the pool still has a unit running on the dead process; that unit's failure must re-queue
+    # the unit without taking the restarted generator out of the rotation again (it would be
+    # restarted, and counted against rollout.max_restarts, twice).
+    doomed = _Replica.options(max_restarts=1).remote(0.5, die_once=str(tmp_path / "died"))
+    survivor = _Replica.remote(0.05)
+    pool = _pool([doomed, survivor])
+    try:
+        batch = pool.submit(_units(4))
+        deadline = time.time() + 30
+        while 0 not in pool.running():
+            assert time.time() < deadline, "the pool never started a unit on replica 0"
+            time.sleep(0.01)
+        pool.revive(0)  # the caller's recovery, seen before the pool notices the death
+        died = []
+        while not batch.done:
+            died += pool.wait(batch)
+        assert [g for g, _, _ in died] == [0] and isinstance(died[0][2], ray.exceptions.RayActorError)
+        assert pool.down() == set()  # nothing left to restart
+        assert all(u.result for u in batch.units) and sum(pool.units_run()) == 4
+    finally:
+        pool.close()
 
 
 def test_an_error_a_replica_raises_reaches_the_caller_and_the_pool_goes_on(ray_cluster):

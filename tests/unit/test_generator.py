@@ -70,6 +70,14 @@ def test_generators_sharing_a_node_bind_their_threads_to_different_cores(monkeyp
     from actors.generator import configure_vllm_env
 
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr("os.cpu_count", lambda: cores)
+    torch_threads = []
+    monkeypatch.setattr("torch.set_num_threads", torch_threads.append)
     configure_vllm_env(1, threads, first_core)
     assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == bind
+    # An engine with a share of the cores caps every OpenMP pool of its process at that share
+    # (left at the core count, two 1-thread engines on a node ran 7x slower each).
+    n = min(threads, cores)
+    assert os.environ.get("OMP_NUM_THREADS") == (str(n) if threads else None)
+    assert torch_threads == ([n] if threads else [])
