@@ -1,11 +1,15 @@
 """Peak memory (RSS) and step time of one learner update: full fine-tuning, full fine-tuning with
-the fused LM-head log-probs (``train.fused_logprobs``), and LoRA.
+the fused LM-head log-probs (``train.fused_logprobs``), and LoRA. Two more contenders measure
+options that are not in the product: ``full_compiled`` (every decoder layer under
+``torch.compile(dynamic=True)``) and ``full_bf16_weights`` (the policy's weights cast to bf16,
+no fp32 master copy: an upper bound on what bf16 parameters with fp32 master weights could save).
 
 Each mode runs in a fresh subprocess (peak RSS is per process), on the same synthetic batch
 shaped like the main job's (16 sequences, 60 prompt + 48 response tokens), bf16 autocast. With
 ``--rounds R`` the modes alternate R times (noise on a shared machine hits each alike).
 
-    .venv/bin/python benchmarks/learner_memory.py [--modes full full_fused lora] [--rounds 1] [--out ...]
+    .venv/bin/python benchmarks/learner_memory.py [--modes full full_fused lora full_compiled full_bf16_weights]
+        [--rounds 1] [--out ...]
 """
 
 from __future__ import annotations
@@ -21,41 +25,65 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def one(model: str, mode: str, steps: int) -> dict:
+def _batch(shape: str, vocab: int, lora: bool):
+    """The synthetic batch: ``memory`` (16 x (60 + 48) tokens, every row full) or ``grpo`` (the
+    main job's shape: 8 prompts of 45 tokens x 4 samples of 10-48 tokens, prompts shared)."""
+    import torch
+
+    from learners.experience import Experience
+
+    if shape == "memory":
+        b, p, r = 16, 60, 48
+        ids = torch.randint(10, vocab - 1, (b, p + r))
+        att = torch.ones_like(ids, dtype=torch.bool)
+        groups = torch.arange(b)
+    else:
+        b, p, r = 32, 45, 48
+        groups = torch.arange(b) // 4
+        ids = torch.cat([torch.randint(10, vocab - 1, (8, p))[groups], torch.randint(10, vocab - 1, (b, r))], 1)
+        lengths = torch.randint(10, r + 1, (b,))
+        att = torch.arange(p + r)[None, :] < (p + lengths)[:, None]
+    rm = att.clone()
+    rm[:, :p] = False
+    zeros = torch.zeros(b, p + r)
+    return Experience(ids, att, rm, zeros, groups, torch.zeros(b, dtype=torch.bool), 0, [""] * b, [{}] * b,
+                      scores=torch.rand(b), ref_logprobs=None if lora else zeros)
+
+
+def one(model: str, mode: str, steps: int, shape: str = "memory") -> dict:
     import torch
 
     sys.path.insert(0, str(ROOT))
     from cluster.assets import resolve_model
     from cluster.config import LoRAConfig, PPOConfig, TrainConfig
     from learners.base import LearnerContext
-    from learners.experience import Experience
     from learners.ppo import PPOLearner
 
     torch.manual_seed(0)
     path = resolve_model(model)
-    train = TrainConfig(num_minibatches=1, micro_batch_size=16, bf16=True, fused_logprobs=mode.endswith("_fused"))
+    train = TrainConfig(num_minibatches=1, micro_batch_size=16 if shape == "memory" else 8, bf16=True,
+                        fused_logprobs=mode.endswith("_fused"))
     lora = LoRAConfig(enabled=True) if mode.startswith("lora") else None
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     learner = PPOLearner.build(LearnerContext(model_path=path, lora=lora), train, PPOConfig())
-    b, p, r = 16, 60, 48
-    vocab = learner.model.lm.config.vocab_size
-    ids = torch.randint(10, vocab - 1, (b, p + r))
-    att = torch.ones_like(ids, dtype=torch.bool)
-    rm = att.clone()
-    rm[:, :p] = False
-    zeros = torch.zeros(b, p + r)
-    exp = Experience(ids, att, rm, zeros, torch.arange(b), torch.zeros(b, dtype=torch.bool), 0, [""] * b, [{}] * b,
-                     scores=torch.rand(b), ref_logprobs=None if lora else zeros)
+    if mode == "full_compiled":
+        for layer in learner.model.lm.get_decoder().layers:
+            layer.compile(dynamic=True)
+    if mode == "full_bf16_weights":
+        learner.model.lm.to(torch.bfloat16)
+    exp = _batch(shape, learner.model.lm.config.vocab_size, lora is not None)
     times = []
     for _ in range(steps):
         t = time.perf_counter()
-        learner.train_step(exp)
+        # Each step trains on a batch of the weights it holds (on-policy, like the main job).
+        learner.train_step(exp.replace(policy_version=learner.version))
         times.append(time.perf_counter() - t)
     return {
-        "mode": mode, "model": model, "trainable_fraction": learner.trainable_fraction,
+        "mode": mode, "model": model, "shape": shape, "trainable_fraction": learner.trainable_fraction,
         "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
         "rss_before_model_gb": rss0 / 1e6, "step_s": times,
-        "note": "lora step includes the reference pass (adapter disabled); full step does not",
+        "note": "lora step includes the reference pass (adapter disabled); full step does not; the first step "
+                "of full_compiled includes compiling",
     }
 
 
@@ -65,18 +93,21 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--modes", nargs="+", default=["full", "full_fused", "lora"])
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--shape", choices=["memory", "grpo"], default="memory",
+                    help="memory: 16 full rows of 60 + 48 tokens; grpo: the main job's batch (8 prompts x 4 samples)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "learner_memory.json"))
     ap.add_argument("--child", default=None)
     a = ap.parse_args()
     if a.child:
-        print(json.dumps(one(a.model, a.child, a.steps)))
+        print(json.dumps(one(a.model, a.child, a.steps, a.shape)))
         return
     import statistics
 
     results = []
     for _ in range(a.rounds):
         for mode in a.modes:
-            out = subprocess.run([sys.executable, __file__, "--child", mode, "--model", a.model, "--steps", str(a.steps)],
+            out = subprocess.run([sys.executable, __file__, "--child", mode, "--model", a.model, "--steps", str(a.steps),
+                                  "--shape", a.shape],
                                  capture_output=True, text=True, check=True)
             results.append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(results[-1], flush=True)
