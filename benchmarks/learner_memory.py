@@ -5,7 +5,8 @@ options that are not in the product: ``full_compiled`` (every decoder layer unde
 no fp32 master copy: an upper bound on what bf16 parameters with fp32 master weights could save).
 
 Each mode runs in a fresh subprocess (peak RSS is per process), on the same synthetic batch
-shaped like the main job's (16 sequences, 60 prompt + 48 response tokens), bf16 autocast. With
+(``--shape memory``: 16 full rows of 60 prompt + 48 response tokens; ``--shape grpo``: the main
+job's 8 prompts x 4 samples of 10-48 tokens), bf16 autocast, each step on-policy. With
 ``--rounds R`` the modes alternate R times (noise on a shared machine hits each alike).
 
     .venv/bin/python benchmarks/learner_memory.py [--modes full full_fused lora full_compiled full_bf16_weights]
