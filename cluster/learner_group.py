@@ -320,6 +320,7 @@ class LearnerGroup:
         self.checkpoint: str | None = spec.resume_from
         self.history: list[dict] = []
         self.restarts = 0
+        self._ready: dict | None = None  # rank 0's ready report, once received
         # (step the driver was at, items replayed) per restart, for the run's ledger and log.
         self.restart_log: list[dict] = []
         self.thread = threading.Thread(target=self._fit, name="rayrlhf-learner", daemon=True)
@@ -405,7 +406,7 @@ class LearnerGroup:
 
     def wait_ready(self, timeout_s: float = 600) -> dict:
         """Rank 0's ready report (``nodes``: every rank's Ray node); a second call returns it again."""
-        if getattr(self, "_ready", None) is not None:
+        if self._ready is not None:
             return self._ready
         while True:
             info = self._next(time.time() + timeout_s)

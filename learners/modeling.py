@@ -14,7 +14,7 @@ import contextlib
 import torch
 from torch import nn
 
-from learners.losses import entropy_from_logits, logprobs_from_logits
+from learners.losses import entropy_from_logits, fused_head_logprobs, logprobs_from_logits
 
 
 def autocast(bf16: bool):
@@ -212,8 +212,6 @@ def _plain_head(h: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor, tempe
 def _fused_head(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float, chunk: int,
                 with_entropy: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """``fused_head_logprobs`` in the dtype the plain LM head would run in (autocast's, if on)."""
-    from learners.losses import fused_head_logprobs
-
     dtype = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else h.dtype
     lp, ent = fused_head_logprobs(h.to(dtype), weight.to(dtype), labels, temperature, chunk, with_entropy)
     return [lp], [ent] if with_entropy else []

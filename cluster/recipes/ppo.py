@@ -130,12 +130,12 @@ def run(ctx: RunContext, model_path: str, train_set, eval_set) -> RunResult:
         def launch(step: int) -> _Launched:
             """Draws the step's prompts and starts their generation (returns at once)."""
             prompt_ids, uids = sampler.next_with_uids()
-            shards = rollout.assignment(uids)  # the uids of each work unit
-            ledger.record("issued", issue_records(step, uids, prompt_ids, [k for k, s in enumerate(shards) for _ in s],
+            units = rollout.assignment(uids)  # the uids of each work unit
+            ledger.record("issued", issue_records(step, uids, prompt_ids, [k for k, u in enumerate(units) for _ in u],
                                                   rollout.version))
             # Group ids are the prompts' uids: a prompt drawn twice in one batch is two groups.
             pending = rollout.submit([train_set.rows[i] for i in prompt_ids], uids, seed=sampling_seed(cfg.run.seed, step))
-            return _Launched(step, prompt_ids, uids, shards, pending, sampler.consumed)
+            return _Launched(step, prompt_ids, uids, units, pending, sampler.consumed)
 
         for step in ctx.steps():
             cur = ahead.popleft() if ahead else launch(step)
@@ -151,7 +151,7 @@ def run(ctx: RunContext, model_path: str, train_set, eval_set) -> RunResult:
                 score_stats = ray.get(score_stats)
             sampled = min(s["policy_version"] for s in gen_stats)
             staleness = learner_version - sampled
-            scored, dropped, kept = outcome_records(step, cur.shards, gen_stats, score_stats, cfg.rollout.samples_per_prompt)
+            scored, dropped, kept = outcome_records(step, cur.units, gen_stats, score_stats, cfg.rollout.samples_per_prompt)
             ledger.record("scored", scored)
             ledger.record("dropped", dropped)
             # Overlap: the next batches' generation runs while the learners train on this one.
@@ -227,7 +227,7 @@ class _Launched:
     prompt_ids: list[int]
     uids: list[int]
     # The uids of each work unit (in unit order).
-    shards: list[list[int]]
+    units: list[list[int]]
     # ``RolloutGroup.submit``'s handle.
     pending: dict
     # The sampler's position after this step's prompts (what a checkpoint of this step records).

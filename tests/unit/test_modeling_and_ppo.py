@@ -158,11 +158,11 @@ def test_fused_head_logprobs_give_the_plain_paths_ppo_gradient(tiny_model_path, 
     ids, att, rm = ragged_batch(lm.config.vocab_size)
     exp = experience(lm, ids, att, rm, SCORES, ref_shift=0.01)
     ppo = {"critic_lr": 1e-2, "advantage_estimator": "gae", "kl_coef": 0.05}
-    import learners.losses
+    import learners.modeling
 
     calls = []
-    real = learners.losses.fused_head_logprobs
-    monkeypatch.setattr(learners.losses, "fused_head_logprobs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = learners.modeling.fused_head_logprobs
+    monkeypatch.setattr(learners.modeling, "fused_head_logprobs", lambda *a, **k: calls.append(1) or real(*a, **k))
     for bf16, tol in ((False, GRAD_TOL), (True, dict(atol=2e-3, rtol=2e-2))):
         runs = {}
         for fused in (False, True):
