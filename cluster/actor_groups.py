@@ -367,29 +367,30 @@ class RolloutGroup:
         """The Ray node of each generator."""
         return ray.get([g.node.remote() for g in self.generators])
 
-    def _shards(self, rows: list, group_ids: list[int]) -> list[tuple[list, list[int]]]:
-        n = len(self.generators)
-        # Contiguous shards keep each prompt's samples on one generator (n is per prompt).
-        size = -(-len(rows) // n)
-        return [(rows[i : i + size], group_ids[i : i + size]) for i in range(0, len(rows), size)]
-
     def assignment(self, group_ids: list[int]) -> list[list[int]]:
         """The group ids of each work unit of ``submit`` (in unit order)."""
         return [u.group_ids for u in self._units(group_ids, group_ids, False, None)]
 
-    def _units(self, rows: list, group_ids: list[int], greedy: bool, seed: int | None) -> list[Unit]:
+    def _units(self, rows: list, group_ids: list[int], greedy: bool, seed: int | None,
+               texts: tuple[int, float] | None = None) -> list[Unit]:
         sizes = unit_sizes(len(rows), len(self.generators), self.cfg.rollout.unit_prompts)
         units, start = [], 0
         for k, n in enumerate(sizes):
             units.append(Unit(k, rows[start:start + n], group_ids[start:start + n], greedy,
-                              None if seed is None else seed + 7919 * k))
+                              None if seed is None else seed + 7919 * k, texts=texts))
             start += n
         return units
 
     def _start_unit(self, i: int, unit: Unit) -> tuple:
+        if unit.texts is not None:
+            n, temperature = unit.texts
+            return self.generators[i].generate_texts.options(num_returns=2).remote(
+                unit.rows, unit.group_ids, n, temperature, unit.seed)
         return self.generators[i].generate.options(num_returns=2).remote(unit.rows, unit.group_ids, unit.greedy, unit.seed)
 
-    def _score_unit(self, unit: Unit) -> tuple:
+    def _score_unit(self, unit: Unit) -> tuple | None:
+        if unit.texts is not None:  # text prompts have no task to score against
+            return None
         return tuple(self.scorer.score.options(num_returns=2).remote(unit.exp))
 
     def judge(self, exp_refs: list, seed: int | None = None) -> tuple[list, list]:
@@ -402,11 +403,11 @@ class RolloutGroup:
         return [o[0] for o in out], [o[1] for o in out]
 
     def generate_texts(self, prompts: list[str], group_ids: list[int], n: int, temperature: float,
-                       seed: int | None = None) -> tuple[list, list]:
-        """Text prompts in contiguous shards, one per generator (SPIN's demonstrations)."""
-        out = [gen.generate_texts.options(num_returns=2).remote(p, g, n, temperature, None if seed is None else seed + 7919 * i)
-               for i, (gen, (p, g)) in enumerate(zip(self.generators, self._shards(prompts, group_ids)))]
-        return [o[0] for o in out], [o[1] for o in out]
+                       seed: int | None = None, on_reissue: Any = None) -> tuple[list, list[dict]]:
+        """``n`` samples of each text prompt (SPIN's demonstrations) through the pool, like
+        ``generate_checked``: work units by load, re-issued when a generator dies, seeded by unit."""
+        pending = {"batch": self.pool.submit(self._units(prompts, group_ids, False, seed, texts=(n, temperature)))}
+        return self.collect(pending, on_reissue)
 
     def score(self, exp_refs: list, pending: dict | None = None) -> tuple[list, list]:
         """Rewards of the records; for a ``submit``'s batch (``pending``) whose units were scored

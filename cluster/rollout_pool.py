@@ -53,6 +53,9 @@ class Unit:
     group_ids: list[int]
     greedy: bool
     seed: int | None
+    # (samples per prompt, temperature) when ``rows`` are plain text prompts (SPIN's own replies);
+    # None: task rows, sampled as the rollout config says.
+    texts: tuple[int, float] | None = None
     # The generator that ran it (the last one tried), its record and stats refs once done.
     generator: int | None = None
     exp: Any = None

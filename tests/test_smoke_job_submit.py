@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -36,6 +37,39 @@ def _scrape(port: int) -> dict[str, float]:
     return out
 
 
+class _Scraper(threading.Thread):
+    """Reads the Prometheus endpoint every half second while the job runs and keeps every scrape
+    that has the run's reward: polling between `ray job status` calls (seconds each on a loaded
+    machine) could miss a short run's metrics altogether."""
+
+    def __init__(self, port: int) -> None:
+        super().__init__(daemon=True)
+        self.port, self.scrapes, self.done = port, [], threading.Event()
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            scraped = _scrape(self.port)
+            if _metric(scraped, "ray_rayrlhf_reward_mean") is not None:
+                self.scrapes.append(scraped)
+            self.done.wait(0.5)
+
+
+def _wait_for_dashboard(address: str, timeout_s: float = 180.0) -> None:
+    """Until the dashboard's HTTP server answers at all: on a loaded machine `ray start` may return
+    (it waits at most 60 s for the dashboard) before the server listens."""
+    deadline = time.time() + timeout_s
+    while True:
+        try:
+            urllib.request.urlopen(f"{address}/api/version", timeout=10)
+            return
+        except urllib.error.HTTPError:
+            return  # it answered (401 without the token)
+        except OSError:
+            if time.time() > deadline:
+                raise
+            time.sleep(1.0)
+
+
 def _metric(scraped: dict[str, float], name: str, **labels: str) -> float | None:
     for key, value in scraped.items():
         if key.startswith(name + "{") and all(f'{k}="{v}"' in key for k, v in labels.items()):
@@ -45,9 +79,10 @@ def _metric(scraped: dict[str, float], name: str, **labels: str) -> float | None
 
 def test_ray_job_submit_on_a_cluster_started_as_the_readme_says(tiny_model_path, tmp_path):
     """README's "On a running cluster": `ray start --head --dashboard-host=127.0.0.1
-    --metrics-export-port=...` (no --num-cpus: the machine's CPUs), token authentication on, then
-    the real `ray job submit`. During the run Prometheus' endpoint serves the project's metrics;
-    the job succeeds and leaves its outputs (TensorBoard events included)."""
+    --metrics-export-port=...` (no --num-cpus: the machine's CPUs; metrics exported every second),
+    token authentication on, then the real `ray job submit`. During the run Prometheus' endpoint
+    serves the project's metrics; the job succeeds and leaves its outputs (TensorBoard events
+    included)."""
     from tests.conftest import _free_port, _stop_cluster
 
     temp = tempfile.mkdtemp(prefix="rrj-", dir="/tmp")
@@ -60,36 +95,39 @@ def test_ray_job_submit_on_a_cluster_started_as_the_readme_says(tiny_model_path,
     ray_bin = str(Path(sys.executable).parent / "ray")
     # Ports: the README's command plus free ports where Ray's defaults would collide with the
     # session's shared test cluster (the job agent's HTTP port 52365, the client server's 10001).
+    # Metrics are exported every second (README: "--system-config ... 1000"), not every 10 s: a
+    # 10-step tiny run can finish between two exports of Ray's default interval.
     subprocess.run([ray_bin, "start", "--head", f"--port={port}", "--dashboard-host=127.0.0.1",
                     f"--dashboard-port={dash}", f"--metrics-export-port={metrics_port}", f"--temp-dir={temp}",
                     f"--dashboard-agent-listen-port={agent}", f"--ray-client-server-port={client}",
-                    "--disable-usage-stats"], check=True, env=env, capture_output=True, timeout=120)
+                    '--system-config={"metrics_report_interval_ms":1000}',
+                    "--disable-usage-stats"], check=True, env=env, capture_output=True, timeout=300)
     address = f"http://127.0.0.1:{dash}"
+    scraper = _Scraper(metrics_port)
     try:
+        _wait_for_dashboard(address)
         # The dashboard answers only requests carrying the cluster's token.
         with pytest.raises(urllib.error.HTTPError, match="401"):
             urllib.request.urlopen(f"{address}/api/version", timeout=30)
         out_dir = tmp_path / "runs"
         # Right after `ray start` the dashboard may not have a job agent yet ("No available agent to
         # submit job, please try again later"): submit again until one takes it, as a user would.
-        for _ in range(10):
+        submit_deadline = time.time() + 240
+        while True:
             submit = subprocess.run(
                 [ray_bin, "job", "submit", "--address", address, "--working-dir", str(ROOT), "--no-wait", "--",
                  "rayrlhf", "train", "configs/ppo_tiny.yaml", "--set", "run.steps=10", "--set", f"run.output_dir={out_dir}",
                  "--set", "run.name=smoke", "--set", "run.eval_every=10"],
                 env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
-            if "No available agent" not in submit.stdout + submit.stderr:
+            if "No available agent" not in submit.stdout + submit.stderr or time.time() > submit_deadline:
                 break
             time.sleep(2.0)
         assert submit.returncode == 0, submit.stdout + submit.stderr
         job_id = re.search(r"Job '([^']+)' submitted successfully", submit.stdout + submit.stderr).group(1)
-        seen: dict[str, float] = {}
+        scraper.start()
         status = ""
         deadline = time.time() + 600
         while time.time() < deadline:
-            scraped = _scrape(metrics_port)
-            if _metric(scraped, "ray_rayrlhf_reward_mean") is not None:
-                seen = scraped
             status = subprocess.run([ray_bin, "job", "status", "--address", address, job_id], env=env,
                                     capture_output=True, text=True, timeout=60).stdout.lower()
             if any(s in status for s in ("succeeded", "failed", "stopped")):
@@ -99,19 +137,25 @@ def test_ray_job_submit_on_a_cluster_started_as_the_readme_says(tiny_model_path,
                               capture_output=True, text=True, timeout=60).stdout
         assert "succeeded" in status, status + logs[-4000:]
     finally:
+        scraper.done.set()
         _stop_cluster(temp, port)
         shutil.rmtree(temp, ignore_errors=True)
     # The job joined the cluster it was submitted to, which has the machine's CPUs, and fit on it.
     assert re.search(r"\[rayrlhf\] Ray cluster: 1 node\(s\), \d+ CPUs.*\(joined\)", logs), logs[-3000:]
     assert "step 10/10" in logs
     # Prometheus saw the project's metrics mid-run, with sane values.
-    assert seen, "no ray_rayrlhf_* metric on the Prometheus endpoint during the run"
+    scraper.join(timeout=30)
+    assert scraper.scrapes, "no ray_rayrlhf_* metric on the Prometheus endpoint during the run"
+    seen = scraper.scrapes[-1]
     step = _metric(seen, "ray_rayrlhf_step")
     reward = _metric(seen, "ray_rayrlhf_reward_mean")
     assert step is not None and 1 <= step <= 10 and 0.0 <= reward <= 1.0, seen
     assert (_metric(seen, "ray_rayrlhf_rollout_tokens_per_s") or 0) > 0, seen
     assert (_metric(seen, "ray_rayrlhf_phase_seconds", phase="learn") or 0) > 0, seen
-    assert _metric(seen, "ray_rayrlhf_prompts", event="issued") == 32 * step, seen
+    # 32 prompts issued per finished step. The gauges are set one after another, so an export can
+    # fall between two of them: some scrape (not necessarily every one) shows them consistent.
+    pairs = [(_metric(s, "ray_rayrlhf_step"), _metric(s, "ray_rayrlhf_prompts", event="issued")) for s in scraper.scrapes]
+    assert any(st is not None and st >= 1 and issued == 32 * st for st, issued in pairs), pairs
     runs = list(out_dir.glob("smoke-*"))
     assert len(runs) == 1
     rows = [json.loads(l) for l in (runs[0] / "metrics.jsonl").read_text().splitlines()]

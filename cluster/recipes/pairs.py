@@ -152,7 +152,7 @@ def spin_pairs(ctx: RunContext, rollout: Any, tok: Any, demos: list[dict]) -> tu
     pairs = pairs.replace(skipped={**exp.skipped, **too_long}).validate()
     _save(ctx.dir, pairs, counts=counts, table=[{"prompt_id": r["index"], "prompt": r["prompt"][0]["content"], "chosen": r["chosen"],
                             "rejected": r["rejected"], "source": "spin"} for r in rows])
-    seconds = sum(s["seconds"] for s in ray.get(stats))
+    seconds = sum(s["seconds"] for s in stats)
     print(f"[rayrlhf] {pairs.batch_size // 2} SPIN pairs (demonstration vs own reply) from {len(ids)} prompts "
           f"({counts}; skipped: {exp.skipped}) in {seconds:.0f}s -> {ctx.dir / PAIRS_TABLE}", flush=True)
     return pairs, counts

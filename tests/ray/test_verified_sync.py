@@ -67,5 +67,14 @@ def test_every_generator_serves_the_learners_weights_and_a_failed_sync_is_named(
             trainer = sequence_logprobs(learner.model.lm.eval(), exp.input_ids, exp.attention_mask, exp.response_mask)
             gap = (trainer - exp.rollout_logprobs)[exp.response_mask].abs()
             assert gap.numel() > 0 and float(gap.max()) < 1e-4, float(gap.max())
+        # Text prompts (SPIN's own replies) go through the same pool: units by load, in unit
+        # order, seeded by unit, so a second call with the same seed gives the same replies.
+        texts = [f"Tell me about {w}." for w in ("cats", "rain", "maps", "salt")]
+        exp_refs, stats = rollout.generate_texts(texts, [10, 11, 12, 13], n=2, temperature=1.0, seed=5)
+        first = ray.get(exp_refs)
+        assert [e.group_ids.tolist() for e in first] == [[10, 10], [11, 11], [12, 12], [13, 13]]
+        assert {s["generator"] for s in stats} == {0, 1} and all(s["sequences"] == 2 for s in stats)
+        again = ray.get(rollout.generate_texts(texts, [10, 11, 12, 13], n=2, temperature=1.0, seed=5)[0])
+        assert [e.completions for e in again] == [e.completions for e in first]
     finally:
         rollout.shutdown()
