@@ -120,17 +120,17 @@ def issue_records(step: int, uids: list[int], prompt_ids: list[int], units: list
             for u, p, k in zip(uids, prompt_ids, units)]
 
 
-def outcome_records(step: int, shard_uids: list[list[int]], gen_stats: list[dict], score_stats: list[dict],
+def outcome_records(step: int, unit_uids: list[list[int]], gen_stats: list[dict], score_stats: list[dict],
                     samples_per_prompt: int) -> tuple[list[dict], list[dict], dict[int, int]]:
     """What became of one step's prompts between the generators and the loss: ``scored``
     records (the samples that got a reward, their mean), ``dropped`` records (samples missing
     after generation and scoring, with the shard's drop counts) and the samples of each prompt
-    that reach the learners. ``shard_uids[i]`` are the uids of the work unit whose stats are
+    that reach the learners. ``unit_uids[i]`` are the uids of the work unit whose stats are
     ``gen_stats[i]`` and ``score_stats[i]``."""
     scored: list[dict] = []
     dropped: list[dict] = []
     kept: dict[int, int] = {}
-    for uids, gen, score in zip(shard_uids, gen_stats, score_stats):
+    for uids, gen, score in zip(unit_uids, gen_stats, score_stats):
         groups = score.get("groups", gen.get("groups", []))
         rewards: dict[int, list[float]] = {}
         for g, r in zip(groups, score.get("scores", [])):
