@@ -406,8 +406,7 @@ class RolloutGroup:
                        seed: int | None = None, on_reissue: Any = None) -> tuple[list, list[dict]]:
         """``n`` samples of each text prompt (SPIN's demonstrations) through the pool, like
         ``generate_checked``: work units by load, re-issued when a generator dies, seeded by unit."""
-        pending = {"batch": self.pool.submit(self._units(prompts, group_ids, False, seed, texts=(n, temperature)))}
-        return self.collect(pending, on_reissue)
+        return self.collect(self.submit(prompts, group_ids, seed=seed, texts=(n, temperature)), on_reissue)
 
     def score(self, exp_refs: list, pending: dict | None = None) -> tuple[list, list]:
         """Rewards of the records; for a ``submit``'s batch (``pending``) whose units were scored
@@ -435,11 +434,13 @@ class RolloutGroup:
         group_ids, error)`` is told of each re-issue."""
         return self.collect(self.submit(rows, group_ids, greedy, seed), on_reissue)
 
-    def submit(self, rows: list[dict], group_ids: list[int], greedy: bool = False, seed: int | None = None) -> dict:
+    def submit(self, rows: list, group_ids: list[int], greedy: bool = False, seed: int | None = None,
+               texts: tuple[int, float] | None = None) -> dict:
         """Starts a generation and returns at once (``collect`` waits for it): the generators work
         while the caller does something else, e.g. the learners train on the previous batch. The
-        batch goes out in work units (``rollout.unit_prompts``) to whichever generator is free."""
-        return {"batch": self.pool.submit(self._units(rows, group_ids, greedy, seed))}
+        batch goes out in work units (``rollout.unit_prompts``) to whichever generator is free.
+        ``texts=(n, temperature)``: ``rows`` are plain text prompts (see ``generate_texts``)."""
+        return {"batch": self.pool.submit(self._units(rows, group_ids, greedy, seed, texts))}
 
     def collect(self, pending: dict, on_reissue: Any = None) -> tuple[list, list[dict]]:
         """The records and stats of a ``submit``, in unit order. A unit whose generator died goes

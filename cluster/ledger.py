@@ -124,7 +124,7 @@ def outcome_records(step: int, unit_uids: list[list[int]], gen_stats: list[dict]
                     samples_per_prompt: int) -> tuple[list[dict], list[dict], dict[int, int]]:
     """What became of one step's prompts between the generators and the loss: ``scored``
     records (the samples that got a reward, their mean), ``dropped`` records (samples missing
-    after generation and scoring, with the shard's drop counts) and the samples of each prompt
+    after generation and scoring, with the unit's drop counts) and the samples of each prompt
     that reach the learners. ``unit_uids[i]`` are the uids of the work unit whose stats are
     ``gen_stats[i]`` and ``score_stats[i]``."""
     scored: list[dict] = []
