@@ -3,13 +3,22 @@
 A plain class: usable in a script or a test without Ray; ``cluster/`` wraps it in an actor.
 vLLM runs in-process (no engine subprocess, eager mode): on CPU it starts in seconds and lets
 weight updates pass tensors directly instead of pickled bytes.
+
+The generator drives the engine one decoding step at a time, and a weight load takes the same
+lock as a step. So a load from another thread (the actor's second slot with
+``rollout.inflight_updates``) lands between two steps of a running generation: the running
+sequences are preempted and recompute their KV cache with the new weights, and every token
+carries the version of the weights that sampled it (vLLM's weight-version spans). A request
+that arrives while a generation runs (a sync probe) rides along in the same engine loop.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -135,6 +144,19 @@ class Generator:
         self.version = int(initial_version)
         self.eos_token_id = self.tokenizer.eos_token_id
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_token_id
+        # One engine step, request insertion or weight load at a time (see the module docstring).
+        self._engine = threading.Lock()
+        # Guarded by ``_engine``: whether a thread is driving the engine loop, and the requests of
+        # other threads riding along in it (external request id -> their waiter).
+        self._driving = False
+        self._riders: dict[str, _Riders] = {}
+        # Threads waiting for ``_engine`` (the driving loop steps aside for them: a plain lock
+        # would let it take the lock back at once, step after step).
+        self._waiting = 0
+        self._count = threading.Lock()
+        # Weight loads that landed while a generation was running.
+        self.inflight_loads = 0
+        self.llm.llm_engine.set_weight_version(str(self.version))
         self.startup_s = time.time() - t0
         log.info("vLLM engine ready in %.1fs (%s, %s)", self.startup_s, model_path, dtype)
 
@@ -212,17 +234,74 @@ class Generator:
         )
         if seed is not None:
             torch.manual_seed(seed)
-        outputs = self.llm.generate(
-            [{"prompt_token_ids": ids} for ids, _, _ in kept], params, use_tqdm=False
-        )
-        rows: list[tuple[list[int], list[int], list[float], bool, str, dict, int]] = []
+        outputs = self._run([{"prompt_token_ids": ids} for ids, _, _ in kept], params)
+        rows: list[tuple[list[int], list[int], list[float], bool, str, dict, int, list[int | None]]] = []
         for (ids, m, g), out in zip(kept, outputs):
             for comp in out.outputs:
                 resp = list(comp.token_ids)
                 lps = [float(step[tok].logprob) for tok, step in zip(resp, comp.logprobs)]
                 truncated = comp.finish_reason == "length"
-                rows.append((ids, resp, lps, truncated, comp.text, m, g))
+                rows.append((ids, resp, lps, truncated, comp.text, m, g, token_versions(comp.weight_versions, len(resp))))
         return self._to_experience(rows, skipped)
+
+    # -- the engine loop -------------------------------------------------------------------------
+    def _run(self, prompts: list[dict], params) -> list:
+        """The finished ``RequestOutput`` of each prompt, in order. Drives the engine step by step
+        (what ``LLM.generate`` does), releasing the engine lock between steps so that a weight
+        load can land; if another thread is already driving it, rides along in its loop."""
+        with self._turn():
+            ids = [_external_id(r) for r in self.llm.enqueue(prompts, params, use_tqdm=False)]
+            riders = None
+            if self._driving:
+                riders = _Riders(ids)
+                self._riders.update({i: riders for i in ids})
+            else:
+                self._driving = True
+        if riders is not None:
+            return riders.wait()
+        return self._drive(ids)
+
+    def _drive(self, ids: list[str]) -> list:
+        """Steps the engine until no request is left (its own and any riders')."""
+        mine: dict[str, Any] = {}
+        try:
+            while True:
+                with self._engine:
+                    if not self.llm.llm_engine.has_unfinished_requests():
+                        self._driving = False
+                        break
+                    for out in self.llm.llm_engine.step():
+                        if out.finished:
+                            riders = self._riders.pop(out.request_id, None)
+                            if riders is not None:
+                                riders.finish(out)
+                            else:
+                                mine[out.request_id] = out
+                while self._waiting:  # a load or a rider goes first
+                    time.sleep(0.0005)
+        except BaseException as e:
+            with self._engine:
+                self._driving = False
+                for riders in set(self._riders.values()):
+                    riders.fail(e)
+                self._riders.clear()
+            raise
+        return [mine[i] for i in ids]
+
+    @contextmanager
+    def _turn(self):
+        """The engine lock, taken between two steps of a running loop."""
+        with self._count:
+            self._waiting += 1
+        try:
+            self._engine.acquire()
+        finally:
+            with self._count:
+                self._waiting -= 1
+        try:
+            yield
+        finally:
+            self._engine.release()
 
     def _to_experience(self, rows, skipped: dict[str, int]) -> Experience:
         length = max(len(p) + len(r) for p, r, *_ in rows)
@@ -231,14 +310,20 @@ class Generator:
         attention = torch.zeros((b, length), dtype=torch.bool)
         response = torch.zeros((b, length), dtype=torch.bool)
         logprobs = torch.zeros((b, length), dtype=torch.float32)
-        for i, (p, r, lps, *_rest) in enumerate(rows):
+        versions = torch.zeros((b, length), dtype=torch.long)
+        for i, (p, r, lps, *_rest, vs) in enumerate(rows):
             n_p, n_r = len(p), len(r)
             input_ids[i, : n_p + n_r] = torch.tensor(p + r, dtype=torch.long)
             attention[i, : n_p + n_r] = True
             response[i, n_p : n_p + n_r] = True
             logprobs[i, n_p : n_p + n_r] = torch.tensor(lps, dtype=torch.float32)
+            versions[i, n_p : n_p + n_r] = torch.tensor([self.version if v is None else v for v in vs], dtype=torch.long)
         truncated = torch.tensor([row[3] for row in rows], dtype=torch.bool)
         skipped = dict(skipped, truncated=int(truncated.sum()))
+        sampled = versions[response]
+        oldest = int(sampled.min()) if len(sampled) else self.version
+        # One version throughout (no update landed mid-generation): the scalar says it all.
+        mixed = bool(len(sampled)) and int(sampled.max()) != oldest
         return Experience(
             input_ids=input_ids,
             attention_mask=attention,
@@ -246,9 +331,10 @@ class Generator:
             rollout_logprobs=logprobs,
             group_ids=torch.tensor([row[6] for row in rows], dtype=torch.long),
             truncated=truncated,
-            policy_version=self.version,
+            policy_version=oldest,
             completions=[row[4] for row in rows],
             meta=[row[5] for row in rows],
+            token_versions=versions if mixed else None,
             skipped=skipped,
         ).validate()
 
@@ -260,14 +346,62 @@ class Generator:
         from vllm import SamplingParams
 
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
-        out = self.llm.generate([{"prompt_token_ids": list(token_ids)}], params, use_tqdm=False)[0]
+        out = self._run([{"prompt_token_ids": list(token_ids)}], params)[0]
         return [float(step[tok].logprob) for tok, step in zip(token_ids[1:], out.prompt_logprobs[1:])]
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> float:
-        """Replaces the engine's weights in place; returns seconds taken."""
+        """Replaces the engine's weights in place; returns seconds taken. Called while another
+        thread generates, it lands between two decoding steps (see the module docstring)."""
+        named = list(named_tensors)
         t0 = time.perf_counter()
-        self.llm.collective_rpc("rayrlhf_load_weights", args=(list(named_tensors),))
-        # Cached KV blocks were computed with the old weights.
-        self.llm.reset_prefix_cache()
-        self.version = int(version)
+        with self._turn():
+            self.llm.collective_rpc("rayrlhf_load_weights", args=(named,))
+            # Cached KV blocks were computed with the old weights. Running sequences are
+            # preempted and recompute theirs, so each new token is sampled by the new weights alone.
+            if not self.llm.reset_prefix_cache(reset_running_requests=True):
+                raise RuntimeError("vLLM did not reset its prefix cache after a weight load")
+            self.inflight_loads += int(self._driving)
+            self.version = int(version)
+            self.llm.llm_engine.set_weight_version(str(self.version))
         return time.perf_counter() - t0
+
+
+def token_versions(spans, n: int) -> list[int | None]:
+    """Each of ``n`` output tokens' weight version from vLLM's ``CompletionOutput.weight_versions``
+    spans (labels are this generator's versions as strings); None where no span covers it."""
+    out: list[int | None] = [None] * n
+    for span in spans or []:
+        for k in range(span.start, min(span.end, n)):
+            out[k] = int(span.version)
+    return out
+
+
+def _external_id(request_id: str) -> str:
+    """The id ``RequestOutput`` reports for a request ``LLM.enqueue`` returned: vLLM appends a
+    random suffix to its counter id internally."""
+    return request_id.split("-", 1)[0]
+
+
+class _Riders:
+    """Requests another thread added to a running engine loop, and their outputs once finished."""
+
+    def __init__(self, ids: list[str]) -> None:
+        self.ids = ids
+        self.outputs: dict[str, Any] = {}
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+
+    def finish(self, output) -> None:
+        self.outputs[output.request_id] = output
+        if len(self.outputs) == len(self.ids):
+            self.done.set()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self.done.set()
+
+    def wait(self) -> list:
+        self.done.wait()
+        if self.error is not None:
+            raise RuntimeError(f"the engine loop these requests rode in failed: {self.error!r}") from self.error
+        return [self.outputs[i] for i in self.ids]

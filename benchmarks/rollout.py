@@ -13,6 +13,8 @@ code's ``GeneratorPool`` (one work unit of half the batch per actor), against tw
 engines running at the same time on the two halves, each bound to its own core (``vllm1pair``:
 each pool actor at equal work and equal conditions; ``vllm1``: one such engine alone), and
 against the single 2-thread actor on the whole batch (scaling 1 -> 2 replicas on the same cores).
+``actor2``: the actor as ``rollout.inflight_updates`` runs it, with a second slot for weight loads
+(its calls then run on Ray's thread pool, not the actor's main thread).
 
     .venv/bin/python benchmarks/rollout.py [--batch-sizes 16 64 256] [--new-tokens 64] [--out docs/results/rollout.json]
 """
@@ -113,7 +115,10 @@ def _fixed_length_worker():
     return FixedLengthWorker
 
 
-def bench_actor(model_path: str, texts: list[str], new_tokens: int, repeats: int, batch_sizes: list[int]) -> dict:
+def bench_actor(model_path: str, texts: list[str], new_tokens: int, repeats: int, batch_sizes: list[int],
+                slots: int = 1) -> dict:
+    """``slots`` 2: the actor as ``rollout.inflight_updates`` runs it (a second slot for weight loads
+    and probes, so its calls run on Ray's thread pool rather than the actor's main thread)."""
     import ray
 
     from cluster.actor_groups import generator_config, role_env
@@ -123,7 +128,7 @@ def bench_actor(model_path: str, texts: list[str], new_tokens: int, repeats: int
                                  "rollout.temperature=1.0", "rollout.kv_cache_gib=2"])
     ray.init(num_cpus=4, include_dashboard=False)
     try:
-        actor = ray.remote(_fixed_length_worker()).options(num_cpus=1, runtime_env=role_env(0)).remote(
+        actor = ray.remote(_fixed_length_worker()).options(num_cpus=1, runtime_env=role_env(0), max_concurrency=slots).remote(
             generator_config(cfg, model_path))
         ray.get(actor.ready.remote())
         rows = [{"prompt": t, "meta": {}} for t in texts]
@@ -232,8 +237,9 @@ def run_part(part: str, a) -> dict:
 
     model_path = resolve_model(a.model)
     texts = prompts(max(a.batch_sizes))
-    if part == "actor":
-        return {str(k): v for k, v in bench_actor(model_path, texts, a.new_tokens, a.repeats, a.batch_sizes).items()}
+    if part in ("actor", "actor2"):
+        slots = 2 if part == "actor2" else 1
+        return {str(k): v for k, v in bench_actor(model_path, texts, a.new_tokens, a.repeats, a.batch_sizes, slots).items()}
     if part == "pool":
         return {str(k): v for k, v in bench_pool(model_path, texts, a.new_tokens, a.repeats, a.batch_sizes).items()}
     if part == "hf":
@@ -273,7 +279,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--skip-hf-above", type=int, default=256, help="transformers generate is slow: skip larger batches")
     ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "rollout.json"))
-    ap.add_argument("--part", choices=["vllm", "vllm1", "actor", "pool", "hf"],
+    ap.add_argument("--part", choices=["vllm", "vllm1", "actor", "actor2", "pool", "hf"],
                     help="internal: run one contender family, print JSON")
     ap.add_argument("--parts", nargs="+", default=["vllm", "vllm1", "vllm1pair", "actor", "pool", "hf"],
                     help="contender families to run (each in fresh processes)")
@@ -310,6 +316,8 @@ def main() -> None:
             row["pair_engine_best"] = [max(runs) for runs in pair["bare_vllm_1thread_pair"]]
         if "actor" in parts:
             row["generator_actor"] = parts["actor"][str(bs)]
+        if "actor2" in parts:
+            row["generator_actor_2slots"] = parts["actor2"][str(bs)]
         if str(bs) in parts.get("hf", {}):
             row["hf_generate"] = parts["hf"][str(bs)]
         pool = parts.get("pool", {}).get(str(bs))
@@ -324,6 +332,8 @@ def main() -> None:
             row["actor_vs_hf"] = best["generator_actor"] / best["hf_generate"]
         if "generator_actor" in best and "bare_vllm" in best:
             row["actor_vs_bare_vllm"] = best["generator_actor"] / best["bare_vllm"]
+        if "generator_actor_2slots" in best and "bare_vllm" in best:
+            row["actor_2slots_vs_bare_vllm"] = best["generator_actor_2slots"] / best["bare_vllm"]
         if pool and "bare_vllm_1thread_half_batch" in best:
             row["pool_actor_vs_bare_1thread"] = [x / best["bare_vllm_1thread_half_batch"] for x in row["pool_actor_best"]]
         if pool and pair:  # each pool actor against the engine on its core, both pairs running at once

@@ -127,6 +127,8 @@ class GeneratorWorker:
             "truncated": int(exp.truncated.sum()),
             "skipped": dict(exp.skipped),
             "policy_version": exp.policy_version,
+            # Response tokens per weight version that sampled them (several when a load landed mid-call).
+            "token_versions": _version_counts(exp),
             "groups": exp.group_ids.tolist(),
             "peak_rss_gb": peak_rss_gb(),
             "samples": [(r, c) for r, c in zip([m.get("question", "") for m in exp.meta[:2]], exp.completions[:2])],
@@ -169,6 +171,10 @@ class GeneratorWorker:
     def version(self) -> int:
         return self.gen.version
 
+    def inflight_loads(self) -> int:
+        """Weight loads that landed while this generator was generating."""
+        return self.gen.inflight_loads
+
     # -- the collective transport (``cluster/transports.py``) ------------------------------------
     def join_weight_group(self, host: str, port: int, rank: int, world: int) -> bool:
         """Joins the broadcast group of learner rank 0 and the generators (blocks until all joined)."""
@@ -200,6 +206,13 @@ class GeneratorWorker:
     def probe(self, token_ids: list[int]) -> dict:
         """The policy version this generator holds and its log-probs of the probe sequence."""
         return {"version": self.gen.version, "logprobs": self.gen.probe_logprobs(token_ids)}
+
+
+def _version_counts(exp: Experience) -> dict[int, int]:
+    if exp.token_versions is None:
+        return {exp.policy_version: int(exp.response_mask.sum())}
+    versions, counts = exp.token_versions[exp.response_mask].unique(return_counts=True)
+    return {int(v): int(c) for v, c in zip(versions, counts)}
 
 
 class ScorerWorker:
@@ -327,10 +340,12 @@ class RolloutGroup:
         else:
             self.placement_group, where = placement.reserve_generators(cfg)
         # Restarted by Ray after a crash; a restarted generator starts from its constructor's weights
-        # and is brought to the current ones by ``recover``.
+        # and is brought to the current ones by ``recover``. With in-flight updates a second slot
+        # takes weight loads and probes while the first generates (``actors/generator.py``).
+        slots = 2 if cfg.rollout.inflight_updates else 1
         self.generators = [
             gen_cls.options(runtime_env=role_env(cfg.rollout.threads), max_restarts=cfg.rollout.max_restarts,
-                            **where[i]).remote(generator_config(cfg, policy_path or model_path, i, policy_version))
+                            max_concurrency=slots, **where[i]).remote(generator_config(cfg, policy_path or model_path, i, policy_version))
             for i in range(cfg.rollout.num_generators)
         ]
         # reward.function=llm_judge without a judge model: the generators judge (no scorer actor).

@@ -199,6 +199,11 @@ class RolloutConfig(Section):
         0, "Asynchronous training (ppo): the generation of up to this many later batches runs while the learners "
            "train, so a batch may be sampled by weights this many policy versions old (older ones never reach a "
            "loss). 0: synchronous (generate, then learn, then sync).", ge=0)
+    inflight_updates: bool = _f(
+        False, "With max_staleness > 0: a weight sync lands in a running generation between two decoding steps "
+               "(the running sequences recompute their KV cache with the new weights) instead of waiting for the "
+               "generation call to end; each token records the version that sampled it, a batch's policy_version "
+               "is its oldest token's. Off: pause, load, resume between generation calls.")
     verify_sync: bool = _f(
         True, "After every weight sync, each generator scores a fixed probe sequence and its log-probs are compared "
               "with the learner's: a generator that does not serve the sent weights stops the run (SyncError).")
@@ -522,6 +527,9 @@ class Config(Section):
             (not (algo == "dpo" and self.data.preference_file and self.dpo.pairs != "scorer"),
              f"dpo.pairs={self.dpo.pairs} makes its own pairs: leave data.preference_file empty"),
             (not self.stages or len({st.name for st in self.stages}) == len(self.stages), "stages: names must be unique"),
+            (not rollout.inflight_updates or (algo == "ppo" and rollout.max_staleness > 0),
+             "rollout.inflight_updates needs run.algorithm=ppo with rollout.max_staleness > 0 (in a synchronous run no "
+             "generation is running when the weights sync)"),
             (self.cluster.layout == "disaggregated" or algo == "ppo",
              f"cluster.layout=colocated is built for the PPO/GRPO recipe (run.algorithm=ppo), not run.algorithm={algo}"),
         ]

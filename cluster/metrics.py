@@ -174,6 +174,9 @@ def step_metrics(gen_stats: list[dict], score_stats: list[dict], learner: dict[s
         "generate/tokens": tokens,
         "generate/tokens_per_s": tokens / gen_s if gen_s > 0 else 0.0,
         "generate/policy_version": min(s["policy_version"] for s in gen_stats),
+        # Response tokens per weight version that sampled them: more than one version when a weight
+        # update landed mid-generation (rollout.inflight_updates).
+        "generate/tokens_by_version": _merge_counts(gen_stats, "token_versions"),
         "skipped": _merge_counts(score_stats),
         "sample": gen_stats[0]["samples"][:1],
     }

@@ -16,6 +16,8 @@ queue, for the survivors to take. The pool never restarts generators itself: the
 (``failures``/``revive``), from its own thread, where it owns the weights a restarted generator
 needs. Each generator actor runs one call at a time, so a weight sync queued on it lands between
 two units, never inside one; the version of the weights that produced a unit is in its stats.
+(With ``rollout.inflight_updates`` an actor has a second slot for syncs, which land between two
+decoding steps of the running unit: its stats then count tokens per version.)
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-_TOKEN_FIELDS = ("rollout_logprobs", "ref_logprobs", "values", "token_rewards")
+_TOKEN_FIELDS = ("rollout_logprobs", "ref_logprobs", "values", "token_rewards", "token_versions")
 
 
 class ExperienceError(ValueError):
@@ -39,7 +39,8 @@ class Experience:
     group_ids: torch.Tensor
     # (B,) bool: response hit the length limit without emitting EOS.
     truncated: torch.Tensor
-    # int: weight version of the generator that sampled this batch (for staleness checks).
+    # int: weight version of the generator that sampled this batch (for staleness checks); with
+    # weight updates in flight, the oldest version that sampled any of its tokens.
     policy_version: int
     # Response texts, for scorers and logs (B entries).
     completions: list[str]
@@ -54,6 +55,10 @@ class Experience:
     # (B, L) float32: reward of each response token (Q-learning; offline transitions carry them).
     # None: the sequence's ``scores`` entry is its only reward, given at its last response token.
     token_rewards: torch.Tensor | None = None
+    # (B, L) int64: the weight version that sampled each response token (0 elsewhere); differs
+    # within a row when a weight update landed mid-generation (``rollout.inflight_updates``).
+    # None: every token was sampled by ``policy_version``.
+    token_versions: torch.Tensor | None = None
     # Counters of samples dropped or flagged on the way (bad reward, over-long prompt, ...).
     skipped: dict[str, int] = field(default_factory=dict)
 
@@ -87,6 +92,13 @@ class Experience:
                 raise ExperienceError(f"{name} must be bool")
         if bool((self.response_mask & ~self.attention_mask).any()):
             raise ExperienceError("response_mask marks padding positions")
+        if self.token_versions is not None:
+            if self.token_versions.dtype != torch.long:
+                raise ExperienceError("token_versions must be int64")
+            sampled = self.token_versions[self.response_mask]
+            if len(sampled) and int(sampled.min()) < self.policy_version:
+                raise ExperienceError(f"token_versions hold version {int(sampled.min())}, older than the "
+                                      f"record's policy_version {self.policy_version}")
         for name in ("group_ids", "truncated", "scores"):
             t = getattr(self, name)
             if t is not None and tuple(t.shape) != (b,):
@@ -148,6 +160,9 @@ class Experience:
                 out[f.name] = merged
             elif isinstance(vals[0], list):
                 out[f.name] = [x for v in vals for x in v]
+            elif f.name == "token_versions" and any(v is not None for v in vals):
+                vals = [v if v is not None else p.policy_version * p.response_mask.long() for v, p in zip(vals, parts)]
+                out[f.name] = torch.cat([torch.nn.functional.pad(v, (0, length - v.shape[1])) for v in vals])
             elif vals[0] is None or any(v is None for v in vals):
                 out[f.name] = None
             elif vals[0].dim() == 2:

@@ -13,7 +13,9 @@ is started before the learners train on this one, so sampling overlaps learning.
 then sampled by weights up to s versions older than the learners' (its ``policy_version``);
 one older than that never reaches a loss (counted as ``skipped.stale``), and the importance
 correction from the rollout policy to the old policy is on by default. Weight syncs queue
-behind the generation calls on each generator actor, so an update never lands mid-generation.
+behind the generation calls on each generator actor, so an update never lands mid-generation;
+with ``rollout.inflight_updates`` it lands between two decoding steps instead, and a batch counts
+as sampled by its oldest tokens' version.
 With s = 0 this is the synchronous loop above, step for step.
 
 Placement, object refs and data-parallel details live in ``cluster/actor_groups.py`` and

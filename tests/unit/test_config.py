@@ -93,6 +93,10 @@ def test_types_are_checked_and_coerced():
         load_config(overrides=["ppo.advantage_estimator=grpo", "rollout.samples_per_prompt=1"])
     with pytest.raises(ConfigError, match="must look like"):
         load_config(overrides=["run.steps"])
+    # In-flight weight updates need a generation running when the weights sync: asynchronous PPO.
+    with pytest.raises(ConfigError, match="rollout.inflight_updates needs.*max_staleness > 0"):
+        load_config(overrides=["rollout.inflight_updates=true"])
+    assert load_config(overrides=["rollout.inflight_updates=true", "rollout.max_staleness=1"]).rollout.inflight_updates
 
 
 def test_algorithm_must_be_a_registered_recipe():

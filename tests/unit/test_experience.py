@@ -92,3 +92,24 @@ def test_trimmed_drops_only_all_padding_columns():
     assert torch.equal(t.rollout_logprobs, exp.rollout_logprobs[:, :3]) and torch.equal(t.scores, exp.scores)
     t.validate()
     assert exp.select([1]).trimmed().seq_len == 2
+
+
+def test_token_versions_are_checked_against_the_policy_version_and_concat_fills_them():
+    """Per-token versions (in-flight weight updates): never older than the record's policy_version
+    (its oldest tokens'); a record without them, concatenated with one that has them, gets its
+    own policy_version at its response tokens."""
+    mixed = make()
+    versions = torch.where(mixed.response_mask, 3, 0)
+    versions[0, 4] = 4  # the last token of row 0 sampled after a load landed
+    mixed = mixed.replace(token_versions=versions).validate()
+    with pytest.raises(ExperienceError, match="older than"):
+        mixed.replace(token_versions=torch.where(mixed.response_mask, 2, 0)).validate()
+    with pytest.raises(ExperienceError, match="int64"):
+        mixed.replace(token_versions=versions.float()).validate()
+    plain = make(length=6).replace(policy_version=5)
+    both = Experience.concat([mixed, plain]).validate()
+    assert both.policy_version == 3 and both.token_versions.shape == (4, 6)
+    assert both.token_versions[0].tolist() == [0, 0, 3, 3, 4, 0]
+    assert both.token_versions[2].tolist() == [0, 0, 5, 5, 5, 0]
+    assert Experience.concat([make(), plain]).token_versions is None
+    assert both.select([1, 0]).token_versions[1].tolist() == [0, 0, 3, 3, 4, 0]
