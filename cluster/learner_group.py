@@ -160,9 +160,20 @@ def learner_loop(config: dict[str, Any]) -> None:
             raise
         if reply is not None and rank == 0:
             ray.get(channel.report.remote({"epoch": epoch, **reply}))
-        if reply is not None and "metrics" in reply and not item.get("evaluate"):
+        if reply is not None and "metrics" in reply and not item.get("evaluate") and item.get("report", True):
             # A compact subset: Ray Train logs every report, the full set goes to the run's JSONL.
+            # The driver marks which steps report (``report_gap_s``), the same for every rank.
             ray.train.report({k: round(reply["metrics"][k], 6) for k in _REPORTED if k in reply["metrics"]})
+
+
+def report_gap_s() -> float:
+    """Least time between two steps whose metrics the learners report to Ray Train. Its controller
+    takes one report per worker each health check (``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S``, 2 s by
+    default) from a queue of one, so a report sooner than that blocks the worker until the next
+    check, and the next step waits for it: measured 0.9-1.9 s per step on a tiny model's
+    sub-second steps. Reports at most this often never block. (Ray Train's report is its logs;
+    the run's metrics all go to the run's JSONL and Ray metrics.)"""
+    return 1.25 * float(os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "2.0"))
 
 
 def _handle(item: dict, learner: Any, spec: LearnerSpec, comm: Any, peak_rss_gb: Any) -> dict | None:
@@ -321,6 +332,7 @@ class LearnerGroup:
         self.history: list[dict] = []
         self.restarts = 0
         self._ready: dict | None = None  # rank 0's ready report, once received
+        self._last_report = 0.0  # when the last step that reported to Ray Train replied
         # (step the driver was at, items replayed) per restart, for the run's ledger and log.
         self.restart_log: list[dict] = []
         self.thread = threading.Thread(target=self._fit, name="rayrlhf-learner", daemon=True)
@@ -398,7 +410,7 @@ class LearnerGroup:
             restore = self.checkpoint if self.checkpoint != self.spec.resume_from else None
             self._begin(restore)
             for past in self.history:
-                self._send({**past, "sync": False, "save_dir": None}, timeout_s)
+                self._send({**past, "sync": False, "save_dir": None, "report": False}, timeout_s)
         except _Restarted:  # it failed again while recovering: start over
             return self._recover(step, timeout_s)
         self.restart_log.append({"step": step, "replayed": [p.get("step") for p in self.history],
@@ -419,8 +431,14 @@ class LearnerGroup:
     def learn(self, step: int, exp_refs: list, save_dir: str | None = None, sync: bool = True,
               timeout_s: float = 3600) -> dict:
         """One update; ``sync=False`` skips packing weights for generators (offline recipes)."""
-        return self._call({"step": step, "exp_refs": list(exp_refs), "save_dir": save_dir, "sync": sync},
-                          timeout_s, replayable=True)
+        # The worker reports right after its reply, so the time since the last reporting reply is
+        # a lower bound of the gap between the two reports.
+        report = time.time() - self._last_report >= report_gap_s()
+        reply = self._call({"step": step, "exp_refs": list(exp_refs), "save_dir": save_dir, "sync": sync,
+                            "report": report}, timeout_s, replayable=True)
+        if report:
+            self._last_report = time.time()
+        return reply
 
     def save(self, step: int, save_dir: str, timeout_s: float = 600) -> dict:
         """Writes a checkpoint of the learners' current state (no update)."""
