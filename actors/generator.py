@@ -4,9 +4,9 @@ A plain class: usable in a script or a test without Ray; ``cluster/`` wraps it i
 vLLM runs in-process (no engine subprocess, eager mode): on CPU it starts in seconds and lets
 weight updates pass tensors directly instead of pickled bytes.
 
-The generator drives the engine one decoding step at a time, and a weight load takes the same
-lock as a step. So a load from another thread (the actor's second slot with
-``rollout.inflight_updates``) lands between two steps of a running generation: the running
+The generator drives the engine one decoding step at a time under a lock. A weight load from
+another thread (the actor's second slot with ``rollout.inflight_updates``) is handed to the
+driving thread, which runs it between two steps of the running generation: the running
 sequences are preempted and recompute their KV cache with the new weights, and every token
 carries the version of the weights that sampled it (vLLM's weight-version spans). A request
 that arrives while a generation runs (a sync probe) rides along in the same engine loop.
@@ -18,6 +18,7 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -150,6 +151,8 @@ class Generator:
         # other threads riding along in it (external request id -> their waiter).
         self._driving = False
         self._riders: dict[str, _Riders] = {}
+        # Weight loads other threads handed to the driving thread (run before its next step).
+        self._handed: deque[_Handed] = deque()
         # Threads waiting for ``_engine`` (the driving loop steps aside for them: a plain lock
         # would let it take the lock back at once, step after step).
         self._waiting = 0
@@ -245,6 +248,11 @@ class Generator:
         return self._to_experience(rows, skipped)
 
     # -- the engine loop -------------------------------------------------------------------------
+    @property
+    def generating(self) -> bool:
+        """Whether a thread is driving the engine (a request sent now rides along in its loop)."""
+        return self._driving
+
     def _run(self, prompts: list[dict], params) -> list:
         """The finished ``RequestOutput`` of each prompt, in order. Drives the engine step by step
         (what ``LLM.generate`` does), releasing the engine lock between steps so that a weight
@@ -267,6 +275,8 @@ class Generator:
         try:
             while True:
                 with self._engine:
+                    while self._handed:  # weight loads handed over, between two steps
+                        self._handed.popleft().run()
                     if not self.llm.llm_engine.has_unfinished_requests():
                         self._driving = False
                         break
@@ -285,6 +295,8 @@ class Generator:
                 for riders in set(self._riders.values()):
                     riders.fail(e)
                 self._riders.clear()
+                while self._handed:
+                    self._handed.popleft().fail(e)
             raise
         return [mine[i] for i in ids]
 
@@ -355,15 +367,26 @@ class Generator:
         named = list(named_tensors)
         t0 = time.perf_counter()
         with self._turn():
-            self.llm.collective_rpc("rayrlhf_load_weights", args=(named,))
-            # Cached KV blocks were computed with the old weights. Running sequences are
-            # preempted and recompute theirs, so each new token is sampled by the new weights alone.
-            if not self.llm.reset_prefix_cache(reset_running_requests=True):
-                raise RuntimeError("vLLM did not reset its prefix cache after a weight load")
-            self.inflight_loads += int(self._driving)
-            self.version = int(version)
-            self.llm.llm_engine.set_weight_version(str(self.version))
+            if not self._driving:
+                self._load(named, version)
+                return time.perf_counter() - t0
+            # The driving thread loads it before its next step: the engine's repacked weights are
+            # best made on the thread that runs them (a generator actor's engine thread).
+            handed = _Handed(lambda: self._load(named, version))
+            self._handed.append(handed)
+        handed.wait()
         return time.perf_counter() - t0
+
+    def _load(self, named: list, version: int) -> None:
+        """The load itself, under the engine lock."""
+        self.llm.collective_rpc("rayrlhf_load_weights", args=(named,))
+        # Cached KV blocks were computed with the old weights. Running sequences are preempted
+        # and recompute theirs, so each new token is sampled by the new weights alone.
+        if not self.llm.reset_prefix_cache(reset_running_requests=True):
+            raise RuntimeError("vLLM did not reset its prefix cache after a weight load")
+        self.inflight_loads += int(self._driving)
+        self.version = int(version)
+        self.llm.llm_engine.set_weight_version(str(self.version))
 
 
 def token_versions(spans, n: int) -> list[int | None]:
@@ -380,6 +403,31 @@ def _external_id(request_id: str) -> str:
     """The id ``RequestOutput`` reports for a request ``LLM.enqueue`` returned: vLLM appends a
     random suffix to its counter id internally."""
     return request_id.split("-", 1)[0]
+
+
+class _Handed:
+    """Work another thread handed to the driving thread, and its outcome."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        try:
+            self.fn()
+        except BaseException as e:  # the caller re-raises it
+            self.error = e
+        self.done.set()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self.done.set()
+
+    def wait(self) -> None:
+        self.done.wait()
+        if self.error is not None:
+            raise RuntimeError(f"the handed-over weight load failed: {self.error!r}") from self.error
 
 
 class _Riders:

@@ -107,9 +107,9 @@ def _fixed_length_worker():
         def generate_fixed(self, rows: list[dict], group_ids: list[int]) -> tuple:
             g = self.gcfg
             t0 = time.perf_counter()
-            exp = self.gen.generate([r["prompt"] for r in rows], [r["meta"] for r in rows], group_ids,
-                                    max_new_tokens=g.max_new_tokens, max_prompt_tokens=g.max_prompt_tokens,
-                                    temperature=g.temperature, top_p=g.top_p, n=1, ignore_eos=True)
+            exp = self._on_engine(self.gen.generate, [r["prompt"] for r in rows], [r["meta"] for r in rows],
+                                  group_ids, max_new_tokens=g.max_new_tokens, max_prompt_tokens=g.max_prompt_tokens,
+                                  temperature=g.temperature, top_p=g.top_p, n=1, ignore_eos=True)
             return exp, {"seconds": time.perf_counter() - t0, "tokens": int(exp.response_mask.sum())}
 
     return FixedLengthWorker

@@ -95,11 +95,26 @@ def reference_config(cfg: Config, model_path: str) -> ReferenceConfig:
 
 class GeneratorWorker:
     def __init__(self, gcfg: GeneratorConfig) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
         from actors.generator import Generator
 
-        torch.set_num_threads(_threads(gcfg.threads))
-        self.gen = Generator.from_config(gcfg)
+        # The engine is built on a thread of its own, and everything that drives it runs there.
+        # With a second slot (rollout.inflight_updates) Ray runs calls on its own pool threads; an
+        # engine driven from a thread other than the one that built it generated 25-35% slower
+        # (benchmarks/rollout.py, actor2). A load or probe that arrives while the engine thread
+        # generates is handed to its loop (actors/generator.py).
+        self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="rayrlhf-engine")
+        self.gen = self._engine_thread.submit(self._build, Generator, gcfg).result()
         self.gcfg = gcfg
+
+    @staticmethod
+    def _build(cls, gcfg: GeneratorConfig):
+        torch.set_num_threads(_threads(gcfg.threads))
+        return cls.from_config(gcfg)
+
+    def _on_engine(self, fn, *args, **kwargs):
+        return self._engine_thread.submit(fn, *args, **kwargs).result()
 
     def ready(self) -> float:
         return self.gen.startup_s
@@ -109,8 +124,8 @@ class GeneratorWorker:
     ) -> tuple[Experience, dict]:
         g = self.gcfg
         t0 = time.perf_counter()
-        exp = self.gen.generate(
-            [r["prompt"] for r in rows], [r["meta"] for r in rows], group_ids,
+        exp = self._on_engine(
+            self.gen.generate, [r["prompt"] for r in rows], [r["meta"] for r in rows], group_ids,
             max_new_tokens=g.max_new_tokens, max_prompt_tokens=g.max_prompt_tokens,
             temperature=0.0 if greedy else g.temperature,
             top_p=1.0 if greedy else g.top_p,
@@ -140,8 +155,9 @@ class GeneratorWorker:
         """``n`` samples of each text prompt (not task rows), e.g. SPIN's own-generation replies."""
         g = self.gcfg
         t0 = time.perf_counter()
-        exp = self.gen.generate(prompts, [{"prompt": p} for p in prompts], group_ids, max_new_tokens=g.max_new_tokens,
-                                max_prompt_tokens=g.max_prompt_tokens, temperature=temperature, n=n, seed=seed)
+        exp = self._on_engine(self.gen.generate, prompts, [{"prompt": p} for p in prompts], group_ids,
+                              max_new_tokens=g.max_new_tokens, max_prompt_tokens=g.max_prompt_tokens,
+                              temperature=temperature, n=n, seed=seed)
         return exp, {"seconds": time.perf_counter() - t0, "sequences": exp.batch_size, "skipped": dict(exp.skipped)}
 
     def judge(self, exp: Experience, jcfg: JudgeConfig, seed: int | None = None) -> tuple[Experience, dict]:
@@ -152,7 +168,7 @@ class GeneratorWorker:
 
         t0 = time.perf_counter()
         prompts = [m.get("prompt") or m.get("question", "") for m in exp.meta]
-        scores, counts, replies = Judge(jcfg).judge(self.gen, prompts, exp.completions, seed=seed)
+        scores, counts, replies = self._on_engine(Judge(jcfg).judge, self.gen, prompts, exp.completions, seed=seed)
         keep = [i for i, v in enumerate(scores) if not math.isnan(v)]
         skipped = {**exp.skipped, "unjudged": exp.skipped.get("unjudged", 0) + exp.batch_size - len(keep)}
         out = exp.select(keep).replace(scores=torch.tensor([scores[i] for i in keep], dtype=torch.float32),
@@ -166,7 +182,12 @@ class GeneratorWorker:
     def load_weights(self, packed: list[PackedWeights]) -> float:
         """``packed`` arrives wrapped in a list so that Ray hands over the ref, not a copy."""
         p = ray.get(packed[0]) if isinstance(packed[0], ray.ObjectRef) else packed[0]
-        return self.gen.load_weights(unpack(p), p.version)
+        return self._load(unpack(p), p.version)
+
+    def _load(self, named, version: int) -> float:
+        """On the engine thread: handed to its running generation, or as a call of its own."""
+        run = (lambda f, *a: f(*a)) if self.gen.generating else self._on_engine
+        return run(self.gen.load_weights, named, version)
 
     def version(self) -> int:
         return self.gen.version
@@ -196,7 +217,7 @@ class GeneratorWorker:
         t0 = time.perf_counter()
         broadcast_buffer(self.weight_group, torch.from_numpy(buf), bucket_bytes)
         received = time.perf_counter() - t0
-        load = self.gen.load_weights(unpack(PackedWeights(buffer=buf, dtype=dtype, layout=layout, version=version)), version)
+        load = self._load(unpack(PackedWeights(buffer=buf, dtype=dtype, layout=layout, version=version)), version)
         return received + load
 
     def node(self) -> str:
@@ -205,7 +226,9 @@ class GeneratorWorker:
 
     def probe(self, token_ids: list[int]) -> dict:
         """The policy version this generator holds and its log-probs of the probe sequence."""
-        return {"version": self.gen.version, "logprobs": self.gen.probe_logprobs(token_ids)}
+        # While a generation runs, the probe rides along in it (see actors/generator.py).
+        run = (lambda f, *a: f(*a)) if self.gen.generating else self._on_engine
+        return {"version": self.gen.version, "logprobs": run(self.gen.probe_logprobs, token_ids)}
 
 
 def _version_counts(exp: Experience) -> dict[int, int]:
