@@ -116,6 +116,11 @@ class GeneratorWorker:
     def _on_engine(self, fn, *args, **kwargs):
         return self._engine_thread.submit(fn, *args, **kwargs).result()
 
+    def _beside_engine(self, fn, *args):
+        """A load or probe: called here while the engine thread generates (the generator hands it
+        to that loop), else run on the engine thread as a call of its own."""
+        return fn(*args) if self.gen.generating else self._on_engine(fn, *args)
+
     def ready(self) -> float:
         return self.gen.startup_s
 
@@ -182,19 +187,10 @@ class GeneratorWorker:
     def load_weights(self, packed: list[PackedWeights]) -> float:
         """``packed`` arrives wrapped in a list so that Ray hands over the ref, not a copy."""
         p = ray.get(packed[0]) if isinstance(packed[0], ray.ObjectRef) else packed[0]
-        return self._load(unpack(p), p.version)
-
-    def _load(self, named, version: int) -> float:
-        """On the engine thread: handed to its running generation, or as a call of its own."""
-        run = (lambda f, *a: f(*a)) if self.gen.generating else self._on_engine
-        return run(self.gen.load_weights, named, version)
+        return self._beside_engine(self.gen.load_weights, unpack(p), p.version)
 
     def version(self) -> int:
         return self.gen.version
-
-    def inflight_loads(self) -> int:
-        """Weight loads that landed while this generator was generating."""
-        return self.gen.inflight_loads
 
     # -- the collective transport (``cluster/transports.py``) ------------------------------------
     def join_weight_group(self, host: str, port: int, rank: int, world: int) -> bool:
@@ -217,7 +213,8 @@ class GeneratorWorker:
         t0 = time.perf_counter()
         broadcast_buffer(self.weight_group, torch.from_numpy(buf), bucket_bytes)
         received = time.perf_counter() - t0
-        load = self._load(unpack(PackedWeights(buffer=buf, dtype=dtype, layout=layout, version=version)), version)
+        load = self._beside_engine(self.gen.load_weights,
+                                   unpack(PackedWeights(buffer=buf, dtype=dtype, layout=layout, version=version)), version)
         return received + load
 
     def node(self) -> str:
@@ -226,9 +223,7 @@ class GeneratorWorker:
 
     def probe(self, token_ids: list[int]) -> dict:
         """The policy version this generator holds and its log-probs of the probe sequence."""
-        # While a generation runs, the probe rides along in it (see actors/generator.py).
-        run = (lambda f, *a: f(*a)) if self.gen.generating else self._on_engine
-        return {"version": self.gen.version, "logprobs": run(self.gen.probe_logprobs, token_ids)}
+        return {"version": self.gen.version, "logprobs": self._beside_engine(self.gen.probe_logprobs, token_ids)}
 
 
 def _version_counts(exp: Experience) -> dict[int, int]:
