@@ -405,13 +405,33 @@ def _external_id(request_id: str) -> str:
     return request_id.split("-", 1)[0]
 
 
-class _Handed:
-    """Work another thread handed to the driving thread, and its outcome."""
+class _Waiter:
+    """What a thread waits on while the driving thread works for it; fails with the loop."""
 
-    def __init__(self, fn) -> None:
-        self.fn = fn
+    what = "the engine loop"
+
+    def __init__(self) -> None:
         self.error: BaseException | None = None
         self.done = threading.Event()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self.done.set()
+
+    def _wait(self) -> None:
+        self.done.wait()
+        if self.error is not None:
+            raise RuntimeError(f"{self.what} failed: {self.error!r}") from self.error
+
+
+class _Handed(_Waiter):
+    """Work another thread handed to the driving thread (a weight load)."""
+
+    what = "the handed-over weight load"
+
+    def __init__(self, fn) -> None:
+        super().__init__()
+        self.fn = fn
 
     def run(self) -> None:
         try:
@@ -420,36 +440,25 @@ class _Handed:
             self.error = e
         self.done.set()
 
-    def fail(self, error: BaseException) -> None:
-        self.error = error
-        self.done.set()
-
     def wait(self) -> None:
-        self.done.wait()
-        if self.error is not None:
-            raise RuntimeError(f"the handed-over weight load failed: {self.error!r}") from self.error
+        self._wait()
 
 
-class _Riders:
+class _Riders(_Waiter):
     """Requests another thread added to a running engine loop, and their outputs once finished."""
 
+    what = "the engine loop these requests rode in"
+
     def __init__(self, ids: list[str]) -> None:
+        super().__init__()
         self.ids = ids
         self.outputs: dict[str, Any] = {}
-        self.error: BaseException | None = None
-        self.done = threading.Event()
 
     def finish(self, output) -> None:
         self.outputs[output.request_id] = output
         if len(self.outputs) == len(self.ids):
             self.done.set()
 
-    def fail(self, error: BaseException) -> None:
-        self.error = error
-        self.done.set()
-
     def wait(self) -> list:
-        self.done.wait()
-        if self.error is not None:
-            raise RuntimeError(f"the engine loop these requests rode in failed: {self.error!r}") from self.error
+        self._wait()
         return [self.outputs[i] for i in self.ids]
