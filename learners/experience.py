@@ -150,6 +150,9 @@ class Experience:
         out: dict[str, Any] = {}
         for f in dataclasses.fields(Experience):
             vals = [getattr(p, f.name) for p in parts]
+            if f.name == "token_versions" and any(v is not None for v in vals):
+                # A part without them was sampled by its policy_version throughout.
+                vals = [v if v is not None else p.policy_version * p.response_mask.long() for v, p in zip(vals, parts)]
             if f.name == "policy_version":
                 out[f.name] = min(vals)
             elif f.name == "skipped":
@@ -160,9 +163,6 @@ class Experience:
                 out[f.name] = merged
             elif isinstance(vals[0], list):
                 out[f.name] = [x for v in vals for x in v]
-            elif f.name == "token_versions" and any(v is not None for v in vals):
-                vals = [v if v is not None else p.policy_version * p.response_mask.long() for v, p in zip(vals, parts)]
-                out[f.name] = torch.cat([torch.nn.functional.pad(v, (0, length - v.shape[1])) for v in vals])
             elif vals[0] is None or any(v is None for v in vals):
                 out[f.name] = None
             elif vals[0].dim() == 2:
