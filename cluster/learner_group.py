@@ -201,10 +201,7 @@ def _handle(item: dict, learner: Any, spec: LearnerSpec, comm: Any, peak_rss_gb:
         return {"step": step, "metrics": learner.evaluate(batch), "version": learner.version}
     # Every rank gets the global batch and takes its own rows inside the learner.
     metrics = learner.train_step(batch)
-    peak = torch.tensor([peak_rss_gb()], dtype=torch.float64)
-    if comm.world > 1:
-        torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
-    metrics["memory/learner_peak_gb"] = float(peak)
+    metrics["memory/learner_peak_gb"] = float(comm.all_reduce_max(torch.tensor([peak_rss_gb()], dtype=torch.float64)))
     reply: dict[str, Any] = {"step": step, "metrics": metrics, "version": learner.version}
     if comm.rank == 0:
         if item.get("sync", True):

@@ -401,7 +401,7 @@ def token_rewards_from_scores(scores: Tensor, mask: Tensor) -> Tensor:
     T = valid.shape[1]
     last = (T - 1 - torch.argmax(valid.flip(1).long(), dim=1)).clamp(min=0)
     out = torch.zeros(valid.shape, dtype=torch.promote_types(scores.dtype, torch.float32), device=scores.device)
-    out[torch.arange(len(scores)), last] = scores.to(out.dtype)
+    out[torch.arange(len(scores), device=out.device), last] = scores.to(out.dtype)
     return torch.where(valid, out, torch.zeros_like(out))
 
 
@@ -458,19 +458,20 @@ def q_learning_targets(
         B, T = valid.shape
         if T == 0:
             return torch.zeros(B, 0, dtype=dtype, device=rewards.device)
-        r = torch.where(valid, rewards.detach().to(dtype), torch.zeros((), dtype=dtype))
+        zero = torch.zeros((), dtype=dtype, device=rewards.device)
+        r = torch.where(valid, rewards.detach().to(dtype), zero)
         pos = torch.arange(T, device=r.device).expand(B, T)
         last = (T - 1 - torch.argmax(valid.flip(1).long(), dim=1))[:, None]  # (B, 1)
         y = torch.zeros_like(r)
         for k in range(n_step):
             idx = (pos + k).clamp(max=T - 1)
             in_episode = valid & (pos + k <= last)
-            y = y + torch.where(in_episode, (gamma ** k) * r.gather(1, idx), torch.zeros((), dtype=dtype))
+            y = y + torch.where(in_episode, (gamma ** k) * r.gather(1, idx), zero)
         j = torch.minimum(torch.full_like(pos, n_step), last - pos + 1).clamp(min=1)
         tail = (pos + j - 1).clamp(max=T - 1)
         boot = next_max_q.detach().to(dtype).gather(1, tail)
-        boot = torch.where((tail == last) & done.bool()[:, None], torch.zeros((), dtype=dtype), boot)
+        boot = torch.where((tail == last) & done.bool()[:, None], zero, boot)
         y = y + torch.pow(torch.full_like(y, gamma), j.to(dtype)) * boot
         if mc_lower_bound:
             y = torch.maximum(y, discounted_returns(r, valid, gamma))
-        return torch.where(valid, y, torch.zeros((), dtype=dtype))
+        return torch.where(valid, y, zero)

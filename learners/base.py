@@ -95,6 +95,9 @@ class LearnerContext:
     lora: LoRAParams | None = None
     # Reductions across data-parallel ranks (single-process by default).
     comm: Collective | None = None
+    # Torch device the learner computes on ("cpu", "cuda:0", ...): its model lives there and
+    # every batch is moved there on arrival. Ray Train's worker passes the GPU it was given.
+    device: str = "cpu"
 
 
 class Learner(abc.ABC):
@@ -169,8 +172,9 @@ def load_learner_state(folder: str | Path) -> dict[str, Any]:
     path = Path(folder) / TRAINER_STATE_DIR / LEARNER_STATE_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{folder} holds no learner state ({TRAINER_STATE_DIR}/{LEARNER_STATE_FILE})")
-    # Tensors, numbers, strings and containers only: no code runs while loading.
-    return torch.load(path, weights_only=True)
+    # Tensors, numbers, strings and containers only: no code runs while loading. Onto the CPU:
+    # the optimiser moves its state to its parameters' device.
+    return torch.load(path, weights_only=True, map_location="cpu")
 
 
 def load_model_weights(folder: str | Path) -> dict[str, torch.Tensor]:

@@ -25,6 +25,10 @@ class Collective:
         """Sum of ``t`` over ranks (every rank gets the result); may work in place."""
         return t
 
+    def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        """Element-wise maximum of ``t`` over ranks; may work in place."""
+        return t
+
     def sum_gradients(self, params: list[torch.nn.Parameter]) -> None:
         """Replaces each parameter's gradient by its sum over ranks (missing gradients count as 0).
         One flat buffer, one reduction: per-tensor calls cost a round trip each."""
@@ -43,7 +47,10 @@ class Collective:
 
 
 class TorchCollective(Collective):
-    """Ranks of the default ``torch.distributed`` process group (Ray Train sets it up)."""
+    """Ranks of the default ``torch.distributed`` process group (Ray Train sets it up).
+
+    NCCL reduces CUDA tensors only, so a tensor on another device (a CPU counter on a GPU
+    learner) is reduced through a copy on the group's device and written back in place."""
 
     def __init__(self) -> None:
         import torch.distributed as dist
@@ -51,11 +58,24 @@ class TorchCollective(Collective):
         self.dist = dist
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
+        nccl = dist.get_backend() == "nccl"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
-        if self.world > 1:
-            self.dist.all_reduce(t, op=self.dist.ReduceOp.SUM)
-        return t
+        return self._all_reduce(t, self.dist.ReduceOp.SUM)
+
+    def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        return self._all_reduce(t, self.dist.ReduceOp.MAX)
+
+    def _all_reduce(self, t: torch.Tensor, op) -> torch.Tensor:
+        if self.world == 1:
+            return t
+        if t.device == self.device:
+            self.dist.all_reduce(t, op=op)
+            return t
+        staged = t.to(self.device)
+        self.dist.all_reduce(staged, op=op)
+        return t.copy_(staged)
 
 
 def default_collective() -> Collective:

@@ -61,7 +61,8 @@ def preference_pairs(group_ids: torch.Tensor, scores: torch.Tensor) -> tuple[tor
         win, lose = (a, b) if float(scores[a]) > float(scores[b]) else (b, a)
         chosen.append(win)
         rejected.append(lose)
-    return torch.tensor(chosen, dtype=torch.long), torch.tensor(rejected, dtype=torch.long), bad
+    dev = group_ids.device
+    return torch.tensor(chosen, dtype=torch.long, device=dev), torch.tensor(rejected, dtype=torch.long, device=dev), bad
 
 
 def evaluate_pairs(batch: Experience, comm: Any, micro_pairs: int, stats: tuple[str, ...],
@@ -72,8 +73,8 @@ def evaluate_pairs(batch: Experience, comm: Any, micro_pairs: int, stats: tuple[
     chosen, rejected, malformed = preference_pairs(batch.group_ids, batch.scores)
     if len(chosen) == 0:
         return {"eval/pairs": 0.0, "eval/malformed_pairs": float(malformed)}
-    totals = torch.zeros(len(stats), dtype=torch.float64)
-    mine = torch.arange(len(chosen))[comm.rank :: comm.world]
+    totals = torch.zeros(len(stats), dtype=torch.float64, device=chosen.device)
+    mine = torch.arange(len(chosen), device=chosen.device)[comm.rank :: comm.world]
     for micro in torch.split(mine, max(1, micro_pairs)):
         totals += micro_step(chosen[micro], rejected[micro], len(chosen))
     summed = comm.all_reduce_sum(totals)
@@ -100,7 +101,7 @@ class DPOLearner(PolicyLearner):
 
     def _sequence_logps(self, part: Experience) -> torch.Tensor:
         """(b,) summed response log-probs of the policy, with gradient."""
-        with autocast(self.tr.bf16):
+        with autocast(self.tr.bf16, self.device):
             out = self.model(
                 part.input_ids, part.attention_mask, part.response_mask,
                 chunk=self.tr.logprob_chunk,
@@ -114,6 +115,7 @@ class DPOLearner(PolicyLearner):
         t0 = time.perf_counter()
         lr = float(self.optimizer.param_groups[0]["lr"])
         self.check_batch(batch)
+        batch = self.on_device(batch)
         chosen, rejected, malformed = preference_pairs(batch.group_ids, batch.scores)
         n_pairs = len(chosen)
         if n_pairs == 0:
@@ -122,11 +124,11 @@ class DPOLearner(PolicyLearner):
         ref_seq = self._reference_sums(batch)
         self.model.train()
         self.model.rows_shared = self.model.rows_total = 0
-        totals = torch.zeros(len(_STATS), dtype=torch.float64)
+        totals = torch.zeros(len(_STATS), dtype=torch.float64, device=self.device)
         grad_norms: list[float] = []
         local_pairs = 0
         pairs_per_micro = max(1, tr.micro_batch_size // 2)
-        for mini, mine in self.global_minibatches(torch.arange(n_pairs)):
+        for mini, mine in self.global_minibatches(torch.arange(n_pairs, device=self.device)):
             local_pairs += len(mine)
             self.optimizer.zero_grad(set_to_none=True)
             for micro in torch.split(mine, pairs_per_micro):
@@ -163,6 +165,7 @@ class DPOLearner(PolicyLearner):
     def evaluate(self, batch: Experience) -> dict[str, float]:
         """Loss, implicit-reward accuracy and margin on held-out pairs, under ``eval/``."""
         self.check_batch(batch)
+        batch = self.on_device(batch)
         ref_seq = self._reference_sums(batch)
         lengths = batch.response_mask.sum(1).float()
         self.model.eval()
@@ -193,4 +196,5 @@ class DPOLearner(PolicyLearner):
         r_w, r_l = preference_rewards(pi_w, pi_l, ref_w, ref_l, beta=hp.beta, chosen_lengths=len_w,
                                       rejected_lengths=len_l)
         m = preference_metrics(r_w, r_l, pi_w, pi_l)
-        return torch.tensor([float(loss.detach()), *(float(m[k]) for k in _STATS[1:])], dtype=torch.float64)
+        return torch.tensor([float(loss.detach()), *(float(m[k]) for k in _STATS[1:])], dtype=torch.float64,
+                            device=self.device)

@@ -113,7 +113,7 @@ class Experience:
 
     def select(self, index: torch.Tensor | list[int]) -> "Experience":
         """Rows ``index`` (a subset or reordering), all fields kept consistent."""
-        idx = torch.as_tensor(index, dtype=torch.long)
+        idx = torch.as_tensor(index, dtype=torch.long, device=self.input_ids.device)
         rows = idx.tolist()
         out = {}
         for f in dataclasses.fields(self):
@@ -125,6 +125,18 @@ class Experience:
             else:
                 out[f.name] = v
         return Experience(**out)
+
+    def to(self, device: torch.device | str) -> "Experience":
+        """The record with every tensor on ``device`` (where a learner computes); itself when
+        they already are."""
+        device = torch.device(device)
+        if self.input_ids.device == device:
+            return self
+        return dataclasses.replace(
+            self,
+            **{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
+               if isinstance(getattr(self, f.name), torch.Tensor)},
+        )
 
     def trimmed(self) -> "Experience":
         """The same rows without the trailing columns that are padding in every row (rows are

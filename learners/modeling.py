@@ -17,12 +17,11 @@ from torch import nn
 from learners.losses import entropy_from_logits, fused_head_logprobs, logprobs_from_logits
 
 
-def autocast(bf16: bool):
-    """bf16 autocast on CPU or GPU; a no-op context when off."""
+def autocast(bf16: bool, device: torch.device | str = "cpu"):
+    """bf16 autocast for the device the model computes on; a no-op context when off."""
     if not bf16:
         return contextlib.nullcontext()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.autocast(device_type=device, dtype=torch.bfloat16)
+    return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16)
 
 
 class PolicyWithValueHead(nn.Module):
@@ -116,13 +115,14 @@ def shared_prefix_hidden(
     g = len(uniq)
     if g == b:
         return None
-    arange_b = torch.arange(b)
-    rep = torch.full((g,), b, dtype=torch.long).scatter_reduce(0, inv, arange_b, reduce="amin")
+    dev = input_ids.device
+    arange_b = torch.arange(b, device=dev)
+    rep = torch.full((g,), b, dtype=torch.long, device=dev).scatter_reduce(0, inv, arange_b, reduce="amin")
     plen = positions_mask.long().argmax(1)  # first output position = prefix length
     if not torch.equal(plen, plen[rep][inv]):
         return None
     pmax = int(plen.max())
-    prefix_cols = torch.arange(pmax)[None, :] < plen[:, None]
+    prefix_cols = torch.arange(pmax, device=dev)[None, :] < plen[:, None]
     if not bool(((input_ids[:, :pmax] == input_ids[rep][inv][:, :pmax]) | ~prefix_cols).all()):
         return None
     # 1. Each group's prefix once, right-padded (padding keys are masked below).
@@ -133,7 +133,7 @@ def shared_prefix_hidden(
     # 2. Every row's continuation against its prefix's cache, at its true positions.
     cont_len = attention_mask.sum(1) - plen
     rmax = max(int(cont_len.max()), 1)
-    steps = torch.arange(rmax)[None, :]
+    steps = torch.arange(rmax, device=dev)[None, :]
     cont_mask = steps < cont_len[:, None]
     cont_ids = torch.where(cont_mask, input_ids.gather(1, (plen[:, None] + steps).clamp(max=length - 1)), 0)
     second = decoder(
@@ -286,13 +286,13 @@ def micro_batch_order(
 
     lengths: (B,) tokens per row; group_ids: (B,); returns a permutation of ``rows``.
     """
-    rows = torch.arange(len(lengths)) if rows is None else rows
+    rows = torch.arange(len(lengths), device=lengths.device) if rows is None else rows
     key = lengths
     if len(rows) == 0:  # e.g. every sample of a batch was dropped by a failing reward
         return rows
     if group_ids is not None:
         _, index = torch.unique(group_ids, return_inverse=True)
-        key = torch.zeros(int(index.max()) + 1, dtype=lengths.dtype).scatter_reduce(0, index, lengths, reduce="amax")[index]
+        key = lengths.new_zeros(int(index.max()) + 1).scatter_reduce(0, index, lengths, reduce="amax")[index]
         rows = rows[torch.argsort(group_ids[rows], stable=True)]
     return rows[torch.argsort(key[rows], stable=True)]
 
@@ -321,7 +321,7 @@ def sequence_logprobs(
         idx = order[s : s + micro_batch_size]
         width = max(int(lengths[idx].max()), 1)
         ids = input_ids[idx, :width]
-        with autocast(bf16):
+        with autocast(bf16, input_ids.device):
             decoder = lm.get_decoder()
             hidden = None
             if group_ids is not None:

@@ -25,6 +25,7 @@ from learners.base import (
     save_learner_state,
 )
 from learners.distributed import Collective
+from learners.experience import Experience
 from learners.modeling import PolicyWithValueHead, sequence_logprobs
 from learners.optim import make_scheduler
 
@@ -52,7 +53,8 @@ class PolicyLearner(Learner):
             )
         if train.gradient_checkpointing:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.model = PolicyWithValueHead(lm, with_value_head=with_value_head)
+        self.device = torch.device(ctx.device)
+        self.model = PolicyWithValueHead(lm, with_value_head=with_value_head).to(self.device)
         self.version = 0
         # Called with the trainable parameters once their gradients are global, before clipping
         # and the optimiser step (tests compare gradients here).
@@ -76,6 +78,10 @@ class PolicyLearner(Learner):
             total_steps=self.ctx.total_steps * updates_per_step, min_ratio=tr.min_lr_ratio,
         )
 
+    def on_device(self, batch: Experience) -> Experience:
+        """``batch`` on the learner's device (records travel and arrive on the CPU)."""
+        return batch.to(self.device)
+
     def global_minibatches(self, items: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """(global minibatch, this rank's share) for every update of a step: each epoch shuffles
         ``items`` with a generator of (seed, version, epoch) only, cuts ``train.num_minibatches``
@@ -83,7 +89,7 @@ class PolicyLearner(Learner):
         takes the one-rank step."""
         for epoch in range(self.tr.epochs):
             gen = torch.Generator().manual_seed(self.ctx.seed * 1_000_003 + self.version * 1009 + epoch)
-            order = items[torch.randperm(len(items), generator=gen)]
+            order = items[torch.randperm(len(items), generator=gen, device="cpu").to(items.device)]
             for mini in torch.tensor_split(order, self.tr.num_minibatches):
                 yield mini, mini[self.comm.rank :: self.comm.world]
 
@@ -122,7 +128,7 @@ class PolicyLearner(Learner):
         was_training = lm.training
         lm.eval()
         try:
-            ids = torch.tensor([list(token_ids)], dtype=torch.long)
+            ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
             positions = torch.ones_like(ids, dtype=torch.bool)
             positions[0, 0] = False
             lp = sequence_logprobs(lm, ids, torch.ones_like(positions), positions, chunk=self.tr.logprob_chunk)
@@ -158,9 +164,9 @@ class PolicyLearner(Learner):
             lm.unmerge_adapter()
 
     def policy_state_dict(self) -> dict[str, torch.Tensor]:
-        """A detached copy of ``policy_weights()``."""
+        """A detached copy of ``policy_weights()``, on the CPU."""
         with self.policy_weights() as sd:
-            return {k: v.detach().clone() for k, v in sd.items()}
+            return {k: v.detach().to("cpu", copy=True) for k, v in sd.items()}
 
     # -- checkpoints -----------------------------------------------------------------------------
     def algorithm_state(self) -> dict[str, Any]:
@@ -183,6 +189,7 @@ class PolicyLearner(Learner):
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "torch_rng": torch.get_rng_state(),
+            **({"cuda_rng": torch.cuda.get_rng_state(self.device)} if self.device.type == "cuda" else {}),
             "lora": self.lora,
             **self.algorithm_state(),
         }
@@ -196,6 +203,8 @@ class PolicyLearner(Learner):
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["torch_rng"])
+        if "cuda_rng" in state and self.device.type == "cuda":
+            torch.cuda.set_rng_state(state["cuda_rng"], self.device)
         self.load_algorithm_state(state)
 
     def save(self, folder: str | Path, tokenizer_from: str | None = None) -> Path:
@@ -205,7 +214,7 @@ class PolicyLearner(Learner):
         folder.mkdir(parents=True, exist_ok=True)
         base = self.model.lm.get_base_model() if self.lora else self.model.lm
         with self.policy_weights() as sd:
-            base.save_pretrained(str(folder), state_dict={k: v.detach().clone() for k, v in sd.items()},
+            base.save_pretrained(str(folder), state_dict={k: v.detach().to("cpu", copy=True) for k, v in sd.items()},
                                  safe_serialization=True)
         if self.lora:
             self.model.lm.save_pretrained(str(folder / ADAPTER_DIR))

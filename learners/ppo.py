@@ -103,7 +103,7 @@ class PPOLearner(PolicyLearner):
 
     # -- forward helpers -------------------------------------------------------------------------
     def _forward(self, exp: Experience, *, grad: bool) -> dict[str, torch.Tensor]:
-        with torch.set_grad_enabled(grad), autocast(self.tr.bf16):
+        with torch.set_grad_enabled(grad), autocast(self.tr.bf16, self.device):
             return self.model(
                 exp.input_ids, exp.attention_mask, exp.response_mask,
                 temperature=self.temperature, chunk=self.tr.logprob_chunk,
@@ -114,7 +114,7 @@ class PPOLearner(PolicyLearner):
     @torch.no_grad()
     def evaluate_old(self, exp: Experience) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, L) log-probs and values of the current weights, before any update."""
-        lps = torch.zeros(exp.batch_size, exp.seq_len)
+        lps = torch.zeros(exp.batch_size, exp.seq_len, device=self.device)
         vals = torch.zeros_like(lps)
         # Length-sorted, trimmed micro-batches (see _update); results go back to their rows.
         order = micro_batch_order(exp.attention_mask.sum(1), exp.group_ids)
@@ -134,7 +134,7 @@ class PPOLearner(PolicyLearner):
 
     def _gather(self, local: torch.Tensor, rows: list[int], shape: tuple[int, int]) -> torch.Tensor:
         """Global (B, L) tensor from each rank's (n_local, <=L) rows."""
-        out = torch.zeros(shape, dtype=torch.float32)
+        out = torch.zeros(shape, dtype=torch.float32, device=self.device)
         if rows:
             out[rows, : local.shape[1]] = local.float()
         return self.comm.all_reduce_sum(out)
@@ -180,6 +180,8 @@ class PPOLearner(PolicyLearner):
         t0 = time.perf_counter()
         lr = float(self.optimizer.param_groups[0]["lr"])
         self.check_batch(batch)
+        batch = self.on_device(batch)
+        empty = torch.zeros(0, batch.seq_len, device=self.device)  # a rank's rows when it has none
         if batch.batch_size == 0 or not bool(batch.response_mask.any()):
             # Every sample was dropped upstream (failed rewards, over-long prompts): nothing to learn.
             return {"learner/empty_batch": 1.0, "learner/sequences": float(batch.batch_size)}
@@ -188,7 +190,7 @@ class PPOLearner(PolicyLearner):
         t_ref = 0.0
         self.model.rows_shared = self.model.rows_total = 0
         if batch.ref_logprobs is None and hp.uses_reference:
-            local_ref = self.reference_logprobs(batch.select(rows)) if rows else torch.zeros(0, batch.seq_len)
+            local_ref = self.reference_logprobs(batch.select(rows)) if rows else empty
             batch = batch.replace(ref_logprobs=self._gather(local_ref, rows, tuple(batch.input_ids.shape)))
             t_ref = time.perf_counter() - t0
         n_truncated = int(batch.truncated.sum())
@@ -211,17 +213,17 @@ class PPOLearner(PolicyLearner):
         fused_out: dict[str, torch.Tensor] | None = None
         if fused:
             fused_out = self._forward(local, grad=True) if rows else None
-            lp = fused_out["logprobs"].detach() if fused_out else torch.zeros(0, batch.seq_len)
+            lp = fused_out["logprobs"].detach() if fused_out else empty
             old_logprobs = self._gather(lp, rows, shape)
             vals = fused_out["values"].detach() if fused_out and self.use_critic else torch.zeros_like(lp)
             old_values = self._gather(vals, rows, shape)
         elif streamed:
             # Filled micro-batch by micro-batch during the update; until then the advantages read
             # them only multiplied by kl_coef = 0.
-            old_logprobs = torch.zeros(shape)
-            old_values = torch.zeros(shape)
+            old_logprobs = torch.zeros(shape, device=self.device)
+            old_values = torch.zeros(shape, device=self.device)
         else:
-            lp, vals = self.evaluate_old(local) if rows else (torch.zeros(0, batch.seq_len),) * 2
+            lp, vals = self.evaluate_old(local) if rows else (empty, empty)
             old_logprobs, old_values = self._gather(lp, rows, shape), self._gather(vals, rows, shape)
         has_ref = batch.ref_logprobs is not None
         # No KL term (beta = 0, no KL loss): no reference pass ran, and the penalty is an exact 0.
@@ -295,14 +297,16 @@ class PPOLearner(PolicyLearner):
         hp, tr, comm = self.hp, self.tr, self.comm
         n = local.batch_size
         mask = local.response_mask
-        totals = {k: torch.zeros((), dtype=torch.float64) for k in _STATS}
+        totals = {k: torch.zeros((), dtype=torch.float64, device=self.device) for k in _STATS}
         grad_norms: list[float] = []
         gen = torch.Generator().manual_seed(self.ctx.seed * 1_000_003 + self.version * 1009 + comm.rank)
         for _epoch in range(tr.epochs):
-            order = torch.arange(n) if on_policy else torch.randperm(n, generator=gen)
+            order = (torch.arange(n, device=self.device) if on_policy
+                     else torch.randperm(n, generator=gen, device="cpu").to(self.device))
             for mini in torch.tensor_split(order, tr.num_minibatches):
                 # Normalisers of the *global* minibatch: every rank's share of it, summed.
-                counts = torch.tensor([float(mask[mini].sum()), float(mask[mini].any(1).sum())], dtype=torch.float64)
+                counts = torch.tensor([float(mask[mini].sum()), float(mask[mini].any(1).sum())], dtype=torch.float64,
+                                      device=self.device)
                 g_tokens, g_seqs = (max(float(c), 1.0) for c in comm.all_reduce_sum(counts))
                 self.optimizer.zero_grad(set_to_none=True)
                 if fused_out is None and len(mini):
@@ -385,7 +389,7 @@ class PPOLearner(PolicyLearner):
         from safetensors.torch import save_file
 
         (folder / CRITIC_DIR).mkdir(exist_ok=True)
-        save_file({k: v.detach().contiguous() for k, v in self.model.value_head.state_dict().items()},
+        save_file({k: v.detach().contiguous().cpu() for k, v in self.model.value_head.state_dict().items()},
                   str(folder / CRITIC_DIR / "value_head.safetensors"))
 
     def restore_extra(self, folder: Path) -> None:

@@ -105,10 +105,11 @@ class QLearner(PolicyLearner):
         mask, ended = episode_mask(batch.input_ids, batch.response_mask, self.eos_token_ids)
         done = ended | ~batch.truncated.bool() if self.hp.bootstrap_truncated else torch.ones_like(ended)
         if batch.token_rewards is not None:
-            rewards = torch.where(mask, batch.token_rewards, torch.zeros(()))
+            zero = batch.token_rewards.new_zeros(())
+            rewards = torch.where(mask, batch.token_rewards, zero)
             # A logged sequence that went on past its first EOS: what it earned after the cut is
             # credited to the episode's last action instead of being lost.
-            beyond = torch.where(batch.response_mask & ~mask, batch.token_rewards, torch.zeros(())).sum(1)
+            beyond = torch.where(batch.response_mask & ~mask, batch.token_rewards, zero).sum(1)
             rewards = rewards + token_rewards_from_scores(beyond, mask)
         else:
             rewards = token_rewards_from_scores(batch.scores, mask)
@@ -162,14 +163,14 @@ class QLearner(PolicyLearner):
         was_training = self.model.training
         self.model.eval()  # targets without dropout noise
         try:
-            with torch.no_grad(), self.target_network(), autocast(self.tr.bf16):
+            with torch.no_grad(), self.target_network(), autocast(self.tr.bf16, self.device):
                 next_max = max_q_after_positions(self._hidden(part), m, head, chunk=chunk)
         finally:
             self.model.train(was_training)
         targets = q_learning_targets(r, next_max, m, done[idx], gamma=hp.gamma, n_step=hp.n_step,
                                      mc_lower_bound=hp.mc_lower_bound)
         floor = hp.q_floor * hp.reward_scale
-        with torch.set_grad_enabled(grad), autocast(self.tr.bf16):
+        with torch.set_grad_enabled(grad), autocast(self.tr.bf16, self.device):
             out = q_heads_at_positions(self._hidden(part), part.input_ids, m, head, floor=floor,
                                        temperature=self.temperature, chunk=chunk,
                                        terms=("logsumexp" if hp.conservative == "logsumexp" else "sq_dev_sum",
@@ -181,7 +182,7 @@ class QLearner(PolicyLearner):
         else:
             penalty = conservative_penalty(out["sq_dev_sum"], out["q"], floor, self.vocab_size)
         cons = (penalty * mf).sum() / n_actions
-        kl = torch.zeros(())
+        kl = torch.zeros((), device=self.device)
         if hp.uses_reference:
             ref = part.ref_logprobs
             if ref is None:  # LoRA: the base model with the adapter disabled
@@ -205,7 +206,7 @@ class QLearner(PolicyLearner):
                 float(td) * n, float(cons) * n, float(kl) * n, float((q * mf).sum()), float((targets * mf).sum()),
                 float((unseen * mf).sum()), float((out["q_max"] * mf).sum()), float(((q - targets).abs() * mf).sum()),
                 raised, float(kl) * n,
-            ], dtype=torch.float64)
+            ], dtype=torch.float64, device=self.device)
 
     def train_step(self, batch: Experience) -> dict[str, float]:
         """``train.epochs`` x ``train.num_minibatches`` Q updates on the global batch."""
@@ -213,15 +214,16 @@ class QLearner(PolicyLearner):
         t0 = time.perf_counter()
         lr = float(self.optimizer.param_groups[0]["lr"])
         self.check_batch(batch)
+        batch = self.on_device(batch)
         mask, rewards, done = self.episodes(batch)
         if not bool(mask.any()):
             return {"learner/empty_batch": 1.0, "learner/sequences": float(batch.batch_size)}
         self.model.train()
         self.model.rows_shared = self.model.rows_total = 0
-        totals = torch.zeros(len(_SUMS), dtype=torch.float64)
+        totals = torch.zeros(len(_SUMS), dtype=torch.float64, device=self.device)
         grad_norms: list[float] = []
         actions = 0
-        for mini, mine in self.global_minibatches(torch.arange(batch.batch_size)):
+        for mini, mine in self.global_minibatches(torch.arange(batch.batch_size, device=self.device)):
             n_actions = max(int(mask[mini].sum()), 1)
             actions += n_actions
             self.optimizer.zero_grad(set_to_none=True)
@@ -256,11 +258,12 @@ class QLearner(PolicyLearner):
     def evaluate(self, batch: Experience) -> dict[str, float]:
         """TD loss and Q statistics of held-out transitions (no update), under ``eval/``."""
         self.check_batch(batch)
+        batch = self.on_device(batch)
         mask, rewards, done = self.episodes(batch)
         n = max(int(mask.sum()), 1)
         self.model.eval()
-        totals = torch.zeros(len(_SUMS), dtype=torch.float64)
-        mine = torch.arange(batch.batch_size)[self.comm.rank :: self.comm.world]
+        totals = torch.zeros(len(_SUMS), dtype=torch.float64, device=self.device)
+        mine = torch.arange(batch.batch_size, device=self.device)[self.comm.rank :: self.comm.world]
         for micro in torch.split(mine, self.tr.micro_batch_size):
             totals += self._micro(batch, micro, mask, rewards, done, n, grad=False)
         summed = self.comm.all_reduce_sum(totals)
@@ -278,7 +281,7 @@ class QLearner(PolicyLearner):
         from safetensors.torch import save_file
 
         (folder / TARGET_DIR).mkdir(parents=True, exist_ok=True)
-        save_file({n: t.contiguous() for n, t in zip(self.target_names, self.target_params)},
+        save_file({n: t.contiguous().cpu() for n, t in zip(self.target_names, self.target_params)},
                   str(folder / TARGET_DIR / TARGET_FILE))
 
     def restore_extra(self, folder: Path) -> None:

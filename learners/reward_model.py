@@ -62,14 +62,14 @@ class RewardModelLearner(PolicyLearner):
         gen = torch.Generator().manual_seed(ctx.seed)
         std = hp.head_init_std or 1.0 / math.sqrt(head.in_features + 1)
         with torch.no_grad():
-            head.weight.copy_(torch.randn(head.weight.shape, generator=gen) * std)
+            head.weight.copy_(torch.randn(head.weight.shape, generator=gen, device="cpu") * std)
         head.bias.requires_grad_(False)  # stays 0: the saved head has no bias
         self._init_optimizer([{"params": [head.weight], "lr": hp.head_lr or train.lr}],
                              updates_per_step=train.epochs * train.num_minibatches)
 
     def rewards(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """(B,) rewards of whole sequences (prompt and response)."""
-        with autocast(self.tr.bf16):
+        with autocast(self.tr.bf16, self.device):
             h = last_token_hidden(self.model.lm.get_decoder(), input_ids, attention_mask)
         return self.model.value_head(h.float()).squeeze(-1)
 
@@ -79,13 +79,14 @@ class RewardModelLearner(PolicyLearner):
         t0 = time.perf_counter()
         lr = float(self.optimizer.param_groups[0]["lr"])
         self.check_batch(batch)
+        batch = self.on_device(batch)
         chosen, rejected, malformed = preference_pairs(batch.group_ids, batch.scores)
         if len(chosen) == 0:
             return {"learner/empty_batch": 1.0, "learner/pairs": 0.0, "learner/malformed_pairs": float(malformed)}
         self.model.train()
-        totals = torch.zeros(len(_STATS), dtype=torch.float64)
+        totals = torch.zeros(len(_STATS), dtype=torch.float64, device=self.device)
         grad_norms = []
-        for mini, mine in self.global_minibatches(torch.arange(len(chosen))):
+        for mini, mine in self.global_minibatches(torch.arange(len(chosen), device=self.device)):
             self.optimizer.zero_grad(set_to_none=True)
             for micro in torch.split(mine, max(1, tr.micro_batch_size // 2)):
                 totals += self._micro_step(batch, chosen[micro], rejected[micro], max(len(mini), 1))
@@ -105,6 +106,7 @@ class RewardModelLearner(PolicyLearner):
     def evaluate(self, batch: Experience) -> dict[str, float]:
         """Loss, pairwise accuracy and margin on held-out pairs, under ``eval/``."""
         self.check_batch(batch)
+        batch = self.on_device(batch)
         self.model.eval()
         return evaluate_pairs(batch, self.comm, self.tr.micro_batch_size // 2, _STATS,
                               lambda c, r, n: self._micro_step(batch, c, r, n, grad=False))
@@ -123,7 +125,7 @@ class RewardModelLearner(PolicyLearner):
             loss.backward()
         d = (r_w - r_l).detach()
         return torch.tensor([float(loss.detach()), float((d > 0).sum()), float(d.sum()), float(r_w.detach().sum()),
-                             float(r_l.detach().sum())], dtype=torch.float64)
+                             float(r_l.detach().sum())], dtype=torch.float64, device=self.device)
 
     # -- checkpoints: a sequence-classification model folder -------------------------------------
     @contextlib.contextmanager
@@ -150,7 +152,7 @@ class RewardModelLearner(PolicyLearner):
             config["pad_token_id"] = config.get("eos_token_id") if isinstance(config.get("eos_token_id"), int) else 0
         (folder / "config.json").write_text(json.dumps(config, indent=1))
         with self.policy_weights() as sd:
-            save_file({k: v.detach().contiguous().clone() for k, v in sd.items()}, str(folder / "model.safetensors"),
+            save_file({k: v.detach().contiguous().to("cpu", copy=True) for k, v in sd.items()}, str(folder / "model.safetensors"),
                       metadata={"format": "pt"})
         path = save_learner_state(folder, self.state_dict())
         (path.parent / "learner.json").write_text(json.dumps({"algorithm": self.name, "version": self.version}))

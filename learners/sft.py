@@ -40,15 +40,16 @@ class SFTLearner(PolicyLearner):
 
     def evaluate(self, batch: Experience) -> dict[str, float]:
         """Held-out per-token NLL and perplexity of the responses, under ``eval/``."""
+        batch = self.on_device(batch)
         tokens = batch.response_mask.sum(1)
         rows = torch.nonzero(tokens > 0).flatten()
         mine = rows[self.comm.rank :: self.comm.world]
         self.model.eval()
-        nll = torch.zeros((), dtype=torch.float64)
+        nll = torch.zeros((), dtype=torch.float64, device=self.device)
         with torch.no_grad():
             for micro in torch.split(mine, self.tr.micro_batch_size):
                 part = batch.select(micro).trimmed()
-                with autocast(self.tr.bf16):
+                with autocast(self.tr.bf16, self.device):
                     out = self.model(part.input_ids, part.attention_mask, part.response_mask, chunk=self.tr.logprob_chunk)
                 nll += float(-(out["logprobs"].float() * part.response_mask).sum())
         total = max(float(tokens[rows].sum()), 1.0)
@@ -60,19 +61,20 @@ class SFTLearner(PolicyLearner):
         t0 = time.perf_counter()
         lr = float(self.optimizer.param_groups[0]["lr"])
         self.check_batch(batch)
+        batch = self.on_device(batch)
         tokens = batch.response_mask.sum(1)
         rows = torch.nonzero(tokens > 0).flatten()
         if len(rows) == 0:
             return {"learner/empty_batch": 1.0, "learner/sequences": float(batch.batch_size)}
         self.model.train()
-        nll_sum = torch.zeros((), dtype=torch.float64)
+        nll_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         grad_norms: list[float] = []
         for mini, mine in self.global_minibatches(rows):
             global_tokens = max(float(tokens[mini].sum()), 1.0)
             self.optimizer.zero_grad(set_to_none=True)
             for micro in torch.split(mine, tr.micro_batch_size):
                 part = batch.select(micro).trimmed()
-                with autocast(tr.bf16):
+                with autocast(tr.bf16, self.device):
                     out = self.model(part.input_ids, part.attention_mask, part.response_mask,
                                      chunk=tr.logprob_chunk)
                 nll = -(out["logprobs"] * part.response_mask).sum()
