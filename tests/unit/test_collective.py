@@ -45,3 +45,33 @@ def test_broadcast_in_buckets_beside_a_default_group():
     for p in procs:
         p.join(timeout=60)
     assert results == {0: True, 1: True, 2: True}
+
+
+def test_the_buffer_must_be_on_the_groups_device_and_the_backend_known():
+    """An NCCL group takes GPU buffers and a gloo group host ones: a buffer elsewhere is refused
+    before anything is sent, as is a backend other than the two."""
+    import pytest
+
+    from cluster.collective import WeightGroup
+
+    on_gpu = WeightGroup(group=None, store=None, device=torch.device("meta"))  # stands for a CUDA device
+    with pytest.raises(ValueError, match="buffer is on cpu, the group needs meta"):
+        broadcast_buffer(on_gpu, torch.zeros(8), bucket_bytes=4)
+    with pytest.raises(ValueError, match="unknown weight-group backend 'mpi'"):
+        join("127.0.0.1", _free_port(), 0, 1, store=torch.distributed.TCPStore(
+            "127.0.0.1", _free_port(), 1, is_master=True, wait_for_workers=False), backend="mpi")
+
+
+def test_a_receive_buffer_unpacks_like_the_object_store_buffer():
+    """The collective transport's receive buffer (a carrier tensor) yields the same named views
+    as the object store's numpy buffer."""
+    from cluster.weight_sync import carrier_tensor_dtype, pack, unpack, unpack_flat
+
+    weights = {"a.weight": torch.randn(3, 4), "b.bias": torch.randn(5)}
+    for dtype in ("bfloat16", "float32"):
+        packed = pack(weights, dtype, version=1)
+        received = torch.from_numpy(packed.buffer.copy())
+        assert received.dtype == carrier_tensor_dtype(dtype)
+        flat = dict(unpack_flat(received, dtype, packed.layout))
+        for name, t in unpack(packed):
+            assert torch.equal(flat[name], t) and flat[name].dtype == t.dtype

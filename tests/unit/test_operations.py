@@ -276,3 +276,64 @@ def test_colocated_generators_request_nothing_of_their_own_and_only_ppo_colocate
     colocated.validate_run()  # PPO (the default algorithm) may colocate
     with pytest.raises(ValueError, match="placement_strategy"):
         Config.model_validate({"rollout": {"placement_strategy": "EVERYWHERE"}})
+
+
+# -- GPU roles: what each role asks of Ray and of its device ------------------------------------
+GPU_RUN = {"rollout": {"num_generators": 2, "gpus_per_generator": 0.5, "gpu_memory_utilization": 0.45},
+           "cluster": {"num_learners": 2, "gpus_per_learner": 1, "gpus_per_reference": 0.25}}
+
+
+def test_gpu_claims_reach_every_role_and_the_resource_check():
+    from cluster.placement import generator_bundle
+
+    cfg = Config.model_validate(GPU_RUN).validate_run()
+    by_role = {r.role: dict(r.resources) for r in role_requests(cfg)}
+    assert by_role["generator"] == {"GPU": 0.5} and by_role["learner"] == {"GPU": 1.0}
+    assert by_role["reference"] == {"GPU": 0.25}
+    assert generator_bundle(cfg) == {"CPU": 0.5, "GPU": 0.5}
+    # 2 x 0.5 + 0.25 + 2 x 1 = 3.25 GPUs: a run on a CPU-only cluster stops before anything starts.
+    with pytest.raises(UserError, match=r"3.25 of the resource 'GPU' .* but the cluster has 0"):
+        check_fits(role_requests(cfg), [8.0], {})
+    check_fits(role_requests(cfg), [8.0], {"GPU": 4.0})
+    cpu = Config()  # the default run asks for no GPU at all
+    assert all("GPU" not in dict(r.resources) for r in role_requests(cpu)) and "GPU" not in generator_bundle(cpu)
+
+
+def test_gpu_roles_get_their_devices_and_backends():
+    from cluster.actor_groups import generator_config, reference_config
+    from cluster.learner_group import learner_device, learner_spec, worker_scaling
+
+    cfg = Config.model_validate(GPU_RUN).validate_run()
+    spec = learner_spec(cfg, "/m", 0)
+    workers = worker_scaling(spec)
+    assert workers["backend"] == "nccl" and workers["scaling"]["use_gpu"] is True
+    assert workers["scaling"]["resources_per_worker"] == {"CPU": 1.0, "GPU": 1.0}
+    assert generator_config(cfg, "/m").gpu_memory_utilization == 0.45
+    assert reference_config(cfg, "/m").device == "cuda"
+    nccl = Config.model_validate({**GPU_RUN, "rollout": {**GPU_RUN["rollout"], "weight_transport": "collective",
+                                                          "collective_backend": "nccl"}}).validate_run()
+    from cluster.recipes.ppo import make_transport
+
+    transport = make_transport(nccl.rollout.weight_transport, nccl.rollout.bucket_mb, nccl.rollout.collective_backend)
+    assert transport.name == "collective" and transport.backend == "nccl"
+    cpu = Config()
+    cpu_spec = learner_spec(cpu, "/m", 0)
+    assert worker_scaling(cpu_spec)["backend"] == "gloo" and worker_scaling(cpu_spec)["scaling"]["use_gpu"] is False
+    assert learner_device(cpu_spec) == "cpu"
+    assert generator_config(cpu, "/m").gpu_memory_utilization == 0.0  # a CPU engine: vLLM's GPU knob unset
+    assert reference_config(cpu, "/m").device == "cpu"
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"rollout": {"gpus_per_generator": 0.5}}, r"gpu_memory_utilization \(0.9\) must not exceed .*=0.5"),
+    ({"cluster": {"gpus_per_learner": 1, "layout": "colocated"}}, "on GPUs use cluster.layout=disaggregated"),
+    ({"rollout": {"weight_transport": "collective", "collective_backend": "nccl"}},
+     "collective_backend=nccl needs .*gpus_per_generator > 0"),
+])
+def test_gpu_settings_that_cannot_work_are_config_errors(change, message):
+    from cluster.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        Config.model_validate(change).validate_run()
+    with pytest.raises(ValueError, match="gpus_per_learner"):
+        Config.model_validate({"cluster": {"gpus_per_learner": 2}})  # one GPU per data-parallel worker
