@@ -157,3 +157,19 @@ def test_a_cpu_batch_reaches_the_learners_device_and_checkpoints_are_cpu_tensors
     assert learner.device == torch.device("cpu")
     assert learner.on_device(batch) is batch
     assert all(t.device.type == "cpu" for t in learner.policy_state_dict().values())
+
+
+def test_the_reference_scores_on_its_device_and_returns_on_the_records(tiny_model_path):
+    """The Reference actor's class: log-probs with a foreign default device equal the plain ones,
+    and come back on the record's device."""
+    from actors.reference import Reference
+
+    batch = _ppo_batch(tiny_model_path)
+    ref = Reference(tiny_model_path, micro_batch_size=3)
+    assert ref.device == torch.device("cpu")
+    plain = ref.logprobs(batch)
+    with torch.device("meta"):
+        foreign = ref.logprobs(batch)
+    assert foreign.device == batch.input_ids.device
+    assert plain[batch.response_mask].abs().sum() > 0
+    torch.testing.assert_close(foreign, plain, atol=1e-6, rtol=1e-5)
