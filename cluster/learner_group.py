@@ -172,9 +172,9 @@ def learner_device(spec: LearnerSpec) -> str:
     """Where this worker's learner computes: the GPU Ray Train gave it, or the CPU."""
     if not spec.gpus_per_learner:
         return "cpu"
-    import ray.train.torch
+    from ray.train.torch import get_device
 
-    return str(ray.train.torch.get_device())
+    return str(get_device())
 
 
 def worker_scaling(spec: LearnerSpec) -> dict[str, Any]:

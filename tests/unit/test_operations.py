@@ -302,6 +302,7 @@ def test_gpu_claims_reach_every_role_and_the_resource_check():
 def test_gpu_roles_get_their_devices_and_backends():
     from cluster.actor_groups import generator_config, reference_config
     from cluster.learner_group import learner_device, learner_spec, worker_scaling
+    from cluster.transports import make_transport
 
     cfg = Config.model_validate(GPU_RUN).validate_run()
     spec = learner_spec(cfg, "/m", 0)
@@ -312,8 +313,6 @@ def test_gpu_roles_get_their_devices_and_backends():
     assert reference_config(cfg, "/m").device == "cuda"
     nccl = Config.model_validate({**GPU_RUN, "rollout": {**GPU_RUN["rollout"], "weight_transport": "collective",
                                                           "collective_backend": "nccl"}}).validate_run()
-    from cluster.recipes.ppo import make_transport
-
     transport = make_transport(nccl.rollout.weight_transport, nccl.rollout.bucket_mb, nccl.rollout.collective_backend)
     assert transport.name == "collective" and transport.backend == "nccl"
     cpu = Config()
@@ -335,5 +334,8 @@ def test_gpu_settings_that_cannot_work_are_config_errors(change, message):
 
     with pytest.raises(ConfigError, match=message):
         Config.model_validate(change).validate_run()
+
+
+def test_a_learner_takes_at_most_one_gpu():
     with pytest.raises(ValueError, match="gpus_per_learner"):
         Config.model_validate({"cluster": {"gpus_per_learner": 2}})  # one GPU per data-parallel worker
