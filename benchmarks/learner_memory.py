@@ -1,5 +1,7 @@
 """Peak memory (RSS) and step time of one learner update: full fine-tuning, full fine-tuning with
-the fused LM-head log-probs (``train.fused_logprobs``), and LoRA. Two more contenders measure
+the fused LM-head log-probs (``train.fused_logprobs``), and LoRA. ``full_prompt_cache`` shares
+prompts through the prompt's key/value cache instead of packed tree rows, ``full_unshared`` runs
+every row in full, ``full_mb16`` takes micro-batches of 16 rows. Two more contenders measure
 options that are not in the product: ``full_compiled`` (every decoder layer under
 ``torch.compile(dynamic=True)``) and ``full_bf16_weights`` (the policy's weights cast to bf16,
 no fp32 master copy: an upper bound on what bf16 parameters with fp32 master weights could save).
@@ -62,8 +64,13 @@ def one(model: str, mode: str, steps: int, shape: str = "memory") -> dict:
 
     torch.manual_seed(0)
     path = resolve_model(model)
-    train = TrainConfig(num_minibatches=1, micro_batch_size=16 if shape == "memory" else 8, bf16=True,
-                        fused_logprobs=mode.endswith("_fused"))
+    if mode == "full_prompt_cache":  # shared prompts through the prompt's cache, never packed
+        import learners.modeling
+
+        learners.modeling.PACKED_ROW_MAX = 0
+    micro = 16 if shape == "memory" or mode == "full_mb16" else 8
+    train = TrainConfig(num_minibatches=1, micro_batch_size=micro, bf16=True, fused_logprobs=mode.endswith("_fused"),
+                        shared_prefix=mode != "full_unshared")
     lora = LoRAConfig(enabled=True) if mode.startswith("lora") else None
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     learner = PPOLearner.build(LearnerContext(model_path=path, lora=lora), train, PPOConfig())

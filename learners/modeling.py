@@ -85,30 +85,64 @@ class PolicyWithValueHead(nn.Module):
         )
 
 
+PACKED_ROW_MAX = 1024
+"""Longest packed row (prefix + all its continuations, tokens) that ``shared_prefix_hidden``
+runs as one tree-masked row; longer groups go through the prompt-cache pass, whose attention
+is not quadratic in the number of samples."""
+
+_PACKED_ATTENTION = ("sdpa", "eager")  # implementations that take a custom (G, 1, T, T) mask
+
+
 def shared_prefix_hidden(
     decoder: nn.Module,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     positions_mask: torch.Tensor,
     group_ids: torch.Tensor,
+    *,
+    max_packed_len: int | None = None,
 ) -> torch.Tensor | None:
     """Decoder hidden states for rows that share prompts, each prompt run once per group.
 
     GRPO-style batches hold ``n`` samples of every prompt, and prompts are often longer than
-    responses: running each prompt once and letting its ``n`` continuations attend to its cached
-    keys/values (gradients flow back through the cache) removes ``(n - 1) / n`` of the prompt
-    compute, forward and backward.
+    responses: running each prompt once removes ``(n - 1) / n`` of the prompt compute, forward
+    and backward. Two equivalent ways, chosen per call:
+
+    - **packed tree** (groups of at most ``max_packed_len`` tokens): one row per group holds the
+      prompt followed by every continuation, each continuation at its true positions and
+      attending to the prompt and to itself only (a tree mask). One decoder pass, no padding
+      between a group's samples.
+    - **prompt cache** (longer groups, or attention implementations without custom masks): the
+      prompts run once, then every continuation attends to its prompt's cached keys/values
+      (gradients flow back through the cache). Its attention cost grows with each row's length,
+      not with the square of the whole group's.
 
     Args:
         input_ids, attention_mask, positions_mask: (B, L), rows right-padded; a row's prefix is
             everything before its first ``positions_mask`` position.
         group_ids: (B,) rows with one id must have identical prefixes (checked).
+        max_packed_len: the packed-tree bound in tokens (default ``PACKED_ROW_MAX``).
     Returns:
         (B, L, H) hidden states where ``[:, t-1]`` predicts token ``t`` at every position of
         ``positions_mask`` (other positions are zero), or None when no two rows share a prefix,
         a row has no output position, or the check fails; callers then run rows in full.
     """
-    b, length = input_ids.shape
+    max_packed_len = PACKED_ROW_MAX if max_packed_len is None else max_packed_len
+    layout = _prefix_groups(input_ids, positions_mask, group_ids)
+    if layout is None:
+        return None
+    inv, rep, plen = layout
+    cont_len = attention_mask.sum(1) - plen
+    packed_len = plen[rep] + torch.zeros_like(plen[rep]).index_add(0, inv, cont_len)
+    if int(packed_len.max()) <= max_packed_len and decoder.config._attn_implementation in _PACKED_ATTENTION:
+        return _packed_tree_hidden(decoder, input_ids, inv, rep, plen, cont_len)
+    return _prefix_cache_hidden(decoder, input_ids, inv, rep, plen, cont_len)
+
+
+def _prefix_groups(input_ids: torch.Tensor, positions_mask: torch.Tensor, group_ids: torch.Tensor):
+    """(inv (B,) group index of each row, rep (G,) one row per group, plen (B,) prefix lengths),
+    or None when nothing can be shared or a group's rows disagree on their prefix."""
+    b = input_ids.shape[0]
     if b < 2 or not bool(positions_mask.any(1).all()) or not bool(positions_mask[:, 0].logical_not().all()):
         return None
     uniq, inv = torch.unique(group_ids, return_inverse=True)
@@ -116,8 +150,8 @@ def shared_prefix_hidden(
     if g == b:
         return None
     dev = input_ids.device
-    arange_b = torch.arange(b, device=dev)
-    rep = torch.full((g,), b, dtype=torch.long, device=dev).scatter_reduce(0, inv, arange_b, reduce="amin")
+    rep = torch.full((g,), b, dtype=torch.long, device=dev).scatter_reduce(
+        0, inv, torch.arange(b, device=dev), reduce="amin")
     plen = positions_mask.long().argmax(1)  # first output position = prefix length
     if not torch.equal(plen, plen[rep][inv]):
         return None
@@ -125,15 +159,62 @@ def shared_prefix_hidden(
     prefix_cols = torch.arange(pmax, device=dev)[None, :] < plen[:, None]
     if not bool(((input_ids[:, :pmax] == input_ids[rep][inv][:, :pmax]) | ~prefix_cols).all()):
         return None
+    return inv, rep, plen
+
+
+def _continuation_tokens(plen: torch.Tensor, cont_len: torch.Tensor):
+    """(rows, steps) of every continuation token: row r's step k is column plen[r] + k."""
+    steps = torch.arange(max(int(cont_len.max()), 1), device=plen.device)
+    return (steps[None, :] < cont_len[:, None]).nonzero(as_tuple=True)
+
+
+def _packed_tree_hidden(decoder, input_ids, inv, rep, plen, cont_len):
+    b, length = input_ids.shape
+    g, dev = len(rep), input_ids.device
+    # Column where each row's continuation starts in its group's packed row: after the prompt
+    # and the continuations of the group's earlier rows.
+    order = torch.argsort(inv, stable=True)
+    csum = torch.cumsum(cont_len[order], 0) - cont_len[order]
+    first = torch.zeros(g, dtype=torch.long, device=dev).scatter_reduce(
+        0, inv[order], csum, reduce="amin", include_self=False)
+    start = torch.empty_like(plen)
+    start[order] = plen[order] + csum - first[inv[order]]
+    width = int((start + cont_len).max())
+    ids = input_ids.new_zeros(g, width)
+    pos = torch.zeros(g, width, dtype=torch.long, device=dev)
+    seg = torch.full((g, width), -2, dtype=torch.long, device=dev)  # -2 padding, -1 prompt, r: row r
+    pg, pc = (torch.arange(int(plen.max()), device=dev)[None, :] < plen[rep][:, None]).nonzero(as_tuple=True)
+    ids[pg, pc], pos[pg, pc], seg[pg, pc] = input_ids[rep[pg], pc], pc, -1
+    rows, ks = _continuation_tokens(plen, cont_len)
+    gr, col = inv[rows], start[rows] + ks
+    ids[gr, col], pos[gr, col], seg[gr, col] = input_ids[rows, plen[rows] + ks], plen[rows] + ks, rows
+    # Tree mask: causal, and a token sees the prompt and its own continuation only. Padding
+    # queries see themselves (their outputs are dropped) so no softmax row is empty.
+    cols = torch.arange(width, device=dev)
+    q_seg, k_seg = seg[:, :, None], seg[:, None, :]
+    allowed = (cols[:, None] >= cols[None, :]) & (k_seg != -2) & ((k_seg == -1) | (k_seg == q_seg))
+    allowed |= torch.eye(width, dtype=torch.bool, device=dev)
+    mask = allowed[:, None]
+    if decoder.config._attn_implementation == "eager":  # additive float mask
+        mask = torch.zeros(mask.shape, device=dev).masked_fill(~mask, torch.finfo(torch.float32).min)
+    out = decoder(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).last_hidden_state
+    # Back to the (B, L) layout: the prompt's last state predicts each row's first output token.
+    arange_b = torch.arange(b, device=dev)
+    hidden = out.new_zeros(b, length, out.shape[-1]).index_put((arange_b, plen - 1), out[inv, plen - 1])
+    return hidden.index_put((rows, plen[rows] + ks), out[gr, col])
+
+
+def _prefix_cache_hidden(decoder, input_ids, inv, rep, plen, cont_len):
+    b, length = input_ids.shape
+    dev = input_ids.device
+    pmax = int(plen.max())
+    rep_mask = torch.arange(pmax, device=dev)[None, :] < plen[rep][:, None]
     # 1. Each group's prefix once, right-padded (padding keys are masked below).
-    rep_mask = prefix_cols[rep]
     first = decoder(input_ids=input_ids[rep, :pmax], attention_mask=rep_mask.long(), use_cache=True)
     cache = first.past_key_values
     cache.batch_select_indices(inv)  # one copy of its group's keys/values per row (differentiable)
     # 2. Every row's continuation against its prefix's cache, at its true positions.
-    cont_len = attention_mask.sum(1) - plen
-    rmax = max(int(cont_len.max()), 1)
-    steps = torch.arange(rmax, device=dev)[None, :]
+    steps = torch.arange(max(int(cont_len.max()), 1), device=dev)[None, :]
     cont_mask = steps < cont_len[:, None]
     cont_ids = torch.where(cont_mask, input_ids.gather(1, (plen[:, None] + steps).clamp(max=length - 1)), 0)
     second = decoder(
@@ -142,6 +223,7 @@ def shared_prefix_hidden(
     )
     h_prefix, h_cont = first.last_hidden_state, second.last_hidden_state
     # 3. Back to the (B, L) layout: the prefix's last state predicts the first output token.
+    arange_b = torch.arange(b, device=dev)
     hidden = h_cont.new_zeros(b, length, h_cont.shape[-1])
     hidden = hidden.index_put((arange_b, plen - 1), h_prefix[inv, plen - 1].to(h_cont.dtype))
     rows, ks = cont_mask.nonzero(as_tuple=True)

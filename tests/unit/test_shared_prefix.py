@@ -1,6 +1,7 @@
 """Shared-prefix forward passes: a prompt's samples run the prompt once; outputs and gradients
 must equal running every row in full."""
 
+import pytest
 import torch
 
 from learners.modeling import PolicyWithValueHead, sequence_logprobs, shared_prefix_hidden
@@ -107,3 +108,54 @@ def test_learner_update_is_the_same_with_and_without_sharing(tiny_model_path):
     torch.testing.assert_close(g_shared, g_full, atol=1e-6, rtol=1e-4)
     for k in ("loss/policy", "loss/total", "policy/entropy", "advantage/mean", "policy/grad_norm"):
         torch.testing.assert_close(m_shared[k], m_full[k], atol=1e-6, rtol=1e-4, msg=k)
+
+
+def _decoder_calls(decoder):
+    """A forward pre-hook spy: the mask rank of every decoder call (4: a custom tree mask)."""
+    calls = []
+    decoder.register_forward_pre_hook(lambda m, a, kw: calls.append(kw["attention_mask"].dim()), with_kwargs=True)
+    return calls
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("max_packed_len, expected_calls", [(1024, [4]), (0, [2, 2])])
+def test_packed_tree_and_prompt_cache_equal_full_rows(tiny_model_path, attn, max_packed_len, expected_calls):
+    """Both ways of sharing a prompt (one tree-masked packed row per group; the prompt's
+    cache) give the full rows' hidden states and gradients, under both attention kernels that
+    take a custom mask. The spy shows which way ran: one call with a (G, 1, T, T) mask, or the
+    prompt pass then the continuation pass with 2-D padding masks."""
+    lm = tiny_lm(tiny_model_path)
+    lm.set_attn_implementation(attn)
+    decoder = lm.get_decoder()
+    ids, att, rm, groups = _grouped_batch(lm.config.vocab_size, seed=3)
+    predicts = torch.zeros_like(rm)
+    predicts[:, :-1] = rm[:, 1:]  # hidden[:, t-1] predicts token t
+    full = decoder(input_ids=ids, attention_mask=att.long()).last_hidden_state
+    (full[predicts] ** 2).sum().backward()
+    g_full = {n: p.grad.clone() for n, p in decoder.named_parameters() if p.grad is not None}
+    decoder.zero_grad()
+    calls = _decoder_calls(decoder)
+    shared = shared_prefix_hidden(decoder, ids, att, rm, groups, max_packed_len=max_packed_len)
+    assert calls == expected_calls
+    torch.testing.assert_close(shared[predicts], full[predicts], atol=1e-5, rtol=1e-5)
+    assert (shared[~(predicts | rm)] == 0).all()  # prompt and padding states are not kept
+    (shared[predicts] ** 2).sum().backward()
+    assert g_full and all(g.abs().sum() > 0 for g in g_full.values())
+    for n, p in decoder.named_parameters():
+        if n in g_full:  # float32 sums in another order: tolerance relative to each tensor's scale
+            scale = float(g_full[n].abs().max())
+            torch.testing.assert_close(p.grad, g_full[n], atol=3e-4 * scale, rtol=1e-4, msg=n)
+
+
+def test_packed_rows_are_bounded(tiny_model_path):
+    """A group whose packed row would exceed the bound goes through the prompt cache instead
+    (the tree's attention grows with the square of the whole group's length)."""
+    lm = tiny_lm(tiny_model_path)
+    decoder = lm.get_decoder()
+    ids, att, rm, groups = _grouped_batch(lm.config.vocab_size)
+    packed_len = max(PROMPT_LENS[g] + sum(int(rm[i].sum()) for i, h in enumerate(GROUPS) if h == g) for g in PROMPT_LENS)
+    for bound, expected in ((packed_len, [4]), (packed_len - 1, [2, 2])):
+        calls = _decoder_calls(decoder)
+        with torch.no_grad():
+            shared_prefix_hidden(decoder, ids, att, rm, groups, max_packed_len=bound)
+        assert calls[-len(expected):] == expected
