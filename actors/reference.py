@@ -56,8 +56,11 @@ class Reference:
             torch.set_num_threads(threads)
         # A frozen model needs no fp32 master copy: bf16 weights halve memory and skip autocast's
         # per-call weight casts.
+        from learners.attention import register
+
         self.model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=torch.bfloat16 if bf16 else torch.float32, trust_remote_code=trust_remote_code
+            model_path, dtype=torch.bfloat16 if bf16 else torch.float32, trust_remote_code=trust_remote_code,
+            attn_implementation=register(),
         )
         self.device = torch.device(device)
         self.model.eval().requires_grad_(False).to(self.device)

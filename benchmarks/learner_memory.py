@@ -1,7 +1,8 @@
 """Peak memory (RSS) and step time of one learner update: full fine-tuning, full fine-tuning with
 the fused LM-head log-probs (``train.fused_logprobs``), and LoRA. ``full_prompt_cache`` shares
 prompts through the prompt's key/value cache instead of packed tree rows, ``full_unshared`` runs
-every row in full, ``full_mb16`` takes micro-batches of 16 rows. Two more contenders measure
+every row in full, ``full_mb16`` takes micro-batches of 16 rows, ``full_sdpa`` runs PyTorch's sdpa
+kernel also on the short rows the product runs as matrix multiplies (``learners/attention.py``). Two more contenders measure
 options that are not in the product: ``full_compiled`` (every decoder layer under
 ``torch.compile(dynamic=True)``) and ``full_bf16_weights`` (the policy's weights cast to bf16,
 no fp32 master copy: an upper bound on what bf16 parameters with fp32 master weights could save).
@@ -77,6 +78,8 @@ def one(model: str, mode: str, steps: int, shape: str = "memory") -> dict:
     if mode == "full_compiled":
         for layer in learner.model.lm.get_decoder().layers:
             layer.compile(dynamic=True)
+    if mode == "full_sdpa":  # PyTorch's sdpa kernel at every length (the product: short rows as matmuls)
+        learner.model.lm.set_attn_implementation("sdpa")
     if mode == "full_bf16_weights":
         learner.model.lm.to(torch.bfloat16)
     exp = _batch(shape, learner.model.lm.config.vocab_size, lora is not None)

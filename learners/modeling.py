@@ -14,6 +14,7 @@ import contextlib
 import torch
 from torch import nn
 
+from learners.attention import ATTENTION
 from learners.losses import entropy_from_logits, fused_head_logprobs, logprobs_from_logits
 
 
@@ -90,7 +91,8 @@ PACKED_ROW_MAX = 1024
 runs as one tree-masked row; longer groups go through the prompt-cache pass, whose attention
 is not quadratic in the number of samples."""
 
-_PACKED_ATTENTION = ("sdpa", "eager")  # implementations that take a custom (G, 1, T, T) mask
+# Implementations that take a custom (G, 1, T, T) mask.
+_PACKED_ATTENTION = ("sdpa", "eager", ATTENTION)
 
 
 def shared_prefix_hidden(

@@ -39,7 +39,9 @@ class PolicyLearner(Learner):
         torch.manual_seed(ctx.seed)
         self.ctx, self.tr = ctx, train
         self.comm = ctx.comm or Collective()
-        lm = AutoModelForCausalLM.from_pretrained(ctx.model_path, dtype=torch.float32)
+        from learners.attention import register
+
+        lm = AutoModelForCausalLM.from_pretrained(ctx.model_path, dtype=torch.float32, attn_implementation=register())
         lm.config.use_cache = False
         lora = ctx.lora
         self.lora = bool(lora is not None and lora.enabled)
