@@ -52,8 +52,13 @@ def test_lora_learns_with_reference_from_disabled_adapter(ray_cluster, tiny_mode
     assert all(r["reference/in_learner"] for r in rows)
     assert all(r["learner/ref_s"] > 0 for r in rows)
     assert rows[-1]["kl/ref_k1"] > 0
-    # After every sync of merged LoRA weights, vLLM's log-probs match the trainer's (fp32).
-    assert max(r["logprob_gap/max_abs"] for r in rows) < 1e-3
+    # After every sync of merged LoRA weights, vLLM's log-probs match the trainer's (fp32): a
+    # stale or failed sync moves every token's log-prob by about 1e-2 or more at this lr. The
+    # bound on the single worst token of a run is looser: lr 2e-2 on the random tiny model makes
+    # some positions ill-conditioned in fp32. One token measured against an fp64 forward of the
+    # same weights: vLLM off by 3.5e-4, the trainer (adapters unmerged) by 8.5e-4, a gap of 1.2e-3.
+    assert max(r["logprob_gap/mean_abs"] for r in rows) < 1e-5
+    assert max(r["logprob_gap/max_abs"] for r in rows) < 1e-2
     ckpt = result.final_checkpoint
     assert (ckpt / "model.safetensors").is_file() and (ckpt / "adapter" / "adapter_config.json").is_file()
     state = json.loads((ckpt / "trainer_state" / "learner.json").read_text())
