@@ -167,6 +167,17 @@ def preference_batch(lm: Any, n_pairs: int, *, seed: int = 0, ref_shift: float |
     return experience(lm, ids, att, rm, scores, groups=groups, ref_shift=ref_shift)
 
 
+def assert_grads_close(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> None:
+    """Every reference gradient is non-zero and ``got`` matches it within 3e-4 of that tensor's
+    largest entry: float32 sums taken in another order (another kernel, packing) differ by that
+    much, a wrong mask or position by the tensor's own scale."""
+    assert ref and got.keys() >= ref.keys()
+    for n, g in ref.items():
+        scale = float(g.abs().max())
+        assert scale > 0, n
+        torch.testing.assert_close(got[n], g, atol=3e-4 * scale, rtol=1e-4, msg=n)
+
+
 def flat_grads(params: Sequence[torch.nn.Parameter]) -> torch.Tensor:
     """Every gradient in one vector (zeros for parameters without one)."""
     return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).clone() for p in params])
