@@ -2,7 +2,12 @@
 the fused LM-head log-probs (``train.fused_logprobs``), and LoRA. ``full_prompt_cache`` shares
 prompts through the prompt's key/value cache instead of packed tree rows, ``full_unshared`` runs
 every row in full, ``full_mb16`` takes micro-batches of 16 rows, ``full_sdpa`` runs PyTorch's sdpa
-kernel also on the short rows the product runs as matrix multiplies (``learners/attention.py``). Two more contenders measure
+kernel also on the short rows the product runs as matrix multiplies (``learners/attention.py``).
+Like the product's CPU learner workers, every mode runs with glibc's keep-freed-memory settings
+(``cluster.keep_freed_memory``) except ``full_default_malloc``; ``full_loop_adamw`` steps AdamW
+tensor by tensor (PyTorch's CPU default) instead of the fused kernel; ``full_cast_per_micro`` casts
+the weights to bf16 in every micro-batch (no ``learners.modeling.shared_weight_casts``);
+``full_before`` does all three (the learner as it was before them). Two more contenders measure
 options that are not in the product: ``full_compiled`` (every decoder layer under
 ``torch.compile(dynamic=True)``) and ``full_bf16_weights`` (the policy's weights cast to bf16,
 no fp32 master copy: an upper bound on what bf16 parameters with fp32 master weights could save).
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -65,6 +71,15 @@ def one(model: str, mode: str, steps: int, shape: str = "memory") -> dict:
 
     torch.manual_seed(0)
     path = resolve_model(model)
+    if mode in ("full_loop_adamw", "full_before"):
+        import learners.policy
+
+        learners.policy._FUSED_ADAMW_DEVICES = ()
+    if mode in ("full_cast_per_micro", "full_before"):
+        import learners.modeling
+        import learners.ppo
+
+        learners.ppo.shared_weight_casts = lambda bf16, device: learners.modeling.shared_weight_casts(False, device)
     if mode == "full_prompt_cache":  # shared prompts through the prompt's cache, never packed
         import learners.modeling
 
@@ -114,12 +129,19 @@ def main() -> None:
         return
     import statistics
 
+    sys.path.insert(0, str(ROOT))
+    from cluster.actor_groups import KEEP_FREED_MEMORY_ENV
+
     results = []
     for _ in range(a.rounds):
         for mode in a.modes:
+            # glibc reads these at start-up: only a child started with them has them.
+            env = {k: v for k, v in os.environ.items() if k not in KEEP_FREED_MEMORY_ENV}
+            if mode not in ("full_default_malloc", "full_before"):
+                env.update(KEEP_FREED_MEMORY_ENV)
             out = subprocess.run([sys.executable, __file__, "--child", mode, "--model", a.model, "--steps", str(a.steps),
                                   "--shape", a.shape],
-                                 capture_output=True, text=True, check=True)
+                                 capture_output=True, text=True, check=True, env=env)
             results.append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(results[-1], flush=True)
     # Per mode: the median step after each process's first (warm-up) step, and the peak RSS.

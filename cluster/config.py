@@ -473,6 +473,13 @@ class ClusterConfig(Section):
     metrics_export: bool = _f(True, "Export the run's metrics as Ray metrics (Prometheus on each node's metrics "
                                     "export port, the Ray Dashboard, Grafana).")
     threads: int = _f(0, "Torch threads of learners and the reference (0: all cores of the node).", ge=0)
+    keep_freed_memory: bool = _f(
+        True, "CPU learners and the CPU reference: their C library (glibc malloc) keeps freed memory for reuse "
+              "(one arena, no mmap for large blocks, no trimming; cluster/actor_groups.py: KEEP_FREED_MEMORY_ENV) "
+              "instead of handing every large tensor's pages back to the OS and faulting fresh ones in on the "
+              "next. Measured on a GRPO update of SmolLM2-135M: 0.70x the time at the same peak memory "
+              "(docs/benchmarks.md). Their resident memory then stays near its peak between steps. Off: the C "
+              "library's defaults.")
     dashboard_host: str = _f("127.0.0.1", "Interface of a locally started Ray Dashboard.")
     include_dashboard: bool = _f(True, "Start the Ray Dashboard (bound to dashboard_host) with a local cluster.")
     temp_dir: str = _f("", "Ray session folder of a locally started cluster (default: Ray's).")

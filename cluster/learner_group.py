@@ -50,6 +50,8 @@ class LearnerChannel:
 
 _REPORTED = ("loss/policy", "loss/value", "loss/total", "kl/ref_k1", "policy/clip_frac", "logprob_gap/mean_abs",
              "rewards/accuracy", "rewards/margin")
+# Environment variables rank 0 reports in its ``ready`` message.
+_REPORTED_ENV = ("OMP_NUM_THREADS", "MALLOC_ARENA_MAX", "MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_")
 
 
 @dataclass
@@ -76,6 +78,9 @@ class LearnerSpec:
     threads: int = 0
     # GPUs of each worker: 0 (CPU, gloo) or 1 (its CUDA device, NCCL).
     gpus_per_learner: int = 0
+    # CPU workers start with ``KEEP_FREED_MEMORY_ENV`` (cluster/actor_groups.py): glibc reuses
+    # freed tensors' memory instead of faulting in fresh pages each micro-batch.
+    keep_freed_memory: bool = True
     # Extra Ray resources of each worker (placement on the nodes that offer them).
     resources: dict = dataclasses.field(default_factory=dict)
     # Ray placement-group strategy of the workers' bundles.
@@ -104,7 +109,8 @@ def learner_spec(cfg: Config, model_path: str, pad_token_id: int, resume_from: s
         resume_from=resume_from, tokenizer_path=model_path, pad_token_id=pad_token_id,
         sync_dtype=cfg.model.generator_dtype, num_learners=cfg.cluster.num_learners,
         cpus_per_learner=cfg.cluster.cpus_per_learner, threads=cfg.cluster.threads,
-        gpus_per_learner=cfg.cluster.gpus_per_learner, max_failures=cfg.cluster.learner_max_failures, probe_ids=list(probe_ids or []),
+        gpus_per_learner=cfg.cluster.gpus_per_learner, keep_freed_memory=cfg.cluster.keep_freed_memory,
+        max_failures=cfg.cluster.learner_max_failures, probe_ids=list(probe_ids or []),
         resources=dict(cfg.cluster.learner_resources), placement_strategy=cfg.cluster.learner_placement_strategy,
     )
 
@@ -138,6 +144,8 @@ def learner_loop(config: dict[str, Any]) -> None:
         ray.get(channel.report.remote({
             "ready": True, "world": comm.world, "trainable_fraction": learner.trainable_fraction,
             "version": learner.version, "node": nodes[0], "nodes": nodes,
+            # What the process started with (the run's log shows whether the malloc settings held).
+            "env": {k: os.environ.get(k) for k in _REPORTED_ENV},
         }))
     epoch = None
     while True:
@@ -178,14 +186,18 @@ def learner_device(spec: LearnerSpec) -> str:
 
 
 def worker_scaling(spec: LearnerSpec) -> dict[str, Any]:
-    """Ray Train's ``ScalingConfig`` arguments and the process-group backend of the workers: GPU
-    workers reduce with NCCL, CPU workers with gloo (the same learner code either way)."""
+    """Ray Train's ``ScalingConfig`` arguments, the process-group backend of the workers (GPU
+    workers reduce with NCCL, CPU workers with gloo: the same learner code either way) and the
+    environment variables the workers start with."""
+    from cluster.actor_groups import KEEP_FREED_MEMORY_ENV
+
     gpus = {"GPU": float(spec.gpus_per_learner)} if spec.gpus_per_learner else {}
     return {
         "scaling": {"num_workers": spec.num_learners, "use_gpu": bool(spec.gpus_per_learner),
                     "resources_per_worker": {"CPU": spec.cpus_per_learner, **spec.resources, **gpus},
                     "placement_strategy": spec.placement_strategy},
         "backend": "nccl" if spec.gpus_per_learner else "gloo",
+        "env_vars": dict(KEEP_FREED_MEMORY_ENV) if spec.keep_freed_memory and not spec.gpus_per_learner else {},
     }
 
 
@@ -342,7 +354,8 @@ class LearnerGroup:
             # restart of the old Train run. The run's own checkpoints are what a resume reads.
             run_config=RunConfig(name=f"learner-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}",
                                  storage_path=str(Path(storage_dir).resolve()),
-                                 failure_config=FailureConfig(max_failures=max_failures)),
+                                 failure_config=FailureConfig(max_failures=max_failures),
+                                 worker_runtime_env={"env_vars": workers["env_vars"]}),
         )
         self.error: BaseException | None = None
         self.epoch = 0

@@ -23,7 +23,7 @@ import torch
 from learners.base import LearnerContext, TrainParams
 from learners.experience import Experience, ExperienceError
 from learners.losses import preference_loss, preference_metrics, preference_rewards
-from learners.modeling import autocast
+from learners.modeling import autocast, shared_weight_casts
 from learners.policy import PolicyLearner
 
 _STATS = ("loss/total", "rewards/accuracy", "rewards/margin", "rewards/chosen", "rewards/rejected",
@@ -131,8 +131,9 @@ class DPOLearner(PolicyLearner):
         for mini, mine in self.global_minibatches(torch.arange(n_pairs, device=self.device)):
             local_pairs += len(mine)
             self.optimizer.zero_grad(set_to_none=True)
-            for micro in torch.split(mine, pairs_per_micro):
-                totals += self._micro_step(batch, chosen[micro], rejected[micro], ref_seq, lengths, max(len(mini), 1))
+            with shared_weight_casts(tr.bf16, self.device):
+                for micro in torch.split(mine, pairs_per_micro):
+                    totals += self._micro_step(batch, chosen[micro], rejected[micro], ref_seq, lengths, max(len(mini), 1))
             grad_norms.append(self._optimizer_step())
         self.version += 1
         summed = comm.all_reduce_sum(totals)

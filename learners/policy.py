@@ -29,6 +29,9 @@ from learners.experience import Experience
 from learners.modeling import PolicyWithValueHead, sequence_logprobs
 from learners.optim import make_scheduler
 
+# Device types with PyTorch's fused AdamW kernel.
+_FUSED_ADAMW_DEVICES = ("cpu", "cuda")
+
 
 class PolicyLearner(Learner):
     """A causal LM policy (``self.model.lm``) with an AdamW optimiser and an LR schedule."""
@@ -74,6 +77,9 @@ class PolicyLearner(Learner):
         self.optimizer = torch.optim.AdamW(
             [{"params": policy_params, "lr": tr.lr}, *extra_param_groups],
             weight_decay=tr.weight_decay, betas=tuple(tr.adam_betas),
+            # The same update as one fused kernel over all parameters. On CPU tensors PyTorch
+            # otherwise loops tensor by tensor: 0.41-0.49 s against 0.04 s a step for SmolLM2-135M.
+            fused=self.device.type in _FUSED_ADAMW_DEVICES or None,
         )
         self.scheduler = make_scheduler(
             self.optimizer, schedule=tr.lr_schedule, warmup_steps=tr.warmup_steps,
@@ -103,6 +109,8 @@ class PolicyLearner(Learner):
             self.on_gradients(self.trainable)
         norm = torch.nn.utils.clip_grad_norm_([p for p in self.trainable if p.grad is not None], self.tr.max_grad_norm)
         self.optimizer.step()
+        # bf16 casts of the old weights (learners.modeling.shared_weight_casts) are stale now.
+        torch.clear_autocast_cache()
         self.scheduler.step()
         return float(norm)
 

@@ -39,7 +39,7 @@ from learners.losses import (
     rollout_importance_weights,
     value_loss_clipped,
 )
-from learners.modeling import autocast, micro_batch_order
+from learners.modeling import autocast, micro_batch_order, shared_weight_casts
 from learners.policy import PolicyLearner
 
 
@@ -231,10 +231,11 @@ class PPOLearner(PolicyLearner):
         advantages, returns, kl = self._advantages(batch, old_logprobs, old_values, ref_logprobs, kl_coef)
         t_prep = time.perf_counter() - t0
 
-        stats, grad_norms, local_old = self._update(
-            local, old_logprobs[rows], old_values[rows], advantages[rows], returns[rows],
-            fused_out=fused_out, streamed=streamed, on_policy=on_policy,
-        )
+        with shared_weight_casts(tr.bf16, self.device):
+            stats, grad_norms, local_old = self._update(
+                local, old_logprobs[rows], old_values[rows], advantages[rows], returns[rows],
+                fused_out=fused_out, streamed=streamed, on_policy=on_policy,
+            )
         if streamed:
             old_logprobs = self._gather(local_old, rows, shape)
             ref_logprobs = batch.ref_logprobs if has_ref else old_logprobs

@@ -20,7 +20,7 @@ import torch
 
 from learners.base import LearnerContext, TrainParams
 from learners.experience import Experience
-from learners.modeling import autocast
+from learners.modeling import autocast, shared_weight_casts
 from learners.policy import PolicyLearner
 
 
@@ -72,17 +72,18 @@ class SFTLearner(PolicyLearner):
         for mini, mine in self.global_minibatches(rows):
             global_tokens = max(float(tokens[mini].sum()), 1.0)
             self.optimizer.zero_grad(set_to_none=True)
-            for micro in torch.split(mine, tr.micro_batch_size):
-                part = batch.select(micro).trimmed()
-                with autocast(tr.bf16, self.device):
-                    out = self.model(part.input_ids, part.attention_mask, part.response_mask,
-                                     chunk=tr.logprob_chunk)
-                nll = -(out["logprobs"] * part.response_mask).sum()
-                loss = nll / global_tokens
-                if not torch.isfinite(loss):
-                    raise FloatingPointError(f"non-finite SFT loss: {float(loss)}")
-                loss.backward()
-                nll_sum += float(nll.detach())
+            with shared_weight_casts(tr.bf16, self.device):
+                for micro in torch.split(mine, tr.micro_batch_size):
+                    part = batch.select(micro).trimmed()
+                    with autocast(tr.bf16, self.device):
+                        out = self.model(part.input_ids, part.attention_mask, part.response_mask,
+                                         chunk=tr.logprob_chunk)
+                    nll = -(out["logprobs"] * part.response_mask).sum()
+                    loss = nll / global_tokens
+                    if not torch.isfinite(loss):
+                        raise FloatingPointError(f"non-finite SFT loss: {float(loss)}")
+                    loss.backward()
+                    nll_sum += float(nll.detach())
             grad_norms.append(self._optimizer_step())
         self.version += 1
         total_tokens = float(tokens[rows].sum()) * tr.epochs

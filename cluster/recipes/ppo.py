@@ -119,7 +119,8 @@ def run(ctx: RunContext, model_path: str, train_set, eval_set) -> RunResult:
         # Where the roles run (multi-node layouts): each generator's node, learner rank 0's node.
         (ctx.dir / "placement.json").write_text(json.dumps({
             "layout": cfg.cluster.layout, "generators": rollout.nodes(), "learner_rank0": info.get("node"),
-            "learners": info.get("nodes"), "generator_placement_group": rollout.placement_group is not None}))
+            "learners": info.get("nodes"), "generator_placement_group": rollout.placement_group is not None,
+            "learner_env": info.get("env")}))
         sampler = PromptSampler(len(train_set.rows), cfg.rollout.prompts_per_step, cfg.run.seed,
                                 **ctx.run_state["sampler"])
         learner_version = int(info["version"])

@@ -3,6 +3,7 @@
 import pytest
 import ray
 
+from cluster.actor_groups import KEEP_FREED_MEMORY_ENV
 from cluster.config import load_config
 from cluster.learner_group import LearnerGroup, learner_spec
 from tests.helpers.factories import experience, grouped_batch, tiny_lm
@@ -37,6 +38,8 @@ def test_two_ray_train_workers_match_one(ray_cluster, tiny_model_path, tmp_path,
         ])
         info, result = _learn(cfg, tiny_model_path, ref, tmp_path / f"n{n}")
         assert info["world"] == n
+        # CPU workers start with glibc's keep-freed-memory settings (cluster.keep_freed_memory).
+        assert {k: info["env"][k] for k in KEEP_FREED_MEMORY_ENV} == KEEP_FREED_MEMORY_ENV
         out[n] = result["metrics"]
     one, two = out[1], out[2]
     assert two["learner/local_sequences"] == 5.0  # rank 0 of 2: groups 10 and 30

@@ -323,6 +323,21 @@ def test_gpu_roles_get_their_devices_and_backends():
     assert reference_config(cpu, "/m").device == "cpu"
 
 
+def test_cpu_learners_and_reference_keep_freed_memory():
+    from cluster.actor_groups import KEEP_FREED_MEMORY_ENV, role_env
+    from cluster.learner_group import learner_spec, worker_scaling
+
+    assert KEEP_FREED_MEMORY_ENV["MALLOC_MMAP_MAX_"] == "0" and KEEP_FREED_MEMORY_ENV["MALLOC_ARENA_MAX"] == "1"
+    assert worker_scaling(learner_spec(Config(), "/m", 0))["env_vars"] == KEEP_FREED_MEMORY_ENV
+    off = Config.model_validate({"cluster": {"keep_freed_memory": False}})
+    assert worker_scaling(learner_spec(off, "/m", 0))["env_vars"] == {}
+    gpu = Config.model_validate(GPU_RUN).validate_run()  # GPU learners: tensors live in CUDA's allocator
+    assert worker_scaling(learner_spec(gpu, "/m", 0))["env_vars"] == {}
+    env = role_env(2, keep_freed_memory=True)["env_vars"]
+    assert env["OMP_NUM_THREADS"] == "2" and KEEP_FREED_MEMORY_ENV.items() <= env.items()
+    assert not set(KEEP_FREED_MEMORY_ENV) & set(role_env(2)["env_vars"])  # generators and scorers: defaults
+
+
 @pytest.mark.parametrize(("change", "message"), [
     ({"rollout": {"gpus_per_generator": 0.5}}, r"gpu_memory_utilization \(0.9\) must not exceed .*=0.5"),
     ({"cluster": {"gpus_per_learner": 1, "layout": "colocated"}}, "on GPUs use cluster.layout=disaggregated"),

@@ -1,0 +1,91 @@
+"""Learner speed-ups that must leave the maths as it was: the fused AdamW kernel, and weights
+cast to bf16 once per optimiser step instead of once per micro-batch (no Ray)."""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import learners.ppo
+from learners.modeling import shared_weight_casts
+from tests.helpers.factories import experience, make_learner, ragged_batch, tiny_lm
+
+
+def test_optimizer_is_the_fused_adamw_kernel_with_the_plain_update(tiny_model_path):
+    """The learners' AdamW runs PyTorch's fused kernel; its updates equal the per-tensor loop's
+    (the reference implementation) over several steps of changing gradients."""
+    learner = make_learner(tiny_model_path, train={"lr": 1e-2, "weight_decay": 0.1})
+    assert learner.optimizer.defaults["fused"] is True
+    params = learner.trainable
+    start = [p.detach().clone() for p in params]
+    twins = [s.clone().requires_grad_() for s in start]
+    groups, i = [], 0
+    for g in learner.optimizer.param_groups:  # the same groups and hyperparameters, looped
+        n = len(g["params"])
+        groups.append({**{k: v for k, v in g.items() if k not in ("params", "fused", "foreach")},
+                       "params": twins[i : i + n]})
+        i += n
+    loop = torch.optim.AdamW(groups, foreach=False, fused=False)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):  # past Adam's sign-like first step, so that scale errors would show
+        for p, t in zip(params, twins):
+            p.grad = torch.randn(p.shape, generator=gen)
+            t.grad = p.grad.clone()
+        learner.optimizer.step()
+        loop.step()
+    moved = [(p.detach() - s) for p, s in zip(params, start)]
+    assert sum(float(m.abs().sum()) for m in moved) > 0
+    for m, t, s in zip(moved, twins, start):
+        torch.testing.assert_close(m, t.detach() - s, rtol=1e-4, atol=1e-7)
+
+
+class _CountWeightCasts(TorchDispatchMode):
+    """Counts casts of the given tensors' storage to bf16 (autocast's weight casts)."""
+
+    def __init__(self, tensors):
+        super().__init__()
+        self.ptrs = {t.data_ptr() for t in tensors}
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if (func is torch.ops.aten._to_copy.default and kwargs.get("dtype") == torch.bfloat16
+                and args[0].data_ptr() in self.ptrs):
+            self.count += 1
+        return func(*args, **kwargs)
+
+
+def _two_minibatch_step(path, share: bool, monkeypatch):
+    """Gradients of both optimiser steps of one PPO step (2 minibatches x 2 micro-batches, bf16),
+    and the weight casts it made; ``share=False`` runs every micro-batch's autocast on its own."""
+    monkeypatch.setattr(learners.ppo, "shared_weight_casts", shared_weight_casts if share else
+                        (lambda bf16, device: shared_weight_casts(False, device)))
+    learner = make_learner(path, train={"bf16": True, "num_minibatches": 2, "micro_batch_size": 2, "lr": 5e-2})
+    lm = tiny_lm(path)
+    ids, att, rm = ragged_batch(lm.config.vocab_size, b=8)
+    exp = experience(lm, ids, att, rm, [1, 0, 1, 0, 0, 1, 1, 0], groups=[0, 0, 1, 1, 2, 2, 3, 3], ref_shift=0.05)
+    grads = []
+    learner.on_gradients = lambda params: grads.append([p.grad.detach().clone() for p in params])
+    weights = [p for p in learner.model.lm.parameters() if p.dim() == 2]
+    one_pass = _CountWeightCasts(weights)
+    with one_pass, torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        learner.model.lm(input_ids=ids[:2])
+    counter = _CountWeightCasts(weights)
+    with counter:
+        learner.train_step(exp)
+    return grads, counter.count / one_pass.count
+
+
+def test_weights_are_cast_once_per_optimiser_step_with_the_same_gradients(tiny_model_path, monkeypatch):
+    shared, n_shared = _two_minibatch_step(tiny_model_path, True, monkeypatch)
+    alone, n_alone = _two_minibatch_step(tiny_model_path, False, monkeypatch)
+    assert len(shared) == len(alone) == 2
+    # In forward passes' worth of casts: the old-policy pass takes 4 micro-batches of 2 rows
+    # (each its own autocast region either way); then each of the 2 optimiser steps casts once
+    # for its 2 micro-batches, where alone each micro-batch casts again.
+    assert (n_shared, n_alone) == (4 + 2, 4 + 4)
+    # Equal gradients in both steps: the second step's casts are of the weights the first step
+    # updated (a cast kept across the optimiser step would use the old weights).
+    for step in range(2):
+        assert any(float(g.abs().sum()) > 0 for g in shared[step])
+        for a, b in zip(shared[step], alone[step]):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
