@@ -74,11 +74,12 @@ def run_rayrlhf(cfg, run_dir: Path) -> dict:
     }
 
 
-def run_trl(python: str, prompts_file: Path, model_path: str, out: Path, save: Path, generation: str) -> dict:
+def run_trl(python: str, prompts_file: Path, model_path: str, out: Path, save: Path, generation: str,
+            env: dict | None = None) -> dict:
     cmd = [python, str(ROOT / "benchmarks" / "trl_grpo.py"), "--prompts", str(prompts_file), "--model", model_path,
            "--out", str(out), "--save", str(save), "--generation", generation]
     t0 = time.perf_counter()
-    subprocess.run(cmd, cwd=ROOT, check=True)
+    subprocess.run(cmd, cwd=ROOT, check=True, env=env)
     wall = time.perf_counter() - t0
     res = json.loads(out.read_text())
     res["process_wall_s"] = wall
@@ -165,6 +166,9 @@ def main() -> int:
     ap.add_argument("--trl-generation", default="generate", choices=["generate", "continuous_batching"])
     ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "vs_trl.json"))
     ap.add_argument("--skip-eval", action="store_true", help="no held-out greedy evaluation of the policies")
+    ap.add_argument("--trl-keep-freed-memory", action="store_true",
+                    help="also run TRL a second time with the glibc settings rayrlhf's CPU learners start with "
+                         "(cluster.keep_freed_memory): the ratio against TRL given the same allocator")
     args = ap.parse_args()
     if not Path(args.trl_python).exists():
         print(f"no TRL environment at {args.trl_python}: run `make trl-env` first", file=sys.stderr)
@@ -195,7 +199,16 @@ def main() -> int:
         print(f"[vs_trl] TRL GRPOTrainer ({args.trl_generation}): same workload", flush=True)
         results["trl"] = run_trl(args.trl_python, prompts_file, model_path, tmp_path / "trl.json",
                                  tmp_path / "trl_model", args.trl_generation)
-        for name in ("rayrlhf", "trl"):
+        tools = ["rayrlhf", "trl"]
+        if args.trl_keep_freed_memory:
+            from cluster.actor_groups import KEEP_FREED_MEMORY_ENV
+
+            print("[vs_trl] TRL GRPOTrainer again, with rayrlhf's malloc settings", flush=True)
+            results["trl_keep_freed_memory"] = run_trl(
+                args.trl_python, prompts_file, model_path, tmp_path / "trl_keep.json", tmp_path / "trl_keep_model",
+                args.trl_generation, env={**os.environ, **KEEP_FREED_MEMORY_ENV})
+            tools.append("trl_keep_freed_memory")
+        for name in tools:
             results[name]["summary"] = summarise(results[name], per_step)
         if not args.skip_eval:
             results["heldout_greedy_accuracy"] = {
@@ -203,7 +216,7 @@ def main() -> int:
                 for name, path in (("base", model_path), ("rayrlhf", results["rayrlhf"]["checkpoint"]),
                                    ("trl", results["trl"]["checkpoint"]))
             }
-        for name in ("rayrlhf", "trl"):
+        for name in tools:
             results[name].pop("checkpoint")
     r, t = results["rayrlhf"]["summary"], results["trl"]["summary"]
     results["ratios"] = {
@@ -212,11 +225,14 @@ def main() -> int:
                                      if r["completions_per_s_steady"] else None),
         "median_step_s": t["median_step_s"] / r["median_step_s"],
     }
+    if "trl_keep_freed_memory" in results:
+        k = results["trl_keep_freed_memory"]["summary"]
+        results["ratios"]["median_step_s_vs_trl_keep_freed_memory"] = k["median_step_s"] / r["median_step_s"]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))
     plot(results, out.with_suffix(".png"))
-    print(json.dumps({k: results[k] for k in ("ratios",)} | {n: results[n]["summary"] for n in ("rayrlhf", "trl")}
+    print(json.dumps({k: results[k] for k in ("ratios",)} | {n: results[n]["summary"] for n in tools}
                      | {"heldout_greedy_accuracy": results.get("heldout_greedy_accuracy")}, indent=1))
     return 0
 

@@ -330,7 +330,7 @@ def export_transitions(exp: Experience, path: str) -> dict:
 # glibc malloc settings (read once, at process start) for processes that train or score on the
 # CPU. By default glibc serves every block over 32 MiB with its own mmap and unmaps it on free,
 # so each logits or activation tensor of every micro-batch faults in fresh zeroed pages: on a
-# GRPO update of SmolLM2-135M that was about 30% of the time. One arena (Ray Train runs the
+# GRPO update of SmolLM2-135M that was about a quarter of the time. One arena (Ray Train runs the
 # training function on a thread of its own, whose arena could not hold such blocks), no mmap and
 # no trimming keep freed blocks in the heap for the next micro-batch to reuse.
 KEEP_FREED_MEMORY_ENV = {

@@ -477,7 +477,7 @@ class ClusterConfig(Section):
         True, "CPU learners and the CPU reference: their C library (glibc malloc) keeps freed memory for reuse "
               "(one arena, no mmap for large blocks, no trimming; cluster/actor_groups.py: KEEP_FREED_MEMORY_ENV) "
               "instead of handing every large tensor's pages back to the OS and faulting fresh ones in on the "
-              "next. Measured on a GRPO update of SmolLM2-135M: 0.70x the time at the same peak memory "
+              "next. Measured on a GRPO update of SmolLM2-135M: 0.75x the time at the same peak memory "
               "(docs/benchmarks.md). Their resident memory then stays near its peak between steps. Off: the C "
               "library's defaults.")
     dashboard_host: str = _f("127.0.0.1", "Interface of a locally started Ray Dashboard.")

@@ -78,7 +78,8 @@ class PolicyLearner(Learner):
             [{"params": policy_params, "lr": tr.lr}, *extra_param_groups],
             weight_decay=tr.weight_decay, betas=tuple(tr.adam_betas),
             # The same update as one fused kernel over all parameters. On CPU tensors PyTorch
-            # otherwise loops tensor by tensor: 0.41-0.49 s against 0.04 s a step for SmolLM2-135M.
+            # otherwise loops tensor by tensor: for SmolLM2-135M 0.16-0.21 s against 0.06-0.07 s a
+            # step (0.41-0.49 s against 0.04 s without cluster.keep_freed_memory).
             fused=self.device.type in _FUSED_ADAMW_DEVICES or None,
         )
         self.scheduler = make_scheduler(
