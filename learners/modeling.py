@@ -33,8 +33,9 @@ def shared_weight_casts(bf16: bool, device: torch.device | str = "cpu"):
     alone casts every weight anew (0.38 s of a 6.4 s GRPO update of SmolLM2-135M on two CPU cores).
     An outer region with autocast *off* keeps the cache open without putting the losses or the
     backward passes under autocast. The casts must not outlive the weights they were made from:
-    ``PolicyLearner._optimizer_step`` drops them after each step, and code that swaps weights
-    (a target network) must not run inside.
+    ``PolicyLearner._optimizer_step`` drops them after each step. Two things must not run
+    inside: code that swaps weights (a target network), and a forward pass without gradients
+    (autocast would cache its casts detached, and later passes would train nothing).
     """
     if not bf16:
         return contextlib.nullcontext()

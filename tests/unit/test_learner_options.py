@@ -212,4 +212,3 @@ def test_no_kl_term_means_no_reference(tiny_model_path):
     with pytest.raises(RuntimeError, match="needs LoRA"):
         make_learner(tiny_model_path, train={"micro_batch_size": 6}, ppo=with_kl).train_step(
             _exp(base, [1, 0, 1, 0, 1, 0], ref=False, groups=[0, 0, 1, 1, 2, 2]))
-

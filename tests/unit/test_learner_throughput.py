@@ -1,13 +1,24 @@
 """Learner speed-ups that must leave the maths as it was: the fused AdamW kernel, and weights
-cast to bf16 once per optimiser step instead of once per micro-batch (no Ray)."""
+cast to bf16 once per optimiser step instead of once per micro-batch (PPO, DPO, SFT; no Ray)."""
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import learners.dpo
 import learners.ppo
+import learners.sft
 from learners.modeling import shared_weight_casts
-from tests.helpers.factories import experience, make_learner, ragged_batch, tiny_lm
+from tests.helpers.factories import (
+    experience,
+    grouped_batch,
+    make_dpo_learner,
+    make_learner,
+    make_sft_learner,
+    preference_batch,
+    ragged_batch,
+    tiny_lm,
+)
 
 
 def test_optimizer_is_the_fused_adamw_kernel_with_the_plain_update(tiny_model_path):
@@ -54,38 +65,70 @@ class _CountWeightCasts(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _two_minibatch_step(path, share: bool, monkeypatch):
-    """Gradients of both optimiser steps of one PPO step (2 minibatches x 2 micro-batches, bf16),
-    and the weight casts it made; ``share=False`` runs every micro-batch's autocast on its own."""
-    monkeypatch.setattr(learners.ppo, "shared_weight_casts", shared_weight_casts if share else
-                        (lambda bf16, device: shared_weight_casts(False, device)))
-    learner = make_learner(path, train={"bf16": True, "num_minibatches": 2, "micro_batch_size": 2, "lr": 5e-2})
+_TRAIN = {"bf16": True, "num_minibatches": 2, "micro_batch_size": 2, "lr": 5e-2}
+
+
+def _ppo(path):
     lm = tiny_lm(path)
     ids, att, rm = ragged_batch(lm.config.vocab_size, b=8)
     exp = experience(lm, ids, att, rm, [1, 0, 1, 0, 0, 1, 1, 0], groups=[0, 0, 1, 1, 2, 2, 3, 3], ref_shift=0.05)
+    return make_learner(path, train=_TRAIN), exp
+
+
+def _dpo(path):  # 4 pairs: 2 per minibatch, 1 per micro-batch
+    return make_dpo_learner(path, train=_TRAIN), preference_batch(tiny_lm(path), 4, seed=2, ref_shift=0.05)
+
+
+def _sft(path):
+    lm = tiny_lm(path)
+    ids, att, rm = grouped_batch(lm.config.vocab_size, list(range(8)), seed=1)
+    return make_sft_learner(path, train=_TRAIN), experience(lm, ids, att, rm, [0.0] * 8, groups=list(range(8)),
+                                                            ref_shift=None)
+
+
+def _two_minibatch_step(path, make, module, share: bool, monkeypatch):
+    """Gradients of both optimiser steps of one step (2 minibatches x 2 micro-batches, bf16), and
+    the weight casts it made in forward passes' worth; ``share=False`` runs every micro-batch's
+    autocast on its own."""
+    monkeypatch.setattr(module, "shared_weight_casts", shared_weight_casts if share else
+                        (lambda bf16, device: shared_weight_casts(False, device)))
+    learner, batch = make(path)
     grads = []
     learner.on_gradients = lambda params: grads.append([p.grad.detach().clone() for p in params])
     weights = [p for p in learner.model.lm.parameters() if p.dim() == 2]
     one_pass = _CountWeightCasts(weights)
     with one_pass, torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        learner.model.lm(input_ids=ids[:2])
+        learner.model.lm(input_ids=batch.input_ids[:2])
     counter = _CountWeightCasts(weights)
     with counter:
-        learner.train_step(exp)
+        learner.train_step(batch)
     return grads, counter.count / one_pass.count
 
 
-def test_weights_are_cast_once_per_optimiser_step_with_the_same_gradients(tiny_model_path, monkeypatch):
-    shared, n_shared = _two_minibatch_step(tiny_model_path, True, monkeypatch)
-    alone, n_alone = _two_minibatch_step(tiny_model_path, False, monkeypatch)
+def _assert_same_gradients(shared, alone):
+    """Equal gradients in both optimiser steps: the second step's casts are of the weights the
+    first step updated (a cast kept across the optimiser step would use the old weights)."""
     assert len(shared) == len(alone) == 2
-    # In forward passes' worth of casts: the old-policy pass takes 4 micro-batches of 2 rows
-    # (each its own autocast region either way); then each of the 2 optimiser steps casts once
-    # for its 2 micro-batches, where alone each micro-batch casts again.
-    assert (n_shared, n_alone) == (4 + 2, 4 + 4)
-    # Equal gradients in both steps: the second step's casts are of the weights the first step
-    # updated (a cast kept across the optimiser step would use the old weights).
     for step in range(2):
         assert any(float(g.abs().sum()) > 0 for g in shared[step])
         for a, b in zip(shared[step], alone[step]):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
+
+
+def test_weights_are_cast_once_per_optimiser_step_with_the_same_gradients(tiny_model_path, monkeypatch):
+    shared, n_shared = _two_minibatch_step(tiny_model_path, _ppo, learners.ppo, True, monkeypatch)
+    alone, n_alone = _two_minibatch_step(tiny_model_path, _ppo, learners.ppo, False, monkeypatch)
+    # The old-policy pass takes 4 micro-batches of 2 rows (each its own autocast region either
+    # way); then each of the 2 optimiser steps casts once for its 2 micro-batches, where alone
+    # each micro-batch casts again.
+    assert (n_shared, n_alone) == (4 + 2, 4 + 4)
+    _assert_same_gradients(shared, alone)
+
+
+@pytest.mark.parametrize("algorithm", ["dpo", "sft"])
+def test_dpo_and_sft_share_weight_casts_with_the_same_gradients(tiny_model_path, monkeypatch, algorithm):
+    make, module = {"dpo": (_dpo, learners.dpo), "sft": (_sft, learners.sft)}[algorithm]
+    shared, n_shared = _two_minibatch_step(tiny_model_path, make, module, True, monkeypatch)
+    alone, n_alone = _two_minibatch_step(tiny_model_path, make, module, False, monkeypatch)
+    assert n_alone - n_shared == 2  # one cast fewer in each of the 2 optimiser steps
+    _assert_same_gradients(shared, alone)
