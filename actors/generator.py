@@ -121,7 +121,7 @@ class Generator:
         gpu_memory_utilization: on a GPU, the engine's share of its memory (0: a CPU engine).
         trust_remote_code: forwarded to vLLM / transformers; off by default.
         compile: vLLM's torch.compile (and CUDA graphs on a GPU) instead of eager mode. Measured
-            on SmolLM2-135M, 2 CPU cores: 0.82x the time per batch of 32 x 48 tokens, for a
+            on SmolLM2-135M, 2 CPU cores: 0.82-0.93x the time per batch of 32 x 48 tokens, for a
             start-up of ~60 s (cold compile cache) or ~23 s (warm) instead of ~11 s.
     """
 

