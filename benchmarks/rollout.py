@@ -246,21 +246,14 @@ def run_part(part: str, a) -> dict:
         return {str(k): v for k, v in bench_pool(model_path, texts, a.new_tokens, a.repeats, a.batch_sizes).items()}
     if part == "hf":
         return {str(bs): bench_hf(model_path, texts[:bs], a.new_tokens, 1) for bs in a.batch_sizes if bs <= a.skip_hf_above}
-    from actors.generator import Generator, configure_vllm_env
+    from actors.generator import Generator
 
     threads = 1 if part == "vllm1" else 0
     compiled = part == "vllm_compiled"
-    configure_vllm_env(kv_cache_gib=2, threads=threads, first_core=a.first_core, compile_cpu=compiled)
+    # The Generator sets vLLM's environment itself (KV cache, threads, cores, compile cache).
     gen = Generator(model_path, dtype="bfloat16", max_model_len=256 + a.new_tokens, seed=0, kv_cache_gib=2,
                     threads=threads, first_core=a.first_core, compile=compiled)
     out = {}
-    if compiled:
-        for bs in a.batch_sizes:
-            bench_generator(gen, texts[: min(bs, 16)], a.new_tokens, 1)  # warm-up
-            out[str(bs)] = {"generator_compiled": bench_generator(gen, texts[:bs], a.new_tokens, a.repeats),
-                            "generator_compiled_startup_s": gen.startup_s}
-            print(bs, out[str(bs)], flush=True)
-        return out
     if part == "vllm1":  # the bare engine on one core, on each pool actor's share of the batch
         for bs in a.batch_sizes:
             half = -(-bs // 2)
@@ -275,8 +268,12 @@ def run_part(part: str, a) -> dict:
         return out
     for bs in a.batch_sizes:
         bench_generator(gen, texts[: min(bs, 16)], a.new_tokens, 1)  # warm-up
-        out[str(bs)] = {"bare_vllm": bench_bare_vllm(model_path, texts[:bs], a.new_tokens, a.repeats, llm=gen.llm),
-                        "generator": bench_generator(gen, texts[:bs], a.new_tokens, a.repeats)}
+        if compiled:  # next to the eager Generator of part 'vllm', run in its own process
+            out[str(bs)] = {"generator_compiled": bench_generator(gen, texts[:bs], a.new_tokens, a.repeats),
+                            "generator_compiled_startup_s": gen.startup_s}
+        else:
+            out[str(bs)] = {"bare_vllm": bench_bare_vllm(model_path, texts[:bs], a.new_tokens, a.repeats, llm=gen.llm),
+                            "generator": bench_generator(gen, texts[:bs], a.new_tokens, a.repeats)}
         print(bs, out[str(bs)], flush=True)
     return out
 
