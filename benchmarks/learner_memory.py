@@ -8,8 +8,8 @@ Like the product's CPU learner workers, every mode runs with glibc's keep-freed-
 tensor by tensor (PyTorch's CPU default) instead of the fused kernel; ``full_cast_per_micro`` casts
 the weights to bf16 in every micro-batch (no ``learners.modeling.shared_weight_casts``);
 ``full_before`` does all three (the learner as it was before them). Two more contenders measure
-options that are not in the product: ``full_compiled`` (every decoder layer under
-``torch.compile(dynamic=True)``) and ``full_bf16_weights`` (the policy's weights cast to bf16,
+options off by default: ``full_compiled`` (``train.compile``: every decoder layer under
+``torch.compile(dynamic=True)``) and, not in the product, ``full_bf16_weights`` (the policy's weights cast to bf16,
 no fp32 master copy: an upper bound on what bf16 parameters with fp32 master weights could save).
 
 Each mode runs in a fresh subprocess (peak RSS is per process), on the same synthetic batch
@@ -87,7 +87,7 @@ def one(model: str, mode: str, steps: int, shape: str = "memory") -> dict:
         learners.modeling.PACKED_ROW_MAX = 0
     micro = int(mode[len("full_mb"):]) if mode.startswith("full_mb") else 16 if shape == "memory" else 8
     train = TrainConfig(num_minibatches=1, micro_batch_size=micro, bf16=True, fused_logprobs=mode.endswith("_fused"),
-                        shared_prefix=mode != "full_unshared")
+                        shared_prefix=mode != "full_unshared", compile=mode == "full_compiled")
     lora = LoRAConfig(enabled=True) if mode.startswith("lora") else None
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     # The grpo shape trains as configs/grpo_smollm2.yaml does: group advantages, no critic, no KL
@@ -95,9 +95,6 @@ def one(model: str, mode: str, steps: int, shape: str = "memory") -> dict:
     # defaults (critic, KL to the reference; a separate old pass unless one micro-batch holds all).
     hp = PPOConfig(advantage_estimator="grpo", kl_coef=0.0, loss_agg="token_mean") if shape == "grpo" else PPOConfig()
     learner = PPOLearner.build(LearnerContext(model_path=path, lora=lora), train, hp)
-    if mode == "full_compiled":
-        for layer in learner.model.lm.get_decoder().layers:
-            layer.compile(dynamic=True)
     if mode == "full_sdpa":  # PyTorch's sdpa kernel at every length (the product: short rows as matmuls)
         learner.model.lm.set_attn_implementation("sdpa")
     if mode == "full_bf16_weights":

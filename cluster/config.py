@@ -253,6 +253,11 @@ class TrainConfig(Section):
     micro_batch_size: int = _f(8, "Sequences per forward/backward pass on each learner (gradient accumulation).", ge=1)
     bf16: bool = _f(True, "bf16 autocast in forward passes (learner master weights stay fp32; the reference holds bf16 weights).")
     gradient_checkpointing: bool = _f(False, "Recompute activations in the backward pass (less memory, ~30% slower).")
+    compile: bool = _f(
+        False, "Run each decoder layer of the learners' policy under torch.compile (inductor, dynamic shapes) "
+               "instead of eager. The same gradients within float rounding; measured 0.93-0.97x the GRPO update of "
+               "SmolLM2-135M on 2 CPU cores, after a compile in the first step (3-4 s with a warm inductor cache, "
+               "about 22 s cold). Off by default: it pays on long runs.")
     logprob_chunk: int = _f(1024, "Positions per chunk when turning hidden states into log-probs (memory cap).", ge=1)
     fused_logprobs: bool = _f(
         False, "PPO/GRPO policy passes: the LM head's log-probs chunk by chunk in the backward pass too "

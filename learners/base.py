@@ -72,6 +72,7 @@ class TrainParams(Protocol):
     micro_batch_size: int
     bf16: bool
     gradient_checkpointing: bool
+    compile: bool
     logprob_chunk: int
     fused_logprobs: bool
     shared_prefix: bool

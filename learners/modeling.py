@@ -42,6 +42,23 @@ def shared_weight_casts(bf16: bool, device: torch.device | str = "cpu"):
     return torch.autocast(device_type=torch.device(device).type, enabled=False)
 
 
+def compile_decoder_layers(lm: nn.Module) -> int:
+    """Puts every decoder layer of ``lm`` (a transformers causal LM, or a PEFT model around one)
+    under ``torch.compile(dynamic=True)``, in place, and returns how many.
+
+    In place, so the parameters keep their names: checkpoints, weight syncs and the optimiser see
+    the same tensors. The layers share their code, and Dynamo inlines modules, so one compiled
+    graph serves them all. Dynamic shapes from the start, because a batch's width and lengths
+    change every step. The embeddings, the final norm and the log-prob head stay eager: the head
+    is chunked over a data-dependent number of response positions.
+    """
+    base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
+    layers = base.get_decoder().layers
+    for layer in layers:
+        layer.compile(dynamic=True)
+    return len(layers)
+
+
 class PolicyWithValueHead(nn.Module):
     """A causal LM plus a scalar value head on its last hidden state (shared trunk).
 

@@ -26,7 +26,7 @@ from learners.base import (
 )
 from learners.distributed import Collective
 from learners.experience import Experience
-from learners.modeling import PolicyWithValueHead, sequence_logprobs
+from learners.modeling import PolicyWithValueHead, compile_decoder_layers, sequence_logprobs
 from learners.optim import make_scheduler
 
 # Device types with PyTorch's fused AdamW kernel.
@@ -58,6 +58,8 @@ class PolicyLearner(Learner):
             )
         if train.gradient_checkpointing:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if train.compile:
+            compile_decoder_layers(lm)
         self.device = torch.device(ctx.device)
         self.model = PolicyWithValueHead(lm, with_value_head=with_value_head).to(self.device)
         self.version = 0
