@@ -174,6 +174,9 @@ def main() -> int:
     ap.add_argument("--rayrlhf-compiled", action="store_true",
                     help="also run rayrlhf a second time with rollout.compile=true (vLLM compiled: faster steps, "
                          "a one-off compile at start-up, counted in its process wall clock)")
+    ap.add_argument("--compile-learner", action="store_true",
+                    help="with --rayrlhf-compiled: that run also sets train.compile=true (the learners' decoder "
+                         "layers compiled; the compile is in its first step)")
     args = ap.parse_args()
     if not Path(args.trl_python).exists():
         print(f"no TRL environment at {args.trl_python}: run `make trl-env` first", file=sys.stderr)
@@ -214,8 +217,10 @@ def main() -> int:
                 args.trl_generation, env={**os.environ, **KEEP_FREED_MEMORY_ENV})
             tools.append("trl_keep_freed_memory")
         if args.rayrlhf_compiled:
-            print("[vs_trl] rayrlhf GRPO again, with rollout.compile=true", flush=True)
-            results["rayrlhf_compiled"] = run_rayrlhf(cfg, tmp_path / "rayrlhf_compiled_run", ("rollout.compile=true",))
+            sets = ("rollout.compile=true",) + (("train.compile=true",) if args.compile_learner else ())
+            print(f"[vs_trl] rayrlhf GRPO again, with {' '.join(sets)}", flush=True)
+            results["rayrlhf_compiled"] = run_rayrlhf(cfg, tmp_path / "rayrlhf_compiled_run", sets)
+            results["rayrlhf_compiled"]["sets"] = list(sets)
             tools.append("rayrlhf_compiled")
         for name in tools:
             results[name]["summary"] = summarise(results[name], per_step)
