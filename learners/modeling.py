@@ -47,10 +47,9 @@ def compile_decoder_layers(lm: nn.Module) -> int:
     under ``torch.compile(dynamic=True)``, in place, and returns how many.
 
     In place, so the parameters keep their names: checkpoints, weight syncs and the optimiser see
-    the same tensors. The layers share their code, and Dynamo inlines modules, so one compiled
-    graph serves them all. Dynamic shapes from the start, because a batch's width and lengths
-    change every step. The embeddings, the final norm and the log-prob head stay eager: the head
-    is chunked over a data-dependent number of response positions.
+    the same tensors. Dynamic shapes from the start, because a batch's width and lengths change
+    every step. The embeddings, the final norm and the log-prob head stay eager: the head is
+    chunked over a data-dependent number of response positions.
     """
     base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
     layers = base.get_decoder().layers

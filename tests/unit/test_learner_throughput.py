@@ -136,11 +136,16 @@ def test_dpo_and_sft_share_weight_casts_with_the_same_gradients(tiny_model_path,
     _assert_same_gradients(shared, alone)
 
 
-def test_compiled_decoder_layers_give_the_eager_gradients(tiny_model_path):
+def _decoder_layers(lm):
+    return (lm.get_base_model() if hasattr(lm, "get_base_model") else lm).get_decoder().layers
+
+
+@pytest.mark.parametrize("lora", [None, {"r": 4, "alpha": 8}], ids=["full", "lora"])
+def test_compiled_decoder_layers_give_the_eager_gradients(tiny_model_path, lora):
     """``train.compile``: the decoder layers run under ``torch.compile`` (inductor, dynamic shapes)
-    with the eager gradients. A GRPO batch of shared prompts (packed tree rows) in 2
-    micro-batches, then from the same weights a batch of another width and length: a graph
-    compiled for the first shapes must not be reused wrongly for the second."""
+    with the eager gradients, fully trained or with LoRA adapters. A GRPO batch of shared prompts
+    (packed tree rows) in 2 micro-batches, then from the same weights a batch of another width
+    and length: a graph compiled for the first shapes must not be reused wrongly for the second."""
     import torch._dynamo
 
     torch._dynamo.reset()
@@ -151,11 +156,10 @@ def test_compiled_decoder_layers_give_the_eager_gradients(tiny_model_path):
         batches.append(experience(lm, ids, att, rm, [float(i % 2) for i in range(len(groups))], groups=groups,
                                   ref_shift=None))
     ppo = {"advantage_estimator": "grpo", "kl_coef": 0.0, "loss_agg": "token_mean"}
-    eager, compiled = (make_learner(tiny_model_path, train={"micro_batch_size": 4, "compile": c}, ppo=ppo)
+    eager, compiled = (make_learner(tiny_model_path, train={"micro_batch_size": 4, "compile": c}, ppo=ppo, lora=lora)
                        for c in (False, True))
-    layers = compiled.model.lm.get_decoder().layers
-    assert all(layer._compiled_call_impl is not None for layer in layers)
-    assert all(layer._compiled_call_impl is None for layer in eager.model.lm.get_decoder().layers)
+    assert all(layer._compiled_call_impl is not None for layer in _decoder_layers(compiled.model.lm))
+    assert all(layer._compiled_call_impl is None for layer in _decoder_layers(eager.model.lm))
     for batch in batches:
         compiled.model.load_state_dict(eager.model.state_dict())  # the same weights for both
         want, m_eager = step_with_grads(eager, batch.replace(policy_version=eager.version))
