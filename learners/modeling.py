@@ -42,6 +42,11 @@ def shared_weight_casts(bf16: bool, device: torch.device | str = "cpu"):
     return torch.autocast(device_type=torch.device(device).type, enabled=False)
 
 
+def decoder_layers(lm: nn.Module) -> nn.ModuleList:
+    """The decoder layers of ``lm``: a transformers causal LM, or a PEFT model around one."""
+    return (lm.get_base_model() if hasattr(lm, "get_base_model") else lm).get_decoder().layers
+
+
 def compile_decoder_layers(lm: nn.Module) -> int:
     """Puts every decoder layer of ``lm`` (a transformers causal LM, or a PEFT model around one)
     under ``torch.compile(dynamic=True)``, in place, and returns how many.
@@ -51,8 +56,7 @@ def compile_decoder_layers(lm: nn.Module) -> int:
     every step. The embeddings, the final norm and the log-prob head stay eager: the head is
     chunked over a data-dependent number of response positions.
     """
-    base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
-    layers = base.get_decoder().layers
+    layers = decoder_layers(lm)
     for layer in layers:
         layer.compile(dynamic=True)
     return len(layers)
