@@ -62,8 +62,8 @@ class GeneratorConfig:
 
     # Local transformers folder (safetensors): the initial policy, or a checkpoint to continue from.
     model_path: str
-    # Engine weight dtype: 'bfloat16' or 'float32'.
-    dtype: str = "bfloat16"
+    # Engine weight dtype: 'bfloat16', 'float32' or 'auto' (learners/precision.py).
+    dtype: str = "auto"
     # Prompts longer than this (after the chat template) are skipped and counted.
     max_prompt_tokens: int = 256
     # Response length limit.
@@ -114,7 +114,8 @@ class Generator:
 
     Args:
         model_path: local transformers folder (safetensors).
-        dtype: 'bfloat16' or 'float32' weights in the engine.
+        dtype: 'bfloat16' or 'float32' weights in the engine; 'auto': bfloat16 on a GPU or a CPU
+            with native bf16, float32 on other CPUs (``learners.precision.resolve_engine_dtype``).
         max_model_len: prompt + response token budget per sequence.
         seed: engine seed (per-request seeds crash the CPU sampler).
         kv_cache_gib: CPU KV-cache size.
@@ -128,7 +129,7 @@ class Generator:
     def __init__(
         self,
         model_path: str,
-        dtype: str = "bfloat16",
+        dtype: str = "auto",
         max_model_len: int = 512,
         seed: int = 0,
         kv_cache_gib: float = 1.0,
@@ -143,6 +144,9 @@ class Generator:
         configure_vllm_env(kv_cache_gib, threads, first_core, compile_cpu=compile and gpu_memory_utilization <= 0)
         from vllm import LLM  # heavy import at the edge: only generator processes pay it
 
+        from learners.precision import resolve_engine_dtype
+
+        dtype = resolve_engine_dtype(dtype, uses_gpu=gpu_memory_utilization > 0)
         t0 = time.time()
         # The same engine on either device: the installed vllm build decides where it runs, and
         # a GPU engine only needs its share of the GPU's memory.

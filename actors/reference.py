@@ -20,8 +20,9 @@ class ReferenceConfig:
 
     # The frozen policy: a local transformers folder (safetensors).
     model_path: str
-    # bf16 weights and autocast (halves memory; log-probs within ~1e-2 of fp32).
-    bf16: bool = False
+    # bf16 weights and autocast (halves memory; log-probs within ~1e-2 of fp32); "auto": where
+    # the device computes bf16 natively (learners/precision.py).
+    bf16: bool | str = False
     # Sequences per forward pass, and positions per chunk of vocabulary-sized logits.
     micro_batch_size: int = 8
     chunk: int = 1024
@@ -41,7 +42,7 @@ class Reference:
         self,
         model_path: str,
         *,
-        bf16: bool = False,
+        bf16: bool | str = False,
         micro_batch_size: int = 8,
         chunk: int = 1024,
         temperature: float = 1.0,
@@ -57,7 +58,9 @@ class Reference:
         # A frozen model needs no fp32 master copy: bf16 weights halve memory and skip autocast's
         # per-call weight casts.
         from learners.attention import register
+        from learners.precision import resolve_bf16
 
+        bf16 = resolve_bf16(bf16, device)
         self.model = AutoModelForCausalLM.from_pretrained(
             model_path, dtype=torch.bfloat16 if bf16 else torch.float32, trust_remote_code=trust_remote_code,
             attn_implementation=register(),

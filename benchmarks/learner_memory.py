@@ -11,11 +11,13 @@ the weights to bf16 in every micro-batch (no ``learners.modeling.shared_weight_c
 options off by default: ``full_compiled`` (``train.compile``: every decoder layer under
 ``torch.compile(dynamic=True)``) and, not in the product, ``full_bf16_weights`` (the policy's weights cast to bf16,
 no fp32 master copy: an upper bound on what bf16 parameters with fp32 master weights could save).
+Precision: every mode takes ``train.bf16: auto`` (bf16 autocast where the CPU computes bf16
+natively, fp32 elsewhere) except ``full_autocast`` (bf16 autocast always) and ``full_fp32``.
 
 Each mode runs in a fresh subprocess (peak RSS is per process), on the same synthetic batch
 (``--shape memory``: 16 full rows of 60 prompt + 48 response tokens, PPO's defaults: a critic
 and a KL term; ``--shape grpo``: ``configs/grpo_smollm2.yaml``'s 8 prompts x 4 samples of 10-48
-tokens with its settings: group advantages, no critic, no KL), bf16 autocast, each step on-policy. With
+tokens with its settings: group advantages, no critic, no KL), each step on-policy. With
 ``--rounds R`` the modes alternate R times (noise on a shared machine hits each alike).
 
     .venv/bin/python benchmarks/learner_memory.py [--modes full full_fused lora full_compiled full_bf16_weights]
@@ -86,7 +88,9 @@ def one(model: str, mode: str, steps: int, shape: str = "memory") -> dict:
 
         learners.modeling.PACKED_ROW_MAX = 0
     micro = int(mode[len("full_mb"):]) if mode.startswith("full_mb") else 16 if shape == "memory" else 8
-    train = TrainConfig(num_minibatches=1, micro_batch_size=micro, bf16=True, fused_logprobs=mode.endswith("_fused"),
+    # The product's `auto` precision, unless a mode names one (learners/precision.py).
+    bf16 = {"full_fp32": False, "full_autocast": True}.get(mode, "auto")
+    train = TrainConfig(num_minibatches=1, micro_batch_size=micro, bf16=bf16, fused_logprobs=mode.endswith("_fused"),
                         shared_prefix=mode != "full_unshared", compile=mode == "full_compiled")
     lora = LoRAConfig(enabled=True) if mode.startswith("lora") else None
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

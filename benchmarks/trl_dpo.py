@@ -52,9 +52,9 @@ def main() -> int:
         max_length=s["max_length"],
         precompute_ref_log_probs=True,
         precompute_ref_batch_size=s["pairs_per_step"],
-        # The fastest settings for this model on CPU: bf16 autocast over fp32 master weights (as
-        # rayrlhf), no activation recomputation.
-        bf16=True,
+        # The fastest settings for this model on CPU: bf16 autocast over fp32 master weights where
+        # the CPU computes bf16 natively, fp32 elsewhere (as rayrlhf decides it), no activation recomputation.
+        bf16=s.get("bf16", True),
         gradient_checkpointing=False,
         use_cpu=True,
         seed=s["seed"],

@@ -1,6 +1,6 @@
 """End to end against TRL: rayrlhf GRPO and TRL's GRPOTrainer on the same workload, one run.
 
-Same model (SmolLM2-135M-Instruct, fp32 master weights, bf16 autocast), task (reasoning-gym
+Same model (SmolLM2-135M-Instruct, fp32 master weights, bf16 autocast where the CPU computes bf16 natively, fp32 elsewhere), task (reasoning-gym
 basic_arithmetic, easy setting), prompts in the same order, prompts per step, samples per prompt,
 completion length, sampling (temperature 1, no top-k/top-p), reward function, loss (token mean
 over the batch, group-std advantages, clip 0.2, beta 0), optimiser (AdamW, constant lr, clip 1.0)
@@ -94,9 +94,9 @@ def run_trl(python: str, prompts_file: Path, model_path: str, out: Path, save: P
     return res
 
 
-def greedy_accuracy(model_dir: str, rows: list[dict], max_new_tokens: int) -> float:
-    """The same evaluator for every policy: transformers greedy decoding, bf16, chat template,
-    the task's checker on the extracted answer."""
+def greedy_accuracy(model_dir: str, rows: list[dict], max_new_tokens: int, bf16: bool = True) -> float:
+    """The same evaluator for every policy: transformers greedy decoding (bf16 weights, or fp32 where
+    the machine has no native bf16), chat template, the task's checker on the extracted answer."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -104,7 +104,7 @@ def greedy_accuracy(model_dir: str, rows: list[dict], max_new_tokens: int) -> fl
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     tok.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if bf16 else torch.float32).eval()
     chats = [tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True,
                                      tokenize=False) for r in rows]
     batch = tok(chats, return_tensors="pt", padding=True, add_special_tokens=False)
@@ -184,17 +184,22 @@ def main() -> int:
 
     from cluster.assets import resolve_model
 
+    from learners.precision import resolve_bf16
+
     cfg = load_cfg(args.steps, args.seed)
     model_path = resolve_model(cfg.model.path, cfg.model.cache_dir or None)
     steps, eval_rows = schedule(cfg)
+    # Both tools compute in what the preset's `auto` gives this machine: bf16 autocast where the
+    # CPU multiplies bf16 natively, fp32 where bf16 would be emulated (learners/precision.py).
+    bf16 = resolve_bf16(cfg.train.bf16, "cpu")
     settings = {
         "model": cfg.model.path, "task": cfg.data.task, "task_kwargs": cfg.data.task_kwargs, "seed": cfg.run.seed,
         "steps": cfg.run.steps, "prompts_per_step": cfg.rollout.prompts_per_step,
         "samples_per_prompt": cfg.rollout.samples_per_prompt, "max_new_tokens": cfg.model.max_new_tokens,
         "temperature": cfg.rollout.temperature, "lr": cfg.train.lr, "max_grad_norm": cfg.train.max_grad_norm,
         "clip_eps": cfg.ppo.clip_eps, "beta": cfg.ppo.kl_coef, "loss": "token mean over the batch (TRL: dapo)",
-        "advantages": "group mean / std (TRL: scale_rewards=group)", "precision": "fp32 weights, bf16 autocast",
-        "cpus": os.cpu_count(),
+        "advantages": "group mean / std (TRL: scale_rewards=group)", "precision": "fp32 weights, bf16 autocast" if bf16 else "fp32",
+        "bf16": bf16, "generator_dtype": cfg.model.generator_dtype, "cpus": os.cpu_count(),
     }
     per_step = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
     results: dict = {"settings": settings, "date": time.strftime("%Y-%m-%d")}
@@ -203,7 +208,7 @@ def main() -> int:
         prompts_file = tmp_path / "prompts.json"
         prompts_file.write_text(json.dumps({"settings": settings, "steps": steps}))
         print(f"[vs_trl] rayrlhf GRPO: {cfg.run.steps} steps x {per_step} completions", flush=True)
-        results["rayrlhf"] = run_rayrlhf(cfg, tmp_path / "rayrlhf_run")
+        results["rayrlhf"] = run_rayrlhf(cfg, tmp_path / "rayrlhf_run", (f"train.bf16={str(bf16).lower()}",))
         print(f"[vs_trl] TRL GRPOTrainer ({args.trl_generation}): same workload", flush=True)
         results["trl"] = run_trl(args.trl_python, prompts_file, model_path, tmp_path / "trl.json",
                                  tmp_path / "trl_model", args.trl_generation)
@@ -219,7 +224,8 @@ def main() -> int:
         if args.rayrlhf_compiled:
             sets = ("rollout.compile=true",) + (("train.compile=true",) if args.compile_learner else ())
             print(f"[vs_trl] rayrlhf GRPO again, with {' '.join(sets)}", flush=True)
-            results["rayrlhf_compiled"] = run_rayrlhf(cfg, tmp_path / "rayrlhf_compiled_run", sets)
+            results["rayrlhf_compiled"] = run_rayrlhf(cfg, tmp_path / "rayrlhf_compiled_run",
+                                                      sets + (f"train.bf16={str(bf16).lower()}",))
             results["rayrlhf_compiled"]["sets"] = list(sets)
             tools.append("rayrlhf_compiled")
         for name in tools:
@@ -228,7 +234,7 @@ def main() -> int:
             policies = [("base", model_path)] + [(n, results[n]["checkpoint"]) for n in ("rayrlhf", "trl", "rayrlhf_compiled")
                                                  if n in results]
             results["heldout_greedy_accuracy"] = {
-                name: greedy_accuracy(path, eval_rows, cfg.model.max_new_tokens) for name, path in policies
+                name: greedy_accuracy(path, eval_rows, cfg.model.max_new_tokens, bf16) for name, path in policies
             }
         for name in tools:
             results[name].pop("checkpoint")

@@ -45,6 +45,19 @@ def _split_commas(v: Any) -> Any:
 CommaList = Annotated[list[str], BeforeValidator(_split_commas)]
 
 
+def _bool_or_auto(v: Any) -> Any:
+    if isinstance(v, bool) or v == "auto":
+        return v
+    words = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
+    if isinstance(v, (str, int)) and str(v).strip().lower() in words:
+        return words[str(v).strip().lower()]
+    raise ValueError("must be true, false or 'auto'")
+
+
+# A switch whose default depends on the hardware: true, false or "auto".
+BoolOrAuto = Annotated[bool | Literal["auto"], BeforeValidator(_bool_or_auto)]
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, coerce_numbers_to_str=True)
 
@@ -86,7 +99,10 @@ class ModelConfig(Section):
     cache_dir: str = _f("", "Asset cache folder (default: $RAYRLHF_CACHE or ./.cache/rayrlhf).")
     max_prompt_tokens: int = _f(256, "Prompts longer than this (after the chat template) are skipped and counted.", ge=1)
     max_new_tokens: int = _f(64, "Maximum response length; a response cut here without EOS is 'truncated'.", ge=1)
-    generator_dtype: Literal["bfloat16", "float32"] = _f("bfloat16", "vLLM weight dtype.")
+    generator_dtype: Literal["auto", "bfloat16", "float32"] = _f(
+        "auto", "vLLM weight dtype (the weights a sync sends, too). auto: bfloat16 on GPUs and on CPUs that compute "
+                "bf16 natively (AVX512-BF16, AMX, Arm BF16), float32 on other CPUs, where bf16 is emulated and "
+                "several times slower; resolved once on the driver (learners/precision.py).")
     trust_remote_code: bool = _f(False, "Allow model repositories to run their own code (off: safe default).")
 
 
@@ -251,7 +267,11 @@ class TrainConfig(Section):
         ge=1,
     )
     micro_batch_size: int = _f(8, "Sequences per forward/backward pass on each learner (gradient accumulation).", ge=1)
-    bf16: bool = _f(True, "bf16 autocast in forward passes (learner master weights stay fp32; the reference holds bf16 weights).")
+    bf16: BoolOrAuto = _f(
+        "auto", "bf16 autocast in forward passes (learner master weights stay fp32; the reference holds bf16 weights). "
+                "auto: on where the learner's device computes bf16 natively (GPUs with bf16; CPUs with AVX512-BF16, "
+                "AMX or Arm BF16), off elsewhere (an AVX2 CPU multiplies bf16 about 7x slower than fp32); each "
+                "learner and the reference decide on their own device.")
     gradient_checkpointing: bool = _f(False, "Recompute activations in the backward pass (less memory, ~30% slower).")
     compile: bool = _f(
         False, "Run each decoder layer of the learners' policy under torch.compile (inductor, dynamic shapes) "
@@ -660,7 +680,17 @@ def build_config(data: dict) -> Config:
         cfg = Config.model_validate(data)
     except ValidationError as e:
         raise ConfigError(_format_error(e, data)) from None
-    return cfg.validate_run()
+    cfg = cfg.validate_run()
+    _resolve_generator_dtype(cfg)
+    return cfg
+
+
+def _resolve_generator_dtype(cfg: Config) -> None:
+    """``model.generator_dtype: auto`` as the dtype the engines load, decided here once: the
+    learners pack the weights they sync in it and the sync check's tolerance depends on it."""
+    from learners.precision import resolve_engine_dtype
+
+    cfg.model.generator_dtype = resolve_engine_dtype(cfg.model.generator_dtype, uses_gpu=cfg.rollout.gpus_per_generator > 0)
 
 
 def _set_dotted(data: dict, dotted: str, value: Any, where: str = "") -> None:

@@ -70,7 +70,7 @@ class TrainParams(Protocol):
     epochs: int
     num_minibatches: int
     micro_batch_size: int
-    bf16: bool
+    bf16: bool | str  # True, False or "auto" (learners/precision.py)
     gradient_checkpointing: bool
     compile: bool
     logprob_chunk: int

@@ -9,7 +9,9 @@ their loss, their extra modules (``extra_param_groups``) and their own state
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
+import logging
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -28,9 +30,23 @@ from learners.distributed import Collective
 from learners.experience import Experience
 from learners.modeling import PolicyWithValueHead, compile_decoder_layers, sequence_logprobs
 from learners.optim import make_scheduler
+from learners.precision import resolve_bf16
+
+log = logging.getLogger(__name__)
 
 # Device types with PyTorch's fused AdamW kernel.
 _FUSED_ADAMW_DEVICES = ("cpu", "cuda")
+
+
+def _with_resolved_bf16(train: TrainParams, device: str) -> TrainParams:
+    """``train`` with ``bf16: auto`` decided for this learner's device (a copy; explicit values kept)."""
+    if isinstance(train.bf16, bool):
+        return train
+    resolved = copy.copy(train)
+    resolved.bf16 = resolve_bf16(train.bf16, device)
+    log.info("train.bf16=%s on %s: %s", train.bf16, device,
+             "bf16 autocast" if resolved.bf16 else "fp32 (no native bf16 on this device)")
+    return resolved
 
 
 class PolicyLearner(Learner):
@@ -40,7 +56,7 @@ class PolicyLearner(Learner):
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(ctx.seed)
-        self.ctx, self.tr = ctx, train
+        self.ctx, self.tr = ctx, _with_resolved_bf16(train, ctx.device)
         self.comm = ctx.comm or Collective()
         from learners.attention import register
 

@@ -28,7 +28,8 @@ def add_parser(sub: Any) -> None:
     po.add_argument("--model-id", default="policy", help="name clients pass as 'model'")
     po.add_argument("--replicas", type=int, default=1, help="engine replicas")
     po.add_argument("--max-model-len", type=int, default=1024)
-    po.add_argument("--dtype", default="bfloat16")
+    po.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
+                    help="engine weights; auto: bfloat16 on GPUs and CPUs with native bf16, float32 elsewhere")
     po.add_argument("--max-tokens", type=int, default=512, help="largest max_tokens a request may ask for")
     po.add_argument("--max-n", type=int, default=8, help="largest n (and best-of-n) a request may ask for")
     po.add_argument("--best-of-n-scorer", default="", metavar="FUNCTION",

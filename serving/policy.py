@@ -197,13 +197,19 @@ Gateway = make_fastapi_ingress(PolicyGateway, app=app, endpoint_map=ENDPOINTS)
 
 
 def llm_config(model_path: str, *, model_id: str = DEFAULT_MODEL_ID, max_model_len: int = 1024,
-               dtype: str = "bfloat16", kv_cache_gib: float = 1.0, threads: int = 0, num_replicas: int = 1,
+               dtype: str = "auto", kv_cache_gib: float = 1.0, threads: int = 0, num_replicas: int = 1,
                autoscaling: dict | None = None, seed: int = 0, accelerator: str = "cpu", access_log: bool = False) -> Any:
     """``ray.serve.llm.LLMConfig`` of one served checkpoint (safetensors only, no remote code).
-    ``access_log``: Serve's per-request log lines (off: on a small machine they cost throughput)."""
+    ``access_log``: Serve's per-request log lines (off: on a small machine they cost throughput).
+    ``dtype`` "auto": bfloat16 on GPUs and on CPUs with native bf16, float32 on other CPUs, decided
+    on the machine that builds the config (``learners.precision``)."""
     import os
 
     from ray.serve.llm import LLMConfig
+
+    from learners.precision import resolve_engine_dtype
+
+    dtype = resolve_engine_dtype(dtype, uses_gpu=accelerator != "cpu")
 
     deployment: dict[str, Any] = {"ray_actor_options": {"num_cpus": 0}, "graceful_shutdown_timeout_s": 120,
                                   "logging_config": {"enable_access_log": access_log}}
