@@ -84,7 +84,6 @@ def main() -> None:
         return
 
     from cluster.actor_groups import KEEP_FREED_MEMORY_ENV
-    from learners.precision import cpu_has_native_bf16, resolve_bf16, resolve_engine_dtype
 
     me = str(Path(__file__).resolve())
     runs: list[dict] = []
@@ -102,7 +101,12 @@ def main() -> None:
                                   "--steps", str(a.learn_steps)], env={**os.environ, **KEEP_FREED_MEMORY_ENV})
                 runs.append({"round": r, "part": part, "contender": c, **res})
                 print(runs[-1], flush=True)
+                _write(a, runs)  # after every contender: a run cut short keeps what it measured
+    print(json.dumps({k: v for k, v in _write(a, runs).items() if k != "runs"}, indent=1))
 
+
+def summarise(runs: list[dict]) -> dict:
+    """Medians per contender: GFLOP/s, generated tokens/s, learner step seconds after the first."""
     summary: dict = {}
     mm = [x for x in runs if x["part"] == "matmul"]
     if mm:
@@ -115,17 +119,23 @@ def main() -> None:
         steps = [t for x in runs if x["part"] == "learn" and x["contender"] == mode for t in x["step_s"][1:]]
         if steps:
             summary[f"learn_{mode}_median_step_s"] = statistics.median(steps)
+    return summary
+
+
+def _write(a, runs: list[dict]) -> dict:
+    from learners.precision import cpu_has_native_bf16, resolve_bf16, resolve_engine_dtype
+
     result = {
         "date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "cpu_has_native_bf16": cpu_has_native_bf16(),
         "auto_resolves_to": {"train.bf16": resolve_bf16("auto", "cpu"),
                              "model.generator_dtype": resolve_engine_dtype("auto", uses_gpu=False)},
         "settings": {"batch": a.batch, "new_tokens": a.new_tokens, "repeats": a.repeats, "learn_steps": a.learn_steps,
                      "rounds": a.rounds},
-        "summary": summary, "runs": runs,
+        "summary": summarise(runs), "runs": runs,
     }
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=1))
-    print(json.dumps({k: result[k] for k in ("cpu_has_native_bf16", "auto_resolves_to", "summary")}, indent=1))
+    return result
 
 
 if __name__ == "__main__":
