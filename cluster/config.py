@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError
 from typing_extensions import Annotated
 
 from actors.judge import DEFAULT_PATTERN, DEFAULT_TEMPLATE, JudgeConfig
@@ -45,13 +45,17 @@ def _split_commas(v: Any) -> Any:
 CommaList = Annotated[list[str], BeforeValidator(_split_commas)]
 
 
+_BOOL = TypeAdapter(bool)
+
+
 def _bool_or_auto(v: Any) -> Any:
-    if isinstance(v, bool) or v == "auto":
+    """"auto", or whatever pydantic reads as a bool ("true", "off", 1, ...); one clear error otherwise."""
+    if v == "auto":
         return v
-    words = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
-    if isinstance(v, (str, int)) and str(v).strip().lower() in words:
-        return words[str(v).strip().lower()]
-    raise ValueError("must be true, false or 'auto'")
+    try:
+        return _BOOL.validate_python(v)
+    except ValidationError:
+        raise ValueError("must be true, false or 'auto'") from None
 
 
 # A switch whose default depends on the hardware: true, false or "auto".
