@@ -289,7 +289,8 @@ class TrainConfig(Section):
         "memory), at the cost of recomputing them (one more LM-head matmul).")
     shared_prefix: bool = _f(
         True,
-        "Forward passes run each prompt once for all its samples (samples_per_prompt > 1): a group "
+        "Forward passes run each prompt once for all its samples (samples_per_prompt > 1; a preference "
+        "pair's two responses): a group "
         "is one packed row with a tree mask (the continuations see the prompt and themselves), or, "
         "when longer than 1,024 tokens, the continuations attend to the prompt's cached keys/values. "
         "Same result, fewer FLOPs.",

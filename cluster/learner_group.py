@@ -50,6 +50,8 @@ class LearnerChannel:
 
 _REPORTED = ("loss/policy", "loss/value", "loss/total", "kl/ref_k1", "policy/clip_frac", "logprob_gap/mean_abs",
              "rewards/accuracy", "rewards/margin")
+# Ray Train 2.60's switch for its preemption watcher (``ray.train.v2._internal.constants``).
+PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
 # Environment variables rank 0 reports in its ``ready`` message.
 _REPORTED_ENV = ("OMP_NUM_THREADS", "MALLOC_ARENA_MAX", "MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_")
 
@@ -343,6 +345,11 @@ class LearnerGroup:
 
         self.spec = spec
         self.max_failures = max_failures = spec.max_failures
+        # Ray Train's preemption watcher (an extra actor per worker group, polling every node every
+        # 5 s) tells workers that a node is about to go; this loop does not act on that (a lost
+        # worker restarts the group from the last checkpoint either way). The driver's value
+        # reaches Train's controller; a user's own setting wins.
+        os.environ.setdefault(PREEMPTION_WATCHER_ENV, "0")
         self.channel = LearnerChannel.remote(spec.num_learners)
         workers = worker_scaling(spec)
         self.trainer = TorchTrainer(

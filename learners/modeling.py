@@ -107,20 +107,43 @@ class PolicyWithValueHead(nn.Module):
             dict with ``logprobs`` (B, L) float32, optionally ``values`` (B, L) float32 and
             ``entropy`` (B, L) float32 (detached), zero outside ``positions_mask``.
         """
-        decoder = self.lm.get_decoder()
-        hidden = None
-        if group_ids is not None and not getattr(self.lm, "is_gradient_checkpointing", False):
-            hidden = shared_prefix_hidden(decoder, input_ids, attention_mask, positions_mask, group_ids)
-        # Rows that ran through the shared-prefix path, for the learner's metrics.
-        self.rows_shared += input_ids.shape[0] if hidden is not None else 0
-        self.rows_total += input_ids.shape[0]
-        if hidden is None:
-            hidden = decoder(input_ids=input_ids, attention_mask=attention_mask.long()).last_hidden_state
+        hidden = self.hidden(input_ids, attention_mask, positions_mask, group_ids)
         return heads_at_positions(
             hidden, input_ids, positions_mask, self.lm.get_output_embeddings(),
             self.value_head if with_values else None,
             temperature=temperature, chunk=chunk, with_entropy=with_entropy, fused=fused,
         )
+
+
+    def hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, positions_mask: torch.Tensor,
+               group_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, L, H) last hidden states of the LM's decoder (``decoder_hidden``), counting the rows
+        that shared their prefix for the learner's metrics."""
+        hidden, shared = decoder_hidden(self.lm.get_decoder(), input_ids, attention_mask, positions_mask, group_ids)
+        self.rows_shared += input_ids.shape[0] if shared else 0
+        self.rows_total += input_ids.shape[0]
+        return hidden
+
+
+def decoder_hidden(
+    decoder: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    positions_mask: torch.Tensor | None = None,
+    group_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, bool]:
+    """(B, L, H) last hidden states of ``decoder`` and whether rows shared their prefix.
+
+    With ``group_ids`` (B,), rows of one group whose tokens agree up to their first
+    ``positions_mask`` position run that prefix once (``shared_prefix_hidden``); the states are
+    the same. Not under gradient checkpointing (it recomputes each layer from its inputs, which
+    the shared pass builds once), nor when nothing can be shared: then every row runs in full.
+    """
+    if group_ids is not None and positions_mask is not None and not getattr(decoder, "is_gradient_checkpointing", False):
+        hidden = shared_prefix_hidden(decoder, input_ids, attention_mask, positions_mask, group_ids)
+        if hidden is not None:
+            return hidden, True
+    return decoder(input_ids=input_ids, attention_mask=attention_mask.long()).last_hidden_state, False
 
 
 PACKED_ROW_MAX = 1024
@@ -443,14 +466,8 @@ def sequence_logprobs(
         width = max(int(lengths[idx].max()), 1)
         ids = input_ids[idx, :width]
         with autocast(bf16, input_ids.device):
-            decoder = lm.get_decoder()
-            hidden = None
-            if group_ids is not None:
-                hidden = shared_prefix_hidden(
-                    decoder, ids, attention_mask[idx, :width], positions_mask[idx, :width], group_ids[idx]
-                )
-            if hidden is None:
-                hidden = decoder(input_ids=ids, attention_mask=attention_mask[idx, :width].long()).last_hidden_state
+            hidden, _ = decoder_hidden(lm.get_decoder(), ids, attention_mask[idx, :width], positions_mask[idx, :width],
+                                       None if group_ids is None else group_ids[idx])
             out[idx, :width] = heads_at_positions(
                 hidden, ids, positions_mask[idx, :width], lm.get_output_embeddings(),
                 temperature=temperature, chunk=chunk,
@@ -458,13 +475,22 @@ def sequence_logprobs(
     return out
 
 
-def last_token_hidden(decoder: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def last_token_hidden(
+    decoder: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    positions_mask: torch.Tensor | None = None,
+    group_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, bool]:
     """(B, H) hidden state of each row's last attended token: where a reward model reads the
-    whole (prompt, response) sequence (InstructGPT's scalar head on the final token).
+    whole (prompt, response) sequence (InstructGPT's scalar head on the final token), and
+    whether rows shared their prefix.
 
     input_ids, attention_mask: (B, L); padding may sit anywhere after a row's last real token.
+    positions_mask, group_ids: as ``decoder_hidden`` (the responses, and the pair or group of
+    each row): a preference pair's two rows then run their prompt once.
     """
-    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask.long()).last_hidden_state
+    hidden, shared = decoder_hidden(decoder, input_ids, attention_mask, positions_mask, group_ids)
     positions = torch.arange(input_ids.shape[1], device=input_ids.device)
     last = (positions * attention_mask.long()).argmax(1)
-    return hidden[torch.arange(input_ids.shape[0], device=input_ids.device), last]
+    return hidden[torch.arange(input_ids.shape[0], device=input_ids.device), last], shared

@@ -36,7 +36,7 @@ from learners.advantages import episode_mask, q_learning_targets, token_rewards_
 from learners.base import LearnerContext, TrainParams
 from learners.experience import Experience, ExperienceError
 from learners.losses import conservative_penalty, cql_penalty, kl_penalty, td_loss
-from learners.modeling import autocast, max_q_after_positions, q_heads_at_positions, shared_prefix_hidden
+from learners.modeling import autocast, max_q_after_positions, q_heads_at_positions
 from learners.optim import ema_update_
 from learners.policy import PolicyLearner
 
@@ -129,14 +129,8 @@ class QLearner(PolicyLearner):
                 p.data = o
 
     def _hidden(self, part: Experience) -> torch.Tensor:
-        decoder = self.model.lm.get_decoder()
-        hidden = None
-        if self.tr.shared_prefix and not getattr(self.model.lm, "is_gradient_checkpointing", False):
-            hidden = shared_prefix_hidden(decoder, part.input_ids, part.attention_mask, part.response_mask,
-                                          part.group_ids)
-        if hidden is None:
-            hidden = decoder(input_ids=part.input_ids, attention_mask=part.attention_mask.long()).last_hidden_state
-        return hidden
+        return self.model.hidden(part.input_ids, part.attention_mask, part.response_mask,
+                                 part.group_ids if self.tr.shared_prefix else None)
 
     def _update_target(self) -> None:
         """After optimiser update ``self.updates``: a copy until ``target_start_step``, then an EMA
@@ -243,6 +237,7 @@ class QLearner(PolicyLearner):
             "learner/updates": float(self.updates),
             "learner/target_updates": float(self.target_updates),
             "learner/trainable_fraction": self.trainable_fraction,
+            "learner/prefix_shared_frac": self.model.rows_shared / max(self.model.rows_total, 1),
             "learner/tokens": float(mask.sum()),
             "learner/sequences": float(batch.batch_size),
             "learner/update_s": time.perf_counter() - t0,

@@ -67,10 +67,14 @@ class RewardModelLearner(PolicyLearner):
         self._init_optimizer([{"params": [head.weight], "lr": hp.head_lr or train.lr}],
                              updates_per_step=train.epochs * train.num_minibatches)
 
-    def rewards(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """(B,) rewards of whole sequences (prompt and response)."""
+    def rewards(self, part: Experience) -> torch.Tensor:
+        """(B,) rewards of whole sequences (prompt and response). A pair's two rows run their
+        shared prompt once (``train.shared_prefix``)."""
         with autocast(self.tr.bf16, self.device):
-            h = last_token_hidden(self.model.lm.get_decoder(), input_ids, attention_mask)
+            h, shared = last_token_hidden(self.model.lm.get_decoder(), part.input_ids, part.attention_mask,
+                                          part.response_mask, part.group_ids if self.tr.shared_prefix else None)
+        self.model.rows_shared += part.batch_size if shared else 0
+        self.model.rows_total += part.batch_size
         return self.model.value_head(h.float()).squeeze(-1)
 
     def train_step(self, batch: Experience) -> dict[str, float]:
@@ -84,6 +88,7 @@ class RewardModelLearner(PolicyLearner):
         if len(chosen) == 0:
             return {"learner/empty_batch": 1.0, "learner/pairs": 0.0, "learner/malformed_pairs": float(malformed)}
         self.model.train()
+        self.model.rows_shared = self.model.rows_total = 0
         totals = torch.zeros(len(_STATS), dtype=torch.float64, device=self.device)
         grad_norms = []
         for mini, mine in self.global_minibatches(torch.arange(len(chosen), device=self.device)):
@@ -99,6 +104,7 @@ class RewardModelLearner(PolicyLearner):
         metrics.update({
             "learner/lr": lr, "learner/pairs": float(len(chosen)), "learner/malformed_pairs": float(malformed),
             "learner/update_s": time.perf_counter() - t0, "policy/grad_norm": sum(grad_norms) / len(grad_norms),
+            "learner/prefix_shared_frac": self.model.rows_shared / max(self.model.rows_total, 1),
         })
         return metrics
 
@@ -116,7 +122,7 @@ class RewardModelLearner(PolicyLearner):
         """Forward/backward of a few pairs; returns their contribution to ``_STATS``."""
         rows = torch.stack([chosen, rejected], 1).reshape(-1)
         part = batch.select(rows).trimmed()
-        r = self.rewards(part.input_ids, part.attention_mask).view(-1, 2)
+        r = self.rewards(part).view(-1, 2)
         r_w, r_l = r[:, 0], r[:, 1]
         loss = bradley_terry_loss(r_w, r_l, margin=self.hp.margin, center_coef=self.hp.center_coef).sum() / global_pairs
         if not torch.isfinite(loss):
@@ -188,5 +194,5 @@ def load_reward_model(folder: str | Path, dtype: torch.dtype = torch.float32) ->
 def sequence_rewards(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """(B,) rewards of a loaded sequence-classification reward model, read at each row's last
     attended token exactly as the learner reads them (whatever the padding)."""
-    h = last_token_hidden(model.base_model, input_ids, attention_mask)
+    h, _ = last_token_hidden(model.base_model, input_ids, attention_mask)
     return model.score(h.to(model.score.weight.dtype)).squeeze(-1).float()

@@ -23,6 +23,11 @@ ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAYRLHF_CACHE", str(ROOT / ".cache" / "rayrlhf"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Ray Train's controller polls its workers every 2 s by default, so a finished learner group
+# took up to 2 s to be noticed and torn down after every run (about 30 runs in the suite). The
+# same poll finds a dead worker (tests/ray/test_failures.py) sooner; the learners' report pacing
+# follows the value (cluster/learner_group.py: report_gap_s).
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 
 # Token authentication with a token of our own, set before anything imports ray (it reads the
 # auth settings once): the default (~/.ray/auth_token, if some earlier cluster wrote one) would

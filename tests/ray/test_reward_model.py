@@ -48,6 +48,8 @@ def test_reward_model_training_raises_held_out_pairwise_accuracy(reward_model_ru
     evals = {r["step"]: r["eval/accuracy"] for r in rows if "eval/accuracy" in r}
     assert sorted(evals) == [0, 10, 20]
     assert evals[20] >= evals[0] + 0.15 and evals[20] >= 0.8, evals
+    # Each pair's two rows ran their shared prompt once (train.shared_prefix, on by default).
+    assert all(r["learner/prefix_shared_frac"] == 1.0 for r in rows if r["step"] > 0)
     config = json.loads((final / "config.json").read_text())
     assert config["architectures"] == ["LlamaForSequenceClassification"] and config["num_labels"] == 1
 

@@ -28,7 +28,7 @@ def test_loss_and_accuracy_match_a_naive_loop(tiny_model_path):
     learner = make_rm_learner(tiny_model_path)
     batch = preference_batch(tiny_lm(tiny_model_path), 4, ref_shift=None)
     with torch.no_grad():
-        r = learner.rewards(batch.input_ids, batch.attention_mask)
+        r = learner.rewards(batch)
     losses, correct = [], 0
     for g in range(4):
         a, b = 2 * g, 2 * g + 1
@@ -53,6 +53,25 @@ def test_two_learners_match_one(tiny_model_path):
     assert g1["g"].abs().sum() > 0
 
 
+def test_a_pair_runs_its_prompt_once_with_the_same_rewards_and_gradients(tiny_model_path):
+    """``train.shared_prefix``: a pair's two rows run their shared prompt once (a packed tree
+    row); the rewards, loss and gradients are those of running both rows in full."""
+    batch = preference_batch(tiny_lm(tiny_model_path), 5, seed=8, ref_shift=None)
+    out = {}
+    for shared in (True, False):
+        learner = make_rm_learner(tiny_model_path, seed=4, train={"shared_prefix": shared, "micro_batch_size": 4})
+        with torch.no_grad():
+            rewards = learner.rewards(batch)
+        grads, metrics = step_with_grads(learner, batch)
+        out[shared] = rewards, grads["g"], metrics
+    (r1, g1, m1), (r0, g0, m0) = out[True], out[False]
+    assert m1["learner/prefix_shared_frac"] == 1.0 and m0["learner/prefix_shared_frac"] == 0.0
+    torch.testing.assert_close(r1, r0, atol=1e-5, rtol=1e-5)
+    assert m1["loss/total"] == pytest.approx(m0["loss/total"], rel=1e-5)
+    assert g0.abs().max() > 0
+    torch.testing.assert_close(g1, g0, atol=3e-4 * float(g0.abs().max()), rtol=1e-4)
+
+
 def test_checkpoint_is_a_sequence_classifier_with_the_same_rewards(tiny_model_path, tmp_path):
     learner = make_rm_learner(tiny_model_path, seed=3)
     batch = preference_batch(tiny_lm(tiny_model_path), 3, ref_shift=None)
@@ -61,7 +80,7 @@ def test_checkpoint_is_a_sequence_classifier_with_the_same_rewards(tiny_model_pa
     model = load_reward_model(folder)
     assert type(model).__name__.endswith("ForSequenceClassification") and model.config.num_labels == 1
     with torch.no_grad():
-        mine = learner.rewards(batch.input_ids, batch.attention_mask)
+        mine = learner.rewards(batch)
         theirs = sequence_rewards(model, batch.input_ids, batch.attention_mask)
         # transformers' own pooling on one unpadded sequence gives the same number.
         n = int(batch.attention_mask[0].sum())
@@ -117,7 +136,7 @@ def test_reward_model_scorer_gives_the_learners_rewards(tiny_model_path, tmp_pat
     exp, _ = encode_pairs(rows, AutoTokenizer.from_pretrained(tiny_model_path), max_prompt_tokens=64,
                           max_response_tokens=16)
     with torch.no_grad():
-        expected = learner.rewards(exp.input_ids, exp.attention_mask).tolist()
+        expected = learner.rewards(exp).tolist()
     scorer = RewardModelScorer(str(folder), batch_size=1, max_tokens=64)
     values, skipped = scorer.score_texts(["What is 2 + 2?"] * 2, ["4", "five"], [{}, {}])
     assert values == pytest.approx(expected, abs=1e-5) and skipped == {}
