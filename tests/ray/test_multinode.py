@@ -16,18 +16,26 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.ray
 
 
-def _run(ray_cluster, tmp_path, layout: str) -> dict:
+@pytest.fixture(scope="module")
+def runs(ray_cluster, tmp_path_factory) -> dict[str, dict]:
+    """Both layouts, one after the other on one simulated cluster (its start is paid once)."""
+    out_dir = tmp_path_factory.mktemp("multinode")
     env = {**ray_cluster["env"]}
     env.pop("RAY_ADDRESS", None)
-    proc = subprocess.run([sys.executable, "-m", "tests.helpers.multinode_run", str(tmp_path), layout], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "tests.helpers.multinode_run", str(out_dir), "disaggregated",
+                           "colocated"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
-    return json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[len("RESULT "):])
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            layout, payload = line[len("RESULT "):].split(" ", 1)
+            results[layout] = json.loads(payload)
+    return results
 
 
-def test_two_generators_and_two_learners_on_separate_nodes_learn(ray_cluster, tmp_path):
-    res = _run(ray_cluster, tmp_path, "disaggregated")
+def test_two_generators_and_two_learners_on_separate_nodes_learn(runs):
+    res = runs["disaggregated"]
     nodes = res["nodes"]
     assert len(nodes) == 2
     gen_nodes = set(res["placement"]["generators"])
@@ -42,8 +50,8 @@ def test_two_generators_and_two_learners_on_separate_nodes_learn(ray_cluster, tm
     assert res["rewards"][-1] > res["rewards"][0] + 0.3, res["rewards"]
 
 
-def test_colocated_layout_puts_each_generator_on_its_learners_node_and_learns(ray_cluster, tmp_path):
-    res = _run(ray_cluster, tmp_path, "colocated")
+def test_colocated_layout_puts_each_generator_on_its_learners_node_and_learns(runs):
+    res = runs["colocated"]
     placement = res["placement"]
     assert placement["layout"] == "colocated" and not placement["generator_placement_group"]
     # One learner per node (STRICT_SPREAD), and generator i on learner rank i's node.
