@@ -77,8 +77,8 @@ def run_rayrlhf(cfg, run_dir: Path, extra: tuple[str, ...] = ()) -> dict:
 
 
 def run_trl(python: str, prompts_file: Path, model_path: str, out: Path, save: Path, generation: str,
-            env: dict | None = None) -> dict:
-    cmd = [python, str(ROOT / "benchmarks" / "trl_grpo.py"), "--prompts", str(prompts_file), "--model", model_path,
+            env: dict | None = None, prefix: tuple[str, ...] = ()) -> dict:
+    cmd = [*prefix, python, str(ROOT / "benchmarks" / "trl_grpo.py"), "--prompts", str(prompts_file), "--model", model_path,
            "--out", str(out), "--save", str(save), "--generation", generation]
     t0 = time.perf_counter()
     subprocess.run(cmd, cwd=ROOT, check=True, env=env)
@@ -145,7 +145,7 @@ def plot(results: dict, path: Path) -> None:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
     per = results["settings"]["prompts_per_step"] * results["settings"]["samples_per_prompt"]
-    for name in ("rayrlhf", "trl"):
+    for name in [n for n in results if isinstance(results[n], dict) and "steps" in results[n]]:
         steps = results[name]["steps"]
         seen = [s["step"] * per for s in steps]
         a.plot(seen, [s["reward"] for s in steps], marker="o", label=name)
@@ -177,6 +177,10 @@ def main() -> int:
     ap.add_argument("--compile-learner", action="store_true",
                     help="with --rayrlhf-compiled: that run also sets train.compile=true (the learners' decoder "
                          "layers compiled; the compile is in its first step)")
+    ap.add_argument("--realtime", action="store_true",
+                    help="also run rayrlhf with cluster.realtime_learners=true (its learner's updates under "
+                         "SCHED_FIFO) and TRL's whole process under the same policy (chrt -f 1): each tool "
+                         "given the same scheduling privilege. Needs root or CAP_SYS_NICE")
     args = ap.parse_args()
     if not Path(args.trl_python).exists():
         print(f"no TRL environment at {args.trl_python}: run `make trl-env` first", file=sys.stderr)
@@ -228,11 +232,18 @@ def main() -> int:
                                                       sets + (f"train.bf16={str(bf16).lower()}",))
             results["rayrlhf_compiled"]["sets"] = list(sets)
             tools.append("rayrlhf_compiled")
+        if args.realtime:
+            print("[vs_trl] rayrlhf GRPO again, with cluster.realtime_learners=true", flush=True)
+            results["rayrlhf_realtime"] = run_rayrlhf(cfg, tmp_path / "rayrlhf_realtime_run",
+                                                      ("cluster.realtime_learners=true", f"train.bf16={str(bf16).lower()}"))
+            print("[vs_trl] TRL GRPOTrainer again, under chrt -f 1 (SCHED_FIFO, priority 1)", flush=True)
+            results["trl_realtime"] = run_trl(args.trl_python, prompts_file, model_path, tmp_path / "trl_rt.json",
+                                              tmp_path / "trl_rt_model", args.trl_generation, prefix=("chrt", "-f", "1"))
+            tools += ["rayrlhf_realtime", "trl_realtime"]
         for name in tools:
             results[name]["summary"] = summarise(results[name], per_step)
         if not args.skip_eval:
-            policies = [("base", model_path)] + [(n, results[n]["checkpoint"]) for n in ("rayrlhf", "trl", "rayrlhf_compiled")
-                                                 if n in results]
+            policies = [("base", model_path)] + [(n, results[n]["checkpoint"]) for n in tools]
             results["heldout_greedy_accuracy"] = {
                 name: greedy_accuracy(path, eval_rows, cfg.model.max_new_tokens, bf16) for name, path in policies
             }
@@ -253,6 +264,11 @@ def main() -> int:
         results["ratios"]["compiled_median_step_s"] = t["median_step_s"] / c["median_step_s"]
         results["ratios"]["compiled_completions_per_s"] = c["completions_per_s"] / t["completions_per_s"]
         results["ratios"]["compiled_process_wall_s"] = t["process_wall_s"] / c["process_wall_s"]
+    if "rayrlhf_realtime" in results:
+        rt, trt = results["rayrlhf_realtime"]["summary"], results["trl_realtime"]["summary"]
+        results["ratios"]["realtime_median_step_s"] = t["median_step_s"] / rt["median_step_s"]
+        results["ratios"]["realtime_median_step_s_vs_trl_realtime"] = trt["median_step_s"] / rt["median_step_s"]
+        results["ratios"]["realtime_completions_per_s_vs_trl_realtime"] = rt["completions_per_s"] / trt["completions_per_s"]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))

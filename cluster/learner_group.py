@@ -87,6 +87,8 @@ class LearnerSpec:
     resources: dict = dataclasses.field(default_factory=dict)
     # Ray placement-group strategy of the workers' bundles.
     placement_strategy: str = "PACK"
+    # Each update under real-time scheduling (``cluster/realtime.py``), where permitted.
+    realtime: bool = False
     # Restarts of the worker group Ray Train may make after a worker dies (``FailureConfig``).
     max_failures: int = 0
     # Token ids of the verified-sync probe: rank 0 answers every weight sync with the policy's
@@ -112,6 +114,7 @@ def learner_spec(cfg: Config, model_path: str, pad_token_id: int, resume_from: s
         sync_dtype=cfg.model.generator_dtype, num_learners=cfg.cluster.num_learners,
         cpus_per_learner=cfg.cluster.cpus_per_learner, threads=cfg.cluster.threads,
         gpus_per_learner=cfg.cluster.gpus_per_learner, keep_freed_memory=cfg.cluster.keep_freed_memory,
+        realtime=cfg.cluster.realtime_learners,
         max_failures=cfg.cluster.learner_max_failures, probe_ids=list(probe_ids or []),
         resources=dict(cfg.cluster.learner_resources), placement_strategy=cfg.cluster.learner_placement_strategy,
     )
@@ -218,6 +221,7 @@ def _handle(item: dict, learner: Any, spec: LearnerSpec, comm: Any, peak_rss_gb:
     weights. Returns rank 0's reply (every rank computes; only rank 0's is sent)."""
     import torch
 
+    from cluster.realtime import realtime_threads
     from learners.experience import Experience
 
     step = item.get("step")
@@ -237,7 +241,10 @@ def _handle(item: dict, learner: Any, spec: LearnerSpec, comm: Any, peak_rss_gb:
     if item.get("evaluate"):  # held-out metrics only: no update, no weights
         return {"step": step, "metrics": learner.evaluate(batch), "version": learner.version}
     # Every rank gets the global batch and takes its own rows inside the learner.
-    metrics = learner.train_step(batch)
+    with realtime_threads(spec.realtime) as realtime:
+        metrics = learner.train_step(batch)
+    if spec.realtime:
+        metrics["learner/realtime"] = float(realtime)
     metrics["memory/learner_peak_gb"] = float(comm.all_reduce_max(torch.tensor([peak_rss_gb()], dtype=torch.float64)))
     reply: dict[str, Any] = {"step": step, "metrics": metrics, "version": learner.version}
     if comm.rank == 0:

@@ -1,8 +1,10 @@
-"""The real Ray Train learner group: two workers (gloo) on a batch take the same step as one."""
+"""The real Ray Train learner group: two workers (gloo) on a batch take the same step as one (the
+two under real-time scheduling, cluster.realtime_learners)."""
 
 import pytest
 import ray
 
+from cluster import realtime
 from cluster.actor_groups import KEEP_FREED_MEMORY_ENV
 from cluster.config import load_config
 from cluster.learner_group import LearnerGroup, learner_spec
@@ -35,6 +37,8 @@ def test_two_ray_train_workers_match_one(ray_cluster, tiny_model_path, tmp_path,
             f"model.path={tiny_model_path}", "train.bf16=false", "train.micro_batch_size=2", "model.generator_dtype=float32",
             f"ppo.advantage_estimator={estimator}", "ppo.kl_coef=0.1", "rollout.samples_per_prompt=2",
             f"cluster.num_learners={n}", "cluster.cpus_per_learner=1", "cluster.threads=1",
+            # The two-worker update runs under real-time scheduling: the same maths, only sooner.
+            f"cluster.realtime_learners={n == 2}",
         ])
         info, result = _learn(cfg, tiny_model_path, ref, tmp_path / f"n{n}")
         assert info["world"] == n
@@ -42,6 +46,8 @@ def test_two_ray_train_workers_match_one(ray_cluster, tiny_model_path, tmp_path,
         assert {k: info["env"][k] for k in KEEP_FREED_MEMORY_ENV} == KEEP_FREED_MEMORY_ENV
         out[n] = result["metrics"]
     one, two = out[1], out[2]
+    assert "learner/realtime" not in one
+    assert two["learner/realtime"] == float(realtime.throttled() and realtime.permitted())
     assert two["learner/local_sequences"] == 5.0  # rank 0 of 2: groups 10 and 30
     assert one["learner/local_sequences"] == 7.0
     for key in ("policy/grad_norm", "loss/policy", "loss/total", "kl/ref_k1", "advantage/mean"):
