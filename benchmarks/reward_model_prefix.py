@@ -35,7 +35,7 @@ def main() -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from actors.offline_data import answer_pairs, encode_pairs
+    from actors.offline_data import answer_pairs, encode_pairs, normalise_row
     from actors.tasks import load_prompts
     from cluster.assets import resolve_model
     from cluster.config import RewardModelConfig, TrainConfig
@@ -47,7 +47,8 @@ def main() -> None:
     path = resolve_model("smollm2-135m")
     tok = AutoTokenizer.from_pretrained(path)
     train_set, _ = load_prompts("spell_backward", 240, 0, 0, {}, "")
-    rows = answer_pairs(train_set.rows, seed=0)[: a.steps * a.pairs]
+    # As the run reads them from its preference file: each row normalised (prompt as chat messages).
+    rows = [normalise_row(r)[0] for r in answer_pairs(train_set.rows, seed=0)[: a.steps * a.pairs]]
     batch, skipped = encode_pairs(rows, tok, max_prompt_tokens=96, max_response_tokens=24)
     prompt_tokens = float((batch.attention_mask & ~batch.response_mask).sum(1).float().mean())
     reply_tokens = float(batch.response_mask.sum(1).float().mean())

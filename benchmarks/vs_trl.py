@@ -145,7 +145,7 @@ def plot(results: dict, path: Path) -> None:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
     per = results["settings"]["prompts_per_step"] * results["settings"]["samples_per_prompt"]
-    for name in [n for n in results if isinstance(results[n], dict) and "steps" in results[n]]:
+    for name in [n for n in results if isinstance(results[n], dict) and "summary" in results[n]]:
         steps = results[name]["steps"]
         seen = [s["step"] * per for s in steps]
         a.plot(seen, [s["reward"] for s in steps], marker="o", label=name)

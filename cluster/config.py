@@ -517,11 +517,13 @@ class ClusterConfig(Section):
     realtime_learners: bool = _f(
         False, "Learner workers run their threads under real-time scheduling (SCHED_FIFO, priority 1) during "
                "each update, so the periodic wake-ups of the node's other Ray processes wait for the update "
-               "instead of stalling its OpenMP threads (cluster/realtime.py). Measured on 2 CPU cores: 0.82x "
-               "the GRPO update of SmolLM2-135M (docs/benchmarks.md). The kernel's real-time throttling keeps "
-               "5% of each second for everything else; it needs CAP_SYS_NICE or an RLIMIT_RTPRIO >= 1, and "
-               "where it is not permitted (or throttling is off) the learners run as usual, logged once; "
-               "`learner/realtime` records whether it applied. Best on nodes dedicated to the run.")
+               "instead of stalling its OpenMP threads (cluster/realtime.py). Measured on 2 CPU cores: 0.83-0.92x "
+               "the GRPO update's time per token on SmolLM2-135M (docs/benchmarks.md). The kernel's real-time "
+               "throttling keeps 5% of each second for everything else; it needs CAP_SYS_NICE or an "
+               "RLIMIT_RTPRIO >= 1, and where it is not permitted (or throttling is off) the learners run as "
+               "usual, logged once; `learner/realtime` records whether it applied. Best on nodes dedicated to "
+               "the run: the update takes precedence over other work on its cores, also over an asynchronous "
+               "run's overlapping generation.")
     dashboard_host: str = _f("127.0.0.1", "Interface of a locally started Ray Dashboard.")
     include_dashboard: bool = _f(True, "Start the Ray Dashboard (bound to dashboard_host) with a local cluster.")
     temp_dir: str = _f("", "Ray session folder of a locally started cluster (default: Ray's).")
