@@ -181,7 +181,17 @@ def main() -> int:
                     help="also run rayrlhf with cluster.realtime_learners=true (its learner's updates under "
                          "SCHED_FIFO) and TRL's whole process under the same policy (chrt -f 1): each tool "
                          "given the same scheduling privilege. Needs root or CAP_SYS_NICE")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE...]",
+                    help="also run rayrlhf as `rayrlhf_NAME` with these config overrides (repeatable), e.g. "
+                         "--variant compiled_realtime:rollout.compile=true,train.compile=true,"
+                         "cluster.realtime_learners=true")
     args = ap.parse_args()
+    variants = []
+    for spec in args.variant:
+        name, _, sets = spec.partition(":")
+        if not name.isidentifier() or "=" not in sets:
+            ap.error(f"--variant {spec!r}: expected NAME:KEY=VALUE[,KEY=VALUE...]")
+        variants.append((f"rayrlhf_{name}", tuple(sets.split(","))))
     if not Path(args.trl_python).exists():
         print(f"no TRL environment at {args.trl_python}: run `make trl-env` first", file=sys.stderr)
         return 2
@@ -240,6 +250,11 @@ def main() -> int:
             results["trl_realtime"] = run_trl(args.trl_python, prompts_file, model_path, tmp_path / "trl_rt.json",
                                               tmp_path / "trl_rt_model", args.trl_generation, prefix=("chrt", "-f", "1"))
             tools += ["rayrlhf_realtime", "trl_realtime"]
+        for name, sets in variants:
+            print(f"[vs_trl] rayrlhf GRPO again ({name}), with {' '.join(sets)}", flush=True)
+            results[name] = run_rayrlhf(cfg, tmp_path / f"{name}_run", sets + (f"train.bf16={str(bf16).lower()}",))
+            results[name]["sets"] = list(sets)
+            tools.append(name)
         for name in tools:
             results[name]["summary"] = summarise(results[name], per_step)
         if not args.skip_eval:
@@ -269,6 +284,12 @@ def main() -> int:
         results["ratios"]["realtime_median_step_s"] = t["median_step_s"] / rt["median_step_s"]
         results["ratios"]["realtime_median_step_s_vs_trl_realtime"] = trt["median_step_s"] / rt["median_step_s"]
         results["ratios"]["realtime_completions_per_s_vs_trl_realtime"] = rt["completions_per_s"] / trt["completions_per_s"]
+    for name, _ in variants:
+        v = results[name]["summary"]
+        results["ratios"][f"{name}_median_step_s"] = t["median_step_s"] / v["median_step_s"]
+        if "trl_realtime" in results:
+            trt = results["trl_realtime"]["summary"]
+            results["ratios"][f"{name}_median_step_s_vs_trl_realtime"] = trt["median_step_s"] / v["median_step_s"]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))

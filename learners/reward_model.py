@@ -191,8 +191,13 @@ def load_reward_model(folder: str | Path, dtype: torch.dtype = torch.float32) ->
                                                               trust_remote_code=False)
 
 
-def sequence_rewards(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def sequence_rewards(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                     response_mask: torch.Tensor | None = None,
+                     group_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:
     """(B,) rewards of a loaded sequence-classification reward model, read at each row's last
-    attended token exactly as the learner reads them (whatever the padding)."""
-    h, _ = last_token_hidden(model.base_model, input_ids, attention_mask)
-    return model.score(h.to(model.score.weight.dtype)).squeeze(-1).float()
+    attended token exactly as the learner reads them (whatever the padding), and whether rows
+    shared their prompt: with ``response_mask`` and ``group_ids`` (B,), rows of one group whose
+    tokens agree up to their response run that prompt once (``last_token_hidden``), with the
+    same rewards."""
+    h, shared = last_token_hidden(model.base_model, input_ids, attention_mask, response_mask, group_ids)
+    return model.score(h.to(model.score.weight.dtype)).squeeze(-1).float(), shared

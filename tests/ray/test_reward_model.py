@@ -57,7 +57,8 @@ def test_reward_model_training_raises_held_out_pairwise_accuracy(reward_model_ru
 def test_ppo_with_the_trained_reward_model(reward_model_run, tmp_path):
     rm = reward_model_run[1]
     cfg = load_config(ROOT / "configs" / "ppo_tiny.yaml", [
-        "run.steps=2", "run.eval_every=0", "run.plot=false", "rollout.prompts_per_step=8", "data.train_size=16",
+        "run.steps=2", "run.eval_every=0", "run.plot=false", "rollout.prompts_per_step=4",
+        "rollout.samples_per_prompt=2", "data.train_size=16",
         "data.eval_size=4", "reward.function=reward_model", f"reward.model={rm}", "reward.cpus=0"])
     train(cfg, run_dir=tmp_path / "ppo")
     rows = _rows(tmp_path / "ppo")
@@ -65,4 +66,6 @@ def test_ppo_with_the_trained_reward_model(reward_model_run, tmp_path):
     assert all(r["reward/n"] == 8 and not r["skipped"].get("reward_too_long") for r in rows)
     # The scorer actor ran the reward model (its timing is in the metrics) and its scores vary.
     assert all(r["scorer/rm_seconds"] > 0 for r in rows)
+    # Each prompt's two samples ran their prompt once in the reward model.
+    assert all(r["scorer/rm_prompt_shared_frac"] == 1.0 for r in rows)
     assert all(r["reward/std"] > 0 for r in rows)

@@ -81,11 +81,12 @@ def test_checkpoint_is_a_sequence_classifier_with_the_same_rewards(tiny_model_pa
     assert type(model).__name__.endswith("ForSequenceClassification") and model.config.num_labels == 1
     with torch.no_grad():
         mine = learner.rewards(batch)
-        theirs = sequence_rewards(model, batch.input_ids, batch.attention_mask)
+        theirs, shared = sequence_rewards(model, batch.input_ids, batch.attention_mask)
         # transformers' own pooling on one unpadded sequence gives the same number.
         n = int(batch.attention_mask[0].sum())
         plain = model(input_ids=batch.input_ids[:1, :n]).logits[0, 0]
     torch.testing.assert_close(theirs, mine, atol=1e-5, rtol=1e-5)
+    assert shared is False  # no groups given: every row in full
     assert float(plain) == pytest.approx(float(mine[0]), abs=1e-5)
 
 
@@ -143,3 +144,20 @@ def test_reward_model_scorer_gives_the_learners_rewards(tiny_model_path, tmp_pat
     # Over the token budget: counted, never scored.
     values, skipped = RewardModelScorer(str(folder), max_tokens=8).score_texts(["What is 2 + 2?"], ["4"], [{}])
     assert values == [None] and skipped == {"reward_too_long": 1}
+
+
+def test_reward_model_scorer_runs_a_groups_prompt_once_with_the_same_rewards(tiny_model_path, tmp_path):
+    from actors.rm_scorer import RewardModelScorer
+
+    folder = make_rm_learner(tiny_model_path, seed=5).save(tmp_path / "rm", tokenizer_from=tiny_model_path)
+    # A GRPO batch: three samples of one prompt, interleaved with two of another.
+    prompts = ["What is 2 + 2?", "Spell cat backwards.", "What is 2 + 2?", "Spell cat backwards.", "What is 2 + 2?"]
+    replies = ["4", "tac", "five", "the word is tac", "2 + 2 = 4"]
+    alone = RewardModelScorer(str(folder), batch_size=1)  # one row per forward: nothing to share
+    expected, _ = alone.score_texts(prompts, replies, [{}] * 5)
+    assert alone.last_metrics["scorer/rm_prompt_shared_frac"] == 0.0
+    grouped = RewardModelScorer(str(folder), batch_size=8)
+    values, skipped = grouped.score_texts(prompts, replies, [{}] * 5)
+    assert grouped.last_metrics["scorer/rm_prompt_shared_frac"] == 1.0  # the shared pass ran
+    assert values == pytest.approx(expected, abs=1e-5) and skipped == {}
+    assert len(set(round(v, 4) for v in values)) == 5  # distinct rewards: each row read at its own reply
