@@ -515,10 +515,10 @@ class ClusterConfig(Section):
               "(docs/benchmarks.md). Their resident memory then stays near its peak between steps. Off: the C "
               "library's defaults.")
     realtime_learners: bool = _f(
-        False, "Learner workers run their threads under real-time scheduling (SCHED_FIFO, priority 1) during "
+        False, "CPU learner workers run their threads under real-time scheduling (SCHED_FIFO, priority 1) during "
                "each update, so the periodic wake-ups of the node's other Ray processes wait for the update "
-               "instead of stalling its OpenMP threads (cluster/realtime.py). Measured on 2 CPU cores: 0.83-0.92x "
-               "the GRPO update's time per token on SmolLM2-135M (docs/benchmarks.md). The kernel's real-time "
+               "instead of stalling its OpenMP threads (cluster/realtime.py). Measured on 2 CPU cores: from no gain to "
+               "0.83x the GRPO update's time on SmolLM2-135M, varying by hour (docs/benchmarks.md). The kernel's real-time "
                "throttling keeps 5% of each second for everything else; it needs CAP_SYS_NICE or an "
                "RLIMIT_RTPRIO >= 1, and where it is not permitted (or throttling is off) the learners run as "
                "usual, logged once; `learner/realtime` records whether it applied. Best on nodes dedicated to "
@@ -611,6 +611,9 @@ class Config(Section):
                                                        and rollout.gpus_per_generator > 0 and self.cluster.gpus_per_learner),
              "rollout.collective_backend=nccl needs rollout.weight_transport=collective, rollout.gpus_per_generator > 0 "
              "and cluster.gpus_per_learner=1 (NCCL sends between GPUs)"),
+            (not (self.cluster.realtime_learners and self.cluster.gpus_per_learner),
+             "cluster.realtime_learners is for CPU learners (their OpenMP threads share cores with Ray's processes); "
+             "a GPU learner's threads mostly wait for the GPU, and real-time waiting threads would starve the node"),
         ]
         for ok, msg in checks:
             if not ok:

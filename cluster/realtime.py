@@ -5,8 +5,8 @@ multiply waits for the slower of them. Every Ray worker process on the node wake
 every 10 ms (Ray's signal check), idle or not, and a run has about ten of them (generator, scorer,
 learner channel, Ray Train's controller and helpers). Each wake-up that lands on a learner thread
 stalls the whole update: measured on 2 cores, the same real GRPO batches took 1.12-1.20x as long in a
-Ray Train worker as in a plain process, and 0.83-0.92x the update's time per token with the
-learner's threads under ``SCHED_FIFO`` (docs/benchmarks.md). A ``SCHED_FIFO`` thread is not preempted by ordinary
+Ray Train worker as in a plain process, and from no gain to 0.83x the update's time (varying by
+hour) with the learner's threads under ``SCHED_FIFO`` (docs/benchmarks.md). A ``SCHED_FIFO`` thread is not preempted by ordinary
 (``SCHED_OTHER``) threads, so the wake-ups wait until the update's threads sleep.
 
 Safety: the kernel's real-time throttling (``kernel.sched_rt_runtime_us``, 95% of each second by

@@ -361,6 +361,7 @@ def test_cpu_learners_and_reference_keep_freed_memory():
     ({"cluster": {"gpus_per_learner": 1, "layout": "colocated"}}, "on GPUs use cluster.layout=disaggregated"),
     ({"rollout": {"weight_transport": "collective", "collective_backend": "nccl"}},
      "collective_backend=nccl needs .*gpus_per_generator > 0"),
+    ({"cluster": {"gpus_per_learner": 1, "realtime_learners": True}}, "realtime_learners is for CPU learners"),
 ])
 def test_gpu_settings_that_cannot_work_are_config_errors(change, message):
     from cluster.config import ConfigError
