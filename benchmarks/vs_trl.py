@@ -154,6 +154,7 @@ def plot(results: dict, path: Path) -> None:
     a.set_ylabel("mean train reward of the step")
     a.set_title("reward per sample (same prompts)")
     a.legend()
+    b.tick_params(axis="x", labelrotation=25)
     b.set_ylabel("completions / s")
     b.set_title(f"throughput, {per} completions per step")
     fig.tight_layout()
