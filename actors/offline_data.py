@@ -210,21 +210,28 @@ def _reply_ids(tokenizer: Any, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
 
 
-def _to_experience(seqs: list[tuple[list[int], list[int]]], group_ids: list[int], scores: list[float],
-                   completions: list[str], meta: list[dict[str, Any]], pad: int,
-                   skipped: dict[str, int]) -> Experience:
-    """Right-padded rows of (prompt, reply) token lists; the reply is the trained part."""
-    n = len(seqs)
+def pad_rows(seqs: list[tuple[list[int], list[int]]], pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(prompt ids, reply ids) rows, right-padded: input_ids (B, L), attention_mask (B, L) and
+    reply mask (B, L), with L the longest row (at least 1)."""
     length = max([len(p) + len(r) for p, r in seqs], default=1)
-    ids = torch.full((n, length), pad, dtype=torch.long)
-    att = torch.zeros(n, length, dtype=torch.bool)
+    ids = torch.full((len(seqs), length), pad, dtype=torch.long)
+    att = torch.zeros(len(seqs), length, dtype=torch.bool)
     resp = torch.zeros_like(att)
     for i, (prompt, reply) in enumerate(seqs):
         ids[i, : len(prompt) + len(reply)] = torch.tensor(prompt + reply)
         att[i, : len(prompt) + len(reply)] = True
         resp[i, len(prompt) : len(prompt) + len(reply)] = True
+    return ids, att, resp
+
+
+def _to_experience(seqs: list[tuple[list[int], list[int]]], group_ids: list[int], scores: list[float],
+                   completions: list[str], meta: list[dict[str, Any]], pad: int,
+                   skipped: dict[str, int]) -> Experience:
+    """Right-padded rows of (prompt, reply) token lists; the reply is the trained part."""
+    n = len(seqs)
+    ids, att, resp = pad_rows(seqs, pad)
     return Experience(
-        input_ids=ids, attention_mask=att, response_mask=resp, rollout_logprobs=torch.zeros(n, length),
+        input_ids=ids, attention_mask=att, response_mask=resp, rollout_logprobs=torch.zeros(ids.shape),
         group_ids=torch.tensor(group_ids, dtype=torch.long), truncated=torch.zeros(n, dtype=torch.bool),
         policy_version=0, completions=completions, meta=meta,
         scores=torch.tensor(scores, dtype=torch.float32), skipped=dict(skipped),

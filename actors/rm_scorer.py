@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from actors.offline_data import _prompt_ids, _reply_ids
+from actors.offline_data import _prompt_ids, _reply_ids, pad_rows
 from actors.scorer import TextScorer
 
 
@@ -31,7 +31,6 @@ class RewardModelScorer(TextScorer):
         self.batch_size, self.max_tokens, self.system_prompt = batch_size, max_tokens, system_prompt
         self.on_error = on_error
         self.last_metrics = {}
-        self.rows_shared = 0  # rows whose prompt ran once for their whole group, in the last call
 
     def encode(self, prompt: str, completion: str) -> tuple[list[int], list[int]]:
         """The prompt's and the reply's token ids, as the reward model's pairs were encoded."""
@@ -39,44 +38,37 @@ class RewardModelScorer(TextScorer):
                 _reply_ids(self.tok, completion))
 
     @torch.no_grad()
-    def rewards(self, rows: list[tuple[list[int], list[int]]]) -> list[float]:
+    def rewards(self, rows: list[tuple[list[int], list[int]]]) -> tuple[list[float], int]:
         """The model's reward of each (prompt ids, reply ids) row, ``batch_size`` rows at a time
-        (right-padded). Rows with the same prompt (a GRPO group's samples) are batched together
-        and run their prompt once, as the learner runs a pair's (``learners/modeling.py:
-        decoder_hidden``): the same rewards for fewer tokens."""
+        (right-padded), and how many rows ran their prompt once for their group. Rows with the
+        same prompt (a GRPO group's samples) are batched together and share that prompt, as the
+        learner's pairs do (``learners/modeling.py: decoder_hidden``): the same rewards for fewer
+        tokens."""
         from learners.reward_model import sequence_rewards
 
         prompt_group: dict[tuple[int, ...], int] = {}
         groups = [prompt_group.setdefault(tuple(p), len(prompt_group)) for p, _ in rows]
         order = sorted(range(len(rows)), key=lambda i: (groups[i], i))
-        out = [0.0] * len(rows)
+        out, rows_shared = [0.0] * len(rows), 0
         for s in range(0, len(order), self.batch_size):
             idx = order[s : s + self.batch_size]
-            width = max(len(rows[i][0]) + len(rows[i][1]) for i in idx)
-            ids = torch.full((len(idx), width), self.pad_id, dtype=torch.long)
-            mask = torch.zeros(len(idx), width, dtype=torch.bool)
-            reply = torch.zeros(len(idx), width, dtype=torch.bool)
-            for j, i in enumerate(idx):
-                prompt, completion = rows[i]
-                ids[j, : len(prompt) + len(completion)] = torch.tensor(prompt + completion)
-                mask[j, : len(prompt) + len(completion)] = True
-                reply[j, len(prompt) : len(prompt) + len(completion)] = True
+            ids, mask, reply = pad_rows([rows[i] for i in idx], self.pad_id)
             values, shared = sequence_rewards(self.model, ids, mask, reply, torch.tensor([groups[i] for i in idx]))
-            self.rows_shared += len(idx) if shared else 0
+            rows_shared += len(idx) if shared else 0
             for i, v in zip(idx, values.tolist()):
                 out[i] = v
-        return out
+        return out, rows_shared
 
     def score_texts(self, prompts: list[str], completions: list[str],
                     meta: list[dict[str, Any]]) -> tuple[list[float | None], dict[str, int]]:
         t0 = time.perf_counter()
         seqs = [self.encode(p, c) for p, c in zip(prompts, completions)]
         fits = [i for i, (p, c) in enumerate(seqs) if len(p) + len(c) <= self.max_tokens]
-        self.rows_shared = 0
         values: list[float | None] = [None] * len(seqs)
-        for i, r in zip(fits, self.rewards([seqs[i] for i in fits])):
+        rewards, rows_shared = self.rewards([seqs[i] for i in fits])
+        for i, r in zip(fits, rewards):
             values[i] = r
         counts = self._drop_or_raise(values, "reward_too_long", f"reward model (over {self.max_tokens} tokens)")
         self.last_metrics = {"scorer/rm_seconds": time.perf_counter() - t0,
-                             "scorer/rm_prompt_shared_frac": self.rows_shared / max(len(fits), 1)}
+                             "scorer/rm_prompt_shared_frac": rows_shared / max(len(fits), 1)}
         return values, counts

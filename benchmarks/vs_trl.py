@@ -193,6 +193,8 @@ def main() -> int:
         if not name.isidentifier() or "=" not in sets:
             ap.error(f"--variant {spec!r}: expected NAME:KEY=VALUE[,KEY=VALUE...]")
         variants.append((f"rayrlhf_{name}", tuple(sets.split(","))))
+    if args.realtime:
+        variants.insert(0, ("rayrlhf_realtime", ("cluster.realtime_learners=true",)))
     if not Path(args.trl_python).exists():
         print(f"no TRL environment at {args.trl_python}: run `make trl-env` first", file=sys.stderr)
         return 2
@@ -244,13 +246,10 @@ def main() -> int:
             results["rayrlhf_compiled"]["sets"] = list(sets)
             tools.append("rayrlhf_compiled")
         if args.realtime:
-            print("[vs_trl] rayrlhf GRPO again, with cluster.realtime_learners=true", flush=True)
-            results["rayrlhf_realtime"] = run_rayrlhf(cfg, tmp_path / "rayrlhf_realtime_run",
-                                                      ("cluster.realtime_learners=true", f"train.bf16={str(bf16).lower()}"))
             print("[vs_trl] TRL GRPOTrainer again, under chrt -f 1 (SCHED_FIFO, priority 1)", flush=True)
             results["trl_realtime"] = run_trl(args.trl_python, prompts_file, model_path, tmp_path / "trl_rt.json",
                                               tmp_path / "trl_rt_model", args.trl_generation, prefix=("chrt", "-f", "1"))
-            tools += ["rayrlhf_realtime", "trl_realtime"]
+            tools.append("trl_realtime")
         for name, sets in variants:
             print(f"[vs_trl] rayrlhf GRPO again ({name}), with {' '.join(sets)}", flush=True)
             results[name] = run_rayrlhf(cfg, tmp_path / f"{name}_run", sets + (f"train.bf16={str(bf16).lower()}",))
@@ -280,17 +279,14 @@ def main() -> int:
         results["ratios"]["compiled_median_step_s"] = t["median_step_s"] / c["median_step_s"]
         results["ratios"]["compiled_completions_per_s"] = c["completions_per_s"] / t["completions_per_s"]
         results["ratios"]["compiled_process_wall_s"] = t["process_wall_s"] / c["process_wall_s"]
-    if "rayrlhf_realtime" in results:
-        rt, trt = results["rayrlhf_realtime"]["summary"], results["trl_realtime"]["summary"]
-        results["ratios"]["realtime_median_step_s"] = t["median_step_s"] / rt["median_step_s"]
-        results["ratios"]["realtime_median_step_s_vs_trl_realtime"] = trt["median_step_s"] / rt["median_step_s"]
-        results["ratios"]["realtime_completions_per_s_vs_trl_realtime"] = rt["completions_per_s"] / trt["completions_per_s"]
     for name, _ in variants:
         v = results[name]["summary"]
         results["ratios"][f"{name}_median_step_s"] = t["median_step_s"] / v["median_step_s"]
-        if "trl_realtime" in results:
+        results["ratios"][f"{name}_completions_per_s"] = v["completions_per_s"] / t["completions_per_s"]
+        if "trl_realtime" in results:  # against TRL given the same scheduling privilege
             trt = results["trl_realtime"]["summary"]
             results["ratios"][f"{name}_median_step_s_vs_trl_realtime"] = trt["median_step_s"] / v["median_step_s"]
+            results["ratios"][f"{name}_completions_per_s_vs_trl_realtime"] = v["completions_per_s"] / trt["completions_per_s"]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))

@@ -71,11 +71,7 @@ def _set_policy(tids: list[int], policy: int, priority: int) -> list[int]:
         except ProcessLookupError:  # the thread ended meanwhile
             continue
         except PermissionError:
-            for t in done:
-                try:
-                    os.sched_setscheduler(t, os.SCHED_OTHER, os.sched_param(0))
-                except ProcessLookupError:
-                    pass
+            _set_policy(done, os.SCHED_OTHER, 0)  # lowering a policy is always permitted
             raise
     return done
 
