@@ -342,6 +342,13 @@ class PPOConfig(Section):
     rollout_is_cap: float = _f(2.0, "Cap of rollout_correction=truncate.", gt=0)
     rollout_is_low: float = _f(0.5, "Lower end of the band of rollout_correction=mask.", ge=0, le=1)
     rollout_is_high: float = _f(2.0, "Upper end of the band of rollout_correction=mask.", ge=1)
+    skip_zero_advantage: bool = _f(
+        True,
+        "Leave rows whose advantage is 0 at every token (a GRPO group whose samples all scored the same) out "
+        "of the learner's passes. Exact where they add nothing to any gradient (no critic, no KL term, no "
+        "entropy bonus, one minibatch; otherwise ignored): their tokens stay in the loss's normaliser. "
+        "Entropy, clip and log-prob-gap statistics then cover the rows that ran; learner/zero_advantage_rows "
+        "counts the others.")
 
     @property
     def uses_reference(self) -> bool:

@@ -70,6 +70,7 @@ class PPOParams(Protocol):
     rollout_is_cap: float
     rollout_is_low: float
     rollout_is_high: float
+    skip_zero_advantage: bool
 
     @property
     def uses_reference(self) -> bool: ...
@@ -173,6 +174,25 @@ class PPOLearner(PolicyLearner):
             advantages = group_baseline_advantages(seq_rewards, exp.group_ids, mask, estimator=hp.advantage_estimator)
         return advantages, returns, kl
 
+    def _inert_rows(self, exp: Experience, kl_coef: float) -> torch.Tensor | None:
+        """(B,) rows whose advantage is 0 at every response token, or None where leaving them out
+        would change the step.
+
+        Without a critic, a KL term (reward or loss) or an entropy bonus, a row's every loss term
+        is its advantage times a function of the ratio, so a row whose advantage is 0 everywhere
+        (a GRPO group whose samples all scored the same) adds an exact 0 to the loss and to every
+        gradient, whatever the policy. Its passes can be skipped as long as its tokens stay in the
+        normalisers; one minibatch keeps that exact (several would be drawn from the full rows)."""
+        hp = self.hp
+        # Reference log-probs feed KL statistics (and an adaptive controller) over every row.
+        if (not hp.skip_zero_advantage or self.use_critic or kl_coef != 0 or hp.kl_loss_coef or hp.entropy_coef
+                or self.tr.num_minibatches != 1 or hp.uses_reference or exp.ref_logprobs is not None):
+            return None
+        # kl_coef == 0: the advantages read the scores only (the log-probs enter multiplied by 0).
+        zeros = torch.zeros(exp.input_ids.shape, device=self.device)
+        advantages, _, _ = self._advantages(exp, zeros, zeros, zeros, 0.0)
+        return ~((advantages != 0) & exp.response_mask).any(1)
+
     # -- the update ------------------------------------------------------------------------------
     def train_step(self, batch: Experience) -> dict[str, float]:
         """One PPO iteration on the global batch (every rank passes the same batch)."""
@@ -197,8 +217,19 @@ class PPOLearner(PolicyLearner):
         batch = self._apply_truncation(batch)
         self.model.train()
         shape = tuple(batch.input_ids.shape)
-        local = batch.select(rows)
         kl_coef = float(self.kl_ctl.value)
+        inert = self._inert_rows(batch, kl_coef)
+        normalisers = None
+        if inert is not None:
+            # Rows that cannot move the weights run no pass at all; the ranks share the rest, and
+            # every loss keeps the whole batch's normalisers, so the step is the one without skipping.
+            mask_all = batch.response_mask
+            normalisers = (max(float(mask_all.sum()), 1.0), max(float(mask_all.any(1).sum()), 1.0))
+            active = (~inert).nonzero().flatten()
+            trained = batch.select(active.tolist())
+            shards = [[int(active[i]) for i in trained.shard_rows(r, comm.world)] for r in range(comm.world)]
+            rows = shards[comm.rank]
+        local = batch.select(rows)
         # One update on the whole batch (one epoch, one minibatch) from the weights that sampled it
         # is on-policy: the "old" policy is the current one, so its log-probs come from the
         # training forward pass itself instead of a second pass over the batch. In one micro-batch
@@ -234,7 +265,7 @@ class PPOLearner(PolicyLearner):
         with shared_weight_casts(tr.bf16, self.device):
             stats, grad_norms, local_old = self._update(
                 local, old_logprobs[rows], old_values[rows], advantages[rows], returns[rows],
-                fused_out=fused_out, streamed=streamed, on_policy=on_policy,
+                fused_out=fused_out, streamed=streamed, on_policy=on_policy, normalisers=normalisers,
             )
         if streamed:
             old_logprobs = self._gather(local_old, rows, shape)
@@ -253,8 +284,10 @@ class PPOLearner(PolicyLearner):
                 "kl/ref_k1": float(masked_mean(kl_penalty(old_logprobs, ref_logprobs, "k1"), mask)),
                 "kl/ref_k3": float(masked_mean(kl_penalty(old_logprobs, ref_logprobs, "k3"), mask)),
             })
+        # The old policy's log-probs exist for the rows that ran a pass.
+        ran = mask if inert is None else mask & ~inert[:, None]
         gap = (old_logprobs - batch.rollout_logprobs).abs()
-        _, gap_stats = rollout_importance_weights(old_logprobs, batch.rollout_logprobs, mask, "none")
+        _, gap_stats = rollout_importance_weights(old_logprobs, batch.rollout_logprobs, ran, "none")
         resp = mask.sum(1).float()
         metrics.update({
             "kl/coef": kl_coef,
@@ -265,8 +298,8 @@ class PPOLearner(PolicyLearner):
             "learner/lr": lr,
             "policy/grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
             "kl/penalty_per_seq": float((kl * mask).sum(1).mean()) * kl_coef,
-            "logprob_gap/mean_abs": float(masked_mean(gap, mask)),
-            "logprob_gap/max_abs": float(gap[mask].max()) if bool(mask.any()) else 0.0,
+            "logprob_gap/mean_abs": float(masked_mean(gap, ran)),
+            "logprob_gap/max_abs": float(gap[ran].max()) if bool(ran.any()) else 0.0,
             # KL(rollout policy || old policy), k3 from the rollout's tokens: the off-policy gap.
             "logprob_gap/kl_k3": float(gap_stats["kl_k3"]),
             "advantage/mean": float(masked_mean(advantages, mask)),
@@ -274,6 +307,8 @@ class PPOLearner(PolicyLearner):
             "learner/prep_s": t_prep,
             "learner/update_s": time.perf_counter() - t0 - t_prep,
             "learner/tokens": float(mask.sum()),
+            "learner/trained_tokens": float(ran.sum()),
+            "learner/zero_advantage_rows": float(inert.sum()) if inert is not None else 0.0,
             "learner/fused_old_pass": float(fused),
             "learner/streamed_old_pass": float(streamed),
             "learner/stale_batch": float(not fresh),
@@ -292,9 +327,12 @@ class PPOLearner(PolicyLearner):
     def _update(
         self, local: Experience, old_logprobs: torch.Tensor, old_values: torch.Tensor, advantages: torch.Tensor,
         returns: torch.Tensor, *, fused_out: dict[str, torch.Tensor] | None, streamed: bool, on_policy: bool,
+        normalisers: tuple[float, float] | None = None,
     ) -> tuple[dict[str, float], list[float], torch.Tensor]:
         """Minibatch epochs over this rank's rows; returns global stats, grad norms and (streamed)
-        the old log-probs the training passes produced."""
+        the old log-probs the training passes produced. ``normalisers`` (global tokens, sequences)
+        replace the rows' own counts in the losses when rows with no gradient were left out
+        (one minibatch); the statistics stay means over the rows that ran."""
         hp, tr, comm = self.hp, self.tr, self.comm
         n = local.batch_size
         mask = local.response_mask
@@ -309,6 +347,9 @@ class PPOLearner(PolicyLearner):
                 counts = torch.tensor([float(mask[mini].sum()), float(mask[mini].any(1).sum())], dtype=torch.float64,
                                       device=self.device)
                 g_tokens, g_seqs = (max(float(c), 1.0) for c in comm.all_reduce_sum(counts))
+                s_tokens = g_tokens  # statistics: means over the tokens that ran
+                if normalisers is not None:
+                    g_tokens, g_seqs = normalisers
                 self.optimizer.zero_grad(set_to_none=True)
                 if fused_out is None and len(mini):
                     # Micro-batches of similar length, each trimmed to its longest row, with a
@@ -321,6 +362,7 @@ class PPOLearner(PolicyLearner):
                     part = local if fused_out is not None else local.select(micro).trimmed()
                     width, mmask = part.seq_len, part.response_mask
                     w_tok = float(mmask.sum()) / g_tokens
+                    s_tok = float(mmask.sum()) / s_tokens
                     # The policy loss's share of its minibatch: by tokens or by sequences (loss_agg),
                     # so the sum over micro-batches and ranks is the global minibatch aggregate.
                     w_agg = w_tok if hp.loss_agg == "token_mean" else float(mmask.any(1).sum()) / g_seqs
@@ -333,8 +375,8 @@ class PPOLearner(PolicyLearner):
                             old_logprobs[micro, :width], part.rollout_logprobs, mmask, self.rollout_correction,
                             cap=hp.rollout_is_cap, low=hp.rollout_is_low, high=hp.rollout_is_high,
                         )
-                        totals["rollout_is/weight_mean"] += float(is_stats["weight_mean"]) * w_tok
-                        totals["rollout_is/corrected_frac"] += float(is_stats["corrected_frac"]) * w_tok
+                        totals["rollout_is/weight_mean"] += float(is_stats["weight_mean"]) * s_tok
+                        totals["rollout_is/corrected_frac"] += float(is_stats["corrected_frac"]) * s_tok
                     pg_loss, pg_stats = policy_loss_clipped(
                         out["logprobs"], old_logprobs[micro, :width], advantages[micro, :width], mmask,
                         clip_eps=hp.clip_eps, loss_agg=hp.loss_agg, loss_agg_constant=self.loss_agg_constant,
@@ -360,9 +402,11 @@ class PPOLearner(PolicyLearner):
                     loss.backward()
                     totals["loss/policy"] += float(pg_loss.detach()) * w_agg
                     totals["loss/total"] += float(loss.detach())
-                    totals["policy/entropy"] += float(masked_mean(out["entropy"], mmask)) * w_tok
-                    totals["policy/clip_frac"] += float(pg_stats["clip_frac"]) * w_tok
-                    totals["policy/approx_kl"] += float(pg_stats["approx_kl"]) * w_tok
+                    totals["policy/entropy"] += float(masked_mean(out["entropy"], mmask)) * s_tok
+                    totals["policy/clip_frac"] += float(pg_stats["clip_frac"]) * s_tok
+                    totals["policy/approx_kl"] += float(pg_stats["approx_kl"]) * s_tok
+                if normalisers is not None:
+                    self._zero_missing_gradients()
                 grad_norms.append(self._optimizer_step())
         n_updates = tr.epochs * tr.num_minibatches
         keys = list(_STATS)

@@ -25,17 +25,24 @@ def _learn(cfg, model_path, batch_ref, storage):
     return info, result
 
 
-@pytest.mark.parametrize("estimator", ["gae"])  # every estimator x split: tests/unit/test_multi_learner.py
+# gae: a critic and a KL term, every row runs. grpo without KL: the row whose score is its group's
+# mean (row 3: 0.5 in group 10's 1, 0, 0.5) has advantage 0 and no gradient; the two workers skip
+# it (ppo.skip_zero_advantage) while the one worker runs it, and the step is the same.
+# Every estimator x split: tests/unit/test_multi_learner.py.
+@pytest.mark.parametrize("estimator", ["gae", "grpo"])
 def test_two_ray_train_workers_match_one(ray_cluster, tiny_model_path, tmp_path, estimator):
     lm = tiny_lm(tiny_model_path)
     ids, att, rm = grouped_batch(lm.config.vocab_size, GROUPS, seed=3)
-    batch = experience(lm, ids, att, rm, [1.0, 0.0, 1.0, 0.5, 0.0, 0.0, 1.0], groups=GROUPS, ref_shift=0.05)
+    kl = 0.1 if estimator == "gae" else 0.0
+    batch = experience(lm, ids, att, rm, [1.0, 0.0, 1.0, 0.5, 0.0, 0.0, 1.0], groups=GROUPS,
+                       ref_shift=0.05 if kl else None)
     ref = ray.put(batch)
     out = {}
     for n in (1, 2):
         cfg = load_config(overrides=[
             f"model.path={tiny_model_path}", "train.bf16=false", "train.micro_batch_size=2", "model.generator_dtype=float32",
-            f"ppo.advantage_estimator={estimator}", "ppo.kl_coef=0.1", "rollout.samples_per_prompt=2",
+            f"ppo.advantage_estimator={estimator}", f"ppo.kl_coef={kl}", "rollout.samples_per_prompt=2",
+            "train.epochs=1", "train.num_minibatches=1", f"ppo.skip_zero_advantage={n == 2}",
             f"cluster.num_learners={n}", "cluster.cpus_per_learner=1", "cluster.threads=1",
             # The two-worker update runs under real-time scheduling: the same maths, only sooner.
             f"cluster.realtime_learners={n == 2}",
@@ -48,8 +55,13 @@ def test_two_ray_train_workers_match_one(ray_cluster, tiny_model_path, tmp_path,
     one, two = out[1], out[2]
     assert "learner/realtime" not in one
     assert two["learner/realtime"] == float(realtime.throttled() and realtime.permitted())
-    assert two["learner/local_sequences"] == 5.0  # rank 0 of 2: groups 10 and 30
-    assert one["learner/local_sequences"] == 7.0
-    for key in ("policy/grad_norm", "loss/policy", "loss/total", "kl/ref_k1", "advantage/mean"):
+    assert one["learner/local_sequences"] == 7.0 and one["learner/zero_advantage_rows"] == 0.0
+    if estimator == "gae":
+        assert two["learner/local_sequences"] == 5.0  # rank 0 of 2: groups 10 and 30
+        assert two["learner/zero_advantage_rows"] == 0.0
+    else:
+        assert two["learner/local_sequences"] == 4.0  # rank 0 of 2: groups 10 (less row 3) and 30
+        assert two["learner/zero_advantage_rows"] == 1.0
+    for key in ("policy/grad_norm", "loss/policy", "loss/total", "advantage/mean") + (("kl/ref_k1",) if kl else ()):
         assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-6), key
     assert one["policy/grad_norm"] > 0

@@ -175,3 +175,85 @@ def test_fused_head_logprobs_give_the_plain_paths_ppo_gradient(tiny_model_path, 
         torch.testing.assert_close(g_fused, g_plain, **tol)
         for k in ("loss/policy", "loss/total", "policy/entropy", "kl/ref_k1"):
             torch.testing.assert_close(m_fused[k], m_plain[k], atol=1e-5 if not bf16 else 1e-3, rtol=1e-4, msg=k)
+
+
+def _count_rows(learner):
+    """Wraps the learner's forward pass to count the rows it trains on (passes with gradients)."""
+    ran = []
+    forward = learner._forward
+
+    def counting(exp, *, grad):
+        ran.append(exp.batch_size if grad else 0)
+        return forward(exp, grad=grad)
+
+    learner._forward = counting
+    return ran
+
+
+def test_zero_advantage_rows_skip_their_passes_with_the_same_step(tiny_model_path):
+    """A GRPO group whose samples all scored the same has advantage 0 at every token: with no
+    critic, KL or entropy term its rows add exactly 0 to the loss and the gradient. Skipping
+    their passes (while their tokens stay in the token-mean normaliser) gives the same gradient
+    and loss as running them, on the fused path (one micro-batch) and the streamed one."""
+    lm = tiny_lm(tiny_model_path)
+    ids, att, rm = ragged_batch(lm.config.vocab_size)
+    exp = experience(lm, ids, att, rm, [1.0, 0.0, 0.2, 0.3, 0.3, 0.3], groups=[0, 0, 0, 1, 1, 1], ref_shift=None)
+    for micro in (6, 2):
+        train = {"lr": 1e-2, "epochs": 1, "num_minibatches": 1, "micro_batch_size": micro}
+        results = {}
+        for skip in (True, False):
+            learner = make_learner(tiny_model_path, train=train, ppo={
+                "advantage_estimator": "grpo", "kl_coef": 0.0, "skip_zero_advantage": skip})
+            ran = _count_rows(learner)
+            captured = []
+            learner.on_gradients = lambda params: captured.append(flat_grads(params))
+            results[skip] = (learner.train_step(exp), captured[0], sum(ran))
+        (m_s, g_s, rows_s), (m_f, g_f, rows_f) = results[True], results[False]
+        assert (rows_s, rows_f) == (3, 6), micro
+        assert m_s["learner/zero_advantage_rows"] == 3.0 and m_f["learner/zero_advantage_rows"] == 0.0
+        assert m_s["learner/trained_tokens"] == float(rm[:3].sum()) and m_f["learner/trained_tokens"] == float(rm.sum())
+        assert m_s["learner/tokens"] == m_f["learner/tokens"]
+        assert g_f.abs().sum() > 0
+        torch.testing.assert_close(g_s, g_f, **GRAD_TOL)
+        for k in ("loss/policy", "loss/total", "advantage/mean", "policy/grad_norm"):
+            torch.testing.assert_close(m_s[k], m_f[k], atol=1e-6, rtol=1e-4, msg=k)
+        # The log-prob gap is measured on the rows that ran: still the on-policy 0.
+        assert m_s["logprob_gap/max_abs"] < 1e-5
+
+
+def test_zero_advantage_rows_are_not_skipped_where_they_carry_a_gradient(tiny_model_path):
+    """An entropy bonus, a KL term or a critic gives a zero-advantage row a gradient of its own:
+    then every row runs."""
+    lm = tiny_lm(tiny_model_path)
+    ids, att, rm = ragged_batch(lm.config.vocab_size)
+    exp = experience(lm, ids, att, rm, [1.0, 0.0, 0.2, 0.3, 0.3, 0.3], groups=[0, 0, 0, 1, 1, 1], ref_shift=0.01)
+    for ppo in ({"entropy_coef": 0.01, "kl_coef": 0.0}, {"kl_coef": 0.05}, {"kl_coef": 0.0, "kl_loss_coef": 0.1}):
+        learner = make_learner(tiny_model_path, train={"micro_batch_size": 2},
+                               ppo={"advantage_estimator": "grpo", **ppo})
+        ran = _count_rows(learner)
+        m = learner.train_step(exp)
+        assert m["learner/zero_advantage_rows"] == 0.0 and sum(ran) == 6, ppo
+
+
+def test_a_batch_with_no_advantage_still_steps_the_optimiser(tiny_model_path):
+    """Every group scored evenly: no pass runs, yet AdamW steps every parameter with a zero
+    gradient (its moments from the step before still move the weights), exactly as when the
+    rows ran and added 0."""
+    lm = tiny_lm(tiny_model_path)
+    ids, att, rm = ragged_batch(lm.config.vocab_size)
+    groups = [0, 0, 0, 1, 1, 1]
+    # No zero-advantage row in the first batch: both learners take the identical first step.
+    first = experience(lm, ids, att, rm, [1.0, 0.0, 0.2, 0.0, 1.0, 0.3], groups=groups, ref_shift=None)
+    flat = experience(lm, ids, att, rm, [0.0, 0.0, 0.0, 1.0, 1.0, 1.0], groups=groups, ref_shift=None)
+    params = {}
+    for skip in (True, False):
+        learner = make_learner(tiny_model_path, train={"lr": 1e-2, "micro_batch_size": 2},
+                               ppo={"advantage_estimator": "grpo", "kl_coef": 0.0, "skip_zero_advantage": skip})
+        learner.train_step(first)
+        before = torch.cat([p.detach().reshape(-1).clone() for p in learner.trainable])
+        m = learner.train_step(flat)
+        assert m["learner/zero_advantage_rows"] == (6.0 if skip else 0.0)
+        assert m["loss/policy"] == 0.0 and m["policy/grad_norm"] == 0.0
+        params[skip] = torch.cat([p.detach().reshape(-1).clone() for p in learner.trainable])
+        assert (params[skip] - before).abs().max() > 1e-4  # the moments moved the weights
+    torch.testing.assert_close(params[True], params[False], atol=1e-7, rtol=0)

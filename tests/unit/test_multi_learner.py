@@ -129,3 +129,26 @@ def test_whole_batch_statistics_reinforce_pp_and_kl_controller(tiny_model_path):
     _, m1, results = _compare(tiny_model_path, batch, {"micro_batch_size": 2}, ppo)
     assert m1["kl/coef_next"] != m1["kl/coef"]
     assert all(m["kl/coef_next"] == pytest.approx(m1["kl/coef_next"], rel=1e-9) for _, m in results)
+
+
+def test_two_learners_skipping_zero_advantage_rows_match_one_running_them(tiny_model_path):
+    """Group 30 scores (0, 0): its rows have advantage 0 and no gradient. Two ranks that skip them
+    share the other groups (one each) and take the step of one learner that runs every row."""
+    lm = tiny_lm(tiny_model_path)
+    ids, att, rm = grouped_batch(lm.config.vocab_size, GROUPS, seed=3)
+    scores = [1.0, 0.0, 1.0, 0.2, 0.0, 0.0, 0.0]
+    batch = experience(lm, ids, att, rm, scores, groups=GROUPS, ref_shift=None)
+    for micro in (8, 2):  # fused and streamed
+        train = {"micro_batch_size": micro}
+        ppo = {"advantage_estimator": "grpo", "kl_coef": 0.0}
+        g1, m1 = _step(make_learner(tiny_model_path, train=train, ppo={**ppo, "skip_zero_advantage": False}),
+                       batch, Collective())
+        assert m1["learner/zero_advantage_rows"] == 0.0 and g1.abs().sum() > 0
+        learners = _learners(tiny_model_path, train, ppo, 2)
+        results = run_ranks(2, lambda rank, comm: _step(learners[rank], batch, comm))
+        assert sorted(m["learner/local_sequences"] for _, m in results) == [2.0, 3.0]
+        for g, m in results:
+            assert m["learner/zero_advantage_rows"] == 2.0
+            torch.testing.assert_close(g, g1, **TOL)
+            for key in ("loss/policy", "policy/grad_norm", "advantage/mean"):
+                assert m[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key

@@ -92,7 +92,8 @@ def test_learner_update_is_the_same_with_and_without_sharing(tiny_model_path):
         learner = make_learner(
             tiny_model_path, seed=0,
             train={"lr": 1e-2, "epochs": 1, "num_minibatches": 1, "micro_batch_size": 3, "shared_prefix": shared},
-            ppo={"advantage_estimator": "grpo", "kl_coef": 0.0},
+            # Every row runs (the single-sample group has advantage 0), so the micro-batches are as below.
+            ppo={"advantage_estimator": "grpo", "kl_coef": 0.0, "skip_zero_advantage": False},
         )
         captured = []
         learner.on_gradients = lambda params: captured.append(flat_grads(params))
