@@ -68,6 +68,7 @@ def run_rayrlhf(cfg, run_dir: Path, extra: tuple[str, ...] = ()) -> dict:
              "length": r["response/length_mean"], "truncated_frac": r["response/truncated_frac"],
              "learner_compute_s": r.get("learner/prep_s", 0.0) + r.get("learner/update_s", 0.0),
              "prefix_shared_frac": r.get("learner/prefix_shared_frac"),
+             "zero_advantage_rows": r.get("learner/zero_advantage_rows"),
              "phases": {k.split("/")[1][:-2]: r[k] for k in r if k.startswith("time/") and k.endswith("_s")
                         and k not in ("time/step_s", "time/elapsed_s")}}
             for r in rows
@@ -217,6 +218,8 @@ def main() -> int:
         "clip_eps": cfg.ppo.clip_eps, "beta": cfg.ppo.kl_coef, "loss": "token mean over the batch (TRL: dapo)",
         "advantages": "group mean / std (TRL: scale_rewards=group)", "precision": "fp32 weights, bf16 autocast" if bf16 else "fp32",
         "bf16": bf16, "generator_dtype": cfg.model.generator_dtype, "cpus": os.cpu_count(),
+        "zero_advantage_rows": "rayrlhf runs no pass for rows whose advantage is 0 (ppo.skip_zero_advantage, "
+                               "default on: the same loss and gradient); TRL runs them",
     }
     per_step = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
     results: dict = {"settings": settings, "date": time.strftime("%Y-%m-%d")}
