@@ -194,22 +194,28 @@ def test_zero_advantage_rows_skip_their_passes_with_the_same_step(tiny_model_pat
     """A GRPO group whose samples all scored the same has advantage 0 at every token: with no
     critic, KL or entropy term its rows add exactly 0 to the loss and the gradient. Skipping
     their passes (while their tokens stay in the token-mean normaliser) gives the same gradient
-    and loss as running them, on the fused path (one micro-batch) and the streamed one."""
+    and loss as running them: on the fused path (one micro-batch), the streamed one, and a stale
+    batch (sampled by an older version: a separate old pass, truncated importance weights)."""
     lm = tiny_lm(tiny_model_path)
     ids, att, rm = ragged_batch(lm.config.vocab_size)
-    exp = experience(lm, ids, att, rm, [1.0, 0.0, 0.2, 0.3, 0.3, 0.3], groups=[0, 0, 0, 1, 1, 1], ref_shift=None)
-    for micro in (6, 2):
+    scores, groups = [1.0, 0.0, 0.2, 0.3, 0.3, 0.3], [0, 0, 0, 1, 1, 1]
+    exp = experience(lm, ids, att, rm, scores, groups=groups, ref_shift=None)
+    stale = experience(lm, ids, att, rm, scores, groups=groups, ref_shift=None, version=-1)
+    stale = stale.replace(rollout_logprobs=stale.rollout_logprobs - 0.3 * rm.float())  # an older sampler
+    for micro, batch, correction in ((6, exp, "none"), (2, exp, "none"), (2, stale, "truncate")):
         train = {"lr": 1e-2, "epochs": 1, "num_minibatches": 1, "micro_batch_size": micro}
         results = {}
         for skip in (True, False):
             learner = make_learner(tiny_model_path, train=train, ppo={
-                "advantage_estimator": "grpo", "kl_coef": 0.0, "skip_zero_advantage": skip})
+                "advantage_estimator": "grpo", "kl_coef": 0.0, "skip_zero_advantage": skip,
+                "rollout_correction": correction})
             ran = _count_rows(learner)
             captured = []
             learner.on_gradients = lambda params: captured.append(flat_grads(params))
-            results[skip] = (learner.train_step(exp), captured[0], sum(ran))
+            results[skip] = (learner.train_step(batch), captured[0], sum(ran))
         (m_s, g_s, rows_s), (m_f, g_f, rows_f) = results[True], results[False]
         assert (rows_s, rows_f) == (3, 6), micro
+        assert m_s["learner/stale_batch"] == float(batch is stale)
         assert m_s["learner/zero_advantage_rows"] == 3.0 and m_f["learner/zero_advantage_rows"] == 0.0
         assert m_s["learner/trained_tokens"] == float(rm[:3].sum()) and m_f["learner/trained_tokens"] == float(rm.sum())
         assert m_s["learner/tokens"] == m_f["learner/tokens"]
@@ -217,8 +223,10 @@ def test_zero_advantage_rows_skip_their_passes_with_the_same_step(tiny_model_pat
         torch.testing.assert_close(g_s, g_f, **GRAD_TOL)
         for k in ("loss/policy", "loss/total", "advantage/mean", "policy/grad_norm"):
             torch.testing.assert_close(m_s[k], m_f[k], atol=1e-6, rtol=1e-4, msg=k)
-        # The log-prob gap is measured on the rows that ran: still the on-policy 0.
-        assert m_s["logprob_gap/max_abs"] < 1e-5
+        # The log-prob gap is measured on the rows that ran: the on-policy 0, or the stale 0.3.
+        assert abs(m_s["logprob_gap/max_abs"] - (0.3 if batch is stale else 0.0)) < 1e-5
+        if batch is stale:
+            torch.testing.assert_close(m_s["rollout_is/weight_mean"], m_f["rollout_is/weight_mean"])
 
 
 def test_zero_advantage_rows_are_not_skipped_where_they_carry_a_gradient(tiny_model_path):
