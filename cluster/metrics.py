@@ -15,6 +15,12 @@ import yaml
 log = logging.getLogger("rayrlhf.metrics")
 
 
+def _skipped_rows(row: dict[str, Any]) -> str:
+    """' (16/32 rows skipped)' where the learner left rows without advantage out of its passes."""
+    skipped, rows = row.get("learner/zero_advantage_rows"), row.get("learner/sequences")
+    return f" ({skipped:.0f}/{rows:.0f} rows skipped)" if skipped and rows else ""
+
+
 class RunLog:
     def __init__(self, run_dir: Path, total_steps: int, stream=None, keep_until_step: int | None = None) -> None:
         """``keep_until_step``: continue an existing log (a resumed run), dropping rows after that
@@ -79,7 +85,8 @@ class RunLog:
                 f" | {row.get('generate/tokens_per_s', float('nan')):.0f} tok/s"
                 f" | gen {row.get('time/generate_s', 0):.1f}s score {row.get('time/score_s', 0):.1f}s"
                 f" ref {row.get('time/reference_s', 0):.1f}s learn {row.get('time/learn_s', 0):.1f}s"
-                f" sync {row.get('time/sync_s', 0):.2f}s" + timing
+                + _skipped_rows(row)
+                + f" sync {row.get('time/sync_s', 0):.2f}s" + timing
             )
         else:  # offline (preference or supervised data): the learner's loss and metrics
             line = (

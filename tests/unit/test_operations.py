@@ -170,6 +170,22 @@ ROW = {"step": 4, "reward/mean": 0.5, "kl/ref_k1": 0.01, "loss/policy": -0.2, "l
        "sample": [["q", "a"]], "data/prompt_ids": [1, 2], "eval/accuracy": float("nan")}
 
 
+def test_the_progress_line_counts_the_rows_the_learner_skipped(tmp_path):
+    import io
+
+    from cluster.metrics import RunLog
+
+    out = io.StringIO()
+    run_log = RunLog(tmp_path, total_steps=2, stream=out)
+    row = {"step": 1, "reward/mean": 0.25, "reward/std": 0.4, "generate/tokens_per_s": 300.0,
+           "time/learn_s": 4.0, "learner/sequences": 32.0, "learner/zero_advantage_rows": 16.0}
+    run_log.progress(row)
+    run_log.progress({**row, "step": 2, "learner/zero_advantage_rows": 0.0})
+    first, second = out.getvalue().splitlines()
+    assert "learn 4.0s (16/32 rows skipped) sync" in first
+    assert "rows skipped" not in second and "learn 4.0s sync" in second
+
+
 def test_gauges_of_a_row():
     totals: dict[str, float] = {}
     values = {(m, tuple(sorted(t.items()))): v for m, v, t in gauge_values(ROW, totals)}
