@@ -346,9 +346,10 @@ class PPOConfig(Section):
         True,
         "Leave rows whose advantage is 0 at every token (a GRPO group whose samples all scored the same) out "
         "of the learner's passes. Exact where they add nothing to any gradient (no critic, no KL term, no "
-        "entropy bonus, one minibatch; otherwise ignored): their tokens stay in the loss's normaliser. "
-        "Entropy, clip and log-prob-gap statistics then cover the rows that ran; learner/zero_advantage_rows "
-        "counts the others.")
+        "entropy bonus, one minibatch; otherwise ignored): their tokens stay in the loss's normaliser, so the "
+        "gradient is the same up to float rounding (with dropout, other dropout draws). Entropy, clip and "
+        "log-prob-gap statistics then cover the rows that ran (absent when none did); learner/zero_advantage_rows "
+        "counts the others wherever skipping applies.")
 
     @property
     def uses_reference(self) -> bool:

@@ -82,6 +82,11 @@ _STATS = ("loss/policy", "loss/value", "loss/total", "policy/entropy", "policy/c
           "value/clip_frac", "rollout_is/weight_mean", "rollout_is/corrected_frac")
 
 
+# Statistics of the policy on the rows that ran a pass (absent when none did).
+_MEASURED_ON_RUN_ROWS = ("policy/entropy", "policy/clip_frac", "policy/approx_kl", "rollout_is/weight_mean",
+                         "rollout_is/corrected_frac", "logprob_gap/mean_abs", "logprob_gap/max_abs", "logprob_gap/kl_k3")
+
+
 class PPOLearner(PolicyLearner):
     name = "ppo"
     config_section = "ppo"
@@ -191,7 +196,10 @@ class PPOLearner(PolicyLearner):
         # kl_coef == 0: the advantages read the scores only (the log-probs enter multiplied by 0).
         zeros = torch.zeros(exp.input_ids.shape, device=self.device)
         advantages, _, _ = self._advantages(exp, zeros, zeros, zeros, 0.0)
-        return ~((advantages != 0) & exp.response_mask).any(1)
+        active = ((advantages != 0) & exp.response_mask).any(1).float()
+        # Every rank must shard the same rows; a GPU's unordered sums could leave one rank a 1-ulp
+        # advantage where another has 0, so a row any rank sees as active runs.
+        return self.comm.all_reduce_max(active) == 0
 
     # -- the update ------------------------------------------------------------------------------
     def train_step(self, batch: Experience) -> dict[str, float]:
@@ -225,9 +233,9 @@ class PPOLearner(PolicyLearner):
             # every loss keeps the whole batch's normalisers, so the step is the one without skipping.
             mask_all = batch.response_mask
             normalisers = (max(float(mask_all.sum()), 1.0), max(float(mask_all.any(1).sum()), 1.0))
-            active = (~inert).nonzero().flatten()
-            trained = batch.select(active.tolist())
-            shards = [[int(active[i]) for i in trained.shard_rows(r, comm.world)] for r in range(comm.world)]
+            active = (~inert).nonzero().flatten().tolist()
+            trained = batch.select(active)
+            shards = [[active[i] for i in trained.shard_rows(r, comm.world)] for r in range(comm.world)]
             rows = shards[comm.rank]
         local = batch.select(rows)
         # One update on the whole batch (one epoch, one minibatch) from the weights that sampled it
@@ -308,7 +316,6 @@ class PPOLearner(PolicyLearner):
             "learner/update_s": time.perf_counter() - t0 - t_prep,
             "learner/tokens": float(mask.sum()),
             "learner/trained_tokens": float(ran.sum()),
-            "learner/zero_advantage_rows": float(inert.sum()) if inert is not None else 0.0,
             "learner/fused_old_pass": float(fused),
             "learner/streamed_old_pass": float(streamed),
             "learner/stale_batch": float(not fresh),
@@ -316,6 +323,14 @@ class PPOLearner(PolicyLearner):
             "learner/sequences": float(b),
             "learner/local_sequences": float(len(rows)),
         })
+        if inert is not None:
+            # Rows left out because their advantage is 0 (rows with no response token, e.g. masked
+            # truncations, run no pass either way and are not counted).
+            metrics["learner/zero_advantage_rows"] = float((inert & mask.any(1)).sum())
+            if not bool(ran.any()):
+                # Nothing ran: no policy was measured, so no zeros that read as measurements.
+                for key in _MEASURED_ON_RUN_ROWS:
+                    metrics.pop(key, None)
         if self.use_critic:
             metrics.update({
                 "value/mean": float(masked_mean(old_values, mask)),

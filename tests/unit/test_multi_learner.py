@@ -143,7 +143,7 @@ def test_two_learners_skipping_zero_advantage_rows_match_one_running_them(tiny_m
         ppo = {"advantage_estimator": "grpo", "kl_coef": 0.0}
         g1, m1 = _step(make_learner(tiny_model_path, train=train, ppo={**ppo, "skip_zero_advantage": False}),
                        batch, Collective())
-        assert m1["learner/zero_advantage_rows"] == 0.0 and g1.abs().sum() > 0
+        assert "learner/zero_advantage_rows" not in m1 and g1.abs().sum() > 0
         learners = _learners(tiny_model_path, train, ppo, 2)
         results = run_ranks(2, lambda rank, comm: _step(learners[rank], batch, comm))
         assert sorted(m["learner/local_sequences"] for _, m in results) == [2.0, 3.0]
@@ -152,3 +152,17 @@ def test_two_learners_skipping_zero_advantage_rows_match_one_running_them(tiny_m
             torch.testing.assert_close(g, g1, **TOL)
             for key in ("loss/policy", "policy/grad_norm", "advantage/mean"):
                 assert m[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
+
+
+def test_two_learners_with_no_row_to_run_take_part_in_every_reduction(tiny_model_path):
+    """Every group scored evenly: neither rank runs a pass, both still make the same collective
+    calls (the helper fails on a hang or unequal counts) and step with zero gradients."""
+    lm = tiny_lm(tiny_model_path)
+    ids, att, rm = grouped_batch(lm.config.vocab_size, GROUPS, seed=3)
+    batch = experience(lm, ids, att, rm, [0.3, 0.3, 1.0, 0.3, 1.0, 0.0, 0.0], groups=GROUPS, ref_shift=None)
+    ppo = {"advantage_estimator": "grpo", "kl_coef": 0.0}
+    learners = _learners(tiny_model_path, {"micro_batch_size": 2}, ppo, 2)
+    results = run_ranks(2, lambda rank, comm: _step(learners[rank], batch, comm))
+    for g, m in results:
+        assert m["learner/zero_advantage_rows"] == 7.0 and m["learner/local_sequences"] == 0.0
+        assert g.abs().sum() == 0 and m["loss/policy"] == 0.0
