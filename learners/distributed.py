@@ -15,6 +15,14 @@ from __future__ import annotations
 import torch
 
 
+def fill_missing_gradients(params: list[torch.nn.Parameter]) -> None:
+    """Gives each parameter without a gradient a zero one: the optimiser then steps it (moments,
+    weight decay) as it would after a backward that added 0 to it."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+
+
 class Collective:
     """One process: every reduction is the identity."""
 
@@ -34,9 +42,7 @@ class Collective:
         One flat buffer, one reduction: per-tensor calls cost a round trip each."""
         if self.world == 1:
             return
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
+        fill_missing_gradients(params)
         flat = torch.cat([p.grad.reshape(-1).to(torch.float32) for p in params])
         flat = self.all_reduce_sum(flat)
         offset = 0

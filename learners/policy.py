@@ -120,13 +120,6 @@ class PolicyLearner(Learner):
             for mini in torch.tensor_split(order, self.tr.num_minibatches):
                 yield mini, mini[self.comm.rank :: self.comm.world]
 
-    def _zero_missing_gradients(self) -> None:
-        """Gives every trainable parameter without a gradient a zero one, so that the optimiser
-        still steps it (moments and weight decay) as it would after a backward that added 0."""
-        for p in self.trainable:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-
     def _optimizer_step(self) -> float:
         """Sums the local gradients across ranks (each rank's loss is already normalised by the
         global count), clips, steps the optimiser and the schedule; returns the gradient norm."""

@@ -29,6 +29,7 @@ from learners.advantages import (
     reinforce_pp_advantages,
 )
 from learners.base import CRITIC_DIR, LearnerContext, TrainParams
+from learners.distributed import fill_missing_gradients
 from learners.experience import Experience
 from learners.kl_control import make_kl_controller
 from learners.losses import (
@@ -179,9 +180,12 @@ class PPOLearner(PolicyLearner):
             advantages = group_baseline_advantages(seq_rewards, exp.group_ids, mask, estimator=hp.advantage_estimator)
         return advantages, returns, kl
 
-    def _inert_rows(self, exp: Experience, kl_coef: float) -> torch.Tensor | None:
-        """(B,) rows whose advantage is 0 at every response token, or None where leaving them out
-        would change the step.
+    def _inert_rows(
+        self, exp: Experience,
+    ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
+        """((B,) rows whose advantage is 0 at every response token, the (advantages, returns, KL)
+        of ``_advantages``, which then read the scores alone), or (None, None) where leaving rows
+        out would change the step.
 
         Without a critic, a KL term (reward or loss) or an entropy bonus, a row's every loss term
         is its advantage times a function of the ratio, so a row whose advantage is 0 everywhere
@@ -189,17 +193,18 @@ class PPOLearner(PolicyLearner):
         gradient, whatever the policy. Its passes can be skipped as long as its tokens stay in the
         normalisers; one minibatch keeps that exact (several would be drawn from the full rows)."""
         hp = self.hp
-        # Reference log-probs feed KL statistics (and an adaptive controller) over every row.
-        if (not hp.skip_zero_advantage or self.use_critic or kl_coef != 0 or hp.kl_loss_coef or hp.entropy_coef
-                or self.tr.num_minibatches != 1 or hp.uses_reference or exp.ref_logprobs is not None):
-            return None
-        # kl_coef == 0: the advantages read the scores only (the log-probs enter multiplied by 0).
+        # uses_reference covers every KL term (reward, loss, adaptive controller); reference
+        # log-probs would feed KL statistics over every row.
+        if (not hp.skip_zero_advantage or self.use_critic or hp.uses_reference or hp.entropy_coef
+                or self.tr.num_minibatches != 1 or exp.ref_logprobs is not None):
+            return None, None
+        # No KL term: the advantages read the scores only (the log-probs enter multiplied by 0).
         zeros = torch.zeros(exp.input_ids.shape, device=self.device)
-        advantages, _, _ = self._advantages(exp, zeros, zeros, zeros, 0.0)
-        active = ((advantages != 0) & exp.response_mask).any(1).float()
+        scored = self._advantages(exp, zeros, zeros, zeros, 0.0)
+        active = ((scored[0] != 0) & exp.response_mask).any(1).float()
         # Every rank must shard the same rows; a GPU's unordered sums could leave one rank a 1-ulp
         # advantage where another has 0, so a row any rank sees as active runs.
-        return self.comm.all_reduce_max(active) == 0
+        return self.comm.all_reduce_max(active) == 0, scored
 
     # -- the update ------------------------------------------------------------------------------
     def train_step(self, batch: Experience) -> dict[str, float]:
@@ -226,7 +231,7 @@ class PPOLearner(PolicyLearner):
         self.model.train()
         shape = tuple(batch.input_ids.shape)
         kl_coef = float(self.kl_ctl.value)
-        inert = self._inert_rows(batch, kl_coef)
+        inert, scored = self._inert_rows(batch)
         normalisers = None
         if inert is not None:
             # Rows that cannot move the weights run no pass at all; the ranks share the rest, and
@@ -267,7 +272,7 @@ class PPOLearner(PolicyLearner):
         has_ref = batch.ref_logprobs is not None
         # No KL term (beta = 0, no KL loss): no reference pass ran, and the penalty is an exact 0.
         ref_logprobs = batch.ref_logprobs if has_ref else old_logprobs
-        advantages, returns, kl = self._advantages(batch, old_logprobs, old_values, ref_logprobs, kl_coef)
+        advantages, returns, kl = scored or self._advantages(batch, old_logprobs, old_values, ref_logprobs, kl_coef)
         t_prep = time.perf_counter() - t0
 
         with shared_weight_casts(tr.bf16, self.device):
@@ -420,8 +425,8 @@ class PPOLearner(PolicyLearner):
                     totals["policy/entropy"] += float(masked_mean(out["entropy"], mmask)) * s_tok
                     totals["policy/clip_frac"] += float(pg_stats["clip_frac"]) * s_tok
                     totals["policy/approx_kl"] += float(pg_stats["approx_kl"]) * s_tok
-                if normalisers is not None:
-                    self._zero_missing_gradients()
+                if normalisers is not None:  # a rank may have run nothing: its gradients are 0
+                    fill_missing_gradients(self.trainable)
                 grad_norms.append(self._optimizer_step())
         n_updates = tr.epochs * tr.num_minibatches
         keys = list(_STATS)
