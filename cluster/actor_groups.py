@@ -250,6 +250,9 @@ class ScorerWorker:
                      "groups": out.group_ids.tolist(),
                      "metrics": dict(self.scorer.last_metrics), "peak_rss_gb": peak_rss_gb()}
 
+    def pid(self) -> int:
+        return os.getpid()
+
 
 class ReferenceWorker:
     def __init__(self, rcfg: ReferenceConfig) -> None:
@@ -261,6 +264,9 @@ class ReferenceWorker:
     def annotate(self, exp: Experience) -> tuple[Experience, dict]:
         out, dt = self.ref.annotate(exp)
         return out, {"seconds": dt, "peak_rss_gb": peak_rss_gb()}
+
+    def pid(self) -> int:
+        return os.getpid()
 
 
 class ReplayWorker:
@@ -386,8 +392,11 @@ class RolloutGroup:
             for i in range(cfg.rollout.num_generators)
         ]
         # reward.function=llm_judge without a judge model: the generators judge (no scorer actor).
+        # The scorer and the reference hold no run state: Ray restarts one that dies, and the
+        # work it had in hand is done again (``_redo_lost``).
         self.scorer = None if self_judging(cfg) else ray.remote(ScorerWorker).options(
-            num_cpus=cfg.reward.cpus, runtime_env=role_env(cfg.reward.threads)).remote(scorer_spec(cfg))
+            num_cpus=cfg.reward.cpus, runtime_env=role_env(cfg.reward.threads),
+            max_restarts=cfg.cluster.actor_max_restarts).remote(scorer_spec(cfg))
         # With LoRA the learner scores the reference itself (its base model, adapter disabled):
         # no second copy of the weights, so no reference actor.
         # Without any KL term (beta = 0) nothing needs the reference, so it is not started.
@@ -398,6 +407,10 @@ class RolloutGroup:
         self.weights_source: Any = None
         self.restarts = 0
         self.restart_log: list[dict] = []
+        # The scorer's and the reference's restarts: counts, and entries for the run's ledger.
+        self.actor_restarts = {"scorer": 0, "reference": 0}
+        self.actor_restart_log: dict[str, list[dict]] = {"scorer": [], "reference": []}
+        self._pids: dict[str, int] = {}
         self.reference = None
         # Generation for ``submit``/``collect``: work units to whichever generator is free; with a
         # scorer actor each finished unit is scored at once (scoring streams behind generation).
@@ -408,14 +421,83 @@ class RolloutGroup:
         if with_reference:
             self.reference = ray.remote(ReferenceWorker).options(
                 num_cpus=cfg.cluster.cpus_per_reference, num_gpus=cfg.cluster.gpus_per_reference,
+                max_restarts=cfg.cluster.actor_max_restarts,
                 runtime_env=role_env(cfg.cluster.threads, keep_freed_memory=cfg.cluster.keep_freed_memory
                                      and not cfg.cluster.gpus_per_reference),
             ).remote(reference_config(cfg, model_path))
 
     def wait_ready(self) -> list[float]:
-        if self.reference is not None:
-            ray.get(self.reference.__ray_ready__.remote())
+        for role, actor in (("scorer", self.scorer), ("reference", self.reference)):
+            if actor is not None:
+                self._pids[role] = ray.get(actor.pid.remote())
         return ray.get([g.ready.remote() for g in self.generators])
+
+    def restart_logs(self) -> dict[str, list[dict]]:
+        """Each role's restarts not yet in the ledger (the caller clears them)."""
+        return {"generator": self.restart_log, **self.actor_restart_log}
+
+    def restart_counts(self) -> dict[str, int]:
+        return {"generator": self.restarts, **self.actor_restarts}
+
+    def score_checked(self, exp_refs: list, pending: dict | None = None) -> tuple[list, list[dict]]:
+        """The records' rewards and the stats (for a ``submit``'s batch, ``pending``, the scores of
+        the units scored as they finished). A record whose scorer died on the way is scored again
+        once Ray restarted the scorer (``cluster.actor_max_restarts``)."""
+        if self.scorer is None:  # reward.function=llm_judge, no judge model: the policy judges itself
+            return self.judge(exp_refs)
+        if pending is not None:
+            units = pending["batch"].units
+            unscored, out, stats = [u.exp for u in units], [u.handed_on[0] for u in units], [u.handed_on[1] for u in units]
+        else:
+            unscored = list(exp_refs)
+            calls = [self.scorer.score.options(num_returns=2).remote(e) for e in unscored]
+            out, stats = [c[0] for c in calls], [c[1] for c in calls]
+        return self._redo_lost("scorer", self.scorer.score, unscored, out, stats)
+
+    def annotate_checked(self, exp_refs: list) -> tuple[list, list[dict]]:
+        """``annotate_reference`` and its stats, each record annotated again if the reference died."""
+        out, stats = self.annotate_reference(exp_refs)
+        if self.reference is None:
+            return out, []
+        return self._redo_lost("reference", self.reference.annotate, list(exp_refs), out, stats)
+
+    def _redo_lost(self, role: str, method: Any, inputs: list, out: list, stats: list) -> tuple[list, list[dict]]:
+        """Waits for each call's stats; a call lost with its actor is made again on the restarted
+        actor. A restart between calls (nothing lost) is noticed too (a new process id)."""
+        out, stats, got = list(out), list(stats), []
+        for k, record in enumerate(inputs):
+            while True:
+                try:
+                    got.append(ray.get(stats[k]))
+                    break
+                except ray.exceptions.RayActorError as e:
+                    self._note_restart(role, f"{type(e).__name__} during a call; its records done again")
+                    out[k], stats[k] = method.options(num_returns=2).remote(record)
+        self._note_restart(role, "between calls; nothing lost")
+        return out, got
+
+    def _note_restart(self, role: str, reason: str, timeout_s: float = 600) -> None:
+        """Waits until the actor answers; a new process id is one restart (counted once, however
+        many calls it cost)."""
+        actor = self.scorer if role == "scorer" else self.reference
+        t0 = time.time()
+        while True:
+            try:
+                pid = ray.get(actor.pid.remote(), timeout=60)
+                break
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
+                gone = isinstance(e, ray.exceptions.ActorDiedError) and "max_restarts" in str(e).lower()
+                if gone or time.time() - t0 > timeout_s:
+                    raise RuntimeError(f"the {role} died and did not come back (cluster.actor_max_restarts="
+                                       f"{self.cfg.cluster.actor_max_restarts}): {e}") from e
+                time.sleep(0.5)
+        if pid == self._pids.get(role):
+            return
+        self._pids[role] = pid
+        self.actor_restarts[role] += 1
+        self.actor_restart_log[role].append({"reason": reason, "seconds": round(time.time() - t0, 2)})
+        print(f"[rayrlhf] the {role} died ({reason}); Ray restarted it (restart {self.actor_restarts[role]} of at "
+              f"most {self.cfg.cluster.actor_max_restarts})", flush=True)
 
     def nodes(self) -> list[str]:
         """The Ray node of each generator."""
@@ -447,31 +529,36 @@ class RolloutGroup:
             return None
         return tuple(self.scorer.score.options(num_returns=2).remote(unit.exp))
 
-    def judge(self, exp_refs: list, seed: int | None = None) -> tuple[list, list]:
+    def judge(self, exp_refs: list, seed: int | None = None) -> tuple[list, list[dict]]:
         """Each record (a work unit's) judged by a generator, round robin: the judge is the
-        generators' current weights, which they all hold (see ``actors/judge.py``)."""
+        generators' current weights, which they all hold (see ``actors/judge.py``). Waits for the
+        judgements; a generator that dies is restarted (``recover``) and its records judged again."""
         jcfg = self.cfg.judge_config()
         n = len(self.generators)
-        out = [self.generators[i % n].judge.options(num_returns=2).remote(e, jcfg, None if seed is None else seed + 7919 * i)
-               for i, e in enumerate(exp_refs)]
-        return [o[0] for o in out], [o[1] for o in out]
+
+        def call(i: int, record: Any) -> Any:
+            return self.generators[i % n].judge.options(num_returns=2).remote(
+                record, jcfg, None if seed is None else seed + 7919 * i)
+
+        calls = [call(i, e) for i, e in enumerate(exp_refs)]
+        stats, recovered = [], set()
+        for i, record in enumerate(exp_refs):
+            while True:
+                try:
+                    stats.append(ray.get(calls[i][1]))
+                    break
+                except ray.exceptions.RayActorError as e:
+                    if i % n not in recovered:  # its other records' calls died with it: one restart
+                        recovered.add(i % n)
+                        self.recover(i % n, reason=f"{type(e).__name__} while judging")
+                    calls[i] = call(i, record)
+        return [c[0] for c in calls], stats
 
     def generate_texts(self, prompts: list[str], group_ids: list[int], n: int, temperature: float,
                        seed: int | None = None, on_reissue: Any = None) -> tuple[list, list[dict]]:
         """``n`` samples of each text prompt (SPIN's demonstrations) through the pool, like
         ``generate_checked``: work units by load, re-issued when a generator dies, seeded by unit."""
         return self.collect(self.submit(prompts, group_ids, seed=seed, texts=(n, temperature)), on_reissue)
-
-    def score(self, exp_refs: list, pending: dict | None = None) -> tuple[list, list]:
-        """Rewards of the records; for a ``submit``'s batch (``pending``) whose units were scored
-        as they finished, those scores."""
-        if pending is not None and self.scorer is not None:
-            units = pending["batch"].units
-            return [u.handed_on[0] for u in units], [u.handed_on[1] for u in units]
-        if self.scorer is None:  # reward.function=llm_judge, no judge model: the policy judges itself
-            return self.judge(exp_refs)
-        pairs = [self.scorer.score.options(num_returns=2).remote(e) for e in exp_refs]
-        return [p[0] for p in pairs], [p[1] for p in pairs]
 
     def annotate_reference(self, exp_refs: list) -> tuple[list, list]:
         if self.reference is None:

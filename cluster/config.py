@@ -89,6 +89,9 @@ class RunConfig(Section):
         "", "Early stopping: a held-out metric logged at evaluations (e.g. eval/loss/total, eval/accuracy); "
         "empty: off.")
     early_stop_patience: int = _f(3, "Early stopping: evaluations without improvement before the run stops (and saves).", ge=1)
+    early_stop_keep_best: bool = _f(
+        False, "Early stopping: save a checkpoint at each improvement and, on stopping, make the best one the run's "
+        "final checkpoint (later ones removed) instead of the stopping step's.")
     early_stop_mode: Literal["auto", "min", "max"] = _f(
         "auto", "Early stopping: whether lower or higher is better (auto: min for metrics named loss/nll, else max).")
 
@@ -378,6 +381,18 @@ class DPOConfig(Section):
     )
     pair_prompts: int = _f(
         256, "Without data.preference_file: prompts whose candidates give a pair (best vs worst; spin: one each).", ge=1)
+    fresh_prompts: bool = _f(
+        True, "Without data.preference_file, in a staged run: each iteration (stage) of generated pairs draws prompts "
+        "that the run's earlier iterations did not (the paper's iterations use new prompts); false: every "
+        "iteration draws the same ones.")
+    prompt_offset: int = _f(
+        0, "Prompts of the pair stream already drawn before this stage (set by `stages` from the earlier "
+        "iterations' pair counts when fresh_prompts is on).", ge=0)
+    target_pairs: int = _f(
+        0, "Without data.preference_file (scorer, self_judge): draw dpo.pair_prompts prompts at a time until this "
+        "many pairs formed or max_pair_prompts prompts were drawn (the shortfall counted); 0: one draw.", ge=0)
+    max_pair_prompts: int = _f(
+        0, "The prompt budget of target_pairs (0: 4 x pair_prompts).", ge=0)
     candidates: int = _f(4, "Candidates sampled per prompt for scorer / self_judge pairs (n).", ge=2)
     candidate_temperature: float = _f(0.7, "Sampling temperature of the candidates (and of SPIN's own replies).", ge=0)
     min_score_gap: float = _f(0.0, "A scored pair forms only when best - worst > this gap.", ge=0)
@@ -485,8 +500,9 @@ class LoRAConfig(Section):
 class ClusterConfig(Section):
     address: str = _f(
         "",
-        "Ray cluster to join ('auto', 'ray://...', or host:port). Empty: join the cluster in RAY_ADDRESS "
-        "(as under `ray job submit`) or else start a local one.",
+        "Ray cluster to join ('auto', 'ray://...', or host:port), or 'local' to start a run's own. Empty: join "
+        "the cluster in RAY_ADDRESS (as under `ray job submit`), else a head `ray start` left running on this "
+        "machine, else start a local one (the first progress line says which).",
     )
     num_cpus: int = _f(0, "CPUs of a locally started cluster (0: enough logical CPUs for all roles).", ge=0)
     num_learners: int = _f(1, "Ray Train learner workers (data-parallel: gloo on CPU, NCCL on GPUs).", ge=1)
@@ -512,6 +528,9 @@ class ClusterConfig(Section):
         2, "Times Ray Train restarts the learner workers after one dies (FailureConfig); the learners reload "
            "the last checkpoint and the steps since are replayed from the object store (0: a lost learner ends the run).",
         ge=0)
+    actor_max_restarts: int = _f(
+        3, "Times Ray restarts the scorer or the reference actor after it dies; the records it had in hand are "
+           "scored or annotated again (each restart in the ledger).", ge=0)
     metrics_export: bool = _f(True, "Export the run's metrics as Ray metrics (Prometheus on each node's metrics "
                                     "export port, the Ray Dashboard, Grafana).")
     threads: int = _f(0, "Torch threads of learners and the reference (0: all cores of the node).", ge=0)

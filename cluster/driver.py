@@ -49,6 +49,29 @@ def stage_done(stage_dir: Path, cfg: Config) -> Path | None:
     return ckpt if finished else None
 
 
+def _pair_source(cfg: Config) -> tuple[str, ...] | None:
+    """The rows a stage makes generated pairs from (None: it makes none)."""
+    if cfg.run.algorithm not in ("dpo", "reward_model") or cfg.data.preference_file:
+        return None
+    if cfg.dpo.pairs == "spin" and cfg.data.demonstration_file:
+        return ("demonstrations", cfg.data.demonstration_file)
+    return ("task", cfg.data.task, json.dumps(cfg.data.task_kwargs, sort_keys=True), str(cfg.data.train_size))
+
+
+def with_prompt_offset(cfg: Config, earlier: list[tuple[Path, Config]]) -> Config:
+    """A stage that makes pairs starts its prompt stream after the prompts the earlier stages of
+    the run drew from the same rows (their ``data/pairs_counts.json``), with ``dpo.fresh_prompts``."""
+    source = _pair_source(cfg)
+    if source is None or not cfg.dpo.fresh_prompts:
+        return cfg
+    offset = 0
+    for stage_dir, stage_cfg in earlier:
+        counts = stage_dir / "data" / "pairs_counts.json"
+        if _pair_source(stage_cfg) == source and counts.is_file():
+            offset += int(json.loads(counts.read_text()).get("prompts", 0))
+    return cfg.model_copy(update={"dpo": cfg.dpo.model_copy(update={"prompt_offset": offset})})
+
+
 def train_stages(cfg: Config, run_dir: str | Path | None = None, resume: bool = False) -> RunResult:
     """Runs the stages one after another in ``<run dir>/stages/<NN>-<name>/``; each starts from
     the previous stage's final checkpoint (which is also its reference model). On resume,
@@ -81,6 +104,8 @@ def train_stages(cfg: Config, run_dir: str | Path | None = None, resume: bool = 
             if previous is not None:  # model t+1 starts from, and is referenced to, model t
                 scfg = scfg.model_copy(update={"model": scfg.model.model_copy(update={"path": str(previous)})})
                 model_path = str(previous)
+            earlier = [(root / STAGES_DIR / f"{j:02d}-{n}", c) for j, (n, c) in enumerate(stages[:i])]
+            scfg = with_prompt_offset(scfg, earlier)
             done = stage_done(stage_dir, scfg)
             if done is not None:
                 print(f"[rayrlhf] stage {i} ({name}): finished earlier, checkpoint {done}", flush=True)

@@ -1,5 +1,6 @@
-"""The per-prompt ledger of a run: what happened to every prompt drawn, so that a lost or
-repeated prompt is visible and countable.
+"""The ledger of a run's units: what happened to every prompt (or preference pair, or
+demonstration) drawn, so that a lost or repeated unit is visible and countable. The records
+below say "prompt"; the ``units`` record names the run's kind of unit.
 
 ``<run dir>/ledger.jsonl`` is append-only, one JSON record per line:
 
@@ -16,6 +17,7 @@ repeated prompt is visible and countable.
 * ``trained``  {step, uid, samples, version}: the prompt's samples were in the learners' update
   of ``step`` (``version``: the policy version after it);
 * ``restart``  {step, role, detail}: a generator or the learners restarted;
+* ``units``    {kind}: the first record: what a uid names (``prompt``, ``pair``, ``demonstration``);
 * ``resume``   {step}: the run resumed from its checkpoint of ``step``; records of later steps
   before it are void (the resumed run runs those steps again).
 
@@ -32,17 +34,20 @@ from pathlib import Path
 from typing import Any, Iterable
 
 LEDGER_FILE = "ledger.jsonl"
-EVENTS = ("issued", "reissued", "scored", "dropped", "trained", "restart", "resume")
+EVENTS = ("units", "issued", "reissued", "scored", "dropped", "trained", "restart", "resume")
 _COUNTED = ("issued", "reissued", "scored", "trained", "dropped")
 
 
 class Ledger:
     """Appends a run's records; counts them for the metrics (``ledger/<event>``)."""
 
-    def __init__(self, run_dir: Path, resume_step: int | None = None) -> None:
+    def __init__(self, run_dir: Path, resume_step: int | None = None, unit: str = "prompt") -> None:
         self.path = Path(run_dir) / LEDGER_FILE
         self.counts: Counter[str] = Counter()
-        if resume_step is not None and self.path.is_file():
+        if not self.path.is_file():
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._write([{"event": "units", "kind": unit}])
+        elif resume_step is not None:
             self._write([{"event": "resume", "step": resume_step}])
             self.counts.update(r["event"] for r in valid_records(read_ledger(self.path)) if r["event"] in _COUNTED)
 
@@ -95,7 +100,9 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         if r["event"] == "dropped":
             reasons.update({k: int(v) for k, v in (r.get("reasons") or {"unknown": r.get("samples", 1)}).items()})
 
+    kinds = [r["kind"] for r in records if r["event"] == "units"]
     return {
+        "unit": kinds[0] if kinds else "prompt",
         "prompts": {
             "issued": len(issued),
             "reissued": sum(1 for r in valid if r["event"] == "reissued"),

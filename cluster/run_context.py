@@ -84,6 +84,12 @@ class PromptSampler:
         return {"consumed": self.consumed}
 
 
+def sampling_seed(run_seed: int, step: int) -> int:
+    """Seed of a step's sampling: a function of the step, so a resumed run samples as the
+    uninterrupted one would."""
+    return run_seed * 100_003 + step
+
+
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
     """The newest complete checkpoint of a run directory (one whose run state was written)."""
     folders = sorted(Path(run_dir, CHECKPOINTS_DIR).glob("step_*"))
@@ -141,6 +147,7 @@ class RunContext:
         self._last_version = int(self.run_state["version"])
         self.times: dict[str, float] = {}
         self.started_cluster = False
+        self.join_reason = ""
         self.dashboard_url = ""
 
     # -- cluster ---------------------------------------------------------------------------------
@@ -167,18 +174,23 @@ class RunContext:
 
         cfg = self.cfg
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-        address = cfg.cluster.address or os.environ.get("RAY_ADDRESS", "")
         # Job-wide default for every worker, Ray Train's included: Ray would otherwise pin each
         # process's OpenMP pool to its reserved CPUs (often 1); the roles work one phase at a time.
         env_vars = {
             "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false",
             "OMP_NUM_THREADS": str(cfg.cluster.threads or os.cpu_count() or 1),
         }
-        if address:
+        address = cfg.cluster.address or os.environ.get("RAY_ADDRESS", "")
+        if not address:
+            address = running_local_cluster(cfg.cluster.temp_dir or None) or ""
+            if address:  # a head started by `ray start` on this machine: join it, as `ray job submit` runs do
+                self.join_reason = (f"joined the cluster `ray start` left at {address}; "
+                                    "cluster.address=local starts a run's own instead")
+        if address and address != "local":
             self.dashboard_url = ray.init(address=address, runtime_env={"env_vars": env_vars}, log_to_driver=True).dashboard_url
             return
         kwargs: dict[str, Any] = dict(
-            num_cpus=cfg.cluster.num_cpus or max(os.cpu_count() or 1, math.ceil(needed_cpus)),
+            address="local", num_cpus=cfg.cluster.num_cpus or max(os.cpu_count() or 1, math.ceil(needed_cpus)),
             include_dashboard=cfg.cluster.include_dashboard, dashboard_host=cfg.cluster.dashboard_host,
             runtime_env={"env_vars": env_vars},
         )
@@ -198,7 +210,8 @@ class RunContext:
         print(f"[rayrlhf] Ray cluster: {len(nodes)} node(s), {cpus:g} CPUs"
               + (f"; dashboard http://{url}" if url else "")
               + (f"; Prometheus metrics on port {', '.join(map(str, ports))}" if ports else "")
-              + ("" if self.started_cluster else " (joined)"), flush=True)
+              + ("" if self.started_cluster else f" (joined{': ' + self.join_reason if self.join_reason else ''})")
+              + (" (started for this run)" if self.started_cluster else ""), flush=True)
 
     def close(self) -> None:
         import ray
@@ -209,7 +222,10 @@ class RunContext:
 
     # -- the loop --------------------------------------------------------------------------------
     def steps(self) -> range:
-        """The steps still to run (all of them, or those after the resumed checkpoint)."""
+        """The steps still to run (all of them, or those after the resumed checkpoint; none after
+        a checkpoint an early stop marked final)."""
+        if self.early.get("stopped"):
+            return range(0)
         return range(self.start_step + 1, self.cfg.run.steps + 1)
 
     @contextlib.contextmanager
@@ -236,7 +252,9 @@ class RunContext:
         """Whether to stop after this step: ``run.early_stop_metric`` (when this row evaluated it)
         has not improved for ``run.early_stop_patience`` evaluations. Stopping saves this step's
         checkpoint (``save()`` -> the learners' reply) unless one was just written, marked as
-        final, so resuming a stopped run (or a later stage) treats it as done."""
+        final, so resuming a stopped run (or a later stage) treats it as done. With
+        ``run.early_stop_keep_best`` each improvement is saved instead, and stopping makes the
+        best checkpoint the run's final one (later checkpoints are removed)."""
         run, e = self.cfg.run, self.early
         metric = run.early_stop_metric
         value = row.get(metric)
@@ -245,6 +263,8 @@ class RunContext:
         lower = run.early_stop_mode == "min" or (run.early_stop_mode == "auto" and ("loss" in metric or "nll" in metric))
         if e["best"] is None or (value < e["best"] if lower else value > e["best"]):
             e.update(best=float(value), best_step=row["step"], bad=0)
+            if run.early_stop_keep_best:
+                e["best_checkpoint"] = self._checkpoint_of(row, save, sampler)
             return False
         e["bad"] += 1
         if e["bad"] < run.early_stop_patience:
@@ -252,13 +272,36 @@ class RunContext:
         e["stopped"] = True
         step = row["step"]
         print(f"[rayrlhf] early stop at step {step}: {metric} has not improved for {e['bad']} evaluations "
-              f"(best {e['best']:.4f} at step {e['best_step']}, now {float(value):.4f})", flush=True)
-        if row.get("checkpoint") and self.final_checkpoint == Path(row["checkpoint"]):
-            self.finish_checkpoint(row["checkpoint"], step, sampler, self._last_version)  # rewrite with stopped=True
+              f"(best {e['best']:.4f} at step {e['best_step']}, now {float(value):.4f})"
+              + (f"; keeping the best checkpoint {e['best_checkpoint']}" if e.get("best_checkpoint") else ""), flush=True)
+        if e.get("best_checkpoint"):
+            self._keep_best(Path(e["best_checkpoint"]))
         else:
-            reply = save()
-            self.finish_checkpoint(reply["saved"], step, sampler, reply["version"])
+            self._checkpoint_of(row, save, sampler)  # (re)written with stopped=True
         return True
+
+    def _checkpoint_of(self, row: dict[str, Any], save: Any, sampler: PromptSampler) -> str:
+        """This step's checkpoint: the one the step wrote (its state written again, with the
+        current early-stopping state), else a new one (``save()``)."""
+        if row.get("checkpoint") and self.final_checkpoint == Path(row["checkpoint"]):
+            self.finish_checkpoint(row["checkpoint"], row["step"], sampler, self._last_version)
+            return row["checkpoint"]
+        reply = save()
+        self.finish_checkpoint(reply["saved"], row["step"], sampler, reply["version"])
+        return reply["saved"]
+
+    def _keep_best(self, best: Path) -> None:
+        """The best checkpoint becomes the run's last (its state marked stopped); newer ones go."""
+        for folder in sorted((self.dir / CHECKPOINTS_DIR).glob("step_*")):
+            if folder.name > best.name:
+                shutil.rmtree(folder, ignore_errors=True)
+        path = best / "trainer_state" / RUN_STATE_FILE
+        state = json.loads(path.read_text())
+        state["early_stop"] = dict(self.early)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state))
+        tmp.replace(path)
+        self.final_checkpoint = best
 
     def eval_due(self, step: int) -> bool:
         """Step 0 is the starting policy, evaluated once on a fresh run."""
@@ -296,8 +339,10 @@ class RunContext:
         if not keep:
             return
         folders = sorted((self.dir / CHECKPOINTS_DIR).glob("step_*"))
+        best = self.early.get("best_checkpoint")
         for old in folders[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            if best is None or old != Path(best):  # the best one stays (run.early_stop_keep_best)
+                shutil.rmtree(old, ignore_errors=True)
 
     def log_step(self, step: int, row: dict[str, Any]) -> None:
         row = {"step": step, **row, **self.times}
@@ -322,18 +367,36 @@ class RunContext:
 
 def greedy_accuracy(rollout: Any, rows: list[dict]) -> dict[str, float]:
     """Greedy accuracy on held-out prompts (score >= 1 counts as solved)."""
-    import ray
-
     if not rows:
         return {}
     exp_refs, _ = rollout.generate_checked(rows, list(range(len(rows))), greedy=True)
-    _, score_stats = rollout.score(exp_refs)
-    scores = [x for s in ray.get(score_stats) for x in s["scores"]]
+    _, score_stats = rollout.score_checked(exp_refs)
+    scores = [x for s in score_stats for x in s["scores"]]
     return {
         "eval/accuracy": sum(1.0 for x in scores if x >= 1.0) / max(len(scores), 1),
         "eval/mean_score": sum(scores) / max(len(scores), 1),
         "eval/n": float(len(scores)),
     }
+
+
+def running_local_cluster(temp_dir: str | None = None) -> str | None:
+    """The address of a head that `ray start` left running on this machine (Ray's own address
+    file in its temp folder), if its GCS answers; None otherwise (also for a stale file).
+    ``ray.init()`` without an address would join such a head by itself and then refuse the
+    resources a local start passes."""
+    import socket
+
+    from ray._private.utils import read_ray_address
+
+    address = read_ray_address(temp_dir)
+    if not address or ":" not in address:
+        return None
+    host, port = address.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=2.0):
+            return address
+    except (OSError, ValueError):
+        return None
 
 
 def _tuple_state(state: Any) -> Any:

@@ -63,7 +63,8 @@ def format_status(s: dict[str, Any]) -> str:
     led = s.get("ledger")
     if led:
         p = led["prompts"]
-        lines.append(f"prompts    {p['issued']} issued, {p['scored']} scored, {p['trained']} trained, {p['dropped']} dropped, "
+        label = f"{led.get('unit', 'prompt')}s"
+        lines.append(f"{label:<10} {p['issued']} issued, {p['scored']} scored, {p['trained']} trained, {p['dropped']} dropped, "
                      f"{p['pending']} pending, {p['lost']} lost, {p['trained_twice']} trained twice, "
                      f"{p['reissued']} reissued")
         if led["samples_dropped"]:

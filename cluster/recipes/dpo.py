@@ -34,9 +34,12 @@ import torch
 from actors.offline_data import PreferenceSet, encode_pairs, read_preferences, split_rows, write_preferences
 from cluster.actor_groups import ReferenceWorker, RolloutGroup, reference_config, role_env
 from cluster.config import Config, UserError
-from cluster.learner_group import LearnerGroup, learner_spec
+from cluster.data_sources import load_demonstrations, load_task_prompts
 from cluster.recipes import pairs
-from cluster.run_context import PromptSampler, RunContext, RunResult, greedy_accuracy
+from cluster.recipes.fixed_data import FixedData, FixedDataSteps
+from cluster.roles import Roles
+from cluster.run_context import RunContext, RunResult
+from cluster.step_loop import run_steps
 from learners.experience import Experience
 
 REFERENCE_CACHE = "data/reference_logprobs.parquet"
@@ -47,12 +50,10 @@ def load_data(cfg: Config) -> tuple[Any, Any, str]:
     without one, what the generators make pairs from: data.task's prompts (scorer, self_judge) or
     demonstrations (spin)."""
     if not cfg.data.preference_file:
-        from cluster.recipes import ppo, sft
-
         if cfg.dpo.pairs == "spin":
-            train_set, eval_set, description = sft.load_data(cfg)
+            train_set, eval_set, description = load_demonstrations(cfg)
             return train_set, eval_set, description + "; pairs: demonstration (chosen) vs the model's own reply (SPIN)"
-        train_set, eval_set, description = ppo.load_data(cfg)
+        train_set, eval_set, description = load_task_prompts(cfg)
         ranker = "the model as judge (self-rewarding)" if cfg.dpo.pairs == "self_judge" else cfg.reward.function
         return train_set, eval_set, (description + f"; pairs: best vs worst of {cfg.dpo.candidates} candidates per "
                                      f"prompt, ranked by {ranker}")
@@ -147,132 +148,73 @@ def _generated_pairs(ctx: RunContext, rollout: RolloutGroup, tok: Any, train_set
     return pairs.ranked_pairs(ctx, rollout, train_set.rows, by=ctx.cfg.dpo.pairs)
 
 
-def _pairs_and_generators(ctx: RunContext, tok: Any, model_path: str, train_set: Any,
-                          eval_set: Any) -> tuple[RolloutGroup | None, dict[str, Experience], list[dict], dict]:
-    """The encoded train (and held-out) pairs; with generated pairs also the generators, the
-    held-out task prompts for greedy accuracy and the pair counts."""
-    cfg = ctx.cfg
+def _pairs_and_generators(ctx: RunContext, roles: Roles, train_set: Any,
+                          eval_set: Any) -> tuple[dict[str, Experience], list[dict], dict]:
+    """The encoded train (and held-out) pairs; with generated pairs also the generators (left
+    running for greedy evaluations, except for a reward model), the held-out task prompts for
+    greedy accuracy and the pair counts."""
+    cfg, tok = ctx.cfg, roles.tokenizer
     if isinstance(train_set, PreferenceSet):
         ctx.runlog.eval_label = "reward accuracy"
         parts = {"train": _encode(cfg, tok, train_set.rows)}
         if eval_set.rows:
             parts["eval"] = _encode(cfg, tok, eval_set.rows)
-        return None, parts, [], {}
+        return parts, [], {}
     ctx.runlog.eval_label = "greedy accuracy"
     # The generators hold the run's starting weights (model t) until they are trained, also when
     # a resumed run restarts them: the pairs are cached, later evaluations sync.
-    resume = str(ctx.resume_from) if ctx.resume_from else None
-    rollout = RolloutGroup(_generator_config(cfg), model_path, policy_path=resume,
-                           policy_version=int(ctx.run_state["version"]), with_reference=False)
-    try:
-        rollout.wait_ready()
-        with ctx.phase("pairs"):
-            made, counts = _generated_pairs(ctx, rollout, tok, train_set)
-            train_pairs, eval_pairs = pairs.split_pairs(made, cfg.dpo.eval_pairs)
-    except BaseException:
-        rollout.shutdown()
-        raise
+    rollout = roles.start_generators(_generator_config(cfg), with_reference=False)
+    rollout.wait_ready()
+    with ctx.phase("pairs"):
+        made, counts = _generated_pairs(ctx, rollout, tok, train_set)
+        train_pairs, eval_pairs = pairs.split_pairs(made, cfg.dpo.eval_pairs)
     parts = {"train": train_pairs, **({"eval": eval_pairs} if eval_pairs is not None else {})}
     if cfg.run.algorithm == "reward_model":  # a reward model is no policy: the generators are done
-        rollout.shutdown()
+        roles.stop_generators()
         ctx.runlog.eval_label = "pairwise accuracy"
-        return None, parts, [], counts
-    return rollout, parts, eval_set.task_rows if cfg.dpo.pairs == "spin" else eval_set.rows, counts
+        return parts, [], counts
+    return parts, eval_set.task_rows if cfg.dpo.pairs == "spin" else eval_set.rows, counts
+
+
+def _training_pairs(cfg: Config, parts: dict[str, Experience], generated: bool) -> int:
+    """The number of training pairs; too few for a step is the user's error with a file, a
+    warning with generated pairs (a later self-rewarding iteration may form fewer)."""
+    n_pairs = parts["train"].batch_size // 2
+    if n_pairs < cfg.dpo.pairs_per_step:
+        if not generated or n_pairs == 0:
+            raise UserError(f"{n_pairs} training pairs (after the token budget), fewer than dpo.pairs_per_step="
+                            f"{cfg.dpo.pairs_per_step}")
+        print(f"[rayrlhf] warning: only {n_pairs} training pairs were formed, fewer than dpo.pairs_per_step="
+              f"{cfg.dpo.pairs_per_step}: each step uses all {n_pairs}", flush=True)
+    return n_pairs
+
+
+def _objective(cfg: Config, n_pairs: int) -> str:
+    if cfg.run.algorithm == "reward_model":
+        what = "Bradley-Terry reward model"
+    else:
+        reference = ("in the learner (LoRA)" if cfg.lora.enabled else "scored once" if cfg.dpo.uses_reference
+                     else "none")
+        what = f"{cfg.dpo.loss} loss, beta {cfg.dpo.beta}, reference {reference}"
+    return f"{what}; {n_pairs} training pairs"
 
 
 def run(ctx: RunContext, model_path: str, train_set: Any, eval_set: Any) -> RunResult:
     cfg = ctx.cfg
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_path)
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    resume = str(ctx.resume_from) if ctx.resume_from else None
-    rollout, parts, eval_prompts, pair_counts = _pairs_and_generators(ctx, tok, model_path, train_set, eval_set)
-    learners = None
-    try:
+    with Roles(ctx, model_path, unit="pair") as roles:
+        parts, eval_prompts, pair_counts = _pairs_and_generators(ctx, roles, train_set, eval_set)
         with ctx.phase("reference"):
             parts = _with_reference(ctx, model_path, parts)
-        train_pairs, n_pairs = parts["train"], parts["train"].batch_size // 2
-        if n_pairs < cfg.dpo.pairs_per_step:
-            if rollout is None or n_pairs == 0:  # a preference file: the user's data is too small
-                raise UserError(f"{n_pairs} training pairs (after the token budget), fewer than dpo.pairs_per_step="
-                                f"{cfg.dpo.pairs_per_step}")
-            # Generated pairs: how many form depends on the model (a later self-rewarding iteration may
-            # find fewer); train on what there is rather than end a staged run.
-            print(f"[rayrlhf] warning: only {n_pairs} training pairs were formed, fewer than dpo.pairs_per_step="
-                  f"{cfg.dpo.pairs_per_step}: each step uses all {n_pairs}", flush=True)
-        eval_ref = ray.put(parts["eval"]) if "eval" in parts else None
-        # What the pairs came from, logged with every step.
-        data_counts = {"data/train_pairs": n_pairs,
-                       "data/held_out_pairs": parts["eval"].batch_size // 2 if "eval" in parts else 0,
-                       **{f"pairs/{k}": v for k, v in pair_counts.items()}}
-        learners = LearnerGroup(learner_spec(cfg, model_path, pad_id, resume_from=resume), ctx.dir / "ray_train")
-        _train(ctx, learners, rollout, train_pairs, eval_ref, eval_prompts, data_counts, dict(train_set.skipped))
-    finally:
-        if learners is not None:
-            learners.stop()
-        if rollout is not None:
-            rollout.shutdown()
-    return ctx.result()
-
-
-def _train(ctx: RunContext, learners: LearnerGroup, rollout: RolloutGroup | None, train_pairs: Experience,
-           eval_ref: Any, eval_prompts: list[dict], data_counts: dict, skipped_at_load: dict) -> None:
-    """The loop: ``pairs_per_step`` pairs per update, evaluations, checkpoints, the final sync."""
-    cfg = ctx.cfg
-    n_pairs = train_pairs.batch_size // 2
-
-    def evaluate(step: int, weights: Any = None) -> dict[str, float]:
-        row: dict[str, float] = {}
-        if eval_ref is not None:
-            row.update(learners.evaluate(step, [eval_ref]))
-            row.update({"eval/accuracy": row.get("eval/rewards/accuracy", float("nan")), "eval/n": row.get("eval/pairs", 0.0)})
-        if rollout is not None and eval_prompts:
-            if weights is not None:
-                rollout.sync_weights(weights)
-            row.update(greedy_accuracy(rollout, eval_prompts))  # eval/accuracy: the task's, greedy
-        return row
-
-    info = learners.wait_ready()
-    if cfg.run.algorithm == "reward_model":
-        objective = "Bradley-Terry reward model"
-    else:
-        objective = (f"{cfg.dpo.loss} loss, beta {cfg.dpo.beta}, reference "
-                     f"{'in the learner (LoRA)' if cfg.lora.enabled else 'scored once' if cfg.dpo.uses_reference else 'none'}")
-    print(f"[rayrlhf] roles ready: {cfg.cluster.num_learners} learner(s), {objective}"
-          f"; {n_pairs} training pairs; trainable fraction {info['trainable_fraction']:.4f}"
-          + (f"; resumed from {ctx.resume_from} (step {ctx.start_step})" if ctx.resume_from else ""), flush=True)
-    sampler = PromptSampler(n_pairs, min(cfg.dpo.pairs_per_step, n_pairs), cfg.run.seed, **ctx.run_state["sampler"])
-    if ctx.eval_due(0):
-        with ctx.phase("eval"):
-            ctx.log_base_eval(evaluate(0))
-    for step in ctx.steps():
-        pair_ids = sampler.next()
-        rows = [r for i in pair_ids for r in (2 * i, 2 * i + 1)]
-        batch_ref = ray.put(train_pairs.select(rows))
-        save_dir = ctx.checkpoint_dir(step)
-        eval_now = ctx.eval_due(step)
-        last = step == cfg.run.steps
-        with ctx.phase("learn"):
-            # Weights go to the generators when a greedy evaluation needs them, and at the end.
-            result = learners.learn(step, [batch_ref], save_dir=save_dir,
-                                    sync=(eval_now or last) and rollout is not None)
-        if result.get("saved"):
-            ctx.finish_checkpoint(result["saved"], step, sampler, result["version"])
-        row: dict[str, Any] = {"data/pair_ids": pair_ids, "skipped_at_load": skipped_at_load,
-                               **data_counts, **result["metrics"]}
-        if result.get("saved"):
-            row["checkpoint"] = result["saved"]
-        weights = (result.get("weights") or [None])[0]
-        if eval_now:
-            with ctx.phase("eval"):
-                row.update(evaluate(step, weights))
-        elif weights is not None:
-            with ctx.phase("sync"):
-                rollout.sync_weights(weights)
-        if weights is not None:
-            row["sync/generator_version"] = float(ray.get(rollout.generators[0].version.remote()))
-        ctx.log_step(step, row)
-        if ctx.early_stop(row, lambda: learners.save(step, ctx.checkpoint_path(step)), sampler):
-            break
-
+        n_pairs = _training_pairs(cfg, parts, generated=roles.rollout is not None or bool(pair_counts))
+        roles.start_learners()
+        roles.ready(_objective(cfg, n_pairs))
+        held = parts.get("eval")
+        data = FixedData(
+            parts["train"], n_pairs, cfg.dpo.pairs_per_step, rows_of=lambda i: [2 * i, 2 * i + 1],
+            ids_key="data/pair_ids", held_ref=ray.put(held) if held is not None else None,
+            eval_keys=("eval/rewards/accuracy", "eval/pairs"), eval_prompts=eval_prompts, sync_last=True,
+            # What the pairs came from, logged with every step.
+            row_extra={"skipped_at_load": dict(train_set.skipped), "data/train_pairs": n_pairs,
+                       "data/held_out_pairs": held.batch_size // 2 if held is not None else 0,
+                       **{f"pairs/{k}": v for k, v in pair_counts.items()}})
+        return run_steps(ctx, FixedDataSteps(ctx, roles, data))

@@ -57,26 +57,67 @@ def _save(run_dir: Path, pairs: Experience, table: list[dict[str, Any]], counts:
     write_preferences(run_dir / PAIRS_TABLE, table)
 
 
-def _prompt_ids(cfg: Any, n_rows: int) -> list[int]:
-    return PromptSampler(n_rows, min(cfg.dpo.pair_prompts, n_rows), cfg.run.seed + 1).next()
+def prompt_stream(cfg: Any, n_rows: int) -> PromptSampler:
+    """The prompts pairs are made from: one seeded stream per run, ``dpo.pair_prompts`` per draw.
+    An iteration starts where the earlier iterations of its run stopped (``dpo.prompt_offset``,
+    set by ``stages`` when ``dpo.fresh_prompts``), so each iteration draws new prompts."""
+    return PromptSampler(n_rows, min(cfg.dpo.pair_prompts, n_rows), cfg.run.seed + 1, consumed=cfg.dpo.prompt_offset)
 
 
 def ranked_pairs(ctx: RunContext, rollout: Any, rows: list[dict], by: str) -> tuple[Experience, dict[str, float]]:
     """Best vs worst of ``dpo.candidates`` samples of each of ``dpo.pair_prompts`` prompts
-    (the generators' own tokens), ranked ``by`` 'scorer' or 'self_judge'. A prompt gives no pair
-    when fewer than two candidates have a score, when best - worst <= ``dpo.min_score_gap``, when
-    best and worst are the same text, or when the best scores under ``dpo.min_chosen_score``; each
-    case is counted."""
+    (the generators' own tokens), ranked ``by`` 'scorer' or 'self_judge'. With
+    ``dpo.target_pairs`` more prompts are drawn, ``dpo.pair_prompts`` at a time, until that many
+    pairs formed or ``dpo.max_pair_prompts`` prompts were drawn (a shortfall is counted). A
+    prompt gives no pair when fewer than two candidates have a score, when best - worst <=
+    ``dpo.min_score_gap``, when best and worst are the same text, or when the best scores under
+    ``dpo.min_chosen_score``; each case is counted."""
     cfg = ctx.cfg
-    ids = _prompt_ids(cfg, len(rows))
-    exp_refs, gen_stats = rollout.generate_checked([rows[i] for i in ids], ids, seed=cfg.run.seed * 100_003)
+    stream = prompt_stream(cfg, len(rows))
+    target = cfg.dpo.target_pairs
+    budget = cfg.dpo.max_pair_prompts or (4 * cfg.dpo.pair_prompts if target else cfg.dpo.pair_prompts)
+    made: list[tuple[Experience, list[dict]]] = []
+    counts: dict[str, float] = {}
+    seconds, scores = 0.0, []
+    while True:
+        prompt_ids, uids = stream.next_with_uids()
+        seed = cfg.run.seed * 100_003 + 7 * len(made)
+        pairs, table, round_counts, secs, valid = _rank_round(ctx, rollout, rows, prompt_ids, uids, by, seed)
+        made.append((pairs, table))
+        for k, v in round_counts.items():
+            counts[k] = counts.get(k, 0) + v
+        seconds, scores = seconds + secs, scores + valid
+        if not target or counts["pairs"] >= target or counts["prompts"] + cfg.dpo.pair_prompts > budget:
+            break
+    counts["draws"] = len(made)
+    if target:
+        counts["target_pairs"], counts["shortfall"] = target, max(0, target - counts["pairs"])
     if by == "self_judge":
-        exp_refs, score_stats = rollout.judge(exp_refs, seed=cfg.run.seed * 100_003 + 1)
+        judged = counts.get("judge_judgements", 0)
+        counts["judge_parse_rate"] = counts.get("judge_parsed", 0) / judged if judged else 0.0
+    _require_pairs(int(counts["pairs"]), counts)
+    pairs = Experience.concat([p for p, _ in made if p is not None], pad_token_id=0).validate()
+    _save(ctx.dir, pairs, [r for _, t in made for r in t], counts)
+    print(f"[rayrlhf] {int(counts['pairs'])} pairs from {int(counts['prompts'])} prompts x {cfg.dpo.candidates} "
+          f"candidates ranked by {'the model as judge' if by == 'self_judge' else cfg.reward.function} (mean score "
+          f"{sum(scores) / len(scores) if scores else float('nan'):.3f}; {counts}; skipped: {pairs.skipped}) "
+          f"in {seconds:.0f}s -> {ctx.dir / PAIRS_TABLE}", flush=True)
+    return pairs, counts
+
+
+def _rank_round(ctx: RunContext, rollout: Any, rows: list[dict], prompt_ids: list[int], uids: list[int], by: str,
+                seed: int) -> tuple[Experience | None, list[dict], dict[str, float], float, list[float]]:
+    """One draw of prompts: candidates, their scores, the pairs that form (group ids: the
+    prompts' uids in the stream, unique across draws)."""
+    cfg = ctx.cfg
+    exp_refs, gen_stats = rollout.generate_checked([rows[i] for i in prompt_ids], uids, seed=seed)
+    if by == "self_judge":
+        exp_refs, score_stats = rollout.judge(exp_refs, seed=seed + 1)
     else:
-        exp_refs, score_stats = rollout.score(exp_refs)
+        exp_refs, score_stats = rollout.score_checked(exp_refs)
     exp = Experience.concat(ray.get(exp_refs), pad_token_id=0)
-    score_stats = ray.get(score_stats)
-    counts = {"prompts": len(ids), "candidates": exp.batch_size, "no_pair_tie": 0, "no_pair_unscored": 0,
+    row_of = dict(zip(uids, prompt_ids))
+    counts = {"prompts": len(uids), "candidates": exp.batch_size, "no_pair_tie": 0, "no_pair_unscored": 0,
               "no_pair_low_score": 0, "no_pair_identical": 0}
     best, worst, kept = [], [], []
     for g in dict.fromkeys(exp.group_ids.tolist()):
@@ -100,23 +141,18 @@ def ranked_pairs(ctx: RunContext, rollout: Any, rows: list[dict], by: str) -> tu
         for s in score_stats:
             for k, v in s["counts"].items():
                 counts[f"judge_{k}"] = counts.get(f"judge_{k}", 0) + v
-        judged = counts["judge_judgements"]
-        counts["judge_parse_rate"] = counts["judge_parsed"] / judged if judged else 0.0
-    _require_pairs(len(best), counts)
+    counts["pairs"] = len(best)
+    seconds = sum(s["seconds"] for s in gen_stats) + sum(s["seconds"] for s in score_stats)
+    valid = exp.scores[~torch.isnan(exp.scores)].tolist()
+    if not best:
+        return None, [], counts, seconds, valid
     pairs = exp.select([r for pair in zip(best, worst) for r in pair]).trimmed()
     pairs = pairs.replace(scores=torch.tensor([1.0, 0.0] * len(best)), skipped=dict(exp.skipped)).validate()
-    table = [{"prompt_id": g, "prompt": rows[g]["prompt"], "chosen": exp.completions[b], "rejected": exp.completions[w],
-              "score_chosen": float(exp.scores[b]), "score_rejected": float(exp.scores[w]), "source": by}
+    table = [{"prompt_id": row_of[g], "prompt": rows[row_of[g]]["prompt"], "chosen": exp.completions[b],
+              "rejected": exp.completions[w], "score_chosen": float(exp.scores[b]),
+              "score_rejected": float(exp.scores[w]), "source": by}
              for g, b, w in zip(kept, best, worst)]
-    counts["pairs"] = len(best)
-    _save(ctx.dir, pairs, table, counts)
-    seconds = sum(s["seconds"] for s in gen_stats) + sum(s["seconds"] for s in score_stats)
-    valid = exp.scores[~torch.isnan(exp.scores)]
-    print(f"[rayrlhf] {len(best)} pairs from {len(ids)} prompts x {cfg.dpo.candidates} candidates ranked by "
-          f"{'the model as judge' if by == 'self_judge' else cfg.reward.function} (mean score "
-          f"{float(valid.mean()) if len(valid) else float('nan'):.3f}; {counts}; skipped: {exp.skipped}) "
-          f"in {seconds:.0f}s -> {ctx.dir / PAIRS_TABLE}", flush=True)
-    return pairs, counts
+    return pairs, table, counts, seconds, valid
 
 
 def spin_pairs(ctx: RunContext, rollout: Any, tok: Any, demos: list[dict]) -> tuple[Experience, dict[str, float]]:
@@ -125,7 +161,7 @@ def spin_pairs(ctx: RunContext, rollout: Any, tok: Any, demos: list[dict]) -> tu
     ``dpo.candidate_temperature``). A reply equal to the demonstration gives no pair
     (``identical_pair``); multi-turn prompts are left out (``multi_turn_prompt``)."""
     cfg = ctx.cfg
-    ids = _prompt_ids(cfg, len(demos))
+    ids = prompt_stream(cfg, len(demos)).next()
     counts: dict[str, float] = {"prompts": len(ids), "multi_turn_prompt": 0, "identical_pair": 0}
     single = []
     for i in ids:

@@ -18,58 +18,163 @@ with ``rollout.inflight_updates`` it lands between two decoding steps instead, a
 as sampled by its oldest tokens' version.
 With s = 0 this is the synchronous loop above, step for step.
 
-Placement, object refs and data-parallel details live in ``cluster/actor_groups.py`` and
-``cluster/learner_group.py``; this file is the algorithm's loop.
+The roles start in ``cluster/roles.py``; the loop around the step (evaluations, checkpoints,
+the metrics row, early stopping) is ``cluster/step_loop.py``; this file is the algorithm's step.
 """
 
 from __future__ import annotations
 
-import json
 from collections import deque
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import ray
 
-from cluster.actor_groups import RolloutGroup
-from cluster.learner_group import LearnerGroup, learner_spec
-from cluster.ledger import Ledger, issue_records, outcome_records
+from cluster.data_sources import load_task_prompts
+from cluster.ledger import issue_records, outcome_records
+from cluster.metrics import step_metrics
+from cluster.roles import Roles
+from cluster.run_context import PromptSampler, RunContext, RunResult, greedy_accuracy, sampling_seed
+from cluster.step_loop import StepOutcome, run_steps
 from cluster.transports import make_transport
 from cluster.weight_sync import probe_token_ids, sync_tolerance
-from cluster.metrics import step_metrics
-from cluster.config import Config, UserError
-from cluster.run_context import PromptSampler, RunContext, RunResult, greedy_accuracy
+
+load_data = load_task_prompts
 
 
-def load_data(cfg: Config):
-    """Train and held-out prompts of ``data.task``; checks that the reward function imports."""
-    from actors.scorer import SCORER_KINDS, resolve_reward_fn
-    from actors.tasks import load_prompts
-
-    try:
-        train_set, eval_set = load_prompts(
-            cfg.data.task, cfg.data.train_size, cfg.data.eval_size, cfg.run.seed, cfg.data.task_kwargs,
-            cfg.data.instruction,
-        )
-    except (FileNotFoundError, ValueError) as e:
-        raise UserError(f"data.task: {e}") from None
-    try:
-        if cfg.reward.function not in SCORER_KINDS:  # a rule function: it must import
-            resolve_reward_fn(cfg.reward.function)
-    except ValueError as e:
-        raise UserError(f"reward.function: {e}") from None
-    if cfg.reward.model and not (Path(cfg.reward.model) / "config.json").is_file():
-        raise UserError(f"reward.model: {cfg.reward.model} is not a model folder (no config.json)")
-    description = (f"{len(train_set)} train / {len(eval_set)} held-out prompts from {cfg.data.task}"
-                   + (f" (skipped while loading: {train_set.skipped})" if train_set.skipped else ""))
-    return train_set, eval_set, description
+def run(ctx: RunContext, model_path: str, train_set: Any, eval_set: Any) -> RunResult:
+    cfg = ctx.cfg
+    with Roles(ctx, model_path) as roles:
+        probe_ids = probe_token_ids(roles.tokenizer) if cfg.rollout.verify_sync else []
+        roles.start_learners(probe_ids)
+        roles.start_generators(colocate=cfg.cluster.layout == "colocated")
+        reference = ("no reference (no KL term)" if not cfg.ppo.uses_reference else
+                     "reference = base model with the LoRA adapter disabled, in the learner" if cfg.lora.enabled else
+                     "reference actor")
+        roles.ready(f"{cfg.ppo.advantage_estimator} advantages, {reference}")
+        return run_steps(ctx, PPOSteps(ctx, roles, train_set, eval_set, probe_ids))
 
 
-def sampling_seed(run_seed: int, step: int) -> int:
-    """Seed of a step's sampling: a function of the step, so a resumed run samples as the
-    uninterrupted one would."""
-    return run_seed * 100_003 + step
+class PPOSteps:
+    """The step of the module docstring's loop, with the launch-ahead queue feeding it."""
+
+    def __init__(self, ctx: RunContext, roles: Roles, train_set: Any, eval_set: Any, probe_ids: list[int]) -> None:
+        cfg = self.cfg = ctx.cfg
+        self.ctx, self.roles, self.rollout, self.learners = ctx, roles, roles.rollout, roles.learners
+        self.train_set, self.eval_set, self.probe_ids = train_set, eval_set, probe_ids
+        self.ledger = roles.ledger
+        self.sampler = PromptSampler(len(train_set.rows), cfg.rollout.prompts_per_step, cfg.run.seed,
+                                     **ctx.run_state["sampler"])
+        self.queue = LaunchQueue(self._launch, cfg.rollout.max_staleness, cfg.run.steps)
+        self.transport = make_transport(cfg.rollout.weight_transport, cfg.rollout.bucket_mb,
+                                        cfg.rollout.collective_backend)
+        self.tolerance = sync_tolerance(cfg.model.generator_dtype, cfg.rollout.sync_tolerance)
+        self.learner_version = int(self.learners.wait_ready()["version"])
+        self._position = SamplerPosition(self.sampler.consumed)
+
+    def evaluate(self, step: int, weights: Any) -> dict[str, float]:
+        return greedy_accuracy(self.rollout, self.eval_set.rows)  # the generators hold the current weights
+
+    def position(self) -> "SamplerPosition":
+        return self._position  # the prompts of batches started ahead are not in it
+
+    def save(self, step: int, folder: str) -> dict:
+        return self.learners.save(step, folder)
+
+    def step(self, step: int) -> StepOutcome:
+        cur = self.queue.take(step)
+        exp, gen_stats, score_stats = self._sample_and_score(step, cur)
+        sampled = min(s["policy_version"] for s in gen_stats)
+        kept = self._record_outcomes(step, cur, gen_stats, score_stats)
+        self.queue.fill(step)  # the next batches generate while the learners train on this one
+        if self.learner_version - sampled > self.cfg.rollout.max_staleness:
+            return self._drop_stale(step, sampled, gen_stats, kept)
+        with self.ctx.phase("reference"):
+            exp, ref_stats = self.rollout.annotate_checked(exp)
+        exports = export_step(self.ctx, step, exp) if self.cfg.run.export_transitions else []
+        with self.ctx.phase("learn"):
+            result = self.learners.learn(step, exp, save_dir=self.ctx.checkpoint_dir(step),
+                                         sync=self.transport.packs_in_step)
+        self.ledger.record("trained", [{"step": step, "uid": u, "samples": n, "version": result["version"],
+                                        "sampled_version": sampled, "learner_version": self.learner_version}
+                                       for u, n in kept.items()])
+        with self.ctx.phase("sync"):
+            synced = self._sync(result)
+        self._position = SamplerPosition(cur.consumed)
+        row = {"skipped_at_load": dict(self.train_set.skipped), "data/prompt_ids": cur.prompt_ids,
+               **step_metrics(gen_stats, score_stats, result["metrics"]),
+               "policy/version": result["version"], "policy/staleness": self.learner_version - sampled,
+               **self._pool_metrics(gen_stats), **synced, **self.ledger.metrics(), **self.roles.record_restarts(step),
+               **_memory_peaks(gen_stats, score_stats, ref_stats)}
+        if exports:
+            row["export/transitions"] = sum(d["rows"] for d in ray.get(exports))
+        self.learner_version = result["version"]
+        return StepOutcome(row, saved=result.get("saved"), version=result["version"])
+
+    def _launch(self, step: int) -> "Launched":
+        """Draws the step's prompts and starts their generation (returns at once)."""
+        prompt_ids, uids = self.sampler.next_with_uids()
+        units = self.rollout.assignment(uids)  # the uids of each work unit
+        self.ledger.record("issued", issue_records(step, uids, prompt_ids, [k for k, u in enumerate(units) for _ in u],
+                                                   self.rollout.version))
+        # Group ids are the prompts' uids: a prompt drawn twice in one batch is two groups.
+        rows = [self.train_set.rows[i] for i in prompt_ids]
+        pending = self.rollout.submit(rows, uids, seed=sampling_seed(self.cfg.run.seed, step))
+        return Launched(step, prompt_ids, uids, units, pending, self.sampler.consumed)
+
+    def _sample_and_score(self, step: int, cur: "Launched") -> tuple[list, list[dict], list[dict]]:
+        def reissue(gen: int, group: list[int], err: Exception) -> None:
+            self.ledger.record("reissued", [{"step": step, "uid": u, "generator": gen, "reason": type(err).__name__}
+                                            for u in group])
+
+        with self.ctx.phase("generate"):
+            exp, gen_stats = self.rollout.collect(cur.pending, on_reissue=reissue)
+        with self.ctx.phase("score"):  # the units already finished were scored while the rest generated
+            exp, score_stats = self.rollout.score_checked(exp, pending=cur.pending)
+        return exp, gen_stats, score_stats
+
+    def _record_outcomes(self, step: int, cur: "Launched", gen_stats: list[dict], score_stats: list[dict]) -> dict:
+        scored, dropped, kept = outcome_records(step, cur.units, gen_stats, score_stats,
+                                                self.cfg.rollout.samples_per_prompt)
+        self.ledger.record("scored", scored)
+        self.ledger.record("dropped", dropped)
+        return kept
+
+    def _drop_stale(self, step: int, sampled: int, gen_stats: list[dict], kept: dict) -> StepOutcome:
+        """The pipeline never lets a batch fall further behind than allowed; should it, the batch
+        never reaches a loss (counted and in the ledger)."""
+        n = sum(len(s["groups"]) for s in gen_stats)
+        self.ledger.record("dropped", [{"step": step, "uid": u, "samples": k, "all": True, "reasons": {"stale": k}}
+                                       for u, k in kept.items()])
+        staleness = self.learner_version - sampled
+        print(f"[rayrlhf] step {step}: batch sampled by policy version {sampled}, {staleness} behind the learners "
+              f"(rollout.max_staleness={self.cfg.rollout.max_staleness}): {n} samples dropped", flush=True)
+        return StepOutcome({"skipped": {"stale": n}, "policy/staleness": staleness, **self.ledger.metrics()},
+                           version=self.learner_version, trained=False)
+
+    def _sync(self, result: dict) -> dict[str, Any]:
+        """The new weights into the generators, verified by the probe when configured."""
+        synced = self.transport.sync(result, self.rollout, self.learners)
+        verified = self.rollout.verify_sync(self.probe_ids, synced["probe"], result["version"], self.tolerance) \
+            if self.probe_ids else {}
+        return {"sync/load_s": max(synced["load_s"]), **{k: v for k, v in synced.items() if k.startswith("sync/")},
+                **verified}
+
+    def _pool_metrics(self, gen_stats: list[dict]) -> dict[str, Any]:
+        """How the pool spread this step's work units over the generators, and the queue ahead."""
+        return {"queue/depth": len(self.queue),
+                "rollout/units_by_generator": [sum(1 for s in gen_stats if s.get("generator") == g)
+                                               for g in range(len(self.rollout.generators))],
+                "reference/in_learner": self.rollout.reference is None and self.cfg.ppo.uses_reference}
+
+
+def _memory_peaks(gen_stats: list[dict], score_stats: list[dict], ref_stats: list[dict]) -> dict[str, float]:
+    row = {"memory/generator_peak_gb": max(s["peak_rss_gb"] for s in gen_stats),
+           # the judging generators' with llm_judge
+           "memory/scorer_peak_gb": max(s["peak_rss_gb"] for s in score_stats)}
+    if ref_stats:
+        row["memory/reference_peak_gb"] = max(s["peak_rss_gb"] for s in ref_stats)
+    return row
 
 
 def export_step(ctx: RunContext, step: int, exp_refs: list) -> list:
@@ -82,148 +187,8 @@ def export_step(ctx: RunContext, step: int, exp_refs: list) -> list:
     return [task.remote(e, str(folder / f"step-{step:06d}-{i:02d}.parquet")) for i, e in enumerate(exp_refs)]
 
 
-def run(ctx: RunContext, model_path: str, train_set, eval_set) -> RunResult:
-    cfg = ctx.cfg
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_path)
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    resume = str(ctx.resume_from) if ctx.resume_from else None
-    probe_ids = probe_token_ids(tok) if cfg.rollout.verify_sync else []
-    learners = LearnerGroup(learner_spec(cfg, model_path, pad_id, resume_from=resume, probe_ids=probe_ids),
-                            ctx.dir / "ray_train")
-    try:  # colocated: each generator goes to its learner's node, so the learners are placed first
-        colocate = learners.wait_ready()["nodes"] if cfg.cluster.layout == "colocated" else None
-        rollout = RolloutGroup(cfg, model_path, policy_path=resume, policy_version=int(ctx.run_state["version"]),
-                               colocate_nodes=colocate)
-    except BaseException:
-        learners.stop()
-        raise
-    tolerance = sync_tolerance(cfg.model.generator_dtype, cfg.rollout.sync_tolerance)
-    transport = make_transport(cfg.rollout.weight_transport, cfg.rollout.bucket_mb, cfg.rollout.collective_backend)
-    # A generator that restarts gets the weights the learners hold.
-    rollout.weights_source = lambda: learners.current_weights()["weights"][0]
-    ledger = Ledger(ctx.dir, resume_step=ctx.start_step if resume else None)
-    try:
-        rollout.wait_ready()
-        info = learners.wait_ready()
-        ref_role = ("no reference (no KL term)" if not cfg.ppo.uses_reference else
-                    "reference = base model with the LoRA adapter disabled, in the learner" if cfg.lora.enabled else
-                    "1 reference")
-        scorer = "the generators as judge" if rollout.scorer is None else "1 scorer"
-        print(f"[rayrlhf] roles ready: {cfg.rollout.num_generators} generator(s), {scorer}, {ref_role}, "
-              f"{cfg.cluster.num_learners} learner(s); {cfg.ppo.advantage_estimator} advantages, trainable "
-              f"fraction {info['trainable_fraction']:.4f}"
-              + (f"; resumed from {resume} (step {ctx.start_step}, policy version {info['version']})" if resume else ""),
-              flush=True)
-        # Where the roles run (multi-node layouts): each generator's node, learner rank 0's node.
-        (ctx.dir / "placement.json").write_text(json.dumps({
-            "layout": cfg.cluster.layout, "generators": rollout.nodes(), "learner_rank0": info.get("node"),
-            "learners": info.get("nodes"), "generator_placement_group": rollout.placement_group is not None,
-            "learner_env": info.get("env")}))
-        sampler = PromptSampler(len(train_set.rows), cfg.rollout.prompts_per_step, cfg.run.seed,
-                                **ctx.run_state["sampler"])
-        learner_version = int(info["version"])
-        if ctx.eval_due(0):
-            with ctx.phase("eval"):
-                ctx.log_base_eval(greedy_accuracy(rollout, eval_set.rows))
-        max_staleness = cfg.rollout.max_staleness
-        ahead: deque[_Launched] = deque()
-
-        def launch(step: int) -> _Launched:
-            """Draws the step's prompts and starts their generation (returns at once)."""
-            prompt_ids, uids = sampler.next_with_uids()
-            units = rollout.assignment(uids)  # the uids of each work unit
-            ledger.record("issued", issue_records(step, uids, prompt_ids, [k for k, u in enumerate(units) for _ in u],
-                                                  rollout.version))
-            # Group ids are the prompts' uids: a prompt drawn twice in one batch is two groups.
-            pending = rollout.submit([train_set.rows[i] for i in prompt_ids], uids, seed=sampling_seed(cfg.run.seed, step))
-            return _Launched(step, prompt_ids, uids, units, pending, sampler.consumed)
-
-        for step in ctx.steps():
-            cur = ahead.popleft() if ahead else launch(step)
-
-            def reissue(gen: int, group: list[int], err: Exception, step: int = step) -> None:
-                ledger.record("reissued", [{"step": step, "uid": u, "generator": gen, "reason": type(err).__name__}
-                                           for u in group])
-
-            with ctx.phase("generate"):
-                exp, gen_stats = rollout.collect(cur.pending, on_reissue=reissue)
-            with ctx.phase("score"):  # the units already finished were scored while the rest generated
-                exp, score_stats = rollout.score(exp, pending=cur.pending)
-                score_stats = ray.get(score_stats)
-            sampled = min(s["policy_version"] for s in gen_stats)
-            staleness = learner_version - sampled
-            scored, dropped, kept = outcome_records(step, cur.units, gen_stats, score_stats, cfg.rollout.samples_per_prompt)
-            ledger.record("scored", scored)
-            ledger.record("dropped", dropped)
-            # Overlap: the next batches' generation runs while the learners train on this one.
-            while len(ahead) < max_staleness and step + len(ahead) + 1 <= cfg.run.steps:
-                ahead.append(launch(step + len(ahead) + 1))
-            if staleness > max_staleness:
-                # The pipeline never lets this happen; should it, the batch never reaches a loss.
-                n = sum(len(s["groups"]) for s in gen_stats)
-                ledger.record("dropped", [{"step": step, "uid": u, "samples": k, "all": True, "reasons": {"stale": k}}
-                                          for u, k in kept.items()])
-                print(f"[rayrlhf] step {step}: batch sampled by policy version {sampled}, {staleness} behind the "
-                      f"learners (rollout.max_staleness={max_staleness}): {n} samples dropped", flush=True)
-                ctx.log_step(step, {"skipped": {"stale": n}, "policy/staleness": staleness, **ledger.metrics()})
-                continue
-            with ctx.phase("reference"):
-                exp, ref_stats = rollout.annotate_reference(exp)
-                ref_stats = ray.get(ref_stats)
-            exports = export_step(ctx, step, exp) if cfg.run.export_transitions else []
-            save_dir = ctx.checkpoint_dir(step)
-            with ctx.phase("learn"):
-                result = learners.learn(step, exp, save_dir=save_dir, sync=transport.packs_in_step)
-            ledger.record("trained", [{"step": step, "uid": u, "samples": n, "version": result["version"],
-                                       "sampled_version": sampled, "learner_version": learner_version}
-                                      for u, n in kept.items()])
-            with ctx.phase("sync"):
-                synced = transport.sync(result, rollout, learners)
-                verified = rollout.verify_sync(probe_ids, synced["probe"], result["version"], tolerance) \
-                    if probe_ids else {}
-            position = _SamplerPosition(cur.consumed)  # the prompts of batches started ahead are not in it
-            if result.get("saved"):
-                ctx.finish_checkpoint(result["saved"], step, position, result["version"])
-            _record_restarts(ledger, step, rollout, learners)
-
-            row: dict[str, Any] = {"skipped_at_load": dict(train_set.skipped), "data/prompt_ids": cur.prompt_ids}
-            row.update(step_metrics(gen_stats, score_stats, result["metrics"]))
-            row["policy/version"] = result["version"]
-            row["policy/staleness"] = staleness
-            row["queue/depth"] = len(ahead)
-            # How the pool spread this step's work units over the generators.
-            row["rollout/units_by_generator"] = [sum(1 for s in gen_stats if s.get("generator") == g)
-                                                 for g in range(len(rollout.generators))]
-            learner_version = result["version"]
-            row.update(ledger.metrics())
-            row["restarts/generator"], row["restarts/learner"] = rollout.restarts, learners.restarts
-            row["reference/in_learner"] = rollout.reference is None and cfg.ppo.uses_reference
-            row["sync/load_s"] = max(synced["load_s"])
-            row.update({k: v for k, v in synced.items() if k.startswith("sync/")})
-            row.update(verified)
-            row["memory/generator_peak_gb"] = max(s["peak_rss_gb"] for s in gen_stats)
-            row["memory/scorer_peak_gb"] = max(s["peak_rss_gb"] for s in score_stats)  # the judging generators' with llm_judge
-            if ref_stats:
-                row["memory/reference_peak_gb"] = max(s["peak_rss_gb"] for s in ref_stats)
-            if result.get("saved"):
-                row["checkpoint"] = result["saved"]
-            if exports:
-                done = ray.get(exports)
-                row["export/transitions"] = sum(d["rows"] for d in done)
-            if ctx.eval_due(step):
-                with ctx.phase("eval"):
-                    row.update(greedy_accuracy(rollout, eval_set.rows))
-            ctx.log_step(step, row)
-    finally:
-        learners.stop()
-        rollout.shutdown()
-    return ctx.result()
-
-
 @dataclass
-class _Launched:
+class Launched:
     """A step whose generation has been started."""
 
     step: int
@@ -237,19 +202,31 @@ class _Launched:
     consumed: int
 
 
+class LaunchQueue:
+    """Steps whose generation started ahead of the learners: with ``rollout.max_staleness = s``
+    the next s steps' batches generate while the learners train (none with s = 0)."""
+
+    def __init__(self, launch: Callable[[int], Launched], depth: int, last_step: int) -> None:
+        self.launch, self.depth, self.last_step = launch, depth, last_step
+        self.ahead: deque[Launched] = deque()
+
+    def take(self, step: int) -> Launched:
+        """The step's launched generation (launched now if it was not ahead)."""
+        return self.ahead.popleft() if self.ahead else self.launch(step)
+
+    def fill(self, step: int) -> None:
+        while len(self.ahead) < self.depth and step + len(self.ahead) + 1 <= self.last_step:
+            self.ahead.append(self.launch(step + len(self.ahead) + 1))
+
+    def __len__(self) -> int:
+        return len(self.ahead)
+
+
 @dataclass
-class _SamplerPosition:
+class SamplerPosition:
     """A checkpoint's prompt-sampler state: the position after the checkpointed step's prompts."""
 
     consumed: int
 
     def state_dict(self) -> dict[str, int]:
         return {"consumed": self.consumed}
-
-
-def _record_restarts(ledger: Ledger, step: int, rollout: RolloutGroup, learners: LearnerGroup) -> None:
-    """Restarts since the last step into the ledger (each role keeps its own list)."""
-    for role, entries in (("generator", rollout.restart_log), ("learner", learners.restart_log)):
-        if entries:
-            ledger.record("restart", [{"step": step, "role": role, "detail": e} for e in entries])
-            entries.clear()

@@ -31,19 +31,19 @@ from typing import Any
 import ray
 
 from actors.transitions import transitions_to_experience
-from cluster.actor_groups import ReplayWorker, RolloutGroup
 from cluster.config import Config, UserError
-from cluster.learner_group import LearnerGroup, learner_spec
+from cluster.data_sources import load_task_prompts
+from cluster.ledger import issue_records, outcome_records
 from cluster.metrics import step_metrics
-from cluster.run_context import PromptSampler, RunContext, RunResult, greedy_accuracy
+from cluster.roles import Roles
+from cluster.run_context import PromptSampler, RunContext, RunResult, greedy_accuracy, sampling_seed
+from cluster.step_loop import StepOutcome, run_steps
 
 
 def load_data(cfg: Config):
     """data.task's prompts (online acting, held-out evaluation) and, offline, the transitions of
     data.transition_file (checked and counted here, before anything starts)."""
-    from cluster.recipes import ppo
-
-    train_set, eval_set, description = ppo.load_data(cfg)
+    train_set, eval_set, description = load_task_prompts(cfg)
     if not cfg.data.transition_file:
         return (train_set, None), eval_set, description + "; online Q-learning"
     from actors.transitions import TransitionsError, read_transitions
@@ -78,10 +78,6 @@ def split_by_group(rows: list, n_eval: int, seed: int) -> tuple[list, list]:
     return [t for t in rows if t.group_id in groups], held
 
 
-def sampling_seed(run_seed: int, step: int) -> int:
-    return run_seed * 100_003 + step
-
-
 def behaviour_summary(rows: list) -> dict[str, float]:
     """The logged data's own reward: what its behaviour policy earned (sampled)."""
     returns = [sum(t.rewards) for t in rows]
@@ -92,136 +88,130 @@ def behaviour_summary(rows: list) -> dict[str, float]:
 
 def run(ctx: RunContext, model_path: str, train_data, eval_set) -> RunResult:
     cfg = ctx.cfg
-    from transformers import AutoTokenizer
-
     train_set, transitions = train_data
-    tok = AutoTokenizer.from_pretrained(model_path)
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    resume = str(ctx.resume_from) if ctx.resume_from else None
-    online = transitions is None
-    rollout = RolloutGroup(cfg, model_path, policy_path=resume, policy_version=int(ctx.run_state["version"]),
-                           with_reference=cfg.qlearn.uses_reference and not cfg.lora.enabled)
-    export_dir = str(ctx.dir / "data" / "transitions") if online else None
-    replay = ray.remote(ReplayWorker).options(num_cpus=0).remote(
-        cfg.qlearn.buffer_capacity if online else max(len(transitions["train"]), 1), cfg.run.seed, pad_id, export_dir)
-    learners = None
-    try:
-        learners = LearnerGroup(learner_spec(cfg, model_path, pad_id, resume_from=resume), ctx.dir / "ray_train")
-        rollout.wait_ready()
-        info = learners.wait_ready()
-        if online:
-            filled = ray.get(replay.refill.remote(export_dir, ctx.start_step)) if resume else {"size": 0}
-            source = f"online, acting {cfg.qlearn.acting}" + (f", buffer refilled with {filled['size']} sequences"
-                                                             if resume else "")
-            held_ref, behaviour = None, {}
-        else:
-            ray.get(replay.add_rows.remote(transitions["train"]))
-            held = transitions["held_out"]
-            held_ref = None
-            if held:  # reference log-probs once (the KL anchor's term is part of the held-out loss)
-                held_ref = rollout.annotate_reference([ray.put(transitions_to_experience(held, pad_id))])[0][0]
-            behaviour = behaviour_summary(transitions["train"])
-            source = (f"offline, {len(transitions['train'])} transitions, behaviour policy's mean reward "
-                      f"{behaviour['data/behaviour_mean_reward']:.3f}")
-        print(f"[rayrlhf] roles ready: {cfg.rollout.num_generators} generator(s), {cfg.cluster.num_learners} "
-              f"learner(s), Q-learning ({source}); gamma {cfg.qlearn.gamma}, n_step {cfg.qlearn.n_step}, "
-              f"conservative weight {cfg.qlearn.conservative_weight}, trainable fraction {info['trainable_fraction']:.4f}"
-              + (f"; resumed from {resume} (step {ctx.start_step})" if resume else ""), flush=True)
-
-        def evaluate(step: int, weights: Any = None) -> dict[str, float]:
-            row: dict[str, float] = dict(behaviour)
-            if held_ref is not None:
-                row.update(learners.evaluate(step, [held_ref]))
-            if weights is not None:
-                rollout.sync_weights(weights)
-            row.update(greedy_accuracy(rollout, eval_set.rows))
-            return row
-
-        if ctx.eval_due(0):
-            with ctx.phase("eval"):
-                ctx.log_base_eval(evaluate(0))
-        if online:
-            _online_steps(ctx, rollout, replay, learners, train_set, evaluate)
-        else:
-            _offline_steps(ctx, rollout, replay, learners, evaluate, {"skipped_at_load": dict(transitions["skipped"])})
-    finally:
-        if learners is not None:
-            learners.stop()
-        rollout.shutdown()
-        ray.kill(replay)
-    return ctx.result()
+    with Roles(ctx, model_path) as roles:
+        roles.start_learners()
+        roles.start_generators(with_reference=cfg.qlearn.uses_reference and not cfg.lora.enabled)
+        steps = (OnlineSteps(ctx, roles, train_set, eval_set) if transitions is None
+                 else OfflineSteps(ctx, roles, transitions, eval_set))
+        q = cfg.qlearn
+        roles.ready(f"Q-learning ({steps.source}); gamma {q.gamma}, n_step {q.n_step}, "
+                    f"conservative weight {q.conservative_weight}")
+        return run_steps(ctx, steps)
 
 
-def _learn(ctx: RunContext, rollout: RolloutGroup, replay: Any, learners: LearnerGroup, step: int,
-           sync: bool) -> tuple[dict, dict]:
-    """Samples the step's batch from the replay buffer and updates the learners."""
-    cfg = ctx.cfg
-    batch = replay.sample.remote(cfg.qlearn.batch_sequences, step)
-    batch_refs, _ = rollout.annotate_reference([batch])  # only with the KL anchor (and no LoRA)
-    with ctx.phase("learn"):
-        result = learners.learn(step, batch_refs, save_dir=ctx.checkpoint_dir(step), sync=sync)
-    return result, ray.get(replay.stats.remote())
+class QSteps:
+    """What online and offline Q-learning share: the replay buffer's batch into the learners,
+    the evaluation, the checkpoint position."""
+
+    def __init__(self, ctx: RunContext, roles: Roles, eval_set: Any, sampler: PromptSampler) -> None:
+        self.ctx, self.cfg, self.roles, self.eval_set, self.sampler = ctx, ctx.cfg, roles, eval_set, sampler
+        self.rollout, self.learners = roles.rollout, roles.learners
+        self.held_ref: Any = None
+        self.behaviour: dict[str, float] = {}
+
+    def position(self) -> PromptSampler:
+        return self.sampler
+
+    def save(self, step: int, folder: str) -> dict:
+        return self.learners.save(step, folder)
+
+    def evaluate(self, step: int, weights: Any) -> dict[str, float]:
+        row: dict[str, float] = dict(self.behaviour)
+        if self.held_ref is not None:
+            row.update(self.learners.evaluate(step, [self.held_ref]))
+        if weights is not None:
+            self.rollout.sync_weights(weights)
+        row.update(greedy_accuracy(self.rollout, self.eval_set.rows))
+        return row
+
+    def learn(self, step: int, sync: bool) -> tuple[dict, dict]:
+        """Samples the step's batch from the replay buffer and updates the learners."""
+        batch = self.roles.replay.sample.remote(self.cfg.qlearn.batch_sequences, step)
+        batch_refs, _ = self.rollout.annotate_checked([batch])  # only with the KL anchor (and no LoRA)
+        with self.ctx.phase("learn"):
+            result = self.learners.learn(step, batch_refs, save_dir=self.ctx.checkpoint_dir(step), sync=sync)
+        return result, ray.get(self.roles.replay.stats.remote())
 
 
-def _online_steps(ctx: RunContext, rollout: RolloutGroup, replay: Any, learners: LearnerGroup, train_set: Any,
-                  evaluate: Any) -> None:
-    cfg = ctx.cfg
-    sampler = PromptSampler(len(train_set.rows), cfg.rollout.prompts_per_step, cfg.run.seed, **ctx.run_state["sampler"])
-    greedy = cfg.qlearn.acting == "greedy"
-    for step in ctx.steps():
-        prompt_ids = sampler.next()
-        with ctx.phase("generate"):
-            exp, gen_stats = rollout.generate_checked([train_set.rows[i] for i in prompt_ids], prompt_ids,
-                                                      greedy=greedy, seed=sampling_seed(cfg.run.seed, step))
-        with ctx.phase("score"):
-            exp, score_stats = rollout.score(exp)
-            score_stats = ray.get(score_stats)
-        with ctx.phase("replay"):
-            added = ray.get(replay.add.remote(exp, step))
-        row: dict[str, Any] = {"skipped_at_load": dict(train_set.skipped), "data/prompt_ids": prompt_ids}
+class OnlineSteps(QSteps):
+    def __init__(self, ctx: RunContext, roles: Roles, train_set: Any, eval_set: Any) -> None:
+        cfg = ctx.cfg
+        super().__init__(ctx, roles, eval_set, PromptSampler(len(train_set.rows), cfg.rollout.prompts_per_step,
+                                                             cfg.run.seed, **ctx.run_state["sampler"]))
+        self.train_set, self.ledger = train_set, roles.ledger
+        export_dir = str(ctx.dir / "data" / "transitions")
+        replay = roles.start_replay(cfg.qlearn.buffer_capacity, export_dir)
+        self.source = f"online, acting {cfg.qlearn.acting}"
+        if roles.resume:
+            filled = ray.get(replay.refill.remote(export_dir, ctx.start_step))
+            self.source += f", buffer refilled with {filled['size']} sequences"
+
+    def step(self, step: int) -> StepOutcome:
+        cfg = self.cfg
+        exp, gen_stats, score_stats, kept, prompt_ids = self._act(step)
+        with self.ctx.phase("replay"):
+            added = ray.get(self.roles.replay.add.remote(exp, step))
+        # "trained": the prompt's samples are in the buffer the learners sample from.
+        self.ledger.record("trained", [{"step": step, "uid": u, "samples": n, "replay": True} for u, n in kept.items()])
+        row: dict[str, Any] = {"skipped_at_load": dict(self.train_set.skipped), "data/prompt_ids": prompt_ids}
         if added["size"] < max(cfg.qlearn.warmup_sequences, 1):  # still filling the buffer: no update
-            save_dir = ctx.checkpoint_dir(step)
-            if save_dir:
-                saved = learners.save(step, save_dir)
-                ctx.finish_checkpoint(saved["saved"], step, sampler, saved["version"])
-                row["checkpoint"] = saved["saved"]
+            saved = self.learners.save(step, self.ctx.checkpoint_dir(step)) if self.ctx.checkpoint_dir(step) else {}
             row.update(step_metrics(gen_stats, score_stats, {"learner/warmup": 1.0}))
-            row.update(_replay_metrics(added, added))
-            ctx.log_step(step, row)
-            continue
-        result, stats = _learn(ctx, rollout, replay, learners, step, sync=True)
-        with ctx.phase("sync"):
-            load_times = rollout.sync_weights(result["weights"][0])
-        if result.get("saved"):
-            ctx.finish_checkpoint(result["saved"], step, sampler, result["version"])
-            row["checkpoint"] = result["saved"]
+            row.update({**_replay_metrics(added, added), **self.ledger.metrics(), **self.roles.record_restarts(step)})
+            return StepOutcome(row, saved=saved.get("saved"), version=saved.get("version", 0))
+        result, stats = self.learn(step, sync=True)
+        with self.ctx.phase("sync"):
+            load_times = self.rollout.sync_weights(result["weights"][0], version=result["version"])
         row.update(step_metrics(gen_stats, score_stats, result["metrics"]))
-        row.update(_replay_metrics(added, stats))
-        row["sync/load_s"] = max(load_times)
-        if ctx.eval_due(step):
-            with ctx.phase("eval"):
-                row.update(evaluate(step))
-        ctx.log_step(step, row)
+        row.update({**_replay_metrics(added, stats), "sync/load_s": max(load_times), **self.ledger.metrics(),
+                    **self.roles.record_restarts(step)})
+        return StepOutcome(row, saved=result.get("saved"), version=result["version"])
+
+    def _act(self, step: int) -> tuple[list, list[dict], list[dict], dict, list[int]]:
+        """The step's prompts acted on by the generators and scored, in the ledger."""
+        prompt_ids, uids = self.sampler.next_with_uids()
+        units = self.rollout.assignment(uids)
+        self.ledger.record("issued", issue_records(step, uids, prompt_ids, [k for k, u in enumerate(units) for _ in u],
+                                                   self.rollout.version))
+
+        def reissue(gen: int, group: list[int], err: Exception) -> None:
+            self.ledger.record("reissued", [{"step": step, "uid": u, "generator": gen, "reason": type(err).__name__}
+                                            for u in group])
+
+        rows = [self.train_set.rows[i] for i in prompt_ids]
+        with self.ctx.phase("generate"):
+            pending = self.rollout.submit(rows, uids, greedy=self.cfg.qlearn.acting == "greedy",
+                                          seed=sampling_seed(self.cfg.run.seed, step))
+            exp, gen_stats = self.rollout.collect(pending, on_reissue=reissue)
+        with self.ctx.phase("score"):
+            exp, score_stats = self.rollout.score_checked(exp, pending=pending)
+        scored, dropped, kept = outcome_records(step, units, gen_stats, score_stats, self.cfg.rollout.samples_per_prompt)
+        self.ledger.record("scored", scored)
+        self.ledger.record("dropped", dropped)
+        return exp, gen_stats, score_stats, kept, prompt_ids
 
 
-def _offline_steps(ctx: RunContext, rollout: RolloutGroup, replay: Any, learners: LearnerGroup, evaluate: Any,
-                   loaded: dict[str, Any]) -> None:
-    # The offline loop consumes no prompts; the sampler only carries the checkpoint format.
-    sampler = PromptSampler(1, 1, ctx.cfg.run.seed, **ctx.run_state["sampler"])
-    for step in ctx.steps():
-        eval_now = ctx.eval_due(step)
-        result, stats = _learn(ctx, rollout, replay, learners, step, sync=eval_now)
-        if result.get("saved"):
-            ctx.finish_checkpoint(result["saved"], step, sampler, result["version"])
-        row: dict[str, Any] = {**loaded, **result["metrics"], **_replay_metrics({}, stats)}
-        if result.get("saved"):
-            row["checkpoint"] = result["saved"]
-        if eval_now:
-            with ctx.phase("eval"):
-                row.update(evaluate(step, result["weights"][0]))
-        ctx.log_step(step, row)
-        if ctx.early_stop(row, lambda: learners.save(step, ctx.checkpoint_path(step)), sampler):
-            break
+class OfflineSteps(QSteps):
+    def __init__(self, ctx: RunContext, roles: Roles, transitions: dict, eval_set: Any) -> None:
+        # The offline loop consumes no prompts; the sampler only carries the checkpoint format.
+        super().__init__(ctx, roles, eval_set, PromptSampler(1, 1, ctx.cfg.run.seed, **ctx.run_state["sampler"]))
+        replay = roles.start_replay(max(len(transitions["train"]), 1), None)
+        ray.get(replay.add_rows.remote(transitions["train"]))
+        held = transitions["held_out"]
+        if held:  # reference log-probs once (the KL anchor's term is part of the held-out loss)
+            self.held_ref = self.rollout.annotate_checked([ray.put(transitions_to_experience(held, roles.pad_id))])[0][0]
+        self.behaviour = behaviour_summary(transitions["train"])
+        self.loaded = {"skipped_at_load": dict(transitions["skipped"])}
+        self.source = (f"offline, {len(transitions['train'])} transitions, behaviour policy's mean reward "
+                       f"{self.behaviour['data/behaviour_mean_reward']:.3f}")
+
+    def step(self, step: int) -> StepOutcome:
+        eval_now = self.ctx.eval_due(step)
+        result, stats = self.learn(step, sync=eval_now)
+        row = {**self.loaded, **result["metrics"], **_replay_metrics({}, stats), **self.roles.record_restarts(step)}
+        return StepOutcome(row, saved=result.get("saved"), version=result["version"],
+                           weights=result["weights"][0] if eval_now else None)
 
 
 def _replay_metrics(added: dict, stats: dict) -> dict[str, float]:

@@ -1,0 +1,79 @@
+"""Where a run's units come from, loaded and checked before anything starts (a user error
+raises ``UserError`` with one line): task prompts (``data.task``: a reasoning-gym task or a
+``jsonl:`` file) and demonstrations (``data.demonstration_file``, or a task's reference
+answers). Every recipe reads its data through here, so no recipe imports another.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cluster.config import Config, UserError
+
+
+def load_task_prompts(cfg: Config) -> tuple[Any, Any, str]:
+    """Train and held-out prompts of ``data.task``; checks that the reward function imports and
+    that a reward model folder exists."""
+    from actors.scorer import SCORER_KINDS, resolve_reward_fn
+    from actors.tasks import load_prompts
+
+    try:
+        train_set, eval_set = load_prompts(
+            cfg.data.task, cfg.data.train_size, cfg.data.eval_size, cfg.run.seed, cfg.data.task_kwargs,
+            cfg.data.instruction,
+        )
+    except (FileNotFoundError, ValueError) as e:
+        raise UserError(f"data.task: {e}") from None
+    try:
+        if cfg.reward.function not in SCORER_KINDS:  # a rule function: it must import
+            resolve_reward_fn(cfg.reward.function)
+    except ValueError as e:
+        raise UserError(f"reward.function: {e}") from None
+    if cfg.reward.model and not (Path(cfg.reward.model) / "config.json").is_file():
+        raise UserError(f"reward.model: {cfg.reward.model} is not a model folder (no config.json)")
+    description = (f"{len(train_set)} train / {len(eval_set)} held-out prompts from {cfg.data.task}"
+                   + (f" (skipped while loading: {train_set.skipped})" if train_set.skipped else ""))
+    return train_set, eval_set, description
+
+
+@dataclass
+class Demonstrations:
+    # {"prompt": messages, "response": str, "index": int}
+    rows: list[dict[str, Any]]
+    # Rows excluded while loading, by reason.
+    skipped: dict[str, int] = field(default_factory=dict)
+    # Held-out task rows (prompt, answer, meta) for greedy accuracy; empty for a file.
+    task_rows: list[dict[str, Any]] = field(default_factory=list)
+
+
+def load_demonstrations(cfg: Config) -> tuple[Demonstrations, Demonstrations, str]:
+    """Train and held-out demonstrations of ``data.demonstration_file`` (seeded shuffle, split),
+    or of ``data.task`` (its answers as responses, plus judge demonstrations when asked)."""
+    from actors.offline_data import read_demonstrations, split_rows, task_demonstrations
+
+    if not cfg.data.demonstration_file:
+        train_set, eval_set, description = load_task_prompts(cfg)
+        demos = task_demonstrations(train_set.rows)
+        if cfg.sft.judge_demonstrations:
+            from actors.judge import judge_demonstrations
+
+            eft = judge_demonstrations(train_set.rows, cfg.sft.judge_demonstrations, cfg.judge.template,
+                                       seed=cfg.run.seed, max_score=cfg.judge.max_score,
+                                       min_points=max(cfg.judge.min_score, 1.0))
+            demos = demos + [dict(r, index=len(demos) + i) for i, r in enumerate(eft)]
+            description += f"; {len(eft)} judge demonstrations (EFT)"
+        return (Demonstrations(demos, dict(train_set.skipped)),
+                Demonstrations(task_demonstrations(eval_set.rows), {}, list(eval_set.rows)),
+                description + "; demonstrations: the task's reference answers")
+    try:
+        demos = read_demonstrations(cfg.data.demonstration_file)
+    except FileNotFoundError as e:
+        raise UserError(f"data.demonstration_file: {e}") from None
+    train, held = split_rows(demos.rows, cfg.run.seed, cfg.data.eval_size)
+    if not train:
+        raise UserError(f"data.demonstration_file: no usable training rows (skipped while loading: {demos.skipped})")
+    return (Demonstrations(train, demos.skipped), Demonstrations(held),
+            f"{len(train)} train / {len(held)} held-out demonstrations from {cfg.data.demonstration_file}"
+            + (f" (skipped while loading: {demos.skipped})" if demos.skipped else ""))
