@@ -232,6 +232,8 @@ def _handle(item: dict, learner: Any, spec: LearnerSpec, comm: Any, peak_rss_gb:
             return None
         packed, _ = _pack_weights(learner, spec)
         return {"step": step, "weights": [ray.put(packed)], "version": learner.version, **_probe(learner, spec)}
+    if item.get("digest"):
+        return _weights_digest(learner, comm)
     if item.get("save_only"):  # a checkpoint outside a step (early stopping)
         if comm.rank == 0:
             learner.save(item["save_dir"], tokenizer_from=spec.tokenizer_path)
@@ -257,6 +259,19 @@ def _handle(item: dict, learner: Any, spec: LearnerSpec, comm: Any, peak_rss_gb:
             learner.save(item["save_dir"], tokenizer_from=spec.tokenizer_path)
             reply["saved"] = item["save_dir"]
     return reply
+
+
+def _weights_digest(learner: Any, comm: Any) -> dict | None:
+    """How far apart the ranks' trainable weights are (0.0: identical, as data-parallel ranks
+    must be after every step), and rank 0's weights as one flat fp32 vector."""
+    import torch
+
+    flat = torch.cat([p.detach().reshape(-1).to(torch.float64) for p in learner.trainable])
+    high = comm.all_reduce_max(flat.clone())
+    low = -comm.all_reduce_max(-flat)
+    if comm.rank != 0:
+        return None
+    return {"rank_spread": float((high - low).max()), "trainable": [ray.put(flat.float().cpu())]}
 
 
 def _pack_weights(learner: Any, spec: LearnerSpec) -> tuple[Any, float]:
@@ -494,6 +509,11 @@ class LearnerGroup:
     def evaluate(self, step: int, exp_refs: list, timeout_s: float = 3600) -> dict[str, float]:
         """The learners' held-out metrics on a batch (``Learner.evaluate``), no update."""
         return self._call({"step": step, "exp_refs": list(exp_refs), "evaluate": True}, timeout_s)["metrics"]
+
+    def weights_digest(self, timeout_s: float = 600) -> dict:
+        """``rank_spread`` (the largest difference between two ranks' trainable weights) and
+        ``trainable`` (rank 0's, one flat vector, by reference)."""
+        return self._call({"digest": True}, timeout_s)
 
     def weights_group(self, op: str, timeout_s: float = 600, **kw: Any) -> dict:
         """The collective transport's learner side (``_weights_group``): open, join, broadcast."""

@@ -136,10 +136,20 @@ def test_ray_job_submit_on_a_cluster_started_as_the_readme_says(tiny_model_path,
         logs = subprocess.run([ray_bin, "job", "logs", "--address", address, job_id], env=env,
                               capture_output=True, text=True, timeout=60).stdout
         assert "succeeded" in status, status + logs[-4000:]
+        # `rayrlhf train` typed on the same machine, no RAY_ADDRESS: it joins the head `ray start`
+        # left running (found through Ray's address file; here in the head's temp dir) and says so.
+        own = subprocess.run([str(Path(sys.executable).parent / "rayrlhf"), "train", "configs/ppo_tiny.yaml",
+                              "--set", "run.steps=1", "--set", "run.eval_every=0", "--set", f"cluster.temp_dir={temp}",
+                              "--set", f"run.output_dir={tmp_path / 'local'}", "--set", "run.plot=false"],
+                             env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     finally:
         scraper.done.set()
         _stop_cluster(temp, port)
         shutil.rmtree(temp, ignore_errors=True)
+    assert own.returncode == 0, own.stdout[-3000:] + own.stderr[-3000:]
+    assert re.search(r"Ray cluster: 1 node\(s\), \d+ CPUs.*\(joined: joined the cluster `ray start` left at [\d.]+:"
+                     + str(port), own.stdout), own.stdout[-3000:]
+    assert "step 1/1" in own.stdout
     # The job joined the cluster it was submitted to, which has the machine's CPUs, and fit on it.
     assert re.search(r"\[rayrlhf\] Ray cluster: 1 node\(s\), \d+ CPUs.*\(joined\)", logs), logs[-3000:]
     assert "step 10/10" in logs

@@ -1,9 +1,12 @@
-"""One readable training loop per algorithm. ``run.algorithm`` picks the recipe; each recipe
-names the learner it trains (``learners.base.LEARNERS``).
+"""One readable step per algorithm. ``run.algorithm`` picks the recipe; each recipe names the
+learner it trains (``learners.base.LEARNERS``).
 
 A recipe module provides ``load_data(cfg) -> (train, held_out, description)``, called before
-anything starts (a user error there raises ``UserError``), and ``run(ctx, model_path, train,
-held_out) -> RunResult``, the loop itself.
+anything starts (a user error there raises ``UserError``; data comes through
+``cluster/data_sources.py``), and ``run(ctx, model_path, train, held_out) -> RunResult``, which
+starts its roles (``cluster/roles.py``) and runs the shared loop (``cluster/step_loop.py``) over
+its step object. No recipe imports another; ``fixed_data.py`` (the step over a fixed data set)
+and ``pairs.py`` (pairs the generators make) are helpers, not recipes.
 """
 
 from __future__ import annotations

@@ -30,3 +30,12 @@ def reply_length(prompts, completions, **meta):
     """Characters of the reply / 100: dense, rarely tied, and learnable (prefer long tokens, no EOS),
     so a random-weight model's samples always give preference pairs."""
     return [len(c) / 100.0 for c in completions]
+
+
+def slow_digit_density(prompts, completions, **meta):
+    """digit_density after a pause (0.3 s a call): a scorer call lasts long enough for a test to
+    kill the scorer inside it."""
+    import time
+
+    time.sleep(0.3)
+    return digit_density(prompts, completions)

@@ -44,7 +44,10 @@ def test_async_ppo_learns_within_the_staleness_bound_in_the_synchronous_prompt_o
     assert max(r["learner_version"] - r["sampled_version"] for r in trained) == 1
     # Stale batches take the full old-policy pass, with the truncated-IS correction (on by default).
     assert all(r["learner/stale_batch"] == 1.0 for r in rows[1:]) and rows[0]["learner/stale_batch"] == 0.0
-    assert all(0 < r["rollout_is/weight_mean"] <= 2.0 for r in rows)
+    # The importance weights: 1 on the batch the learners' own weights sampled (fp32: vLLM and the
+    # trainer agree to about 1e-6), away from 1 on every batch one version behind.
+    assert rows[0]["rollout_is/weight_mean"] == pytest.approx(1.0, abs=1e-3)
+    assert all(abs(r["rollout_is/weight_mean"] - 1.0) > 1e-6 for r in rows[1:]), [r["rollout_is/weight_mean"] for r in rows]
     assert all(r["logprob_gap/kl_k3"] > 0 for r in rows[1:])
     assert all(r["skipped"].get("stale", 0) == 0 for r in rows)
     # It learns the tiny task (fraction of digits in the reply) as the synchronous run does.
@@ -87,10 +90,14 @@ def test_inflight_weight_updates_land_mid_generation_within_the_staleness_bound(
         assert set(counts) <= {r["generate/policy_version"], r["generate/policy_version"] + 1}, counts
         assert sum(counts.values()) == r["generate/tokens"]
     assert by_version[0] == {0: rows[0]["generate/tokens"]}  # nothing was synced during the first
+    # A load lands between two decoding steps of a running generation: some batch holds tokens of
+    # both versions, the newer ones sampled after the sync. (How many of the 5 overlapping
+    # generations it lands in depends on the machine's timing; that one does is the rule.)
     mixed = [counts for counts in by_version if len(counts) == 2]
-    assert len(mixed) >= 4, by_version  # of the 5 generations that overlapped a sync
+    assert mixed, by_version
     # Every sync was verified by the probe (which rides along in the running generation).
     assert all(r["sync/probe_gap"] < 1e-5 for r in rows)
     # Mixed batches take the off-policy path with the truncated-IS correction, loss finite.
     assert all(r["learner/stale_batch"] == 1.0 for r in rows[1:])
-    assert all(0 < r["rollout_is/weight_mean"] <= 2.0 and math.isfinite(r["loss/total"]) for r in rows)
+    assert all(math.isfinite(r["loss/total"]) for r in rows)
+    assert all(abs(r["rollout_is/weight_mean"] - 1.0) > 1e-6 for r in rows[1:])

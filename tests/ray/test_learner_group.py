@@ -1,8 +1,11 @@
 """The real Ray Train learner group: two workers (gloo) on a batch take the same step as one (the
-two under real-time scheduling, cluster.realtime_learners)."""
+two under real-time scheduling, cluster.realtime_learners): the same losses and gradient norm,
+both ranks' weights identical after the step, and equal to the one worker's, for each estimator
+family (a critic, group baselines, a whole-batch baseline)."""
 
 import pytest
 import ray
+import torch
 
 from cluster import realtime
 from cluster.actor_groups import KEEP_FREED_MEMORY_ENV
@@ -19,17 +22,20 @@ def _learn(cfg, model_path, batch_ref, storage):
     group = LearnerGroup(learner_spec(cfg, model_path, pad_token_id=0), storage)
     try:
         info = group.wait_ready()
+        before = group.weights_digest()
         result = group.learn(1, [batch_ref])
+        after = group.weights_digest()
     finally:
         group.stop()
-    return info, result
+    return info, result, ray.get(before["trainable"][0]), after
 
 
 # gae: a critic and a KL term, every row runs. grpo without KL: the row whose score is its group's
 # mean (row 3: 0.5 in group 10's 1, 0, 0.5) has advantage 0 and no gradient; the two workers skip
 # it (ppo.skip_zero_advantage) while the one worker runs it, and the step is the same.
 # Every estimator x split: tests/unit/test_multi_learner.py.
-@pytest.mark.parametrize("estimator", ["gae", "grpo"])
+# reinforce_pp: its baseline is the whole batch's mean, which two ranks must agree on.
+@pytest.mark.parametrize("estimator", ["gae", "grpo", "reinforce_pp"])
 def test_two_ray_train_workers_match_one(ray_cluster, tiny_model_path, tmp_path, estimator):
     lm = tiny_lm(tiny_model_path)
     ids, att, rm = grouped_batch(lm.config.vocab_size, GROUPS, seed=3)
@@ -37,7 +43,7 @@ def test_two_ray_train_workers_match_one(ray_cluster, tiny_model_path, tmp_path,
     batch = experience(lm, ids, att, rm, [1.0, 0.0, 1.0, 0.5, 0.0, 0.0, 1.0], groups=GROUPS,
                        ref_shift=0.05 if kl else None)
     ref = ray.put(batch)
-    out = {}
+    out, weights = {}, {}
     for n in (1, 2):
         cfg = load_config(overrides=[
             f"model.path={tiny_model_path}", "train.bf16=false", "train.micro_batch_size=2", "model.generator_dtype=float32",
@@ -47,8 +53,10 @@ def test_two_ray_train_workers_match_one(ray_cluster, tiny_model_path, tmp_path,
             # The two-worker update runs under real-time scheduling: the same maths, only sooner.
             f"cluster.realtime_learners={n == 2}",
         ])
-        info, result = _learn(cfg, tiny_model_path, ref, tmp_path / f"n{n}")
+        info, result, start, after = _learn(cfg, tiny_model_path, ref, tmp_path / f"n{n}")
         assert info["world"] == n
+        assert after["rank_spread"] == 0.0  # every rank holds the same weights after the step
+        weights[n] = (start, ray.get(after["trainable"][0]))
         # CPU workers start with glibc's keep-freed-memory settings (cluster.keep_freed_memory).
         assert {k: info["env"][k] for k in KEEP_FREED_MEMORY_ENV} == KEEP_FREED_MEMORY_ENV
         out[n] = result["metrics"]
@@ -59,9 +67,15 @@ def test_two_ray_train_workers_match_one(ray_cluster, tiny_model_path, tmp_path,
     if estimator == "gae":
         assert two["learner/local_sequences"] == 5.0  # rank 0 of 2: groups 10 and 30
         assert "learner/zero_advantage_rows" not in two  # a critic: skipping does not apply
-    else:
+    elif estimator == "grpo":
         assert two["learner/local_sequences"] == 4.0  # rank 0 of 2: groups 10 (less row 3) and 30
         assert two["learner/zero_advantage_rows"] == 1.0
     for key in ("policy/grad_norm", "loss/policy", "loss/total", "advantage/mean") + (("kl/ref_k1",) if kl else ()):
         assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-6), key
     assert one["policy/grad_norm"] > 0
+    # The same start, the same step: two workers' weights equal one worker's, and they moved.
+    (start1, end1), (start2, end2) = weights[1], weights[2]
+    assert torch.equal(start1, start2) and not torch.allclose(start1, end1)
+    # (AdamW's first step moves each weight by about lr = 1e-6 in the sign of its gradient: 0.2 lr
+    # apart at most, with no relative slack, tells a wrong direction anywhere.)
+    torch.testing.assert_close(end2 - start2, end1 - start1, rtol=0, atol=2e-7)

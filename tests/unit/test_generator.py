@@ -101,7 +101,23 @@ def test_a_weight_load_lands_between_decoding_steps_and_each_token_records_its_v
     steps = []
     engine = generator.llm.llm_engine
     real_step = engine.step
-    engine.step = lambda: (steps.append(1), real_step())[1]
+    at_step_5 = threading.Event()
+
+    def step():
+        # The order of events, not timing: at its 5th step the generation waits (a minute at
+        # most) until the load below is waiting for the engine, so the load lands right after it.
+        steps.append(1)
+        if len(steps) == 5:
+            at_step_5.set()
+            deadline = time.time() + 60
+            while not generator._waiting and time.time() < deadline:
+                time.sleep(0.001)
+        return real_step()
+
+    engine.step = step
+    loaded_at = []  # the engine step count when the load ran
+    real_load = generator._load
+    generator._load = lambda named, version: (loaded_at.append(len(steps)), real_load(named, version))[1]
     prompts = [f"Count from {i}:" for i in range(8)]
     out = {}
     worker = threading.Thread(target=lambda: out.update(exp=generator.generate(
@@ -109,18 +125,16 @@ def test_a_weight_load_lands_between_decoding_steps_and_each_token_records_its_v
     probe_ids = generator.encode_prompt("What is 3 + 4? The answer is 7.")
     try:
         worker.start()
-        while len(steps) < 5:
-            time.sleep(0.001)
+        assert at_step_5.wait(timeout=120)
         generator.load_weights(new.items(), v0 + 1)
-        landed_at = len(steps)
         ridden = generator.probe_logprobs(probe_ids)
         probe_done_at = len(steps)
         worker.join(timeout=120)
         total = len(steps)
         assert not worker.is_alive()
         exp = out["exp"]
-        # The load landed mid-generation, not before or after it.
-        assert 5 <= landed_at < total - 10 and generator.inflight_loads == 1
+        # The load landed mid-generation, right after the 5th step, not before or after it.
+        assert loaded_at == [5] and total > 50 and generator.inflight_loads == 1
         assert exp.policy_version == v0 and exp.token_versions is not None  # the oldest tokens' version
         for row in range(exp.batch_size):
             vs = exp.token_versions[row][exp.response_mask[row]]
@@ -146,4 +160,5 @@ def test_a_weight_load_lands_between_decoding_steps_and_each_token_records_its_v
     finally:
         worker.join(timeout=120)
         engine.step = real_step
+        del generator._load
         generator.load_weights(original.items(), v0)
