@@ -24,8 +24,10 @@ the metrics row, early stopping) is ``cluster/step_loop.py``; this file is the a
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import ray
@@ -40,6 +42,12 @@ from cluster.transports import make_transport
 from cluster.weight_sync import probe_token_ids, sync_tolerance
 
 load_data = load_task_prompts
+# An asynchronous run's batches already generating at a checkpoint (trainer_state/).
+AHEAD_FILE = "ahead_batches.pt"
+
+
+def _fields(exp: Any) -> dict[str, Any]:
+    return {f.name: getattr(exp, f.name) for f in dataclasses.fields(exp)}
 
 
 def run(ctx: RunContext, model_path: str, train_set: Any, eval_set: Any) -> RunResult:
@@ -71,6 +79,8 @@ class PPOSteps:
         self.tolerance = sync_tolerance(cfg.model.generator_dtype, cfg.rollout.sync_tolerance)
         self.learner_version = int(self.learners.wait_ready()["version"])
         self._position = SamplerPosition(self.sampler.consumed)
+        if roles.resume:
+            self._restore_ahead(Path(roles.resume) / "trainer_state" / AHEAD_FILE)
 
     def evaluate(self, step: int, weights: Any) -> dict[str, float]:
         return greedy_accuracy(self.rollout, self.eval_set.rows)  # the generators hold the current weights
@@ -95,6 +105,8 @@ class PPOSteps:
         with self.ctx.phase("learn"):
             result = self.learners.learn(step, exp, save_dir=self.ctx.checkpoint_dir(step),
                                          sync=self.transport.packs_in_step)
+        if result.get("saved"):
+            self._save_ahead(Path(result["saved"]) / "trainer_state" / AHEAD_FILE)
         self.ledger.record("trained", [{"step": step, "uid": u, "samples": n, "version": result["version"],
                                         "sampled_version": sampled, "learner_version": self.learner_version}
                                        for u, n in kept.items()])
@@ -123,6 +135,9 @@ class PPOSteps:
         return Launched(step, prompt_ids, uids, units, pending, self.sampler.consumed)
 
     def _sample_and_score(self, step: int, cur: "Launched") -> tuple[list, list[dict], list[dict]]:
+        if cur.done is not None:  # finished before a checkpoint (asynchronous runs)
+            return cur.done
+
         def reissue(gen: int, group: list[int], err: Exception) -> None:
             self.ledger.record("reissued", [{"step": step, "uid": u, "generator": gen, "reason": type(err).__name__}
                                             for u in group])
@@ -132,6 +147,42 @@ class PPOSteps:
         with self.ctx.phase("score"):  # the units already finished were scored while the rest generated
             exp, score_stats = self.rollout.score_checked(exp, pending=cur.pending)
         return exp, gen_stats, score_stats
+
+    def _save_ahead(self, path: Path) -> None:
+        """Asynchronous runs: the batches already generating for the next steps (sampled by
+        older weights than the checkpoint's) are finished, scored and kept in the checkpoint, so
+        a resumed run trains on exactly the batches the uninterrupted one did."""
+        import torch
+
+        if not len(self.queue):
+            return
+        saved = []
+        for cur in self.queue.ahead:
+            exp, gen_stats, score_stats = self._sample_and_score(cur.step, cur)
+            cur.done = (exp, gen_stats, score_stats)
+            saved.append({"launched": dataclasses.asdict(dataclasses.replace(cur, pending=None, done=None)),
+                          "records": [_fields(e) for e in ray.get(exp)], "gen_stats": gen_stats,
+                          "score_stats": score_stats})
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(saved, path)
+
+    def _restore_ahead(self, path: Path) -> None:
+        """The batches a checkpoint kept (``_save_ahead``) go back into the queue, issued again in
+        the ledger; the prompt stream continues after them."""
+        import torch
+
+        from learners.experience import Experience
+
+        if not path.is_file():
+            return
+        for entry in torch.load(path, weights_only=True):
+            cur = Launched(**entry["launched"])
+            exp = [ray.put(Experience(**fields)) for fields in entry["records"]]
+            cur.done = (exp, entry["gen_stats"], entry["score_stats"])
+            self.queue.ahead.append(cur)
+            self.ledger.record("issued", issue_records(cur.step, cur.uids, cur.prompt_ids,
+                                                       [k for k, u in enumerate(cur.units) for _ in u], None))
+            self.sampler.consumed = cur.consumed
 
     def _record_outcomes(self, step: int, cur: "Launched", gen_stats: list[dict], score_stats: list[dict]) -> dict:
         scored, dropped, kept = outcome_records(step, cur.units, gen_stats, score_stats,
@@ -200,6 +251,8 @@ class Launched:
     pending: dict
     # The sampler's position after this step's prompts (what a checkpoint of this step records).
     consumed: int
+    # (records, generation stats, score stats) once finished before its step (a checkpoint kept it).
+    done: tuple | None = None
 
 
 class LaunchQueue:

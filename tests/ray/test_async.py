@@ -13,13 +13,21 @@ from pathlib import Path
 
 import pytest
 
+from cluster import cli
 from cluster.config import load_config
 from cluster.driver import train
-from cluster.ledger import read_ledger
+from tests.helpers.runs import assert_same_run, crashed_copy
+from cluster.ledger import read_ledger, valid_records
 from cluster.run_context import PromptSampler
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.ray
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 STEPS = 6
 
 
@@ -27,7 +35,8 @@ def _run(tmp_path: Path, staleness: int):
     cfg = load_config(ROOT / "configs" / "ppo_tiny.yaml", [
         f"rollout.max_staleness={staleness}", f"run.steps={STEPS}", f"run.output_dir={tmp_path}",
         "rollout.weight_transport=collective", "rollout.num_generators=2", "rollout.bucket_mb=1",
-        f"run.name=stale{staleness}", "run.plot=false", "cluster.metrics_export=false"])
+        f"run.name=stale{staleness}", "run.plot=false", "cluster.metrics_export=false", "run.save_every=3",
+        "run.keep_last=0"])
     result = train(cfg)
     return result, [r for r in result.history if r["step"] > 0]
 
@@ -61,6 +70,17 @@ def test_async_ppo_learns_within_the_staleness_bound_in_the_synchronous_prompt_o
     cfg = load_config(ROOT / "configs" / "ppo_tiny.yaml")
     sampler = PromptSampler(cfg.data.train_size, cfg.rollout.prompts_per_step, cfg.run.seed)
     assert [r["data/prompt_ids"] for r in rows] == [sampler.next() for _ in range(STEPS)]
+    # Stopped after step 3 and resumed: the checkpoint kept the batch of step 4 that was already
+    # generating (sampled by policy version 2), so the resumed run trains on the same batches,
+    # one version behind as before, and ends with the uninterrupted run's weights.
+    stopped = crashed_copy(result.run_dir, 3, tmp_path / "stopped")
+    assert (stopped / "checkpoints" / "step_00003" / "trainer_state" / "ahead_batches.pt").is_file()
+    assert cli.main(["train", "--resume", str(stopped)]) == 0
+    assert_same_run(stopped, result.run_dir, ("reward/mean", "loss/total", "policy/staleness"), "data/prompt_ids",
+                    "step_00006")
+    assert [r["generate/policy_version"] for r in _rows(stopped)][3:] == [2, 3, 4]
+    trained = [r for r in valid_records(read_ledger(stopped)) if r["event"] == "trained"]
+    assert len(trained) == STEPS * 32 and len({r["uid"] for r in trained}) == STEPS * 32
 
 
 def test_inflight_weight_updates_land_mid_generation_within_the_staleness_bound(ray_cluster, tmp_path):

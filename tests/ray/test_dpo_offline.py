@@ -1,5 +1,6 @@
 """Offline DPO through the real entry point: preference rows on disk, a Reference actor scoring
-every pair once, Ray Train learners, held-out evaluation, a servable checkpoint and resume."""
+every pair once, Ray Train learners, held-out evaluation, a servable checkpoint, and a resume
+that ends as the uninterrupted run did (DPO and a reward model on the same pairs)."""
 
 import json
 from pathlib import Path
@@ -9,6 +10,7 @@ import pytest
 from cluster import cli
 from cluster.config import load_config
 from cluster.driver import train
+from tests.helpers.runs import assert_same_run, crashed_copy
 
 pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,10 +40,13 @@ def _rows(run_dir: Path) -> list[dict]:
 
 def test_offline_dpo_learns_held_out_preferences_and_resumes(ray_cluster, tiny_model_path, tmp_path):
     data = _preferences(tmp_path / "prefs.jsonl")
-    cfg = load_config(ROOT / "configs" / "ppo_tiny.yaml", _settings(data) + ["run.steps=3"])
+    cfg = load_config(ROOT / "configs" / "ppo_tiny.yaml", _settings(data) + ["run.steps=6"])
     result = train(cfg, run_dir=tmp_path / "run")
-    # The user's command: continue the run to 6 steps (reference log-probs come from the cache).
-    assert cli.main(["train", "--resume", str(tmp_path / "run"), "--set", "run.steps=6"]) == 0
+    # Stopped after step 3: the user's command continues it (reference log-probs from the cache),
+    # and it ends as the uninterrupted run: the same pairs in the same order, losses, weights.
+    stopped = crashed_copy(tmp_path / "run", 3, tmp_path / "stopped")
+    assert cli.main(["train", "--resume", str(stopped), "--set", "run.steps=6"]) == 0
+    assert_same_run(stopped, tmp_path / "run", ("loss/total", "eval/loss/total"), "data/pair_ids", "step_00006")
     rows = _rows(tmp_path / "run")
     assert [r["step"] for r in rows] == list(range(0, 7))
     base, trained = rows[0], rows[1:]
@@ -62,10 +67,20 @@ def test_offline_dpo_learns_held_out_preferences_and_resumes(ray_cluster, tiny_m
     # The checkpoints are model folders that transformers loads as they are.
     from transformers import AutoModelForCausalLM
 
-    assert result.final_checkpoint.name == "step_00003"
+    assert result.final_checkpoint.name == "step_00006"
     final = tmp_path / "run" / "checkpoints" / "step_00006"
     AutoModelForCausalLM.from_pretrained(final)
     assert json.loads((final / "trainer_state" / "learner.json").read_text())["algorithm"] == "dpo"
+
+
+def test_a_resumed_reward_model_run_equals_the_uninterrupted_one(ray_cluster, tiny_model_path, tmp_path):
+    data = _preferences(tmp_path / "prefs.jsonl")
+    cfg = load_config(ROOT / "configs" / "ppo_tiny.yaml", _settings(data) + [
+        "run.algorithm=reward_model", "run.steps=4", "run.save_every=2", "run.eval_every=2", "run.plot=false"])
+    train(cfg, run_dir=tmp_path / "rm")
+    stopped = crashed_copy(tmp_path / "rm", 2, tmp_path / "stopped")
+    assert cli.main(["train", "--resume", str(stopped)]) == 0
+    assert_same_run(stopped, tmp_path / "rm", ("loss/total", "eval/accuracy"), "data/pair_ids", "step_00004")
 
 
 def test_dpo_config_errors_are_one_line(tmp_path):

@@ -1,6 +1,7 @@
 """A staged run through the real entry point: SFT -> self-rewarding DPO (candidates and
 judgements from real vLLM generators, Ray Train DPO, a weight sync) -> SPIN, one checkpoint per
-stage; interrupted inside the second stage and resumed at the right stage and step."""
+stage; interrupted inside the second stage and resumed at the right stage and step, it ends as
+the same preset run without interruption."""
 
 import json
 from pathlib import Path
@@ -12,6 +13,7 @@ import yaml
 from cluster import cli
 from cluster.config import load_config
 from cluster.driver import train
+from tests.helpers.runs import assert_same_run
 
 pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,6 +39,13 @@ def staged(ray_cluster, tiny_model_path, tmp_path_factory):
     return base / "run", sft_rows
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(staged, tmp_path_factory):
+    run = tmp_path_factory.mktemp("stages-straight") / "run"
+    train(load_config(PRESET), run_dir=run)
+    return run
+
+
 def test_every_stage_leaves_a_loadable_checkpoint_and_resume_continues_the_right_stage(staged):
     run, sft_rows_before = staged
     from transformers import AutoModelForCausalLM
@@ -60,6 +69,22 @@ def test_every_stage_leaves_a_loadable_checkpoint_and_resume_continues_the_right
     assert saved["model"]["path"] == str(stages[0] / "checkpoints" / "step_00008")
     assert yaml.safe_load((stages[2] / "config.yaml").read_text())["model"]["path"] == str(
         stages[1] / "checkpoints" / "step_00002")
+
+
+def test_the_resumed_staged_run_equals_the_uninterrupted_one(staged, uninterrupted):
+    run, _ = staged
+    for stage, ids, final in (("00-sft", "data/example_ids", "step_00008"),
+                              ("01-self-reward", "data/pair_ids", "step_00002"),
+                              ("02-spin", "data/pair_ids", "step_00001")):
+        assert_same_run(run / "stages" / stage, uninterrupted / "stages" / stage, ("loss/total",), ids, final)
+    # The self-rewarding iteration made the same pairs (judged by the same model), and SPIN drew
+    # prompts the self-rewarding iteration had not (a new iteration, new prompts).
+    for stage in ("01-self-reward", "02-spin"):
+        got = pq.read_table(run / "stages" / stage / "data" / "pairs.parquet").to_pylist()
+        assert got == pq.read_table(uninterrupted / "stages" / stage / "data" / "pairs.parquet").to_pylist()
+    judged = {r["prompt_id"] for r in pq.read_table(run / "stages" / "01-self-reward" / "data" / "pairs.parquet").to_pylist()}
+    spin = {r["prompt_id"] for r in pq.read_table(run / "stages" / "02-spin" / "data" / "pairs.parquet").to_pylist()}
+    assert judged and spin and not judged & spin
 
 
 def test_self_rewarding_iteration_judges_with_the_generators_and_syncs(staged):

@@ -259,32 +259,31 @@ def test_a_generator_killed_in_online_q_learning_is_restarted_with_the_current_w
 
 
 def test_a_generator_killed_while_judging_in_self_rewarding_dpo(ray_cluster, tmp_path):
-    """Self-rewarding DPO (the generators sample candidates and judge them): a generator killed
-    inside a judge call is restarted, its records judged again, and every pair trained once."""
+    """Self-rewarding DPO (the generators sample candidates and judge them; an SFT stage first
+    teaches the random-weight model to write numbers): a generator killed inside a judge call is
+    restarted, its records judged again, and every pair trained once."""
     import yaml
 
     preset = yaml.safe_load((ROOT / "configs" / "self_reward_tiny.yaml").read_text())
-    stage = next(s["set"] for s in preset.pop("stages") if s["name"] == "self-reward")
-    for key, value in stage.items():
-        section, name = key.split(".")
-        preset.setdefault(section, {})[name] = value
-    config = tmp_path / "self_reward_one_iteration.yaml"
+    preset["stages"] = preset["stages"][:2]  # SFT, then one self-rewarding iteration
+    config = tmp_path / "self_reward.yaml"
     config.write_text(yaml.safe_dump(preset))
     run_dir = tmp_path / "self-reward-gen-kill"
     proc = _launch(ray_cluster, run_dir, "--set", "run.steps=2", "--set", "run.eval_every=0",
-                   "--set", "model.max_new_tokens=16", "--set", "reward.function=actors.rewards:digit_density",
-                   preset=str(config))
+                   "--set", "model.max_new_tokens=16", preset=str(config))
     try:
+        wait_for(lambda: (run_dir / "stages" / "01-self-reward").is_dir() or proc.poll() is not None, timeout=300)
         inside = _kill_inside(proc, "GeneratorWorker", "judge")
         out = _finish(proc)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert inside
-    summary = _every_unit_once(run_dir, 2 * 4)  # 2 steps of dpo.pairs_per_step=4 pairs
+    stage = run_dir / "stages" / "01-self-reward"
+    summary = _every_unit_once(stage, 2 * 4)  # 2 steps of dpo.pairs_per_step=4 pairs
     assert summary["unit"] == "pair" and summary["restarts"] == {"generator": 1}, summary
     assert "generator 0 died" in out and "while judging" in out
-    rows = _rows(run_dir)
+    rows = _rows(stage)
     assert [r["step"] for r in rows] == [1, 2] and rows[0]["pairs/judge_items"] == 32 * 4
 
 

@@ -22,12 +22,14 @@ def _learn(cfg, model_path, batch_ref, storage):
     group = LearnerGroup(learner_spec(cfg, model_path, pad_token_id=0), storage)
     try:
         info = group.wait_ready()
-        before = group.weights_digest()
+        # (Fetched while the workers live: they own what they put in the object store.)
+        start = ray.get(group.weights_digest()["trainable"][0])
         result = group.learn(1, [batch_ref])
         after = group.weights_digest()
+        end = ray.get(after["trainable"][0])
     finally:
         group.stop()
-    return info, result, ray.get(before["trainable"][0]), after
+    return info, result, start, end, after["rank_spread"]
 
 
 # gae: a critic and a KL term, every row runs. grpo without KL: the row whose score is its group's
@@ -53,10 +55,10 @@ def test_two_ray_train_workers_match_one(ray_cluster, tiny_model_path, tmp_path,
             # The two-worker update runs under real-time scheduling: the same maths, only sooner.
             f"cluster.realtime_learners={n == 2}",
         ])
-        info, result, start, after = _learn(cfg, tiny_model_path, ref, tmp_path / f"n{n}")
+        info, result, start, end, spread = _learn(cfg, tiny_model_path, ref, tmp_path / f"n{n}")
         assert info["world"] == n
-        assert after["rank_spread"] == 0.0  # every rank holds the same weights after the step
-        weights[n] = (start, ray.get(after["trainable"][0]))
+        assert spread == 0.0  # every rank holds the same weights after the step
+        weights[n] = (start, end)
         # CPU workers start with glibc's keep-freed-memory settings (cluster.keep_freed_memory).
         assert {k: info["env"][k] for k in KEEP_FREED_MEMORY_ENV} == KEEP_FREED_MEMORY_ENV
         out[n] = result["metrics"]

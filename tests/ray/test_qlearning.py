@@ -15,6 +15,7 @@ from actors.transitions import read_transitions
 from cluster import cli
 from cluster.config import load_config
 from cluster.driver import train
+from tests.helpers.runs import assert_same_run, crashed_copy
 
 pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,12 +27,16 @@ def _rows(run_dir: Path) -> list[dict]:
 
 def test_online_q_learning_raises_the_reward_and_resumes_with_its_buffer(ray_cluster, tiny_model_path, tmp_path):
     run = tmp_path / "online"
-    cfg = load_config(ROOT / "configs" / "qlearn_tiny.yaml", ["run.steps=5", "run.save_every=5",
+    cfg = load_config(ROOT / "configs" / "qlearn_tiny.yaml", ["run.steps=10", "run.save_every=5",
                                                               "qlearn.warmup_sequences=33"])
     train(cfg, run_dir=run)
-    # Continue to 10 steps: the replay buffer is refilled from the exported steps 1-5.
-    assert cli.main(["train", "--resume", str(run), "--set", "run.steps=10"]) == 0
-    rows = _rows(run)
+    # Stopped after step 5 and resumed: the replay buffer is refilled from the exported steps 1-5
+    # (the later steps' files are removed and written again), and the run ends as the
+    # uninterrupted one did: the same prompts, rewards, TD losses and weights.
+    stopped = crashed_copy(run, 5, tmp_path / "stopped")
+    assert cli.main(["train", "--resume", str(stopped)]) == 0
+    assert_same_run(stopped, run, ("reward/mean", "loss/td"), "data/prompt_ids", "step_00010")
+    rows = _rows(stopped)
     assert [r["step"] for r in rows] == list(range(1, 11))
     rewards = [r["reward/mean"] for r in rows]
     # The digit-density reward of the random-weight model's samples rises under the Q-policy.
@@ -43,9 +48,9 @@ def test_online_q_learning_raises_the_reward_and_resumes_with_its_buffer(ray_clu
     learned = rows[1:]
     assert all(r["learner/target_updates"] == 2 * (r["step"] - 1) for r in learned)
     assert all(math.isfinite(r["loss/td"]) and r["q/unseen_mean"] < r["q/taken"] for r in learned)
-    exported, skipped = read_transitions(run / "data" / "transitions")
+    exported, skipped = read_transitions(stopped / "data" / "transitions")
     assert len(exported) == 320 and not skipped
-    ckpt = run / "checkpoints" / "step_00010"
+    ckpt = stopped / "checkpoints" / "step_00010"
     assert (ckpt / "target" / "target.safetensors").is_file() and (ckpt / "model.safetensors").is_file()
 
 
@@ -70,8 +75,12 @@ def test_offline_q_learning_on_transitions_a_ppo_run_exported(ray_cluster, tiny_
     exported, _ = read_transitions(folder)
     cfg = load_config(ROOT / "configs" / "qlearn_tiny.yaml", [
         f"data.transition_file={folder}", "run.steps=6", "run.eval_every=3", "qlearn.batch_sequences=32",
-        "qlearn.eval_transitions=16", "qlearn.kl_coef=0.01"])
+        "qlearn.eval_transitions=16", "qlearn.kl_coef=0.01", "run.save_every=3"])
     train(cfg, run_dir=tmp_path / "offline")
+    # Stopped after step 3 and resumed: the same replay batches, TD losses and weights.
+    stopped = crashed_copy(tmp_path / "offline", 3, tmp_path / "stopped")
+    assert cli.main(["train", "--resume", str(stopped)]) == 0
+    assert_same_run(stopped, tmp_path / "offline", ("loss/td", "eval/loss/td"), None, "step_00006")
     rows = _rows(tmp_path / "offline")
     assert [r["step"] for r in rows] == list(range(0, 7))
     evals = [r for r in rows if "eval/mean_score" in r]
