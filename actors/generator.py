@@ -4,11 +4,11 @@ A plain class: usable in a script or a test without Ray; ``cluster/`` wraps it i
 vLLM runs in-process (no engine subprocess, eager mode): on CPU it starts in seconds and lets
 weight updates pass tensors directly instead of pickled bytes.
 
-The generator drives the engine one decoding step at a time under a lock. A weight load from
-another thread (the actor's second slot with ``rollout.inflight_updates``) is handed to the
-driving thread, which runs it between two steps of the running generation: the running
-sequences are preempted and recompute their KV cache with the new weights, and every token
-carries the version of the weights that sampled it (vLLM's weight-version spans). A request
+The generator drives the engine one decoding step at a time under a lock (``actors/engine_loop.py``).
+A weight load from another thread (the actor's second slot with ``rollout.inflight_updates``) is
+handed to the driving thread, which runs it between two steps of the running generation: the
+running sequences are preempted and recompute their KV cache with the new weights, and every
+token carries the version of the weights that sampled it (vLLM's weight-version spans). A request
 that arrives while a generation runs (a sync probe) rides along in the same engine loop.
 """
 
@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
-from collections import deque
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
 
+from actors.engine_loop import EngineLoop
 from learners.experience import Experience
 
 log = logging.getLogger("rayrlhf.generator")
@@ -171,18 +169,8 @@ class Generator:
         self.version = int(initial_version)
         self.eos_token_id = self.tokenizer.eos_token_id
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_token_id
-        # One engine step, request insertion or weight load at a time (see the module docstring).
-        self._engine = threading.Lock()
-        # Guarded by ``_engine``: whether a thread is driving the engine loop, and the requests of
-        # other threads riding along in it (external request id -> their waiter).
-        self._driving = False
-        self._riders: dict[str, _Riders] = {}
-        # Weight loads other threads handed to the driving thread (run before its next step).
-        self._handed: deque[_Handed] = deque()
-        # Threads waiting for ``_engine`` (the driving loop steps aside for them: a plain lock
-        # would let it take the lock back at once, step after step).
-        self._waiting = 0
-        self._count = threading.Lock()
+        # One decoding step at a time under a lock; loads and probes land between steps.
+        self.loop = EngineLoop(self.llm)
         # Weight loads that landed while a generation was running.
         self.inflight_loads = 0
         self.llm.llm_engine.set_weight_version(str(self.version))
@@ -277,7 +265,7 @@ class Generator:
         )
         if seed is not None:
             torch.manual_seed(seed)
-        outputs = self._run([{"prompt_token_ids": ids} for ids, _, _ in kept], params)
+        outputs = self.loop.run([{"prompt_token_ids": ids} for ids, _, _ in kept], params)
         rows: list[tuple[list[int], list[int], list[float], bool, str, dict, int, list[int | None]]] = []
         for (ids, m, g), out in zip(kept, outputs):
             for comp in out.outputs:
@@ -291,69 +279,7 @@ class Generator:
     @property
     def generating(self) -> bool:
         """Whether a thread is driving the engine (a request sent now rides along in its loop)."""
-        return self._driving
-
-    def _run(self, prompts: list[dict], params) -> list:
-        """The finished ``RequestOutput`` of each prompt, in order. Drives the engine step by step
-        (what ``LLM.generate`` does), releasing the engine lock between steps so that a weight
-        load can land; if another thread is already driving it, rides along in its loop."""
-        with self._turn():
-            ids = [_external_id(r) for r in self.llm.enqueue(prompts, params, use_tqdm=False)]
-            riders = None
-            if self._driving:
-                riders = _Riders(ids)
-                self._riders.update({i: riders for i in ids})
-            else:
-                self._driving = True
-        if riders is not None:
-            return riders.wait()
-        return self._drive(ids)
-
-    def _drive(self, ids: list[str]) -> list:
-        """Steps the engine until no request is left (its own and any riders')."""
-        mine: dict[str, Any] = {}
-        try:
-            while True:
-                with self._engine:
-                    while self._handed:  # weight loads handed over, between two steps
-                        self._handed.popleft().run()
-                    if not self.llm.llm_engine.has_unfinished_requests():
-                        self._driving = False
-                        break
-                    for out in self.llm.llm_engine.step():
-                        if out.finished:
-                            riders = self._riders.pop(out.request_id, None)
-                            if riders is not None:
-                                riders.finish(out)
-                            else:
-                                mine[out.request_id] = out
-                while self._waiting:  # a load or a rider goes first
-                    time.sleep(0.0005)
-        except BaseException as e:
-            with self._engine:
-                self._driving = False
-                for riders in set(self._riders.values()):
-                    riders.fail(e)
-                self._riders.clear()
-                while self._handed:
-                    self._handed.popleft().fail(e)
-            raise
-        return [mine[i] for i in ids]
-
-    @contextmanager
-    def _turn(self):
-        """The engine lock, taken between two steps of a running loop."""
-        with self._count:
-            self._waiting += 1
-        try:
-            self._engine.acquire()
-        finally:
-            with self._count:
-                self._waiting -= 1
-        try:
-            yield
-        finally:
-            self._engine.release()
+        return self.loop.generating
 
     def _to_experience(self, rows, skipped: dict[str, int]) -> Experience:
         length = max(len(p) + len(r) for p, r, *_ in rows)
@@ -398,7 +324,7 @@ class Generator:
         from vllm import SamplingParams
 
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
-        out = self._run([{"prompt_token_ids": list(token_ids)}], params)[0]
+        out = self.loop.run([{"prompt_token_ids": list(token_ids)}], params)[0]
         return [float(step[tok].logprob) for tok, step in zip(token_ids[1:], out.prompt_logprobs[1:])]
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> float:
@@ -406,15 +332,7 @@ class Generator:
         thread generates, it lands between two decoding steps (see the module docstring)."""
         named = list(named_tensors)
         t0 = time.perf_counter()
-        with self._turn():
-            if not self._driving:
-                self._load(named, version)
-                return time.perf_counter() - t0
-            # The driving thread loads it before its next step: the engine's repacked weights are
-            # best made on the thread that runs them (a generator actor's engine thread).
-            handed = _Handed(lambda: self._load(named, version))
-            self._handed.append(handed)
-        handed.wait()
+        self.loop.between_steps(lambda: self._load(named, version))
         return time.perf_counter() - t0
 
     def _load(self, named: list, version: int) -> None:
@@ -424,7 +342,7 @@ class Generator:
         # and recompute theirs, so each new token is sampled by the new weights alone.
         if not self.llm.reset_prefix_cache(reset_running_requests=True):
             raise RuntimeError("vLLM did not reset its prefix cache after a weight load")
-        self.inflight_loads += int(self._driving)
+        self.inflight_loads += int(self.loop.generating)
         self.version = int(version)
         self.llm.llm_engine.set_weight_version(str(self.version))
 
@@ -437,68 +355,3 @@ def token_versions(spans, n: int) -> list[int | None]:
         for k in range(span.start, min(span.end, n)):
             out[k] = int(span.version)
     return out
-
-
-def _external_id(request_id: str) -> str:
-    """The id ``RequestOutput`` reports for a request ``LLM.enqueue`` returned: vLLM appends a
-    random suffix to its counter id internally."""
-    return request_id.split("-", 1)[0]
-
-
-class _Waiter:
-    """What a thread waits on while the driving thread works for it; fails with the loop."""
-
-    what = "the engine loop"
-
-    def __init__(self) -> None:
-        self.error: BaseException | None = None
-        self.done = threading.Event()
-
-    def fail(self, error: BaseException) -> None:
-        self.error = error
-        self.done.set()
-
-    def _wait(self) -> None:
-        self.done.wait()
-        if self.error is not None:
-            raise RuntimeError(f"{self.what} failed: {self.error!r}") from self.error
-
-
-class _Handed(_Waiter):
-    """Work another thread handed to the driving thread (a weight load)."""
-
-    what = "the handed-over weight load"
-
-    def __init__(self, fn) -> None:
-        super().__init__()
-        self.fn = fn
-
-    def run(self) -> None:
-        try:
-            self.fn()
-        except BaseException as e:  # the caller re-raises it
-            self.error = e
-        self.done.set()
-
-    def wait(self) -> None:
-        self._wait()
-
-
-class _Riders(_Waiter):
-    """Requests another thread added to a running engine loop, and their outputs once finished."""
-
-    what = "the engine loop these requests rode in"
-
-    def __init__(self, ids: list[str]) -> None:
-        super().__init__()
-        self.ids = ids
-        self.outputs: dict[str, Any] = {}
-
-    def finish(self, output) -> None:
-        self.outputs[output.request_id] = output
-        if len(self.outputs) == len(self.ids):
-            self.done.set()
-
-    def wait(self) -> list:
-        self._wait()
-        return [self.outputs[i] for i in self.ids]

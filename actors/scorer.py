@@ -10,6 +10,9 @@ under its reason (``on_error='skip'``) or fails the step with the sample named
     RewardModelScorer   a trained reward model (``actors/rm_scorer.py``)
     JudgeScorer         an LLM judge on its own vLLM engine (``actors/judge.py``)
     RemoteScorer        an HTTP scoring endpoint (``actors/remote.py``)
+
+Which one a run builds is ``actors/scorer_factory.py``'s business (it imports them all; none of
+them imports it).
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ import abc
 import importlib
 import logging
 import math
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -31,9 +33,6 @@ log = logging.getLogger("rayrlhf.scorer")
 RewardFn = Callable[..., list[float]]
 
 #: ``reward.function`` values that name a scorer kind rather than a rule function.
-SCORER_KINDS = ("reward_model", "llm_judge", "remote")
-
-
 class RewardError(RuntimeError):
     """The reward function failed and the config says to stop."""
 
@@ -149,51 +148,3 @@ class Scorer(TextScorer):
                 log.warning("reward function %r returned %s for sample %d, skipped", self.spec, v, i)
                 values[i] = None
         return values, counts
-
-
-@dataclass
-class ScorerSpec:
-    """Which scorer to build and its own settings (the scorer role, the scorer server and scripts
-    get this, not the run's config; ``cluster/actor_groups.scorer_spec`` picks it from one)."""
-
-    # A rule function (built-in or 'module:function'), 'reward_model', 'llm_judge' or 'remote'.
-    function: str = "reasoning_gym"
-    # Extra keyword arguments of a rule function.
-    kwargs: dict = field(default_factory=dict)
-    # 'skip' (drop and count a sample without a reward) or 'raise'.
-    on_error: str = "skip"
-    # Reward-model folder (reward_model) or judge model folder (llm_judge).
-    model: str = ""
-    # Reward model: sequences per forward pass, longest sequence, system prompt of the chat
-    # template (the one its pairs were encoded with), torch threads (0: leave as is).
-    batch_size: int = 16
-    max_tokens: int = 1024
-    system_prompt: str = ""
-    threads: int = 0
-    # llm_judge: the judge's settings and its engine's (an ``actors.generator.GeneratorConfig``).
-    judge: Any = None
-    judge_engine: Any = None
-    # remote: an ``actors.remote.RemoteSettings``.
-    remote: Any = None
-
-
-def build_scorer(spec: ScorerSpec) -> TextScorer:
-    """The scorer a spec names (heavy models load here, inside whichever process calls it)."""
-    if spec.function == "reward_model":
-        from actors.rm_scorer import RewardModelScorer
-
-        return RewardModelScorer(spec.model, batch_size=spec.batch_size, max_tokens=spec.max_tokens,
-                                 system_prompt=spec.system_prompt, on_error=spec.on_error, threads=spec.threads)
-    if spec.function == "llm_judge":
-        from actors.judge import JudgeScorer
-
-        if spec.judge is None or spec.judge_engine is None:
-            raise ValueError("an llm_judge scorer needs its judge settings and a judge model (engine) config")
-        return JudgeScorer(spec.judge, spec.judge_engine, on_error=spec.on_error)
-    if spec.function == "remote":
-        from actors.remote import RemoteScorer
-
-        if spec.remote is None:
-            raise ValueError("a remote scorer needs its settings (url, ...)")
-        return RemoteScorer(spec.remote, on_error=spec.on_error)
-    return Scorer(spec.function, spec.kwargs, spec.on_error)

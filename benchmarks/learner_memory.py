@@ -137,7 +137,7 @@ def main() -> None:
     import statistics
 
     sys.path.insert(0, str(ROOT))
-    from cluster.actor_groups import KEEP_FREED_MEMORY_ENV
+    from cluster.role_settings import KEEP_FREED_MEMORY_ENV
 
     results = []
     for _ in range(a.rounds):

@@ -83,7 +83,7 @@ def main() -> None:
         print(json.dumps(generate_tokens_per_s(a.dtype, a.batch, a.new_tokens, a.repeats)))
         return
 
-    from cluster.actor_groups import KEEP_FREED_MEMORY_ENV
+    from cluster.role_settings import KEEP_FREED_MEMORY_ENV
 
     me = str(Path(__file__).resolve())
     runs: list[dict] = []

@@ -103,7 +103,7 @@ def bench_generator(gen, texts: list[str], new_tokens: int, repeats: int) -> lis
 def _fixed_length_worker():
     """``GeneratorWorker`` (what training runs in its actor) with one more method: its
     ``generate`` with EOS ignored, the stopping rule of the other contenders."""
-    from cluster.actor_groups import GeneratorWorker
+    from cluster.workers import GeneratorWorker
 
     class FixedLengthWorker(GeneratorWorker):
         def generate_fixed(self, rows: list[dict], group_ids: list[int]) -> tuple:
@@ -123,8 +123,8 @@ def bench_actor(model_path: str, texts: list[str], new_tokens: int, repeats: int
     and probes, so its calls run on Ray's thread pool rather than the actor's main thread)."""
     import ray
 
-    from cluster.actor_groups import generator_config, role_env
-    from cluster.config import load_config
+    from cluster.role_settings import generator_config, role_env
+    from cluster.config_loading import load_config
 
     cfg = load_config(overrides=[f"model.max_new_tokens={new_tokens}", "model.max_prompt_tokens=256",
                                  "rollout.temperature=1.0", "rollout.kv_cache_gib=2"])
@@ -158,8 +158,8 @@ def bench_pool(model_path: str, texts: list[str], new_tokens: int, repeats: int,
     of ``bs / replicas`` prompts each per batch, through the training code's GeneratorPool."""
     import ray
 
-    from cluster.actor_groups import generator_config, role_env
-    from cluster.config import load_config
+    from cluster.role_settings import generator_config, role_env
+    from cluster.config_loading import load_config
     from cluster.rollout_pool import GeneratorPool, Unit, unit_sizes
 
     cfg = load_config(overrides=[f"model.max_new_tokens={new_tokens}", "model.max_prompt_tokens=256",

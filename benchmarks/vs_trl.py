@@ -31,7 +31,7 @@ CONFIG = ROOT / "configs" / "grpo_smollm2.yaml"
 
 
 def load_cfg(steps: int, seed: int):
-    from cluster.config import load_config
+    from cluster.config_loading import load_config
 
     return load_config(str(CONFIG), [f"run.steps={steps}", f"run.seed={seed}", "run.eval_every=0", "run.plot=false"])
 
@@ -234,7 +234,7 @@ def main() -> int:
                                  tmp_path / "trl_model", args.trl_generation)
         tools = ["rayrlhf", "trl"]
         if args.trl_keep_freed_memory:
-            from cluster.actor_groups import KEEP_FREED_MEMORY_ENV
+            from cluster.role_settings import KEEP_FREED_MEMORY_ENV
 
             print("[vs_trl] TRL GRPOTrainer again, with rayrlhf's malloc settings", flush=True)
             results["trl_keep_freed_memory"] = run_trl(

@@ -56,7 +56,7 @@ def preference_rows(n: int, seed: int) -> list[dict]:
 
 def rayrlhf_order(pairs_file: Path, steps: int) -> list[dict]:
     """The pairs in the order rayrlhf's recipe trains on them (same loader, split and sampler)."""
-    from cluster.config import load_config
+    from cluster.config_loading import load_config
     from cluster.recipes.dpo import load_data
     from cluster.run_context import PromptSampler
 

@@ -42,9 +42,10 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from cluster.actor_groups import GeneratorWorker, generator_config
+    from cluster.role_settings import generator_config
+    from cluster.workers import GeneratorWorker
     from cluster.assets import resolve_model
-    from cluster.config import load_config
+    from cluster.config_loading import load_config
     from cluster.weight_sync import pack
 
     torch.set_num_threads(2)

@@ -18,7 +18,9 @@ import logging
 import sys
 from pathlib import Path
 
-from cluster.config import ConfigError, UserError, check_resume_compatible, config_help, config_schema, load_config, read_yaml
+from cluster.config import ConfigError, UserError
+from cluster.config_help import config_help, config_schema
+from cluster.config_loading import check_resume_compatible, load_config, read_yaml
 
 
 def _resume_config(run_dir: str, config: str | None, overrides: list[str]):

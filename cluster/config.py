@@ -1,8 +1,10 @@
 """Typed run configuration: pydantic models, a description per field, unknown keys rejected.
 
 A run is described by one YAML file (presets in ``configs/``) plus ``--set section.key=value``
-overrides on the command line. Everything is validated here, before any actor starts, so a
-typo fails in a second with the key named instead of twenty seconds into a cluster start.
+overrides on the command line (read, merged with stages and validated by
+``cluster/config_loading.py``; listed by ``cluster/config_help.py``). Everything is validated
+before any actor starts, so a typo fails in a second with the key named instead of twenty
+seconds into a cluster start.
 
 Sections follow roles: ``train`` holds the optimisation settings every learner shares (and the
 reference reads for its precision and chunking); each algorithm has its own section named after
@@ -12,12 +14,8 @@ schema.
 
 from __future__ import annotations
 
-import copy
-import json
-from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError
 from typing_extensions import Annotated
 
@@ -288,7 +286,7 @@ class TrainConfig(Section):
     logprob_chunk: int = _f(1024, "Positions per chunk when turning hidden states into log-probs (memory cap).", ge=1)
     fused_logprobs: bool = _f(
         False, "PPO/GRPO policy passes: the LM head's log-probs chunk by chunk in the backward pass too "
-        "(learners/losses.fused_head_logprobs): no vocabulary-sized logits are kept for the backward (less "
+        "(learners/logprob_kernel.fused_head_logprobs): no vocabulary-sized logits are kept for the backward (less "
         "memory), at the cost of recomputing them (one more LM-head matmul).")
     shared_prefix: bool = _f(
         True,
@@ -536,7 +534,7 @@ class ClusterConfig(Section):
     threads: int = _f(0, "Torch threads of learners and the reference (0: all cores of the node).", ge=0)
     keep_freed_memory: bool = _f(
         True, "CPU learners and the CPU reference: their C library (glibc malloc) keeps freed memory for reuse "
-              "(one arena, no mmap for large blocks, no trimming; cluster/actor_groups.py: KEEP_FREED_MEMORY_ENV) "
+              "(one arena, no mmap for large blocks, no trimming; cluster/role_settings.py: KEEP_FREED_MEMORY_ENV) "
               "instead of handing every large tensor's pages back to the OS and faulting fresh ones in on the "
               "next. Measured on a GRPO update of SmolLM2-135M: 0.75x the time at the same peak memory "
               "(docs/benchmarks.md). Their resident memory then stays near its peak between steps. Off: the C "
@@ -649,7 +647,6 @@ class Config(Section):
             self.judge_config()
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        self.stage_configs()  # every stage validated now, not when it starts
         return self
 
     def judge_config(self) -> JudgeConfig:
@@ -659,26 +656,6 @@ class Config(Section):
                            max_score=j.max_score, samples=j.samples, temperature=j.temperature,
                            max_prompt_tokens=j.max_prompt_tokens, max_new_tokens=j.max_new_tokens)
 
-    def stage_configs(self) -> list[tuple[str, "Config"]]:
-        """Each stage's full config: this one without ``stages``, the stage's changes applied,
-        ``run.name`` set to the stage's name. (Its ``model.path`` is replaced at run time by the
-        previous stage's checkpoint.)"""
-        base = self.to_dict()
-        base.pop("stages")
-        out = []
-        for i, stage in enumerate(self.stages):
-            data = copy.deepcopy(base)
-            data["run"]["name"] = stage.name
-            for dotted, value in stage.set.items():
-                if dotted == "stages" or dotted.startswith("stages."):
-                    raise ConfigError(f"stages[{i}] ({stage.name}): a stage cannot hold stages")
-                _set_dotted(data, dotted, value, where=f"stages[{i}] ({stage.name}): ")
-            try:
-                out.append((stage.name, build_config(data)))
-            except ConfigError as e:
-                raise ConfigError(f"stages[{i}] ({stage.name}): {e}") from None
-        return out
-
     def to_dict(self) -> dict:
         return self.model_dump(mode="json")
 
@@ -687,134 +664,3 @@ class Config(Section):
         for part in dotted.split("."):
             node = getattr(node, part)
         return node
-
-
-def _format_error(err: ValidationError, data: dict) -> str:
-    msgs = []
-    for e in err.errors():
-        loc = [str(x) for x in e["loc"]]
-        key = ".".join(loc)
-        if e["type"] == "extra_forbidden":
-            moved = MOVED_KEYS.get(key)
-            if moved:
-                msgs.append(f"config key {key!r} has moved to {moved}")
-                continue
-            section_cls: Any = Config
-            for part in loc[:-1]:
-                if part.isdigit():  # an item of the stage list
-                    section_cls = StageConfig
-                    continue
-                section_cls = section_cls.model_fields[part].annotation
-            valid = ", ".join(sorted(getattr(section_cls, "model_fields", {})))
-            where = f" in section '{'.'.join(loc[:-1])}'" if len(loc) > 1 else ""
-            msgs.append(f"unknown config key {key!r}{where}; valid keys: {valid}")
-        else:
-            got = e.get("input")
-            msgs.append(f"{key}: {e['msg']} (got {got!r})" if key else e["msg"])
-    return "; ".join(msgs)
-
-
-def build_config(data: dict) -> Config:
-    """Validates a nested mapping into a Config (ConfigError names every bad key)."""
-    if not isinstance(data, dict):
-        raise ConfigError(f"config: expected a mapping of sections, got {type(data).__name__}")
-    for name, section in data.items():
-        if section is None:
-            data[name] = {}
-    try:
-        cfg = Config.model_validate(data)
-    except ValidationError as e:
-        raise ConfigError(_format_error(e, data)) from None
-    cfg = cfg.validate_run()
-    _resolve_generator_dtype(cfg)
-    return cfg
-
-
-def _resolve_generator_dtype(cfg: Config) -> None:
-    """``model.generator_dtype: auto`` as the dtype the engines load, decided here once: the
-    learners pack the weights they sync in it and the sync check's tolerance depends on it."""
-    from learners.precision import resolve_engine_dtype
-
-    cfg.model.generator_dtype = resolve_engine_dtype(cfg.model.generator_dtype, uses_gpu=cfg.rollout.gpus_per_generator > 0)
-
-
-def _set_dotted(data: dict, dotted: str, value: Any, where: str = "") -> None:
-    parts = dotted.strip().split(".")
-    node = data
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"{where}override {dotted!r}: {part!r} is not a section")
-    node[parts[-1]] = value
-
-
-def _apply_override(data: dict, assignment: str) -> None:
-    if "=" not in assignment:
-        raise ConfigError(f"override {assignment!r} must look like section.key=value")
-    dotted, raw = assignment.split("=", 1)
-    _set_dotted(data, dotted, yaml.safe_load(raw) if raw.strip() else "")
-
-
-def read_yaml(path: str | Path) -> dict:
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"config file not found: {p}")
-    loaded = yaml.safe_load(p.read_text())
-    if loaded is not None and not isinstance(loaded, dict):
-        raise ConfigError(f"{p}: top level must be a mapping of sections")
-    return loaded or {}
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None, base: dict | None = None) -> Config:
-    """Reads a YAML preset (or ``base``, or the defaults), applies ``section.key=value`` overrides,
-    validates."""
-    data: dict = copy.deepcopy(base or {})
-    if path is not None:
-        data = read_yaml(path)
-    for assignment in overrides or []:
-        _apply_override(data, assignment)
-    return build_config(data)
-
-
-def check_resume_compatible(saved: Config, new: Config) -> None:
-    """Refuses a resumed config that changes what a checkpoint cannot carry over."""
-    keys = [k for k in IMMUTABLE_ON_RESUME if not k.startswith("lora.") or k == "lora.enabled" or saved.lora.enabled]
-    changed = [k for k in keys if saved.get(k) != new.get(k)]
-    if changed:
-        raise ConfigError(
-            "cannot resume with a different " + ", ".join(
-                f"{k} ({saved.get(k)!r} -> {new.get(k)!r})" for k in changed
-            ) + ": start a new run instead"
-        )
-
-
-def config_help() -> str:
-    """Every field with its default and description, for ``rayrlhf config``."""
-    lines = []
-    for section, info in Config.model_fields.items():
-        cls = info.annotation
-        lines.append(f"{section}:")
-        if not (isinstance(cls, type) and issubclass(cls, Section)):  # the stage list
-            lines.append(f"  {info.description}\n  each stage: " + ", ".join(
-                f"{n} ({f.description})" for n, f in StageConfig.model_fields.items()))
-            continue
-        if not cls.model_fields:  # type: ignore[union-attr]
-            lines.append("  (no settings of its own) " + " ".join((cls.__doc__ or "").split()))
-        lines.extend(_field_help(cls))
-    return "\n".join(lines)
-
-
-def _field_help(cls: type[Section], prefix: str = "") -> list[str]:
-    """Help lines of a section's fields; a nested section's as dotted names (reward.remote.url)."""
-    lines = []
-    for name, f in cls.model_fields.items():
-        if isinstance(f.annotation, type) and issubclass(f.annotation, Section):
-            lines.extend(_field_help(f.annotation, f"{prefix}{name}."))
-            continue
-        default = f.get_default(call_default_factory=True)
-        lines.append(f"  {prefix}{name}: {default!r}\n      {f.description or ''}")
-    return lines
-
-
-def config_schema() -> str:
-    return json.dumps(Config.model_json_schema(), indent=1)

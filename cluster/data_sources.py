@@ -16,7 +16,8 @@ from cluster.config import Config, UserError
 def load_task_prompts(cfg: Config) -> tuple[Any, Any, str]:
     """Train and held-out prompts of ``data.task``; checks that the reward function imports and
     that a reward model folder exists."""
-    from actors.scorer import SCORER_KINDS, resolve_reward_fn
+    from actors.scorer import resolve_reward_fn
+    from actors.scorer_factory import SCORER_KINDS
     from actors.tasks import load_prompts
 
     try:

@@ -15,7 +15,8 @@ from pathlib import Path
 import yaml
 
 from cluster.console import attach_run_dir
-from cluster.config import Config, UserError, check_resume_compatible, load_config
+from cluster.config import Config, UserError
+from cluster.config_loading import check_resume_compatible, load_config, stage_configs
 from cluster.recipes import get_recipe
 from cluster.run_context import RUN_STATE_FILE, RunContext, RunResult, latest_checkpoint, preflight
 
@@ -79,7 +80,7 @@ def train_stages(cfg: Config, run_dir: str | Path | None = None, resume: bool = 
     t0 = time.time()
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     root = Path(run_dir) if run_dir else Path(cfg.run.output_dir) / f"{cfg.run.name}-{stamp}"
-    stages = cfg.stage_configs()
+    stages = stage_configs(cfg)
     # Every stage's data and reward are checked before anything starts; the first stage's model too.
     loaded = []
     for i, (name, scfg) in enumerate(stages):

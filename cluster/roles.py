@@ -41,7 +41,8 @@ class Roles:
 
     # -- starting -------------------------------------------------------------------------------
     def start_learners(self, probe_ids: list[int] | None = None) -> Any:
-        from cluster.learner_group import LearnerGroup, learner_spec
+        from cluster.learner_group import LearnerGroup
+        from cluster.learner_spec import learner_spec
 
         spec = learner_spec(self.cfg, self.model_path, self.pad_id, resume_from=self.resume, probe_ids=probe_ids)
         self.learners = LearnerGroup(spec, self.ctx.dir / "ray_train")
@@ -54,7 +55,7 @@ class Roles:
         """The generator pool with its scorer (and reference when ``with_reference``, by default
         when a PPO KL term needs one); ``cfg``: the generators' own copy of the config (e.g. DPO's
         candidate sampling). They start from the resumed checkpoint's weights when resuming."""
-        from cluster.actor_groups import RolloutGroup
+        from cluster.rollout_group import RolloutGroup
 
         nodes = self.learners.wait_ready()["nodes"] if colocate else None
         self.rollout = RolloutGroup(cfg or self.cfg, self.model_path, policy_path=self.resume,
@@ -70,7 +71,7 @@ class Roles:
         self.rollout.weights_source = lambda: learners.current_weights()["weights"][0]
 
     def start_replay(self, capacity: int, export_dir: str | None) -> Any:
-        from cluster.actor_groups import ReplayWorker
+        from cluster.workers import ReplayWorker
 
         self.replay = ray.remote(ReplayWorker).options(num_cpus=0).remote(capacity, self.cfg.run.seed, self.pad_id,
                                                                           export_dir)

@@ -22,7 +22,7 @@ import torch
 
 from learners.base import LearnerContext, TrainParams
 from learners.experience import Experience, ExperienceError
-from learners.losses import preference_loss, preference_metrics, preference_rewards
+from learners.preference_losses import preference_loss, preference_metrics, preference_rewards
 from learners.modeling import autocast, shared_weight_casts
 from learners.policy import PolicyLearner
 

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from learners.attention import ATTENTION
-from learners.losses import entropy_from_logits, fused_head_logprobs, logprobs_from_logits
+from learners.logprob_kernel import fused_head_logprobs
+from learners.losses import entropy_from_logits, logprobs_from_logits
 
 
 def autocast(bf16: bool, device: torch.device | str = "cpu"):

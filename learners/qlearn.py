@@ -10,7 +10,7 @@ action dimensions to tokens:
   (``learners.optim.ema_update_``), one-step or n-step, optionally bounded below by the
   Monte-Carlo return (``learners.advantages.q_learning_targets``);
 * a squared TD error on the taken tokens plus the conservative regulariser that pushes the Q of
-  every token not taken toward a floor (``learners.losses.td_loss`` / ``conservative_penalty``),
+  every token not taken toward a floor (``learners.td_losses.td_loss`` / ``conservative_penalty``),
   or, as an option, CQL's logsumexp term (``cql_penalty``), all reduced chunk by chunk over the
   vocabulary (``learners.modeling.q_heads_at_positions``);
 * optionally a k3 KL anchor of the Boltzmann policy to the reference model, as in PPO.
@@ -35,7 +35,8 @@ import torch
 from learners.advantages import episode_mask, q_learning_targets, token_rewards_from_scores
 from learners.base import LearnerContext, TrainParams
 from learners.experience import Experience, ExperienceError
-from learners.losses import conservative_penalty, cql_penalty, kl_penalty, td_loss
+from learners.losses import kl_penalty
+from learners.td_losses import conservative_penalty, cql_penalty, td_loss
 from learners.modeling import autocast, max_q_after_positions, q_heads_at_positions
 from learners.optim import ema_update_
 from learners.policy import PolicyLearner

@@ -27,7 +27,7 @@ import torch
 from learners.base import LearnerContext, TrainParams, load_learner_state, load_model_weights
 from learners.dpo import evaluate_pairs, preference_pairs
 from learners.experience import Experience
-from learners.losses import bradley_terry_loss
+from learners.preference_losses import bradley_terry_loss
 from learners.modeling import autocast, last_token_hidden
 from learners.policy import PolicyLearner
 

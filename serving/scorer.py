@@ -56,7 +56,7 @@ class ScorerBackend:
     how the policy server's best-of-n ranks its samples, and the core of ``ScorerServer``."""
 
     def __init__(self, spec: Any, name: str = "") -> None:
-        from actors.scorer import build_scorer
+        from actors.scorer_factory import build_scorer
 
         self.scorer = build_scorer(spec)
         self.name = name or spec.function
@@ -98,7 +98,7 @@ class ScorerServer(ScorerBackend):
 def scorer_spec_from_args(args: dict[str, Any]) -> Any:
     """A ``ScorerSpec`` from an app's ``args`` (rule ``function``, or ``reward_model`` / ``llm_judge``
     with ``model``); unknown keys are refused."""
-    from actors.scorer import ScorerSpec
+    from actors.scorer_factory import ScorerSpec
 
     known = {f for f in ScorerSpec.__dataclass_fields__ if f not in ("judge", "judge_engine", "remote")}
     unknown = set(args) - known

@@ -32,7 +32,9 @@ import ray
 import torch
 
 from actors.offline_data import PreferenceSet, encode_pairs, read_preferences, split_rows, write_preferences
-from cluster.actor_groups import ReferenceWorker, RolloutGroup, reference_config, role_env
+from cluster.role_settings import reference_config, role_env
+from cluster.rollout_group import RolloutGroup
+from cluster.workers import ReferenceWorker
 from cluster.config import Config, UserError
 from cluster.data_sources import load_demonstrations, load_task_prompts
 from cluster.recipes import pairs

@@ -231,7 +231,7 @@ def _memory_peaks(gen_stats: list[dict], score_stats: list[dict], ref_stats: lis
 def export_step(ctx: RunContext, step: int, exp_refs: list) -> list:
     """Each generator's scored record as token transitions in ``<run>/data/transitions/`` (the
     data of offline Q-learning), written by Ray tasks while the learners train."""
-    from cluster.actor_groups import export_transitions
+    from cluster.workers import export_transitions
 
     task = ray.remote(export_transitions).options(num_cpus=0)
     folder = ctx.dir / "data" / "transitions"

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from cluster import cli
-from cluster.config import load_config
+from cluster.config_loading import load_config
 from cluster.driver import train
 from tests.helpers.runs import assert_same_run, crashed_copy
 from cluster.ledger import read_ledger, valid_records

@@ -1,7 +1,7 @@
 """A staged run through the real entry point: SFT -> self-rewarding DPO (candidates and
 judgements from real vLLM generators, Ray Train DPO, a weight sync) -> SPIN, one checkpoint per
-stage; interrupted inside the second stage and resumed at the right stage and step, it ends as
-the same preset run without interruption."""
+stage; interrupted inside the first stage, then inside the second, and resumed each time at the
+right stage and step, it ends as the same preset run without interruption."""
 
 import json
 from pathlib import Path
@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from cluster import cli
-from cluster.config import load_config
+from cluster.config_loading import load_config
 from cluster.driver import train
 from tests.helpers.runs import assert_same_run
 
@@ -27,12 +27,17 @@ def _rows(stage_dir: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def staged(ray_cluster, tiny_model_path, tmp_path_factory):
     base = tmp_path_factory.mktemp("stages")
-    # The first launch knows two stages and stops the second after one of its two steps ...
-    first = yaml.safe_load(PRESET.read_text())
-    first["stages"] = first["stages"][:2]
-    first["stages"][1]["set"]["run.steps"] = 1
+    preset = yaml.safe_load(PRESET.read_text())
+    # The first launch knows only the SFT stage and stops it after 4 of its 8 steps ...
+    first = {**preset, "stages": [dict(preset["stages"][0], set={**preset["stages"][0]["set"], "run.steps": 4})]}
     (base / "first.yaml").write_text(yaml.safe_dump(first))
     train(load_config(base / "first.yaml"), run_dir=base / "run")
+    # ... the second knows two stages: SFT continues at step 5, the second stage stops after one
+    # of its two steps ...
+    second = {**preset, "stages": preset["stages"][:2]}
+    second["stages"][1] = dict(second["stages"][1], set={**second["stages"][1]["set"], "run.steps": 1})
+    (base / "second.yaml").write_text(yaml.safe_dump(second))
+    assert cli.main(["train", str(base / "second.yaml"), "--resume", str(base / "run")]) == 0
     sft_rows = _rows(base / "run" / "stages" / "00-sft")
     # ... the user resumes with the whole preset: SFT is done, the second stage continues at step 2, SPIN follows.
     assert cli.main(["train", str(PRESET), "--resume", str(base / "run")]) == 0
@@ -56,7 +61,8 @@ def test_every_stage_leaves_a_loadable_checkpoint_and_resume_continues_the_right
         ckpt = stage / "checkpoints" / f"step_{last:05d}"
         AutoModelForCausalLM.from_pretrained(ckpt)
         assert json.loads((ckpt / "trainer_state" / "learner.json").read_text())["algorithm"] == algo
-    # SFT ran once, before the interruption, and learned its demonstrations.
+    # SFT's 8 steps ran once each (4 before the first interruption, 4 after), and it learned its
+    # demonstrations.
     sft_rows = _rows(stages[0])
     assert sft_rows == sft_rows_before and [r["step"] for r in sft_rows] == list(range(1, 9))
     assert sft_rows[-1]["loss/total"] < 0.7 * sft_rows[0]["loss/total"]

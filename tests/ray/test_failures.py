@@ -283,12 +283,13 @@ def test_a_generator_killed_while_judging_in_self_rewarding_dpo(ray_cluster, tmp
     summary = _every_unit_once(stage, 2 * 4)  # 2 steps of dpo.pairs_per_step=4 pairs
     assert summary["unit"] == "pair" and summary["restarts"] == {"generator": 1}, summary
     assert "generator 0 died" in out and "while judging" in out
-    rows = _rows(stage)
-    assert [r["step"] for r in rows] == [1, 2] and rows[0]["pairs/judge_items"] == 32 * 4
+    rows = _rows(stage)  # step 0: the stage's evaluation of its starting model
+    assert [r["step"] for r in rows] == [0, 1, 2] and rows[1]["pairs/judge_items"] == 32 * 4
 
 
 def test_roles_that_do_not_fit_the_cluster_fail_at_once(ray_cluster, tmp_path):
-    from cluster.config import UserError, load_config
+    from cluster.config import UserError
+    from cluster.config_loading import load_config
     from cluster.driver import train
 
     cfg = load_config(ROOT / "configs" / "ppo_tiny.yaml",

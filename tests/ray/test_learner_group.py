@@ -8,9 +8,10 @@ import ray
 import torch
 
 from cluster import realtime
-from cluster.actor_groups import KEEP_FREED_MEMORY_ENV
-from cluster.config import load_config
-from cluster.learner_group import LearnerGroup, learner_spec
+from cluster.role_settings import KEEP_FREED_MEMORY_ENV
+from cluster.config_loading import load_config
+from cluster.learner_group import LearnerGroup
+from cluster.learner_spec import learner_spec
 from tests.helpers.factories import experience, grouped_batch, tiny_lm
 
 pytestmark = pytest.mark.ray

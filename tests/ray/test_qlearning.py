@@ -13,7 +13,7 @@ import pytest
 
 from actors.transitions import read_transitions
 from cluster import cli
-from cluster.config import load_config
+from cluster.config_loading import load_config
 from cluster.driver import train
 from tests.helpers.runs import assert_same_run, crashed_copy
 

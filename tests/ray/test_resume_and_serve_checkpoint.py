@@ -9,7 +9,7 @@ import ray
 import torch
 
 from cluster import cli
-from cluster.config import load_config
+from cluster.config_loading import load_config
 from cluster.driver import train
 from learners.base import load_model_weights
 
@@ -64,15 +64,17 @@ def test_checkpoint_serves_in_vllm_and_transformers(runs):
     from transformers import AutoModelForCausalLM
 
     from actors.generator import GeneratorConfig
-    from cluster.actor_groups import GeneratorWorker
+    from cluster.workers import GeneratorWorker
 
     ckpt = str(runs[0].final_checkpoint)
     gen = ray.remote(GeneratorWorker).options(num_cpus=1).remote(
         GeneratorConfig(model_path=ckpt, dtype="float32", max_prompt_tokens=64, max_new_tokens=12)
     )
     rows = [{"prompt": f"What is {i} + {2 * i}?", "meta": {}} for i in range(4)]
-    exp, _ = ray.get(gen.generate.options(num_returns=2).remote(rows, list(range(4)), True))
-    ray.kill(gen)
+    try:
+        exp, _ = ray.get(gen.generate.options(num_returns=2).remote(rows, list(range(4)), True))
+    finally:
+        ray.kill(gen)
     lm = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
     eos = lm.generation_config.eos_token_id
     for i in range(exp.batch_size):

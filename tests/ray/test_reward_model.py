@@ -13,7 +13,7 @@ import pytest
 from actors.offline_data import answer_pairs
 from actors.tasks import load_prompts
 from cluster.assets import resolve_model
-from cluster.config import load_config
+from cluster.config_loading import load_config
 from cluster.driver import train
 
 pytestmark = pytest.mark.ray

@@ -10,7 +10,7 @@ import pytest
 import requests
 import torch
 
-from cluster.config import load_config
+from cluster.config_loading import load_config
 from cluster.driver import train
 
 pytestmark = pytest.mark.ray

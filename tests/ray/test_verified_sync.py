@@ -10,8 +10,8 @@ import pytest
 import ray
 import torch
 
-from cluster.actor_groups import RolloutGroup
-from cluster.config import load_config
+from cluster.rollout_group import RolloutGroup
+from cluster.config_loading import load_config
 from cluster.weight_sync import SyncError, pack, probe_token_ids
 from learners.modeling import sequence_logprobs
 from tests.helpers.factories import make_learner

@@ -3,15 +3,9 @@ from pathlib import Path
 
 import pytest
 
-from cluster.config import (
-    MOVED_KEYS,
-    Config,
-    ConfigError,
-    check_resume_compatible,
-    config_help,
-    config_schema,
-    load_config,
-)
+from cluster.config import MOVED_KEYS, Config, ConfigError
+from cluster.config_help import config_help, config_schema
+from cluster.config_loading import check_resume_compatible, load_config, stage_configs
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -193,7 +187,7 @@ def test_stages_each_validated_with_their_changes():
     cfg = load_config(overrides=[
         "stages=[{name: sft, set: {run.algorithm: sft, run.steps: 3}}, "
         "{name: dpo1, set: {run.algorithm: dpo, dpo.pairs: self_judge}}]"])
-    (n0, c0), (n1, c1) = cfg.stage_configs()
+    (n0, c0), (n1, c1) = stage_configs(cfg)
     assert (n0, c0.run.algorithm, c0.run.steps, c0.run.name) == ("sft", "sft", 3, "sft")
     assert (n1, c1.run.algorithm, c1.dpo.pairs, c1.run.steps) == ("dpo1", "dpo", "self_judge", cfg.run.steps)
     assert not c0.stages and not c1.stages

@@ -110,7 +110,7 @@ def test_a_weight_load_lands_between_decoding_steps_and_each_token_records_its_v
         if len(steps) == 5:
             at_step_5.set()
             deadline = time.time() + 60
-            while not generator._waiting and time.time() < deadline:
+            while not generator.loop._waiting and time.time() < deadline:
                 time.sleep(0.001)
         return real_step()
 

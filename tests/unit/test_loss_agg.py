@@ -6,13 +6,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from learners.losses import (
-    LOSS_AGG_MODES,
-    agg_loss,
-    masked_mean,
-    policy_loss_clipped,
-    value_loss_clipped,
-)
+from learners.losses import LOSS_AGG_MODES, agg_loss, masked_mean, policy_loss_clipped, value_loss_clipped
 
 F64 = dict(dtype=torch.float64)
 NAN = float("nan")

@@ -152,7 +152,7 @@ def test_an_empty_record_passes_through_the_reference_pass(tiny_model_path):
 
 def test_fused_head_logprobs_give_the_plain_paths_ppo_gradient(tiny_model_path, monkeypatch):
     """train.fused_logprobs: the LM head's log-probs chunked through the backward pass too
-    (learners/losses.fused_head_logprobs) give the same update as the plain chunked head, on the
+    (learners/logprob_kernel.fused_head_logprobs) give the same update as the plain chunked head, on the
     tied embedding and the trunk, in fp32 and under bf16 autocast."""
     lm = tiny_lm(tiny_model_path)
     ids, att, rm = ragged_batch(lm.config.vocab_size)

@@ -317,8 +317,9 @@ def test_gpu_claims_reach_every_role_and_the_resource_check():
 
 
 def test_gpu_roles_get_their_devices_and_backends():
-    from cluster.actor_groups import generator_config, reference_config
-    from cluster.learner_group import learner_device, learner_spec, worker_scaling
+    from cluster.role_settings import generator_config, reference_config
+    from cluster.learner_spec import learner_spec, worker_scaling
+    from cluster.learner_worker import learner_device
     from cluster.transports import make_transport
 
     cfg = Config.model_validate(GPU_RUN).validate_run()
@@ -342,7 +343,7 @@ def test_gpu_roles_get_their_devices_and_backends():
 
 def test_generators_run_eager_unless_compile_is_asked_for(monkeypatch):
     from actors.generator import configure_vllm_env
-    from cluster.actor_groups import generator_config
+    from cluster.role_settings import generator_config
 
     assert generator_config(Config(), "/m").compile is False
     on = Config.model_validate({"rollout": {"compile": True}}).validate_run()
@@ -358,8 +359,8 @@ def test_generators_run_eager_unless_compile_is_asked_for(monkeypatch):
 
 
 def test_cpu_learners_and_reference_keep_freed_memory():
-    from cluster.actor_groups import KEEP_FREED_MEMORY_ENV, role_env
-    from cluster.learner_group import learner_spec, worker_scaling
+    from cluster.role_settings import KEEP_FREED_MEMORY_ENV, role_env
+    from cluster.learner_spec import learner_spec, worker_scaling
 
     assert KEEP_FREED_MEMORY_ENV["MALLOC_MMAP_MAX_"] == "0" and KEEP_FREED_MEMORY_ENV["MALLOC_ARENA_MAX"] == "1"
     assert worker_scaling(learner_spec(Config(), "/m", 0))["env_vars"] == KEEP_FREED_MEMORY_ENV

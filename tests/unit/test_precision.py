@@ -3,7 +3,8 @@
 import pytest
 
 import learners.precision as precision
-from cluster.config import ConfigError, load_config
+from cluster.config import ConfigError
+from cluster.config_loading import load_config
 from learners.precision import cpu_flags, resolve_bf16, resolve_engine_dtype
 from tests.helpers.factories import make_learner
 

@@ -5,7 +5,12 @@ import math
 import pytest
 import torch
 
-from learners.losses import PREFERENCE_LOSSES, preference_loss, preference_metrics, preference_rewards
+from learners.preference_losses import (
+    PREFERENCE_LOSSES,
+    preference_loss,
+    preference_metrics,
+    preference_rewards,
+)
 
 # Two pairs. Pair 0: policy prefers the chosen more than the reference does (h = 1.0);
 # pair 1: the other way round (h = -0.5).

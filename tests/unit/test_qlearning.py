@@ -9,7 +9,7 @@ import torch
 
 from learners.advantages import discounted_returns, episode_mask, q_learning_targets, token_rewards_from_scores
 from learners.experience import ExperienceError
-from learners.losses import conservative_penalty, cql_penalty, td_loss
+from learners.td_losses import conservative_penalty, cql_penalty, td_loss
 from learners.modeling import max_q_after_positions, q_heads_at_positions
 from learners.optim import ema_update_
 from tests.helpers.collective import run_ranks

@@ -108,7 +108,7 @@ def test_nothing_changes_when_disabled_or_when_the_kernel_does_not_throttle(monk
 
 def test_the_learner_spec_carries_the_option():
     from cluster.config import Config
-    from cluster.learner_group import learner_spec
+    from cluster.learner_spec import learner_spec
 
     assert learner_spec(Config(), "/m", 0).realtime is False
     on = Config.model_validate({"cluster": {"realtime_learners": True}})

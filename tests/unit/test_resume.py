@@ -146,7 +146,8 @@ def test_prompt_sampler_resumes_where_it_stopped():
 
 
 def test_resume_needs_a_complete_checkpoint(tmp_path):
-    from cluster.config import UserError, load_config
+    from cluster.config import UserError
+    from cluster.config_loading import load_config
 
     cfg = load_config(overrides=["run.steps=4"])
     with pytest.raises(UserError, match="no complete checkpoint"):

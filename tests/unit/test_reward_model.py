@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from learners.losses import bradley_terry_loss
+from learners.preference_losses import bradley_terry_loss
 from learners.reward_model import load_reward_model, sequence_rewards
 from tests.helpers.collective import run_ranks
 from tests.helpers.factories import make_rm_learner, preference_batch, step_with_grads, tiny_lm

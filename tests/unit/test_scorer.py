@@ -71,8 +71,9 @@ def test_wrong_length_is_isolated_per_sample_when_skipping():
 
 def test_scorer_spec_from_the_run_config(monkeypatch):
     from actors.remote import RemoteSettings
-    from cluster.actor_groups import scorer_spec, self_judging
-    from cluster.config import ConfigError, load_config
+    from cluster.role_settings import scorer_spec, self_judging
+    from cluster.config import ConfigError
+    from cluster.config_loading import load_config
 
     cfg = load_config(overrides=["reward.function=llm_judge", "reward.model=/models/judge", "judge.samples=2"])
     spec = scorer_spec(cfg)

@@ -187,7 +187,7 @@ def test_replay_buffer_sampling_is_deterministic():
 def test_replay_worker_refills_the_exported_steps_up_to_the_checkpoint(tmp_path):
     """A resumed online run rebuilds its buffer from <run>/data/transitions/step-*.parquet: the
     steps up to its checkpoint, in order, with the same evictions as the interrupted run."""
-    from cluster.actor_groups import ReplayWorker
+    from cluster.workers import ReplayWorker
 
     def rows(step):
         return [Transition(prompt_ids=[1, 2], response_ids=[3, step], rewards=[0.0, float(step)], done=True,

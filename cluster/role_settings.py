@@ -1,0 +1,104 @@
+"""Each role's own settings, picked from the run's config (a role receives what it needs, not
+the whole config), and the environment its Ray process starts with."""
+
+from __future__ import annotations
+
+import os
+
+from actors.generator import GeneratorConfig
+from actors.reference import ReferenceConfig
+from actors.remote import RemoteSettings
+from actors.scorer_factory import ScorerSpec
+from cluster.config import Config
+
+
+def _threads(n: int) -> int:
+    return n or os.cpu_count() or 1
+
+
+def generator_config(cfg: Config, model_path: str, rank: int = 0, initial_version: int = 0) -> GeneratorConfig:
+    """The generator's own settings, picked from the run's config."""
+    return GeneratorConfig(
+        model_path=model_path, dtype=cfg.model.generator_dtype, max_prompt_tokens=cfg.model.max_prompt_tokens,
+        max_new_tokens=cfg.model.max_new_tokens, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+        samples_per_prompt=cfg.rollout.samples_per_prompt, seed=cfg.run.seed * 1000 + rank,
+        kv_cache_gib=cfg.rollout.kv_cache_gib, threads=cfg.rollout.threads, first_core=rank * cfg.rollout.threads,
+        system_prompt=cfg.data.system_prompt,
+        trust_remote_code=cfg.model.trust_remote_code, initial_version=initial_version,
+        max_model_len=cfg.judge.max_prompt_tokens + cfg.judge.max_new_tokens if uses_judge(cfg) else 0,
+        gpu_memory_utilization=cfg.rollout.gpu_memory_utilization if cfg.rollout.gpus_per_generator > 0 else 0.0,
+        compile=cfg.rollout.compile,
+    )
+
+
+def uses_judge(cfg: Config) -> bool:
+    """Whether the generators also judge (they then need the judge's longer context)."""
+    return self_judging(cfg) or (cfg.run.algorithm == "dpo" and cfg.dpo.pairs == "self_judge")
+
+
+def self_judging(cfg: Config) -> bool:
+    """reward.function=llm_judge without a judge model: the policy judges its samples on the generators."""
+    return cfg.reward.function == "llm_judge" and not cfg.reward.model
+
+
+def scorer_spec(cfg: Config) -> ScorerSpec:
+    """The scorer role's own settings, picked from the run's config."""
+    r = cfg.reward
+    spec = ScorerSpec(function=r.function, kwargs=dict(r.kwargs), on_error=r.on_error, model=r.model,
+                      batch_size=r.batch_size, max_tokens=cfg.model.max_prompt_tokens + cfg.model.max_new_tokens + 8,
+                      system_prompt=cfg.data.system_prompt, threads=_threads(r.threads))
+    if r.function == "llm_judge":
+        spec.judge = cfg.judge_config()
+        spec.judge_engine = GeneratorConfig(
+            model_path=r.model, dtype=cfg.model.generator_dtype, max_prompt_tokens=cfg.judge.max_prompt_tokens,
+            max_new_tokens=cfg.judge.max_new_tokens, temperature=cfg.judge.temperature, seed=cfg.run.seed + 4242,
+            kv_cache_gib=cfg.rollout.kv_cache_gib, threads=r.threads, trust_remote_code=cfg.model.trust_remote_code,
+            max_model_len=cfg.judge.max_prompt_tokens + cfg.judge.max_new_tokens)
+    if r.function == "remote":
+        rem = r.remote
+        spec.remote = RemoteSettings(
+            url=rem.url, api_key=os.environ.get(rem.api_key_env, "") if rem.api_key_env else "",
+            batch_size=rem.batch_size, concurrency=rem.concurrency, timeout_s=rem.timeout_s,
+            max_retries=rem.max_retries, backoff_s=rem.backoff_s, max_backoff_s=rem.max_backoff_s,
+            on_failure=rem.on_failure, max_wait_s=rem.max_wait_s)
+    return spec
+
+
+def reference_config(cfg: Config, model_path: str) -> ReferenceConfig:
+    """The reference's own settings: precision and chunking from the shared ``train`` section."""
+    return ReferenceConfig(
+        model_path=model_path, bf16=cfg.train.bf16, micro_batch_size=cfg.train.micro_batch_size,
+        chunk=cfg.train.logprob_chunk, temperature=cfg.rollout.temperature or 1.0,
+        threads=cfg.cluster.threads, trust_remote_code=cfg.model.trust_remote_code,
+        shared_prefix=cfg.train.shared_prefix, device="cuda" if cfg.cluster.gpus_per_reference > 0 else "cpu",
+    )
+
+
+
+
+# glibc malloc settings (read once, at process start) for processes that train or score on the
+# CPU. By default glibc serves every block over 32 MiB with its own mmap and unmaps it on free,
+# so each logits or activation tensor of every micro-batch faults in fresh zeroed pages: on a
+# GRPO update of SmolLM2-135M that was about a quarter of the time. One arena (Ray Train runs the
+# training function on a thread of its own, whose arena could not hold such blocks), no mmap and
+# no trimming keep freed blocks in the heap for the next micro-batch to reuse.
+KEEP_FREED_MEMORY_ENV = {
+    "MALLOC_ARENA_MAX": "1",
+    "MALLOC_MMAP_MAX_": "0",
+    "MALLOC_TRIM_THRESHOLD_": str(2**40),
+}
+
+
+def role_env(threads: int, keep_freed_memory: bool = False) -> dict:
+    """Runtime env of an inference actor. Ray sets OMP_NUM_THREADS to the CPUs an actor
+    reserves (1 for a fractional reservation); OpenMP reads it once at start-up, and vLLM's CPU
+    worker then runs single-threaded whatever torch is told later. The phases of a step run one
+    after another, so each role may use every core of the node while it works.
+    ``keep_freed_memory``: with ``KEEP_FREED_MEMORY_ENV`` (a role computing on the CPU)."""
+    return {"env_vars": {
+        "OMP_NUM_THREADS": str(_threads(threads)),
+        "TOKENIZERS_PARALLELISM": "false",
+        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"),
+        **(KEEP_FREED_MEMORY_ENV if keep_freed_memory else {}),
+    }}
+

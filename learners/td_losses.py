@@ -1,0 +1,59 @@
+"""Token-level Q-learning losses: the TD loss and the conservative regularisers."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+
+def td_loss(q_taken: Tensor, targets: Tensor) -> Tensor:
+    """Per-token temporal-difference loss ``1/2 (Q(s_t, a_t) - y_t)^2`` (Mnih et al. 2015, eq. 2
+    with a squared error; targets from ``advantages.q_learning_targets`` carry no gradient).
+
+    Args:
+        q_taken: ``(B, T)`` Q of the taken actions (the logit of each response token).
+        targets: ``(B, T)`` Bellman targets.
+    Returns:
+        ``(B, T)`` losses; the caller masks and normalises them.
+    """
+    return 0.5 * (q_taken - targets.detach()) ** 2
+
+
+def conservative_penalty(sq_dev_sum: Tensor, q_taken: Tensor, floor: float, vocab_size: int) -> Tensor:
+    """Conservative regulariser of Q-Transformer (Chebotar et al. 2023, sec. 4.2, eq. 2): the Q
+    of every action *not* taken in the data is pushed toward a floor (the lowest reward), so that
+    ``max_a Q`` in the backups never picks an action the data says nothing about::
+
+        R_t = 1/2 * 1/(|V| - 1) * sum_{a != a_t} (Q(s_t, a) - floor)^2
+
+    The sum over the vocabulary comes in as ``sq_dev_sum = sum_a (Q(s_t, a) - floor)^2`` (reduced
+    chunk by chunk, ``modeling.q_heads_at_positions``); the taken action's term is removed here.
+    Averaging over the |V| - 1 other actions keeps the term's scale independent of the vocabulary,
+    so the pull on any one token is tiny and a token sampled twice in a state is barely biased.
+
+    Args:
+        sq_dev_sum: ``(B, T)`` ``sum_a (Q(s_t, a) - floor)^2`` over the whole vocabulary.
+        q_taken: ``(B, T)`` Q of the taken actions.
+        floor: value unseen actions are pushed to (e.g. the minimum reward, 0).
+        vocab_size: |V| (>= 2).
+    Returns:
+        ``(B, T)`` penalties; the caller masks, weights (alpha) and normalises them.
+    """
+    if vocab_size < 2:
+        raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
+    return 0.5 * (sq_dev_sum - (q_taken - floor) ** 2) / (vocab_size - 1)
+
+
+def cql_penalty(logsumexp_q: Tensor, q_taken: Tensor) -> Tensor:
+    """CQL(H) regulariser (Kumar et al. 2020, eq. 4) with the data's action as the dataset
+    policy: ``log sum_a exp Q(s_t, a) - Q(s_t, a_t)``. It pushes down the soft maximum of Q, so
+    the high-valued tokens the data never took most, and lifts the taken one; unlike the floor
+    term it is invariant to a shift of all of a state's Q values, so it does not fight the level of
+    a pretrained model's logits (for a language model it is the cross-entropy of the data tokens).
+
+    Args:
+        logsumexp_q: ``(B, T)`` ``log sum_a exp Q(s_t, a)`` over the vocabulary.
+        q_taken: ``(B, T)`` Q of the taken actions.
+    Returns:
+        ``(B, T)`` penalties (>= 0); the caller masks, weights and normalises them.
+    """
+    return logsumexp_q - q_taken
