@@ -56,10 +56,9 @@ def run(ctx: RunContext, model_path: str, train_set: Any, eval_set: Any) -> RunR
         probe_ids = probe_token_ids(roles.tokenizer) if cfg.rollout.verify_sync else []
         roles.start_learners(probe_ids)
         roles.start_generators(colocate=cfg.cluster.layout == "colocated")
-        reference = ("no reference (no KL term)" if not cfg.ppo.uses_reference else
-                     "reference = base model with the LoRA adapter disabled, in the learner" if cfg.lora.enabled else
-                     "reference actor")
-        roles.ready(f"{cfg.ppo.advantage_estimator} advantages, {reference}")
+        reference = ("; no reference (no KL term)" if not cfg.ppo.uses_reference else
+                     "; reference = base model with the LoRA adapter disabled, in the learner" if cfg.lora.enabled else "")
+        roles.ready(f"{cfg.ppo.advantage_estimator} advantages{reference}")
         return run_steps(ctx, PPOSteps(ctx, roles, train_set, eval_set, probe_ids))
 
 

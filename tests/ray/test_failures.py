@@ -83,6 +83,23 @@ def _kill_inside(proc: subprocess.Popen, class_name: str, method: str) -> bool:
     return inside
 
 
+def _kill_during_run(proc: subprocess.Popen, run_dir: Path, kills: list) -> tuple[list[tuple[bool, int]], str]:
+    """For each (ready, class_name, method) in turn: waits for ``ready()`` with the run still going,
+    then SIGKILLs the run's actor inside a call of ``method``. Returns, for each kill, whether it
+    landed inside such a call and the steps logged then; and the finished run's output."""
+    landed = []
+    try:
+        for ready, class_name, method in kills:
+            wait_for(lambda: ready() or proc.poll() is not None, timeout=300)
+            assert proc.poll() is None, proc.communicate()[0][-3000:]
+            step = _steps_logged(run_dir)
+            landed.append((_kill_inside(proc, class_name, method), step))
+        return landed, _finish(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def _finish(proc: subprocess.Popen, timeout: float = 420) -> str:
     out, _ = proc.communicate(timeout=timeout)
     assert proc.returncode == 0, out[-4000:]
@@ -126,17 +143,9 @@ def _same_as(run_dir: Path, reference: Path) -> None:
 
 def test_a_killed_generator_is_restarted_and_its_prompts_reissued(ray_cluster, tmp_path):
     run_dir = tmp_path / "gen-kill"
-    proc = _launch(ray_cluster, run_dir)
-    try:
-        wait_for(lambda: _steps_logged(run_dir) >= 2 or proc.poll() is not None, timeout=300)
-        assert proc.poll() is None, proc.communicate()[0][-3000:]
-        step_at_kill = _steps_logged(run_dir)
-        # Killed inside a generate call, so that prompts are in flight.
-        killed_in_generate = _kill_inside(proc, "GeneratorWorker", "generate")
-        out = _finish(proc)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    # Killed inside a generate call, so that prompts are in flight.
+    [(killed_in_generate, step_at_kill)], out = _kill_during_run(
+        _launch(ray_cluster, run_dir), run_dir, [(lambda: _steps_logged(run_dir) >= 2, "GeneratorWorker", "generate")])
     assert killed_in_generate and step_at_kill < STEPS
     summary = _check_exactly_once(run_dir)
     assert summary["restarts"] == {"generator": 1}, summary
@@ -178,18 +187,10 @@ def test_a_killed_learner_is_restarted_from_its_checkpoint_and_replays(ray_clust
 
 def test_a_killed_scorer_and_reference_are_restarted_and_their_work_redone(ray_cluster, uninterrupted, tmp_path):
     run_dir = tmp_path / "scorer-reference-kill"
-    proc = _launch(ray_cluster, run_dir)
-    kills = []
-    try:
-        for cls, method in (("ScorerWorker", "score"), ("ReferenceWorker", "annotate")):
-            wait_for(lambda: _steps_logged(run_dir) >= 1 + 2 * len(kills) or proc.poll() is not None, timeout=300)
-            assert proc.poll() is None, proc.communicate()[0][-3000:]
-            kills.append((cls, _kill_inside(proc, cls, method), _steps_logged(run_dir)))
-        out = _finish(proc)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert all(inside for _, inside, _ in kills) and kills[-1][2] < STEPS, kills
+    kills, out = _kill_during_run(_launch(ray_cluster, run_dir), run_dir, [
+        (lambda: _steps_logged(run_dir) >= 1, "ScorerWorker", "score"),
+        (lambda: _steps_logged(run_dir) >= 3, "ReferenceWorker", "annotate")])
+    assert all(inside for inside, _ in kills) and kills[-1][1] < STEPS, kills
     summary = _check_exactly_once(run_dir)
     assert summary["restarts"] == {"scorer": 1, "reference": 1}, summary
     assert "the scorer died" in out and "the reference died" in out and "its records done again" in out
@@ -239,15 +240,8 @@ def _every_unit_once(run_dir: Path, units: int) -> dict:
 
 def test_a_generator_killed_in_online_q_learning_is_restarted_with_the_current_weights(ray_cluster, tmp_path):
     run_dir = tmp_path / "qlearn-gen-kill"
-    proc = _launch(ray_cluster, run_dir, preset="configs/qlearn_tiny.yaml")
-    try:
-        wait_for(lambda: _steps_logged(run_dir) >= 2 or proc.poll() is not None, timeout=300)
-        assert proc.poll() is None, proc.communicate()[0][-3000:]
-        inside = _kill_inside(proc, "GeneratorWorker", "generate")
-        out = _finish(proc)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    [(inside, _)], out = _kill_during_run(_launch(ray_cluster, run_dir, preset="configs/qlearn_tiny.yaml"), run_dir,
+                                          [(lambda: _steps_logged(run_dir) >= 2, "GeneratorWorker", "generate")])
     assert inside
     summary = _every_unit_once(run_dir, STEPS * PROMPTS)
     assert summary["prompts"]["scored"] == STEPS * PROMPTS and summary["prompts"]["reissued"] >= 1
@@ -271,13 +265,8 @@ def test_a_generator_killed_while_judging_in_self_rewarding_dpo(ray_cluster, tmp
     run_dir = tmp_path / "self-reward-gen-kill"
     proc = _launch(ray_cluster, run_dir, "--set", "run.steps=2", "--set", "run.eval_every=0",
                    "--set", "model.max_new_tokens=16", preset=str(config))
-    try:
-        wait_for(lambda: (run_dir / "stages" / "01-self-reward").is_dir() or proc.poll() is not None, timeout=300)
-        inside = _kill_inside(proc, "GeneratorWorker", "judge")
-        out = _finish(proc)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    [(inside, _)], out = _kill_during_run(proc, run_dir, [
+        (lambda: (run_dir / "stages" / "01-self-reward").is_dir(), "GeneratorWorker", "judge")])
     assert inside
     stage = run_dir / "stages" / "01-self-reward"
     summary = _every_unit_once(stage, 2 * 4)  # 2 steps of dpo.pairs_per_step=4 pairs
