@@ -63,8 +63,9 @@ def format_status(s: dict[str, Any]) -> str:
     led = s.get("ledger")
     if led:
         p = led["prompts"]
-        label = f"{led.get('unit', 'prompt')}s"
-        lines.append(f"{label:<10} {p['issued']} issued, {p['scored']} scored, {p['trained']} trained, {p['dropped']} dropped, "
+        unit = led.get("unit", "prompt")
+        scored = f"{p['scored']} scored, " if unit == "prompt" else ""  # only prompts get rewards
+        lines.append(f"{unit + 's':<10} {p['issued']} issued, {scored}{p['trained']} trained, {p['dropped']} dropped, "
                      f"{p['pending']} pending, {p['lost']} lost, {p['trained_twice']} trained twice, "
                      f"{p['reissued']} reissued")
         if led["samples_dropped"]:

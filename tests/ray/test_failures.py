@@ -141,18 +141,26 @@ def _same_as(run_dir: Path, reference: Path) -> None:
         torch.testing.assert_close(got[k], want[k], atol=1e-5, rtol=1e-4, msg=k)
 
 
-def test_a_killed_generator_is_restarted_and_its_prompts_reissued(ray_cluster, tmp_path):
-    run_dir = tmp_path / "gen-kill"
-    # Killed inside a generate call, so that prompts are in flight.
-    [(killed_in_generate, step_at_kill)], out = _kill_during_run(
-        _launch(ray_cluster, run_dir), run_dir, [(lambda: _steps_logged(run_dir) >= 2, "GeneratorWorker", "generate")])
-    assert killed_in_generate and step_at_kill < STEPS
+def test_killed_generator_scorer_and_reference_are_restarted_and_their_work_redone(ray_cluster, uninterrupted,
+                                                                                  tmp_path):
+    """In one run, each killed inside a call: a generator in ``generate`` (prompts in flight), the
+    scorer in ``score``, the reference in ``annotate``. Ray restarts each; the generator's unit is
+    issued again with the same seed and the learners' current weights, the scorer's and the
+    reference's records are scored and annotated again: the run ends as the uninterrupted one."""
+    run_dir = tmp_path / "role-kills"
+    kills, out = _kill_during_run(_launch(ray_cluster, run_dir), run_dir, [
+        (lambda: _steps_logged(run_dir) >= 2, "GeneratorWorker", "generate"),
+        (lambda: _steps_logged(run_dir) >= 3, "ScorerWorker", "score"),
+        (lambda: _steps_logged(run_dir) >= 4, "ReferenceWorker", "annotate")])
+    assert all(inside for inside, _ in kills) and kills[-1][1] < STEPS, kills
     summary = _check_exactly_once(run_dir)
-    assert summary["restarts"] == {"generator": 1}, summary
-    assert summary["prompts"]["reissued"] >= 1, summary  # its shard was sent again
+    assert summary["restarts"] == {"generator": 1, "scorer": 1, "reference": 1}, summary
+    assert summary["prompts"]["reissued"] >= 1, summary  # the generator's unit was sent again
     reissued = [r for r in valid_records(read_ledger(run_dir)) if r["event"] == "reissued"]
-    assert all(r["step"] > step_at_kill for r in reissued)
+    assert all(r["step"] > kills[0][1] for r in reissued)
     assert "generator 0 died" in out and "restarted in" in out
+    assert "the scorer died" in out and "the reference died" in out and "its records done again" in out
+    _same_as(run_dir, uninterrupted)
     # The console: rayrlhf's own lines only (progress, messages); the libraries' output is in train.log.
     lines = [line for line in out.splitlines() if line.strip()]
     assert sum("step " in line and "/6" in line for line in lines) == STEPS
@@ -182,19 +190,6 @@ def test_a_killed_learner_is_restarted_from_its_checkpoint_and_replays(ray_clust
     assert restart["detail"]["replayed"] == list(range(restored_step + 1, restart["step"]))
     assert "learner workers restarted" in out
     # It ends as the uninterrupted run: every batch in the weights once, in order.
-    _same_as(run_dir, uninterrupted)
-
-
-def test_a_killed_scorer_and_reference_are_restarted_and_their_work_redone(ray_cluster, uninterrupted, tmp_path):
-    run_dir = tmp_path / "scorer-reference-kill"
-    kills, out = _kill_during_run(_launch(ray_cluster, run_dir), run_dir, [
-        (lambda: _steps_logged(run_dir) >= 1, "ScorerWorker", "score"),
-        (lambda: _steps_logged(run_dir) >= 3, "ReferenceWorker", "annotate")])
-    assert all(inside for inside, _ in kills) and kills[-1][1] < STEPS, kills
-    summary = _check_exactly_once(run_dir)
-    assert summary["restarts"] == {"scorer": 1, "reference": 1}, summary
-    assert "the scorer died" in out and "the reference died" in out and "its records done again" in out
-    # The records they had in hand were scored and annotated again: the same rewards and weights.
     _same_as(run_dir, uninterrupted)
 
 
