@@ -49,6 +49,10 @@ class ReplayBuffer:
     def sample(self, n: int, step: int) -> list[Transition]:
         """``n`` rows drawn uniformly, without replacement when ``n <= len(self)`` and with
         replacement otherwise; the same (contents, seed, step) always gives the same rows."""
+        return [self._rows[i] for i in self.sample_indices(n, step)]
+
+    def sample_indices(self, n: int, step: int) -> list[int]:
+        """The positions in the buffer that ``sample(n, step)`` draws."""
         if not self._rows:
             raise ValueError("cannot sample from an empty replay buffer: add transitions first")
         if n < 0:
@@ -56,10 +60,8 @@ class ReplayBuffer:
         g = torch.Generator().manual_seed(_mix(self.seed, step))
         size = len(self._rows)
         if n <= size:
-            idx = torch.randperm(size, generator=g)[:n]
-        else:
-            idx = torch.randint(size, (n,), generator=g)
-        return [self._rows[i] for i in idx.tolist()]
+            return torch.randperm(size, generator=g)[:n].tolist()
+        return torch.randint(size, (n,), generator=g).tolist()
 
     def stats(self) -> dict[str, Any]:
         """Size and traffic counters, and the mean behaviour version of the stored rows (compare

@@ -17,7 +17,8 @@ below say "prompt"; the ``units`` record names the run's kind of unit.
 * ``trained``  {step, uid, samples, version}: the prompt's samples were in the learners' update
   of ``step`` (``version``: the policy version after it);
 * ``restart``  {step, role, detail}: a generator or the learners restarted;
-* ``units``    {kind}: the first record: what a uid names (``prompt``, ``pair``, ``demonstration``);
+* ``units``    {kind}: the first record: what a uid names (``prompt``, ``pair``, ``demonstration``,
+  or ``transition``: offline Q-learning's replay draws, ``prompt`` holding the transition's row);
 * ``resume``   {step}: the run resumed from its checkpoint of ``step``; records of later steps
   before it are void (the resumed run runs those steps again).
 

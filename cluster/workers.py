@@ -256,6 +256,11 @@ class ReplayWorker:
             os.remove(f)
         return {"files": len(files), "removed_after_checkpoint": len(later), **self.buffer.stats()}
 
+    def sampled(self, n: int, step: int) -> list[int]:
+        """The buffer positions ``sample(n, step)`` draws (offline: rows of the transition file's
+        training split, in the order they were added)."""
+        return self.buffer.sample_indices(n, step)
+
     def sample(self, n: int, step: int) -> Experience:
         from actors.transitions import transitions_to_experience
 

@@ -89,7 +89,7 @@ def behaviour_summary(rows: list) -> dict[str, float]:
 def run(ctx: RunContext, model_path: str, train_data, eval_set) -> RunResult:
     cfg = ctx.cfg
     train_set, transitions = train_data
-    with Roles(ctx, model_path) as roles:
+    with Roles(ctx, model_path, unit="prompt" if transitions is None else "transition") as roles:
         roles.start_learners()
         roles.start_generators(with_reference=cfg.qlearn.uses_reference and not cfg.lora.enabled)
         steps = (OnlineSteps(ctx, roles, train_set, eval_set) if transitions is None
@@ -207,9 +207,17 @@ class OfflineSteps(QSteps):
                        f"{self.behaviour['data/behaviour_mean_reward']:.3f}")
 
     def step(self, step: int) -> StepOutcome:
+        """The step's replay batch (its transitions in the ledger: a draw's uid is its position in
+        the run's stream of draws, ``prompt`` the transition's row) and the Q update on it."""
         eval_now = self.ctx.eval_due(step)
+        n, ledger = self.cfg.qlearn.batch_sequences, self.roles.ledger
+        rows = ray.get(self.roles.replay.sampled.remote(n, step))
+        uids = list(range((step - 1) * n, step * n))
+        ledger.record("issued", [{"step": step, "uid": u, "prompt": r} for u, r in zip(uids, rows)])
         result, stats = self.learn(step, sync=eval_now)
-        row = {**self.loaded, **result["metrics"], **_replay_metrics({}, stats), **self.roles.record_restarts(step)}
+        ledger.record("trained", [{"step": step, "uid": u, "samples": 1, "version": result["version"]} for u in uids])
+        row = {**self.loaded, **result["metrics"], **_replay_metrics({}, stats), **ledger.metrics(),
+               **self.roles.record_restarts(step)}
         return StepOutcome(row, saved=result.get("saved"), version=result["version"],
                            weights=result["weights"][0] if eval_now else None)
 

@@ -15,6 +15,7 @@ from actors.transitions import read_transitions
 from cluster import cli
 from cluster.config_loading import load_config
 from cluster.driver import train
+from cluster.ledger import read_ledger, summarize, valid_records
 from tests.helpers.runs import assert_same_run, crashed_copy
 
 pytestmark = pytest.mark.ray
@@ -81,6 +82,16 @@ def test_offline_q_learning_on_transitions_a_ppo_run_exported(ray_cluster, tiny_
     stopped = crashed_copy(tmp_path / "offline", 3, tmp_path / "stopped")
     assert cli.main(["train", "--resume", str(stopped)]) == 0
     assert_same_run(stopped, tmp_path / "offline", ("loss/td", "eval/loss/td"), None, "step_00006")
+    # The ledger of its units, replay draws of transitions: every draw trained once, and the
+    # resumed run drew the same transitions at each step as the uninterrupted one.
+    drawn = {}
+    for run in ("offline", "stopped"):
+        records = valid_records(read_ledger(tmp_path / run))
+        summary = summarize(records)
+        assert summary["unit"] == "transition" and summary["prompts"]["issued"] == 6 * 32, summary
+        assert summary["prompts"]["trained"] == 6 * 32 and summary["prompts"]["lost"] == 0, summary
+        drawn[run] = [(r["step"], r["prompt"]) for r in records if r["event"] == "issued"]
+    assert drawn["stopped"] == drawn["offline"] and len({t for _, t in drawn["offline"]}) > 32
     rows = _rows(tmp_path / "offline")
     assert [r["step"] for r in rows] == list(range(0, 7))
     evals = [r for r in rows if "eval/mean_score" in r]
