@@ -108,11 +108,13 @@ class RolloutGroup:
         return self._redo_lost("scorer", self.scorer.score, unscored, out, stats)
 
     def annotate_checked(self, exp_refs: list) -> tuple[list, list[dict]]:
-        """``annotate_reference`` and its stats, each record annotated again if the reference died."""
-        out, stats = self.annotate_reference(exp_refs)
+        """The records with the reference's log-probs (as they are without a reference actor) and
+        its stats, each record annotated again if the reference died."""
         if self.reference is None:
-            return out, []
-        return self._redo_lost("reference", self.reference.annotate, list(exp_refs), out, stats)
+            return exp_refs, []
+        calls = [self.reference.annotate.options(num_returns=2).remote(e) for e in exp_refs]
+        return self._redo_lost("reference", self.reference.annotate, list(exp_refs), [c[0] for c in calls],
+                               [c[1] for c in calls])
 
     def _redo_lost(self, role: str, method: Any, inputs: list, out: list, stats: list) -> tuple[list, list[dict]]:
         """Waits for each call's stats; a call lost with its actor is made again on the restarted
@@ -134,16 +136,8 @@ class RolloutGroup:
         many calls it cost)."""
         actor = self.scorer if role == "scorer" else self.reference
         t0 = time.time()
-        while True:
-            try:
-                pid = ray.get(actor.pid.remote(), timeout=60)
-                break
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
-                gone = isinstance(e, ray.exceptions.ActorDiedError) and "max_restarts" in str(e).lower()
-                if gone or time.time() - t0 > timeout_s:
-                    raise RuntimeError(f"the {role} died and did not come back (cluster.actor_max_restarts="
-                                       f"{self.cfg.cluster.actor_max_restarts}): {e}") from e
-                time.sleep(0.5)
+        pid = answer_after_restart(actor.pid.remote, f"the {role} (cluster.actor_max_restarts="
+                                   f"{self.cfg.cluster.actor_max_restarts})", timeout_s)
         if pid == self._pids.get(role):
             return
         self._pids[role] = pid
@@ -213,12 +207,6 @@ class RolloutGroup:
         ``generate_checked``: work units by load, re-issued when a generator dies, seeded by unit."""
         return self.collect(self.submit(prompts, group_ids, seed=seed, texts=(n, temperature)), on_reissue)
 
-    def annotate_reference(self, exp_refs: list) -> tuple[list, list]:
-        if self.reference is None:
-            return exp_refs, []
-        pairs = [self.reference.annotate.options(num_returns=2).remote(e) for e in exp_refs]
-        return [p[0] for p in pairs], [p[1] for p in pairs]
-
     def generate_checked(self, rows: list[dict], group_ids: list[int], greedy: bool = False, seed: int | None = None,
                          on_reissue: Any = None) -> tuple[list, list[dict]]:
         """``submit`` then ``collect``: the records and stats of every work unit, in unit order,
@@ -265,15 +253,7 @@ class RolloutGroup:
                                f"{self.cfg.rollout.max_restarts} allows no more restarts ({self.restarts - 1} so far)")
         print(f"[rayrlhf] generator {i} died ({reason}); waiting for Ray to restart it", flush=True)
         gen, t0 = self.generators[i], time.time()
-        while True:
-            try:
-                ray.get(gen.ready.remote(), timeout=60)
-                break
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
-                if isinstance(e, ray.exceptions.ActorDiedError) and "max_restarts" in str(e).lower() \
-                        or time.time() - t0 > timeout_s:
-                    raise RuntimeError(f"generator {i} did not come back: {e}") from e
-                time.sleep(1.0)
+        answer_after_restart(gen.ready.remote, f"generator {i}", timeout_s)
         held = ray.get(gen.version.remote())
         source = weights_source or self.weights_source
         if held != self.version:
@@ -330,3 +310,17 @@ class RolloutGroup:
             if a is not None:
                 ray.kill(a)
         release(self.placement_group)
+
+
+def answer_after_restart(call: Any, what: str, timeout_s: float) -> Any:
+    """``call()``'s answer once its actor is back: while Ray restarts it a call fails or times
+    out and is made again; an actor out of restarts, or ``timeout_s`` spent, raises."""
+    t0 = time.time()
+    while True:
+        try:
+            return ray.get(call(), timeout=60)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
+            gone = isinstance(e, ray.exceptions.ActorDiedError) and "max_restarts" in str(e).lower()
+            if gone or time.time() - t0 > timeout_s:
+                raise RuntimeError(f"{what} died and did not come back: {e}") from e
+            time.sleep(0.5)

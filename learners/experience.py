@@ -198,5 +198,9 @@ class Experience:
             groups.setdefault(g, []).append(i)
         return [i for k, members in enumerate(groups.values()) if k % world == rank for i in members]
 
+    def fields(self) -> dict[str, Any]:
+        """Every field by name (what ``Experience(**fields)`` rebuilds, e.g. after ``torch.save``)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
     def replace(self, **changes: Any) -> "Experience":
         return dataclasses.replace(self, **changes)

@@ -71,9 +71,7 @@ class FixedDataSteps:
 
     def step(self, step: int) -> StepOutcome:
         data, ctx = self.data, self.ctx
-        first = self.sampler.consumed
-        ids = self.sampler.next()
-        uids = list(range(first, first + len(ids)))
+        ids, uids = self.sampler.next_with_uids()
         self.roles.ledger.record("issued", [{"step": step, "uid": u, "prompt": i} for u, i in zip(uids, ids)])
         batch = ray.put(data.train.select([r for i in ids for r in data.rows_of(i)]))
         eval_now = ctx.eval_due(step)

@@ -14,7 +14,6 @@ scores) and caches the encoded pairs, so a resumed run trains on exactly the sam
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from pathlib import Path
@@ -52,7 +51,7 @@ def _require_pairs(n: int, counts: dict[str, float]) -> None:
 def _save(run_dir: Path, pairs: Experience, table: list[dict[str, Any]], counts: dict[str, float]) -> None:
     cache = run_dir / PAIRS_CACHE
     cache.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({f.name: getattr(pairs, f.name) for f in dataclasses.fields(pairs)}, cache)
+    torch.save(pairs.fields(), cache)
     (run_dir / PAIRS_COUNTS).write_text(json.dumps(counts))
     write_preferences(run_dir / PAIRS_TABLE, table)
 

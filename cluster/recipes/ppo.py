@@ -46,9 +46,6 @@ load_data = load_task_prompts
 AHEAD_FILE = "ahead_batches.pt"
 
 
-def _fields(exp: Any) -> dict[str, Any]:
-    return {f.name: getattr(exp, f.name) for f in dataclasses.fields(exp)}
-
 
 def run(ctx: RunContext, model_path: str, train_set: Any, eval_set: Any) -> RunResult:
     cfg = ctx.cfg
@@ -160,7 +157,7 @@ class PPOSteps:
             exp, gen_stats, score_stats = self._sample_and_score(cur.step, cur)
             cur.done = (exp, gen_stats, score_stats)
             saved.append({"launched": dataclasses.asdict(dataclasses.replace(cur, pending=None, done=None)),
-                          "records": [_fields(e) for e in ray.get(exp)], "gen_stats": gen_stats,
+                          "records": [e.fields() for e in ray.get(exp)], "gen_stats": gen_stats,
                           "score_stats": score_stats})
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(saved, path)
