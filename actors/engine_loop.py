@@ -13,7 +13,7 @@ import threading
 import time
 from collections import deque
 from contextlib import contextmanager
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 
 class EngineLoop:
@@ -63,26 +63,53 @@ class EngineLoop:
                 self._driving = True
         if riders is not None:
             return riders.wait()
-        return self._drive(ids)
+        mine = _Outputs()
+        self._drive(mine)
+        return [mine.outputs[i] for i in ids]
 
-    def _drive(self, ids: list[str]) -> list:
-        """Steps the engine until no request is left (its own and any riders')."""
-        mine: dict[str, Any] = {}
+    def stream(self, feed: "Feed") -> None:
+        """Drives the engine while ``feed`` has work: before each step the requests it has ready
+        (``feed.ready()``) are enqueued, each finished output goes to ``feed.finished``, and while
+        the engine is idle but the feed still expects requests (a multi-turn rollout whose
+        trajectories wait for their environments), ``feed.wait`` blocks until one is ready. So
+        every trajectory's next turn joins the running batch as soon as it exists (continuous
+        batching), never waiting for the slowest trajectory's turn. Loads and probes land between
+        steps as in ``run``."""
+        while True:
+            with self.turn():
+                if not self._driving:  # a probe driving its own loop finishes first
+                    self._driving = True
+                    break
+            time.sleep(0.001)
+        self._drive(feed)
+
+    def _drive(self, sink: "Feed") -> None:
+        """Steps the engine until no request is left (the sink's and any riders') and the sink
+        expects no more."""
+        keys: dict[str, Any] = {}
         try:
             while True:
+                idle = False
                 with self._engine:
                     while self._handed:  # weight loads handed over, between two steps
                         self._handed.popleft().run()
+                    for key, prompt, params in sink.ready():
+                        keys[_external_id(self.llm.enqueue([prompt], params, use_tqdm=False)[0])] = key
                     if not self.llm.llm_engine.has_unfinished_requests():
-                        self._driving = False
-                        break
-                    for out in self.llm.llm_engine.step():
-                        if out.finished:
-                            riders = self._riders.pop(out.request_id, None)
-                            if riders is not None:
-                                riders.finish(out)
-                            else:
-                                mine[out.request_id] = out
+                        if not sink.expecting():
+                            self._driving = False
+                            break
+                        idle = True
+                    else:
+                        for out in self.llm.llm_engine.step():
+                            if out.finished:
+                                riders = self._riders.pop(out.request_id, None)
+                                if riders is not None:
+                                    riders.finish(out)
+                                else:
+                                    sink.finished(keys.pop(out.request_id, out.request_id), out)
+                if idle:
+                    sink.wait(0.05)
                 while self._waiting:  # a load or a rider goes first
                     time.sleep(0.0005)
         except BaseException as e:
@@ -94,7 +121,6 @@ class EngineLoop:
                 while self._handed:
                     self._handed.popleft().fail(e)
             raise
-        return [mine[i] for i in ids]
 
     @contextmanager
     def turn(self):
@@ -116,6 +142,42 @@ def _external_id(request_id: str) -> str:
     """The id ``RequestOutput`` reports for a request ``LLM.enqueue`` returned: vLLM appends a
     random suffix to its counter id internally."""
     return request_id.split("-", 1)[0]
+
+
+class Feed(Protocol):
+    """Requests for ``EngineLoop.stream`` that appear while the engine runs."""
+
+    def ready(self) -> list[tuple[Any, dict, Any]]:
+        """(key, prompt, sampling params) of each request to enqueue now (called under the engine
+        lock: must not block)."""
+
+    def finished(self, key: Any, output: Any) -> None:
+        """A request's finished ``RequestOutput`` (on the driving thread: must not block)."""
+
+    def expecting(self) -> bool:
+        """Whether more requests may still come."""
+
+    def wait(self, timeout: float) -> None:
+        """Blocks up to ``timeout`` seconds for a request to become ready."""
+
+
+class _Outputs:
+    """The plain ``run``'s feed: nothing more comes; the finished outputs by request id."""
+
+    def __init__(self) -> None:
+        self.outputs: dict[str, Any] = {}
+
+    def ready(self) -> list:
+        return []
+
+    def finished(self, key: Any, output: Any) -> None:
+        self.outputs[key] = output
+
+    def expecting(self) -> bool:
+        return False
+
+    def wait(self, timeout: float) -> None:
+        pass
 
 
 class _Waiter:

@@ -18,11 +18,12 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, NamedTuple
 
 import torch
 
 from actors.engine_loop import EngineLoop
+from actors.environments import EnvSpec, EpisodeLimits
 from learners.experience import Experience
 
 log = logging.getLogger("rayrlhf.generator")
@@ -91,6 +92,11 @@ class GeneratorConfig:
     # vLLM's torch.compile of the model (with CUDA graphs on a GPU) instead of eager execution:
     # faster generation for a one-off compile at start-up.
     compile: bool = False
+    # Multi-turn episodes instead of single replies (``actors/environments.py``): the environment,
+    # the episode limits, and the threads that run environment steps. None: single turn.
+    environment: EnvSpec | None = None
+    episode_limits: EpisodeLimits | None = None
+    env_workers: int = 16
 
 
 def _fit_context(model_path: str, wanted: int) -> int:
@@ -181,7 +187,8 @@ class Generator:
 
     @classmethod
     def from_config(cls, cfg: GeneratorConfig) -> "Generator":
-        wanted = max(cfg.max_model_len, cfg.max_prompt_tokens + cfg.max_new_tokens)
+        episode = cfg.episode_limits.max_tokens if cfg.episode_limits is not None else 0
+        wanted = max(cfg.max_model_len, cfg.max_prompt_tokens + cfg.max_new_tokens, episode)
         return cls(
             cfg.model_path, dtype=cfg.dtype, max_model_len=_fit_context(cfg.model_path, wanted),
             seed=cfg.seed, kv_cache_gib=cfg.kv_cache_gib, threads=cfg.threads, system_prompt=cfg.system_prompt,
@@ -266,14 +273,51 @@ class Generator:
         if seed is not None:
             torch.manual_seed(seed)
         outputs = self.loop.run([{"prompt_token_ids": ids} for ids, _, _ in kept], params)
-        rows: list[tuple[list[int], list[int], list[float], bool, str, dict, int, list[int | None]]] = []
+        rows: list[Sampled] = []
         for (ids, m, g), out in zip(kept, outputs):
             for comp in out.outputs:
                 resp = list(comp.token_ids)
                 lps = [float(step[tok].logprob) for tok, step in zip(resp, comp.logprobs)]
-                truncated = comp.finish_reason == "length"
-                rows.append((ids, resp, lps, truncated, comp.text, m, g, token_versions(comp.weight_versions, len(resp))))
+                rows.append(Sampled(ids, resp, lps, comp.finish_reason == "length", comp.text, m, g,
+                                    token_versions(comp.weight_versions, len(resp))))
         return self._to_experience(rows, skipped)
+
+    def generate_episodes(self, rows: list[dict[str, Any]], group_ids: list[int], make_env: Any, limits: Any,
+                          *, temperature: float = 1.0, top_p: float = 1.0, n: int = 1, seed: int | None = None,
+                          pool: Any = None) -> tuple[Experience, dict[str, float]]:
+        """``n`` multi-turn episodes per row in ``make_env()`` environments (``actors/episodes.py``):
+        one record row per episode, the model's tokens as sampled and the observations' between
+        them (``response_mask`` marks the model's), rewards in ``meta["episode"]``. Episodes whose
+        environment failed or timed out are dropped and counted in ``skipped``. Returns the
+        record and the batch's episode counters."""
+        import concurrent.futures
+
+        from vllm import SamplingParams
+
+        from actors.episodes import ChatTokens, EpisodeRunner, episode_meta, episode_summary
+
+        def sampling(room: int) -> SamplingParams:
+            return SamplingParams(n=1, temperature=temperature, top_p=top_p, max_tokens=room, logprobs=1,
+                                  stop_token_ids=[self.eos_token_id] if self.eos_token_id is not None else None)
+
+        if seed is not None:
+            torch.manual_seed(seed)
+        own_pool = pool is None
+        pool = pool or concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="rayrlhf-env")
+        try:
+            runner = EpisodeRunner(ChatTokens(self.tokenizer, self.system_prompt), make_env, limits, sampling, pool)
+            episodes = runner.run(self.loop, rows, group_ids, n)
+        finally:
+            if own_pool:
+                pool.shutdown(wait=False, cancel_futures=True)
+        dropped, counts = episode_summary(episodes)
+        kept = [ep for ep in episodes if ep.status not in dropped]
+        if not kept:
+            errors = sorted({ep.info.get("error", ep.status) for ep in episodes})[:3]
+            raise ValueError(f"no episode of a batch of {len(episodes)} finished: {dropped}; e.g. {errors}")
+        out = [Sampled(ep.prompt_ids, ep.ids, ep.logprobs, ep.truncated, self.tokenizer.decode(ep.ids), episode_meta(ep),
+                       ep.group, ep.versions, ep.action) for ep in kept]
+        return self._to_experience(out, dropped), counts
 
     # -- the engine loop -------------------------------------------------------------------------
     @property
@@ -281,22 +325,24 @@ class Generator:
         """Whether a thread is driving the engine (a request sent now rides along in its loop)."""
         return self.loop.generating
 
-    def _to_experience(self, rows, skipped: dict[str, int]) -> Experience:
-        length = max(len(p) + len(r) for p, r, *_ in rows)
+    def _to_experience(self, rows: list[Sampled], skipped: dict[str, int]) -> Experience:
+        length = max(len(row.prompt) + len(row.response) for row in rows)
         b = len(rows)
         input_ids = torch.full((b, length), self.pad_token_id, dtype=torch.long)
         attention = torch.zeros((b, length), dtype=torch.bool)
         response = torch.zeros((b, length), dtype=torch.bool)
         logprobs = torch.zeros((b, length), dtype=torch.float32)
         versions = torch.zeros((b, length), dtype=torch.long)
-        for i, (p, r, lps, *_rest, vs) in enumerate(rows):
-            n_p, n_r = len(p), len(r)
-            input_ids[i, : n_p + n_r] = torch.tensor(p + r, dtype=torch.long)
+        for i, row in enumerate(rows):
+            n_p, n_r = len(row.prompt), len(row.response)
+            input_ids[i, : n_p + n_r] = torch.tensor(row.prompt + row.response, dtype=torch.long)
             attention[i, : n_p + n_r] = True
-            response[i, n_p : n_p + n_r] = True
-            logprobs[i, n_p : n_p + n_r] = torch.tensor(lps, dtype=torch.float32)
-            versions[i, n_p : n_p + n_r] = torch.tensor([self.version if v is None else v for v in vs], dtype=torch.long)
-        truncated = torch.tensor([row[3] for row in rows], dtype=torch.bool)
+            acts = torch.ones(n_r, dtype=torch.bool) if row.action is None else torch.tensor(row.action, dtype=torch.bool)
+            response[i, n_p : n_p + n_r] = acts
+            logprobs[i, n_p : n_p + n_r] = torch.tensor(row.logprobs, dtype=torch.float32) * acts
+            vs = torch.tensor([self.version if v is None else v for v in row.versions], dtype=torch.long)
+            versions[i, n_p : n_p + n_r] = vs * acts
+        truncated = torch.tensor([row.truncated for row in rows], dtype=torch.bool)
         skipped = dict(skipped, truncated=int(truncated.sum()))
         sampled = versions[response]
         oldest = int(sampled.min()) if len(sampled) else self.version
@@ -307,11 +353,11 @@ class Generator:
             attention_mask=attention,
             response_mask=response,
             rollout_logprobs=logprobs,
-            group_ids=torch.tensor([row[6] for row in rows], dtype=torch.long),
+            group_ids=torch.tensor([row.group for row in rows], dtype=torch.long),
             truncated=truncated,
             policy_version=oldest,
-            completions=[row[4] for row in rows],
-            meta=[row[5] for row in rows],
+            completions=[row.text for row in rows],
+            meta=[row.meta for row in rows],
             token_versions=versions if mixed else None,
             skipped=skipped,
         ).validate()
@@ -345,6 +391,21 @@ class Generator:
         self.inflight_loads += int(self.loop.generating)
         self.version = int(version)
         self.llm.llm_engine.set_weight_version(str(self.version))
+
+
+class Sampled(NamedTuple):
+    """One record row as sampled: the prompt's ids, then the response's (a multi-turn episode's
+    include the observations between its turns, ``action`` False there)."""
+
+    prompt: list[int]
+    response: list[int]
+    logprobs: list[float]
+    truncated: bool
+    text: str
+    meta: dict
+    group: int
+    versions: list[int | None]
+    action: list[bool] | None = None
 
 
 def token_versions(spans, n: int) -> list[int | None]:

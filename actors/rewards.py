@@ -74,4 +74,13 @@ def digit_density(prompts: list[str], completions: list[str], **meta: list) -> l
     return out
 
 
-BUILTIN_REWARDS = {"reasoning_gym": reasoning_gym, "exact_match": exact_match, "digit_density": digit_density}
+def environment(prompts: list[str], completions: list[str], **meta: list) -> list[float]:
+    """A multi-turn episode's reward as its environment gave it (the sum over its steps,
+    ``meta["episode"]["reward"]``, written by the generator's rollout)."""
+    episodes = meta.get("episode")
+    if episodes is None:
+        raise ValueError("reward.function=environment scores multi-turn episodes; these samples carry none (set env.name)")
+    return [float(e["reward"]) for e in episodes]
+
+
+BUILTIN_REWARDS = {"environment": environment, "reasoning_gym": reasoning_gym, "exact_match": exact_match, "digit_density": digit_density}

@@ -1,7 +1,9 @@
 """Offline Q-learning transitions: token-level episodes stored as Parquet, one row per sampled
 response, each response token an action.
 
-A row holds the prompt (the state the episode starts from), the response tokens (the actions),
+A row holds the prompt (the state the episode starts from), the response tokens (the actions;
+a multi-turn episode's observation tokens between its turns are kept in place and marked as no
+actions by ``action_mask``),
 one reward per response token and whether the episode ended at its last token (``done``) or was
 cut at a length limit (the learner bootstraps past such a cut with ``qlearn.bootstrap_truncated``;
 by default a response's last token ends its episode, its reward having been given for the cut text). Rows carry the policy version
@@ -53,6 +55,9 @@ TRANSITION_SCHEMA = pa.schema([
     ("completion", pa.string()),
     # JSON object of the row's task metadata (question, answer, ...).
     ("meta", pa.string()),
+    # Which response tokens are actions (a multi-turn episode's observations between its turns are
+    # not); null: every one.
+    ("action_mask", pa.list_(pa.bool_())),
 ])
 # Columns a file must have; the others default (behaviour_logprobs null, completion "", meta {}).
 REQUIRED_COLUMNS = ("prompt_ids", "response_ids", "rewards", "done", "behaviour_version", "group_id")
@@ -85,6 +90,8 @@ class Transition:
     completion: str = ""
     # Task metadata (JSON-able).
     meta: dict[str, Any] = field(default_factory=dict)
+    # Which response tokens are actions (None: all; a multi-turn episode's observations are not).
+    action_mask: list[bool] | None = None
 
 
 def _add(skipped: dict[str, int], reason: str, n: int = 1) -> None:
@@ -107,24 +114,24 @@ def transitions_from_experience(exp: Experience) -> tuple[list[Transition], dict
     skipped: dict[str, int] = {}
     for i in range(exp.batch_size):
         resp, att = exp.response_mask[i], exp.attention_mask[i]
-        pos = resp.nonzero().flatten()
-        if len(pos) == 0:
+        acts = resp.nonzero().flatten()
+        if len(acts) == 0:
             _add(skipped, "empty_response")
             continue
-        prompt_pos = (att & ~resp).nonzero().flatten()
-        if len(prompt_pos) and int(prompt_pos.max()) > int(pos.min()):
-            raise ValueError(f"row {i}: non-response tokens after the response start; a transition "
-                             "is a prompt followed by one response")
+        # Everything from the first action to the last real token: a multi-turn episode's
+        # observations lie between its turns' actions.
+        start, end = int(acts.min()), int(att.nonzero().max()) + 1
+        actions = resp[start:end].tolist()
         if exp.token_rewards is not None:
-            rewards = exp.token_rewards[i, pos].tolist()
+            rewards = exp.token_rewards[i, start:end].tolist()
         else:
-            rewards = [0.0] * len(pos)
-            rewards[-1] = float(exp.scores[i])
+            rewards = [0.0] * (end - start)
+            rewards[int(acts.max()) - start] = float(exp.scores[i])
         rows.append(Transition(
-            prompt_ids=exp.input_ids[i, prompt_pos].tolist(), response_ids=exp.input_ids[i, pos].tolist(),
+            prompt_ids=exp.input_ids[i, :start].tolist(), response_ids=exp.input_ids[i, start:end].tolist(),
             rewards=rewards, done=not bool(exp.truncated[i]), behaviour_version=int(exp.policy_version),
-            behaviour_logprobs=exp.rollout_logprobs[i, pos].tolist(), group_id=int(exp.group_ids[i]),
-            completion=exp.completions[i], meta=dict(exp.meta[i]),
+            behaviour_logprobs=exp.rollout_logprobs[i, start:end].tolist(), group_id=int(exp.group_ids[i]),
+            completion=exp.completions[i], meta=dict(exp.meta[i]), action_mask=None if all(actions) else actions,
         ))
     _warn(skipped, "experience export")
     return rows, skipped
@@ -192,8 +199,12 @@ def _check(r: dict[str, Any], vocab_size: int | None) -> tuple[Transition | None
         return None, "empty_response"
     if not prompt:
         return None, "empty_prompt"
-    if len(rewards) != len(response) or (lps is not None and len(lps) != len(response)):
+    actions = r.get("action_mask")
+    if len(rewards) != len(response) or (lps is not None and len(lps) != len(response)) \
+            or (actions is not None and len(actions) != len(response)):
         return None, "length_mismatch"
+    if actions is not None and (None in actions or not any(actions)):
+        return None, "empty_response"
     if not _finite(rewards):
         return None, "nan_reward"
     if lps is not None and not _finite(lps):
@@ -207,7 +218,7 @@ def _check(r: dict[str, Any], vocab_size: int | None) -> tuple[Transition | None
     if not isinstance(meta, dict):
         return None, "bad_meta"
     return Transition(prompt, response, rewards, bool(r["done"]), int(r["behaviour_version"]), lps,
-                      int(r["group_id"]), r["completion"] or "", meta), None
+                      int(r["group_id"]), r["completion"] or "", meta, actions), None
 
 
 def read_transitions(path: str | Path, vocab_size: int | None = None) -> tuple[list[Transition], dict[str, int]]:
@@ -251,7 +262,7 @@ def transitions_to_experience(rows: list[Transition], pad_token_id: int, max_len
         p, end = len(t.prompt_ids), len(t.prompt_ids) + len(t.response_ids)
         ids[i, :end] = torch.tensor(t.prompt_ids + t.response_ids)
         att[i, :end] = True
-        resp[i, p:end] = True
+        resp[i, p:end] = True if t.action_mask is None else torch.tensor(t.action_mask, dtype=torch.bool)
         rewards[i, p:end] = torch.tensor(t.rewards)
         if t.behaviour_logprobs is not None:
             logprobs[i, p:end] = torch.tensor(t.behaviour_logprobs)

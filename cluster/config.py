@@ -251,6 +251,30 @@ class RolloutConfig(Section):
            "and its unfinished prompts are issued again (0: a lost generator ends the run).", ge=0)
 
 
+class EnvConfig(Section):
+    """Multi-turn episodes (``actors/environments.py``): the model acts over several turns and the
+    environment answers each; its rewards are the episode's score. Empty ``name``: one reply per
+    prompt, scored by reward.function."""
+
+    name: str = _f(
+        "", "Environment: guess_number (makes its own prompts), feedback (try again after a wrong answer), "
+            "tool_use (tools before the final answer), an http(s):// URL (an OpenEnv-style server: POST /reset, "
+            "/step), or 'module:factory' returning an object with reset(row) and step(action). Empty: single turn.")
+    args: dict = _f({}, "Keyword arguments of the environment, e.g. {attempts: 3} for feedback, {high: 16} for guess_number.")
+    tools: list[str] = _f(["calculator"], "tool_use: built-in tools (calculator, python) or 'module:attribute' callables.")
+    max_turns: int = _f(4, "Model turns per episode at most.", ge=1)
+    max_tokens: int = _f(0, "Tokens per episode (prompt, every turn and observation) at most. 0: "
+                            "model.max_prompt_tokens + max_turns x model.max_new_tokens.", ge=0)
+    max_tool_calls: int = _f(4, "tool_use: tool calls per episode at most (more end it unanswered).", ge=0)
+    tool_timeout_s: float = _f(10.0, "Seconds a tool call may take (then the model reads a timeout error).", gt=0)
+    step_timeout_s: float = _f(30.0, "Seconds an environment's reset or step may take (then the episode is dropped "
+                                     "and counted as env_timeout).", gt=0)
+    workers: int = _f(16, "Threads per generator running environment steps and tool calls concurrently.", ge=1)
+
+    def episode_tokens(self, max_prompt_tokens: int, max_new_tokens: int) -> int:
+        return self.max_tokens or max_prompt_tokens + self.max_turns * max_new_tokens
+
+
 class TrainConfig(Section):
     """Optimisation settings shared by every learner (and the reference's precision/chunking)."""
 
@@ -579,6 +603,7 @@ class Config(Section):
     data: DataConfig = Field(default_factory=DataConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     ppo: PPOConfig = Field(default_factory=PPOConfig)
     dpo: DPOConfig = Field(default_factory=DPOConfig)
@@ -639,7 +664,7 @@ class Config(Section):
             (not (self.cluster.realtime_learners and self.cluster.gpus_per_learner),
              "cluster.realtime_learners is for CPU learners (their OpenMP threads share cores with Ray's processes); "
              "a GPU learner's threads mostly wait for the GPU, and real-time waiting threads would starve the node"),
-        ]
+        ] + self._env_checks(algo)
         for ok, msg in checks:
             if not ok:
                 raise ConfigError(msg)
@@ -648,6 +673,26 @@ class Config(Section):
         except ValueError as e:
             raise ConfigError(str(e)) from None
         return self
+
+    def _env_checks(self, algo: str) -> list[tuple[bool, str]]:
+        """What multi-turn episodes (``env.name``) combine with."""
+        env = self.env
+        if not env.name:
+            return []
+        return [
+            (algo in ("ppo", "qlearn", "dpo"), f"env.name needs run.algorithm=ppo, qlearn or dpo (episodes to learn "
+                                               f"from), not {algo}"),
+            (not (algo == "qlearn" and self.data.transition_file), "env.name: offline Q-learning (data.transition_file) "
+                                                                   "runs no episodes; leave env.name empty"),
+            (not (algo == "dpo" and self.dpo.pairs != "scorer"), f"env.name with run.algorithm=dpo pairs the best and "
+                                                                 f"worst episode of a prompt (dpo.pairs=scorer), not dpo.pairs={self.dpo.pairs}"),
+            (self.reward.function not in ("llm_judge", "reward_model", "remote"),
+             f"env.name: the environment gives the rewards and reward.function checks final answers "
+             f"(feedback, tool_use); {self.reward.function} is no answer checker"),
+            (env.episode_tokens(self.model.max_prompt_tokens, self.model.max_new_tokens)
+             >= self.model.max_prompt_tokens + self.model.max_new_tokens,
+             "env.max_tokens must hold at least one prompt and one turn (model.max_prompt_tokens + model.max_new_tokens)"),
+        ]
 
     def judge_config(self) -> JudgeConfig:
         """The judge's own settings (``actors/judge.py`` checks the template and the pattern)."""

@@ -20,6 +20,10 @@ def load_task_prompts(cfg: Config) -> tuple[Any, Any, str]:
     from actors.scorer_factory import SCORER_KINDS
     from actors.tasks import load_prompts
 
+    if cfg.env.name:
+        check_environment(cfg)
+    if cfg.env.name == "guess_number":  # the game makes its own prompts
+        return environment_prompts(cfg)
     try:
         train_set, eval_set = load_prompts(
             cfg.data.task, cfg.data.train_size, cfg.data.eval_size, cfg.run.seed, cfg.data.task_kwargs,
@@ -37,6 +41,28 @@ def load_task_prompts(cfg: Config) -> tuple[Any, Any, str]:
     description = (f"{len(train_set)} train / {len(eval_set)} held-out prompts from {cfg.data.task}"
                    + (f" (skipped while loading: {train_set.skipped})" if train_set.skipped else ""))
     return train_set, eval_set, description
+
+
+def check_environment(cfg: Config) -> None:
+    """``env.name`` builds (a typo, a module that does not import: one line before anything starts)."""
+    from actors.environments import environment_factory
+    from cluster.role_settings import episode_settings
+
+    try:
+        environment_factory(episode_settings(cfg)["environment"])
+    except (ValueError, TypeError) as e:
+        raise UserError(f"env.name: {e}") from None
+
+
+def environment_prompts(cfg: Config) -> tuple[Any, Any, str]:
+    """The guessing game's rows: train and held-out targets from two seeds."""
+    from actors.environments import GuessNumber
+    from actors.tasks import PromptSet
+
+    args = {k: v for k, v in cfg.env.args.items() if k in ("low", "high", "max_guesses")}
+    train = PromptSet(GuessNumber.make_rows(cfg.data.train_size, cfg.run.seed, **args))
+    held = PromptSet(GuessNumber.make_rows(cfg.data.eval_size, cfg.run.seed + 1_000_003, **args))
+    return train, held, f"{len(train)} train / {len(held)} held-out games of guess_number {args or ''}".rstrip()
 
 
 @dataclass

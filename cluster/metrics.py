@@ -187,6 +187,10 @@ def step_metrics(gen_stats: list[dict], score_stats: list[dict], learner: dict[s
         "skipped": _merge_counts(score_stats),
         "sample": gen_stats[0]["samples"][:1],
     }
+    episodes = _merge_counts(gen_stats, "episodes")
+    if episodes:  # multi-turn rollouts: turns per episode, how episodes ended, tool-call outcomes
+        out.update({f"episode/{k}": v for k, v in episodes.items()})
+        out["episode/turns_mean"] = episodes["turns"] / max(episodes.get("kept", 0), 1)
     out.update(judge_metrics(score_stats))
     out.update({k: v for k, v in learner.items() if k != "response/length_mean"})
     return out

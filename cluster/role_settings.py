@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+from actors.environments import EnvSpec, EpisodeLimits
 from actors.generator import GeneratorConfig
 from actors.reference import ReferenceConfig
 from actors.remote import RemoteSettings
@@ -28,7 +29,21 @@ def generator_config(cfg: Config, model_path: str, rank: int = 0, initial_versio
         max_model_len=cfg.judge.max_prompt_tokens + cfg.judge.max_new_tokens if uses_judge(cfg) else 0,
         gpu_memory_utilization=cfg.rollout.gpu_memory_utilization if cfg.rollout.gpus_per_generator > 0 else 0.0,
         compile=cfg.rollout.compile,
+        **episode_settings(cfg),
     )
+
+
+def episode_settings(cfg: Config) -> dict:
+    """The generator's multi-turn settings (none without ``env.name``)."""
+    env = cfg.env
+    if not env.name:
+        return {}
+    spec = EnvSpec(name=env.name, args=dict(env.args), verifier=cfg.reward.function, verifier_kwargs=dict(cfg.reward.kwargs),
+                   tools=list(env.tools), max_tool_calls=env.max_tool_calls, tool_timeout_s=env.tool_timeout_s)
+    limits = EpisodeLimits(max_turns=env.max_turns,
+                           max_tokens=env.episode_tokens(cfg.model.max_prompt_tokens, cfg.model.max_new_tokens),
+                           max_new_tokens=cfg.model.max_new_tokens, step_timeout_s=env.step_timeout_s)
+    return {"environment": spec, "episode_limits": limits, "env_workers": env.workers}
 
 
 def uses_judge(cfg: Config) -> bool:
@@ -44,7 +59,8 @@ def self_judging(cfg: Config) -> bool:
 def scorer_spec(cfg: Config) -> ScorerSpec:
     """The scorer role's own settings, picked from the run's config."""
     r = cfg.reward
-    spec = ScorerSpec(function=r.function, kwargs=dict(r.kwargs), on_error=r.on_error, model=r.model,
+    # With episodes the environment's rewards are the scores (reward.function checks answers inside it).
+    spec = ScorerSpec(function="environment" if cfg.env.name else r.function, kwargs=dict(r.kwargs), on_error=r.on_error, model=r.model,
                       batch_size=r.batch_size, max_tokens=cfg.model.max_prompt_tokens + cfg.model.max_new_tokens + 8,
                       system_prompt=cfg.data.system_prompt, threads=_threads(r.threads))
     if r.function == "llm_judge":

@@ -45,6 +45,13 @@ class GeneratorWorker:
         self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="rayrlhf-engine")
         self.gen = self._engine_thread.submit(self._build, Generator, gcfg).result()
         self.gcfg = gcfg
+        # Multi-turn episodes: one environment per episode, their steps on a pool of threads.
+        self._make_env = self._env_pool = None
+        if gcfg.environment is not None:
+            from actors.environments import environment_factory
+
+            self._make_env = environment_factory(gcfg.environment)
+            self._env_pool = ThreadPoolExecutor(gcfg.env_workers, thread_name_prefix="rayrlhf-env")
 
     @staticmethod
     def _build(cls, gcfg: GeneratorConfig):
@@ -70,14 +77,15 @@ class GeneratorWorker:
     ) -> tuple[Experience, dict]:
         g = self.gcfg
         t0 = time.perf_counter()
-        exp = self._on_engine(
-            self.gen.generate, [r["prompt"] for r in rows], [r["meta"] for r in rows], group_ids,
-            max_new_tokens=g.max_new_tokens, max_prompt_tokens=g.max_prompt_tokens,
-            temperature=0.0 if greedy else g.temperature,
-            top_p=1.0 if greedy else g.top_p,
-            n=1 if greedy else g.samples_per_prompt,
-            seed=seed,
-        )
+        sampling = {"temperature": 0.0 if greedy else g.temperature, "top_p": 1.0 if greedy else g.top_p,
+                    "n": 1 if greedy else g.samples_per_prompt, "seed": seed}
+        episodes: dict = {}
+        if self._make_env is not None:
+            exp, episodes = self._on_engine(self.gen.generate_episodes, rows, group_ids, self._make_env,
+                                            g.episode_limits, pool=self._env_pool, **sampling)
+        else:
+            exp = self._on_engine(self.gen.generate, [r["prompt"] for r in rows], [r["meta"] for r in rows], group_ids,
+                                  max_new_tokens=g.max_new_tokens, max_prompt_tokens=g.max_prompt_tokens, **sampling)
         dt = time.perf_counter() - t0
         lengths = exp.response_lengths()
         stats = {
@@ -92,6 +100,7 @@ class GeneratorWorker:
             "token_versions": _version_counts(exp),
             "groups": exp.group_ids.tolist(),
             "peak_rss_gb": peak_rss_gb(),
+            "episodes": episodes,
             "samples": [(r, c) for r, c in zip([m.get("question", "") for m in exp.meta[:2]], exp.completions[:2])],
         }
         return exp, stats

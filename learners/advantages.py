@@ -23,6 +23,7 @@ __all__ = [
     "reinforce_pp_advantages",
     "discounted_returns",
     "episode_mask",
+    "bootstrap_positions",
     "token_rewards_from_scores",
     "q_learning_targets",
 ]
@@ -370,28 +371,35 @@ def reinforce_pp_advantages(rewards: Tensor, mask: Tensor, gamma: float = 1.0) -
 
 
 def episode_mask(input_ids: Tensor, response_mask: Tensor, eos_token_ids: list[int]) -> tuple[Tensor, Tensor]:
-    """The actions that train: response tokens up to and including the first EOS.
+    """The actions that train: each turn's response tokens up to and including its first EOS.
 
-    A response that emits EOS ends its episode there: later positions (a logged sequence that
-    kept going, padding written as EOS) are no actions and carry no loss.
+    A turn is a contiguous run of response tokens (a multi-turn episode has one per model turn,
+    with the environment's observation tokens between them; a single reply is one turn). An EOS
+    ends its turn: later positions of the same run (a logged sequence that kept going, padding
+    written as EOS) are no actions and carry no loss; the next turn starts after the observation.
 
     Args:
         input_ids: ``(B, T)`` int64.
-        response_mask: ``(B, T)`` bool, contiguous per row.
-        eos_token_ids: token ids that end an episode.
+        response_mask: ``(B, T)`` bool.
+        eos_token_ids: token ids that end a turn.
     Returns:
-        ``(mask, ended)``: ``(B, T)`` bool mask, and ``(B,)`` bool, True where the kept response
-        ends with an EOS token (a terminal state).
+        ``(mask, ended)``: ``(B, T)`` bool mask, and ``(B,)`` bool, True where the last kept
+        action is an EOS token (a terminal state).
     """
     rm = response_mask.bool()
     is_eos = torch.zeros_like(rm)
     for e in eos_token_ids:
         is_eos |= input_ids == e
     eos_in_resp = (is_eos & rm).long()
-    # EOS tokens at or before t; a position is kept while no EOS came strictly before it.
+    # EOS tokens strictly before t, counted from the start of t's turn.
     before = torch.cumsum(eos_in_resp, dim=1) - eos_in_resp
-    mask = rm & (before == 0)
-    return mask, (eos_in_resp.sum(1) > 0)
+    starts = rm & ~torch.cat([torch.zeros_like(rm[:, :1]), rm[:, :-1]], dim=1)
+    base = torch.cummax(torch.where(starts, before, torch.zeros_like(before)), dim=1).values
+    mask = rm & (before - base == 0)
+    T = mask.shape[1]
+    last = (T - 1 - torch.argmax(mask.flip(1).long(), dim=1)).clamp(min=0)
+    ended = mask.any(1) & is_eos.gather(1, last[:, None]).squeeze(1)
+    return mask, ended
 
 
 def token_rewards_from_scores(scores: Tensor, mask: Tensor) -> Tensor:
@@ -403,6 +411,17 @@ def token_rewards_from_scores(scores: Tensor, mask: Tensor) -> Tensor:
     out = torch.zeros(valid.shape, dtype=torch.promote_types(scores.dtype, torch.float32), device=scores.device)
     out[torch.arange(len(scores), device=out.device), last] = scores.to(out.dtype)
     return torch.where(valid, out, torch.zeros_like(out))
+
+
+def bootstrap_positions(mask: Tensor) -> Tensor:
+    """``(B, T)`` bool: where ``q_learning_targets`` reads ``next_max_q``: every action, and the
+    position just before each turn that follows an earlier action (the last observation token,
+    whose logits are the Q-values of that turn's first action)."""
+    valid = mask.bool()
+    prev = torch.cat([torch.zeros_like(valid[:, :1]), valid[:, :-1]], dim=1)
+    starts = valid & ~prev & (torch.cumsum(valid.long(), dim=1) > 1)
+    before = torch.cat([starts[:, 1:], torch.zeros_like(starts[:, :1])], dim=1)
+    return valid | before
 
 
 def q_learning_targets(
@@ -439,7 +458,10 @@ def q_learning_targets(
         rewards: ``(B, T)`` per-token rewards r_t (0 where none is given).
         next_max_q: ``(B, T)``; at position t, ``max_a Q_target(s_{t+1}, a)``: the maximum of the
             target network's logits at the position *of* token t (the state after it).
-        mask: ``(B, T)`` actions (contiguous per row: response tokens up to the first EOS).
+        mask: ``(B, T)`` actions. Actions need not be adjacent: in a multi-turn episode the
+            environment's observation tokens lie between turns. They are no actions, and the
+            backup of a turn's last action bootstraps from the state before the next turn's first
+            action (the logits at the observation's last token), discounted as one step.
         done: ``(B,)`` bool, True where the last action ends the episode (no bootstrap).
         gamma: discount factor in [0, 1].
         n_step: number of rewards summed before bootstrapping (>= 1).
@@ -459,7 +481,17 @@ def q_learning_targets(
         if T == 0:
             return torch.zeros(B, 0, dtype=dtype, device=rewards.device)
         zero = torch.zeros((), dtype=dtype, device=rewards.device)
-        r = torch.where(valid, rewards.detach().to(dtype), zero)
+        # Actions packed to the left of each row: the i-th column is the row's i-th action, so
+        # "the next action" is the next column also across a multi-turn episode's observations.
+        order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)
+        packed = valid.gather(1, order)
+        r = torch.where(packed, rewards.detach().to(dtype).gather(1, order), zero)
+        # The state before action i+1 is the logits' position just before it (after the
+        # observation); for adjacent actions that is action i's own position.
+        has_next = torch.cat([packed[:, 1:], torch.zeros_like(packed[:, :1])], dim=1)
+        source = torch.where(has_next, torch.cat([order[:, 1:], order[:, -1:]], dim=1) - 1, order)
+        next_q = next_max_q.detach().to(dtype).gather(1, source)
+        valid = packed
         pos = torch.arange(T, device=r.device).expand(B, T)
         last = (T - 1 - torch.argmax(valid.flip(1).long(), dim=1))[:, None]  # (B, 1)
         y = torch.zeros_like(r)
@@ -469,9 +501,10 @@ def q_learning_targets(
             y = y + torch.where(in_episode, (gamma ** k) * r.gather(1, idx), zero)
         j = torch.minimum(torch.full_like(pos, n_step), last - pos + 1).clamp(min=1)
         tail = (pos + j - 1).clamp(max=T - 1)
-        boot = next_max_q.detach().to(dtype).gather(1, tail)
+        boot = next_q.gather(1, tail)
         boot = torch.where((tail == last) & done.bool()[:, None], zero, boot)
         y = y + torch.pow(torch.full_like(y, gamma), j.to(dtype)) * boot
         if mc_lower_bound:
             y = torch.maximum(y, discounted_returns(r, valid, gamma))
-        return torch.where(valid, y, zero)
+        y = torch.where(valid, y, zero)
+        return torch.zeros_like(y).scatter(1, order, y)

@@ -32,7 +32,7 @@ from typing import Any, Iterator, Protocol
 
 import torch
 
-from learners.advantages import episode_mask, q_learning_targets, token_rewards_from_scores
+from learners.advantages import bootstrap_positions, episode_mask, q_learning_targets, token_rewards_from_scores
 from learners.base import LearnerContext, TrainParams
 from learners.experience import Experience, ExperienceError
 from learners.losses import kl_penalty
@@ -159,7 +159,7 @@ class QLearner(PolicyLearner):
         self.model.eval()  # targets without dropout noise
         try:
             with torch.no_grad(), self.target_network(), autocast(self.tr.bf16, self.device):
-                next_max = max_q_after_positions(self._hidden(part), m, head, chunk=chunk)
+                next_max = max_q_after_positions(self._hidden(part), bootstrap_positions(m), head, chunk=chunk)
         finally:
             self.model.train(was_training)
         targets = q_learning_targets(r, next_max, m, done[idx], gamma=hp.gamma, n_step=hp.n_step,

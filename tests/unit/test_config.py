@@ -125,7 +125,7 @@ def test_lora_target_modules_from_the_command_line_is_a_list(capsys):
 def test_schema_is_json_naming_every_section(capsys):
     schema = json.loads(config_schema())
     assert set(schema["properties"]) == {
-        "run", "model", "data", "reward", "rollout", "train", "ppo", "dpo", "sft", "qlearn", "reward_model", "judge", "lora",
+        "run", "model", "data", "reward", "rollout", "env", "train", "ppo", "dpo", "sft", "qlearn", "reward_model", "judge", "lora",
         "cluster", "stages",
     }
     defs = schema["$defs"]

@@ -77,10 +77,28 @@ def test_export_needs_rewards():
     exp = make_exp(token_rewards=False).replace(scores=None)
     with pytest.raises(ValueError, match="neither token_rewards nor scores"):
         transitions_from_experience(exp)
-    exp = make_exp(token_rewards=True)
-    exp.attention_mask[0, 5] = True  # a non-response token after row 0's response
-    with pytest.raises(ValueError, match="after the response start"):
-        transitions_from_experience(exp)
+
+
+def test_a_multi_turn_row_keeps_its_observations_as_no_actions(tmp_path):
+    """Prompt, turn 1, an observation, turn 2: the exported row holds every token after the
+    prompt, the observation marked as no action, the score at the last action; read back it is
+    the same record."""
+    ids = torch.tensor([[5, 6, 7, 8, 20, 21, 9, 10, PAD]])
+    att = torch.tensor([[True] * 8 + [False]])
+    resp = torch.tensor([[False, False, True, True, False, False, True, True, False]])
+    lp = torch.where(resp, torch.tensor(-0.25), torch.tensor(0.0))
+    exp = Experience(input_ids=ids, attention_mask=att, response_mask=resp, rollout_logprobs=lp,
+                     group_ids=torch.tensor([1]), truncated=torch.tensor([False]), policy_version=2,
+                     completions=["t"], meta=[{}], scores=torch.tensor([0.75])).validate()
+    rows, skipped = transitions_from_experience(exp)
+    assert not skipped and rows[0].prompt_ids == [5, 6] and rows[0].response_ids == [7, 8, 20, 21, 9, 10]
+    assert rows[0].action_mask == [True, True, False, False, True, True]
+    assert rows[0].rewards == [0, 0, 0, 0, 0, 0.75]
+    write_transitions(rows, tmp_path / "t.parquet")
+    back = transitions_to_experience(read_transitions(tmp_path / "t.parquet")[0], pad_token_id=PAD)
+    kept = exp.trimmed()
+    assert torch.equal(back.input_ids, kept.input_ids) and torch.equal(back.response_mask, kept.response_mask)
+    assert torch.equal(back.rollout_logprobs, kept.rollout_logprobs) and float(back.scores[0]) == 0.75
 
 
 def _t(version: int, group: int, done: bool = True, logprobs: bool = True) -> Transition:

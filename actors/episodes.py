@@ -1,0 +1,277 @@
+"""Multi-turn rollouts: many episodes in flight on one vLLM engine, token in, token out.
+
+An episode alternates the model's turns and the environment's answers (``actors/environments.py``).
+Its record is one row: the prompt's ids, then each turn's sampled ids exactly as the engine
+returned them, then the observation's ids, and so on. The model's own text is never tokenised
+again (decoding and encoding a reply can give other ids, and the learner would then train on
+tokens nobody sampled); each observation is tokenised once, as the chat template renders it
+after the reply (``ChatTokens``). Only the model's tokens are actions (``response_mask``); the
+observations' tokens are context, with no loss, advantage or log-prob of their own.
+
+Scheduling: every episode's next turn joins the engine's running batch the moment its
+environment answered (``EngineLoop.stream``), and environment steps run on a thread pool, so a
+slow environment or tool holds back its own episode only. Limits: turns, total tokens (the
+engine's context), and a timeout per environment call; an environment that raises, hangs or
+returns garbage ends its episode, which is dropped and counted (``env_error``, ``env_timeout``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from actors.environments import EpisodeLimits, as_step
+from actors.generator import token_versions
+
+log = logging.getLogger("rayrlhf.episodes")
+
+_SENTINEL = "RAYRLHF_REPLY_SENTINEL"
+
+
+class ChatTokens:
+    """The chat template's token ids for an episode's prompt and for each observation after a
+    reply, computed from the template's text so that any template works the same way."""
+
+    def __init__(self, tokenizer: Any, system_prompt: str = "") -> None:
+        self.tok, self.system = tokenizer, system_prompt
+        self.eos_text = tokenizer.decode([tokenizer.eos_token_id]) if tokenizer.eos_token_id is not None else ""
+
+    def _render(self, messages: list[dict], tools: list[dict] | None = None, generation: bool = False) -> str:
+        return self.tok.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                            add_generation_prompt=generation)
+
+    def prompt(self, first: Any, tools: list[dict] | None = None) -> list[int]:
+        """The first turn's prompt: system message (with the tools where the template does not
+        render them itself), the first observation, the generation prompt."""
+        system = self.system
+        if tools and self._render([{"role": "user", "content": "x"}], tools) == self._render([{"role": "user", "content": "x"}]):
+            system = (system + "\n\n" if system else "") + tool_instructions(tools)
+        messages = ([{"role": "system", "content": system}] if system else []) + [as_message(first)]
+        return self._encode(self._render(messages, tools, generation=True))
+
+    def observation(self, obs: Any, reply_ended: bool) -> list[int]:
+        """The ids between a reply's last sampled token and the next reply: the template's end of
+        the reply turn (minus the EOS the model already sampled, when it did), the observation's
+        turn and the next generation prompt."""
+        base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _SENTINEL}]
+        before = self._render(base)
+        after = self._render(base + [as_message(obs)], generation=True)
+        cut = before.index(_SENTINEL) + len(_SENTINEL)
+        if not after.startswith(before[:cut]):
+            raise ValueError("the chat template renders an earlier turn differently once a turn follows it")
+        suffix = after[cut:]
+        if reply_ended and self.eos_text and suffix.startswith(self.eos_text):
+            suffix = suffix[len(self.eos_text):]
+        return self._encode(suffix)
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=False))
+
+
+def as_message(obs: Any) -> dict[str, str]:
+    if isinstance(obs, dict) and isinstance(obs.get("content"), str):
+        return {"role": str(obs.get("role") or "user"), "content": obs["content"]}
+    if isinstance(obs, str):
+        return {"role": "user", "content": obs}
+    raise TypeError(f"an observation must be text or a {{'role', 'content'}} message, got {type(obs).__name__}")
+
+
+def tool_instructions(tools: list[dict]) -> str:
+    import json
+
+    listing = "\n".join(json.dumps(t["function"]) for t in tools)
+    return ("You can call these tools:\n<tools>\n" + listing + "\n</tools>\nTo call one, reply with "
+            '<tool_call>{"name": <tool name>, "arguments": {...}}</tool_call> and wait for its answer.')
+
+
+@dataclass
+class Episode:
+    key: int
+    row: dict[str, Any]
+    group: int
+    env: Any = None
+    tools: list[dict] | None = None
+    prompt_ids: list[int] = field(default_factory=list)
+    # After the prompt: sampled and observation ids, which of them are actions, their rollout
+    # log-probs and weight versions (0.0 / None at observation tokens).
+    ids: list[int] = field(default_factory=list)
+    action: list[bool] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int | None] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+    # Per turn: [first action index, end of the actions, end of the observation] in ``ids``.
+    spans: list[list[int]] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    info: dict[str, Any] = field(default_factory=dict)
+    # None while running; done, max_turns, max_tokens, env_error, env_timeout, prompt_too_long.
+    status: str | None = None
+    truncated: bool = False
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.ids)
+
+
+class EpisodeRunner:
+    """Runs a batch of episodes on an engine loop (the ``Feed`` of ``EngineLoop.stream``)."""
+
+    def __init__(self, chat: ChatTokens, make_env: Callable[[], Any], limits: EpisodeLimits,
+                 sampling: Callable[[int], Any], pool: concurrent.futures.ThreadPoolExecutor) -> None:
+        self.chat, self.make_env, self.limits, self.sampling, self.pool = chat, make_env, limits, sampling, pool
+        self._cv = threading.Condition()
+        self._ready: deque[Episode] = deque()
+        # Episodes whose environment call is out: key -> (deadline, episode).
+        self._waiting_env: dict[int, tuple[float, Episode]] = {}
+        self._open = 0
+
+    def run(self, loop: Any, rows: list[dict], group_ids: list[int], n: int) -> list[Episode]:
+        episodes = [Episode(k * n + j, row, g) for k, (row, g) in enumerate(zip(rows, group_ids)) for j in range(n)]
+        self._open = len(episodes)
+        for ep in episodes:
+            self._call_env(ep, self._reset, ep)
+        loop.stream(self)
+        return episodes
+
+    # -- the Feed of EngineLoop.stream -----------------------------------------------------------
+    def ready(self) -> list[tuple[Any, dict, Any]]:
+        self._expire()
+        out = []
+        with self._cv:
+            while self._ready:
+                ep = self._ready.popleft()
+                room = min(self.limits.max_new_tokens, self.limits.max_tokens - ep.length)
+                out.append((ep, {"prompt_token_ids": ep.prompt_ids + ep.ids}, self.sampling(room)))
+        return out
+
+    def finished(self, ep: Episode, output: Any) -> None:
+        comp = output.outputs[0]
+        sampled = list(comp.token_ids)
+        start = len(ep.ids)
+        ep.ids += sampled
+        ep.action += [True] * len(sampled)
+        ep.logprobs += [float(step[t].logprob) for t, step in zip(sampled, comp.logprobs)]
+        ep.versions += token_versions(comp.weight_versions, len(sampled))
+        ep.spans.append([start, len(ep.ids), len(ep.ids)])
+        ep.texts.append(comp.text)
+        ep.truncated = comp.finish_reason == "length"
+        self._call_env(ep, self._step, ep, comp.text)
+
+    def expecting(self) -> bool:
+        with self._cv:
+            return self._open > 0
+
+    def wait(self, timeout: float) -> None:
+        with self._cv:
+            if not self._ready and self._open > 0:
+                self._cv.wait(timeout)
+        self._expire()
+
+    # -- environment calls -----------------------------------------------------------------------
+    def _call_env(self, ep: Episode, fn: Callable, *args: Any) -> None:
+        with self._cv:
+            self._waiting_env[ep.key] = (time.monotonic() + self.limits.step_timeout_s, ep)
+        self.pool.submit(self._guarded, ep, fn, *args)
+
+    def _guarded(self, ep: Episode, fn: Callable, *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception as e:  # the environment's failure ends its episode, never the batch
+            log.warning("episode %d: environment failed: %s: %s", ep.key, type(e).__name__, e)
+            ep.info["error"] = f"{type(e).__name__}: {e}"
+            self._end(ep, "env_error")
+
+    def _reset(self, ep: Episode) -> None:
+        ep.env = self.make_env()
+        first = ep.env.reset(ep.row)
+        ep.tools = getattr(ep.env, "tools", None) or None
+        ep.prompt_ids = self.chat.prompt(first, ep.tools)
+        if ep.length + 1 > self.limits.max_tokens:
+            self._end(ep, "prompt_too_long")
+            return
+        self._next_turn(ep)
+
+    def _step(self, ep: Episode, text: str) -> None:
+        step = as_step(ep.env.step(text))
+        reward = float(step.reward)
+        ep.rewards.append(reward)
+        ep.info.update(step.info)
+        if step.done or step.observation is None:
+            self._end(ep, "done")
+            return
+        if len(ep.spans) >= self.limits.max_turns:
+            self._end(ep, "max_turns")
+            return
+        obs = self.chat.observation(step.observation, reply_ended=not ep.truncated)
+        if ep.length + len(obs) + 1 > self.limits.max_tokens:
+            self._end(ep, "max_tokens")
+            return
+        ep.ids += obs
+        ep.action += [False] * len(obs)
+        ep.logprobs += [0.0] * len(obs)
+        ep.versions += [None] * len(obs)
+        ep.spans[-1][2] = len(ep.ids)
+        self._next_turn(ep)
+
+    def _next_turn(self, ep: Episode) -> None:
+        with self._cv:
+            if ep.key not in self._waiting_env:  # timed out meanwhile: already ended
+                return
+            del self._waiting_env[ep.key]
+            self._ready.append(ep)
+            self._cv.notify_all()
+
+    def _end(self, ep: Episode, status: str) -> None:
+        with self._cv:
+            if ep.status is not None:
+                return
+            self._waiting_env.pop(ep.key, None)
+            ep.status = status
+            self._open -= 1
+            self._cv.notify_all()
+        close = getattr(ep.env, "close", None)
+        if callable(close):
+            try:
+                close()
+            except Exception:  # a failed close loses nothing the record needs
+                pass
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        with self._cv:
+            late = [ep for deadline, ep in self._waiting_env.values() if deadline < now]
+        for ep in late:
+            log.warning("episode %d: environment call took over %.3gs", ep.key, self.limits.step_timeout_s)
+            self._end(ep, "env_timeout")
+
+
+KEPT = ("done", "max_turns", "max_tokens")
+
+
+def episode_summary(episodes: list[Episode]) -> tuple[dict[str, int], dict[str, float]]:
+    """(dropped episodes by reason, counters of the batch: turns, statuses, tool calls)."""
+    dropped: dict[str, int] = {}
+    counts: dict[str, float] = {"episodes": len(episodes), "turns": 0}
+    for ep in episodes:
+        counts[f"status_{ep.status}"] = counts.get(f"status_{ep.status}", 0) + 1
+        if ep.status not in KEPT:
+            dropped[ep.status] = dropped.get(ep.status, 0) + 1
+            continue
+        counts["kept"] = counts.get("kept", 0) + 1
+        counts["turns"] += len(ep.spans)
+        for k, v in (ep.info.get("tool_calls") or {}).items():
+            counts[f"tool_{k}"] = counts.get(f"tool_{k}", 0) + v
+    return dropped, counts
+
+
+def episode_meta(ep: Episode) -> dict[str, Any]:
+    """What the record's ``meta`` keeps of an episode: its reward (the sum of its rewards), the
+    per-turn rewards, spans and texts, and how it ended."""
+    return {**ep.row.get("meta", {}),
+            "episode": {"reward": float(sum(ep.rewards)), "rewards": list(ep.rewards), "turns": len(ep.spans),
+                        "spans": [list(s) for s in ep.spans], "status": ep.status,
+                        "tool_calls": dict(ep.info.get("tool_calls") or {})}}
