@@ -13,10 +13,8 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 
@@ -24,6 +22,7 @@ from cluster.console import is_own_line
 from cluster.ledger import read_ledger, summarize, valid_records
 from learners.base import load_model_weights
 from tests.conftest import wait_for
+from tests.helpers.kills import finish, kill_during_run, run_actor_pid, steps_logged
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.ray
@@ -43,67 +42,6 @@ def _launch(ray_cluster, run_dir: Path, *extra: str, resume: bool = False,
     cmd = [rayrlhf, "train", "--resume", str(run_dir)] if resume else \
         [rayrlhf, "train", preset, "--run-dir", str(run_dir), *RUN, *extra]
     return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def _steps_logged(run_dir: Path) -> int:
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return 0
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return max((r["step"] for r in rows), default=0)
-
-
-def _run_actor_pid(proc: subprocess.Popen, class_name: str) -> int:
-    """The process of the run's own actor of that class (the run's Ray job: its driver is ``proc``)."""
-    from ray.util.state import list_actors, list_jobs
-
-    jobs = [j.job_id for j in list_jobs() if j.driver_info is not None and int(j.driver_info.pid) == proc.pid]
-    assert len(jobs) == 1, jobs
-    actors = list_actors(filters=[("class_name", "=", class_name), ("state", "=", "ALIVE"), ("job_id", "=", jobs[0])])
-    assert len(actors) == 1, actors
-    return int(actors[0].pid)
-
-
-def _kill_inside(proc: subprocess.Popen, class_name: str, method: str) -> bool:
-    """SIGKILLs the run's actor (waiting for it to exist), inside a call of ``method`` if one
-    starts within three minutes."""
-    def alive() -> int | None:
-        assert proc.poll() is None, proc.communicate()[0][-3000:]
-        try:
-            return _run_actor_pid(proc, class_name)
-        except AssertionError:
-            return None
-
-    actor = psutil.Process(wait_for(alive, timeout=300))
-    deadline = time.time() + 180
-    while time.time() < deadline and f"{class_name}.{method}" not in " ".join(actor.cmdline()):
-        time.sleep(0.002)
-    inside = f"{class_name}.{method}" in " ".join(actor.cmdline())
-    actor.send_signal(signal.SIGKILL)
-    return inside
-
-
-def _kill_during_run(proc: subprocess.Popen, run_dir: Path, kills: list) -> tuple[list[tuple[bool, int]], str]:
-    """For each (ready, class_name, method) in turn: waits for ``ready()`` with the run still going,
-    then SIGKILLs the run's actor inside a call of ``method``. Returns, for each kill, whether it
-    landed inside such a call and the steps logged then; and the finished run's output."""
-    landed = []
-    try:
-        for ready, class_name, method in kills:
-            wait_for(lambda: ready() or proc.poll() is not None, timeout=300)
-            assert proc.poll() is None, proc.communicate()[0][-3000:]
-            step = _steps_logged(run_dir)
-            landed.append((_kill_inside(proc, class_name, method), step))
-        return landed, _finish(proc)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-
-
-def _finish(proc: subprocess.Popen, timeout: float = 420) -> str:
-    out, _ = proc.communicate(timeout=timeout)
-    assert proc.returncode == 0, out[-4000:]
-    return out
 
 
 def _rows(run_dir: Path) -> list[dict]:
@@ -126,7 +64,7 @@ def _check_exactly_once(run_dir: Path) -> dict:
 def uninterrupted(ray_cluster, tmp_path_factory) -> Path:
     """The same run, nothing killed: what every interrupted run must end as."""
     run_dir = tmp_path_factory.mktemp("failures") / "uninterrupted"
-    _finish(_launch(ray_cluster, run_dir))
+    finish(_launch(ray_cluster, run_dir))
     return run_dir
 
 
@@ -148,10 +86,10 @@ def test_killed_generator_scorer_and_reference_are_restarted_and_their_work_redo
     issued again with the same seed and the learners' current weights, the scorer's and the
     reference's records are scored and annotated again: the run ends as the uninterrupted one."""
     run_dir = tmp_path / "role-kills"
-    kills, out = _kill_during_run(_launch(ray_cluster, run_dir), run_dir, [
-        (lambda: _steps_logged(run_dir) >= 2, "GeneratorWorker", "generate"),
-        (lambda: _steps_logged(run_dir) >= 3, "ScorerWorker", "score"),
-        (lambda: _steps_logged(run_dir) >= 4, "ReferenceWorker", "annotate")])
+    kills, out = kill_during_run(_launch(ray_cluster, run_dir), run_dir, [
+        (lambda: steps_logged(run_dir) >= 2, "GeneratorWorker", "generate"),
+        (lambda: steps_logged(run_dir) >= 3, "ScorerWorker", "score"),
+        (lambda: steps_logged(run_dir) >= 4, "ReferenceWorker", "annotate")])
     assert all(inside for inside, _ in kills) and kills[-1][1] < STEPS, kills
     summary = _check_exactly_once(run_dir)
     assert summary["restarts"] == {"generator": 1, "scorer": 1, "reference": 1}, summary
@@ -174,10 +112,10 @@ def test_a_killed_learner_is_restarted_from_its_checkpoint_and_replays(ray_clust
     run_dir = tmp_path / "learner-kill"
     proc = _launch(ray_cluster, run_dir)
     try:
-        wait_for(lambda: _steps_logged(run_dir) >= 3 or proc.poll() is not None, timeout=300)
+        wait_for(lambda: steps_logged(run_dir) >= 3 or proc.poll() is not None, timeout=300)
         assert proc.poll() is None, proc.communicate()[0][-3000:]
-        os.kill(_run_actor_pid(proc, "RayTrainWorker"), signal.SIGKILL)
-        out = _finish(proc)
+        os.kill(run_actor_pid(proc, "RayTrainWorker"), signal.SIGKILL)
+        out = finish(proc)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -197,18 +135,18 @@ def test_a_stopped_job_resumes_and_each_prompt_is_trained_once(ray_cluster, tmp_
     run_dir = tmp_path / "stop-resume"
     proc = _launch(ray_cluster, run_dir)
     try:
-        wait_for(lambda: _steps_logged(run_dir) >= 3 or proc.poll() is not None, timeout=300)
+        wait_for(lambda: steps_logged(run_dir) >= 3 or proc.poll() is not None, timeout=300)
         assert proc.poll() is None
         proc.kill()  # the whole job: its driver, and with it every actor and learner it owns
         proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
-    stopped_at = _steps_logged(run_dir)
+    stopped_at = steps_logged(run_dir)
     first = read_ledger(run_dir)
     trained_before = [r for r in first if r["event"] == "trained"]
     assert trained_before and max(r["step"] for r in trained_before) == stopped_at
-    out = _finish(_launch(ray_cluster, run_dir, resume=True))
+    out = finish(_launch(ray_cluster, run_dir, resume=True))
     assert "resumed from" in out
     records = read_ledger(run_dir)
     resume = [r for r in records if r["event"] == "resume"]
@@ -235,8 +173,8 @@ def _every_unit_once(run_dir: Path, units: int) -> dict:
 
 def test_a_generator_killed_in_online_q_learning_is_restarted_with_the_current_weights(ray_cluster, tmp_path):
     run_dir = tmp_path / "qlearn-gen-kill"
-    [(inside, _)], out = _kill_during_run(_launch(ray_cluster, run_dir, preset="configs/qlearn_tiny.yaml"), run_dir,
-                                          [(lambda: _steps_logged(run_dir) >= 2, "GeneratorWorker", "generate")])
+    [(inside, _)], out = kill_during_run(_launch(ray_cluster, run_dir, preset="configs/qlearn_tiny.yaml"), run_dir,
+                                          [(lambda: steps_logged(run_dir) >= 2, "GeneratorWorker", "generate")])
     assert inside
     summary = _every_unit_once(run_dir, STEPS * PROMPTS)
     assert summary["prompts"]["scored"] == STEPS * PROMPTS and summary["prompts"]["reissued"] >= 1
@@ -260,7 +198,7 @@ def test_a_generator_killed_while_judging_in_self_rewarding_dpo(ray_cluster, tmp
     run_dir = tmp_path / "self-reward-gen-kill"
     proc = _launch(ray_cluster, run_dir, "--set", "run.steps=2", "--set", "run.eval_every=0",
                    "--set", "model.max_new_tokens=16", preset=str(config))
-    [(inside, _)], out = _kill_during_run(proc, run_dir, [
+    [(inside, _)], out = kill_during_run(proc, run_dir, [
         (lambda: (run_dir / "stages" / "01-self-reward").is_dir(), "GeneratorWorker", "judge")])
     assert inside
     stage = run_dir / "stages" / "01-self-reward"

@@ -1,0 +1,53 @@
+"""Environments for tests, named in configs as ``tests.helpers.environments:<factory>``."""
+
+from __future__ import annotations
+
+import math
+import time
+
+from actors.environments import Step
+from actors.rewards import digit_density
+
+
+class DigitsAcrossTurns:
+    """Two turns: the model replies, hears "Again.", replies again; the episode's one reward,
+    given after the second reply, is the digit density of the FIRST reply. Credit has to cross
+    the observation to reach the tokens that earned it."""
+
+    def __init__(self, observation: str = "Again.", scored_turn: int = 1) -> None:
+        self.observation, self.first, self.scored_turn = observation, "", scored_turn
+
+    def reset(self, row: dict) -> str:
+        self.first = ""
+        return row["prompt"]
+
+    def step(self, action: str) -> Step:
+        if not self.first:
+            self.first = action or " "
+            return Step(self.observation, 0.0, False, {})
+        return Step(None, digit_density([""], [self.first if self.scored_turn == 1 else action])[0], True, {})
+
+
+class Unreliable:
+    """Misbehaves by the row's answer digit: 1 raises in reset, 2 raises in step, 3 hangs in step,
+    4 returns a NaN reward, 5 returns garbage; any other digit ends well after one turn."""
+
+    def __init__(self, hang_s: float = 30.0) -> None:
+        self.hang_s, self.mode = hang_s, 0
+
+    def reset(self, row: dict) -> str:
+        self.mode = int(str(row["answer"])[-1])
+        if self.mode == 1:
+            raise RuntimeError("reset failed")
+        return row["prompt"]
+
+    def step(self, action: str):
+        if self.mode == 2:
+            raise RuntimeError("step failed")
+        if self.mode == 3:
+            time.sleep(self.hang_s)
+        if self.mode == 4:
+            return Step(None, math.nan, True, {})
+        if self.mode == 5:
+            return "garbage"
+        return Step(None, 1.0, True, {})

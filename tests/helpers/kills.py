@@ -1,0 +1,75 @@
+"""Killing a run's processes from outside while it runs (SIGKILL by PID), for the failure tests:
+the run is a `rayrlhf train` subprocess on the shared test cluster."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+
+from tests.conftest import wait_for
+
+
+def steps_logged(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return 0
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return max((r["step"] for r in rows), default=0)
+
+
+def run_actor_pid(proc: subprocess.Popen, class_name: str) -> int:
+    """The process of the run's own actor of that class (the run's Ray job: its driver is ``proc``)."""
+    from ray.util.state import list_actors, list_jobs
+
+    jobs = [j.job_id for j in list_jobs() if j.driver_info is not None and int(j.driver_info.pid) == proc.pid]
+    assert len(jobs) == 1, jobs
+    actors = list_actors(filters=[("class_name", "=", class_name), ("state", "=", "ALIVE"), ("job_id", "=", jobs[0])])
+    assert len(actors) == 1, actors
+    return int(actors[0].pid)
+
+
+def kill_inside(proc: subprocess.Popen, class_name: str, method: str) -> bool:
+    """SIGKILLs the run's actor (waiting for it to exist), inside a call of ``method`` if one
+    starts within three minutes."""
+    def alive() -> int | None:
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        try:
+            return run_actor_pid(proc, class_name)
+        except AssertionError:
+            return None
+
+    actor = psutil.Process(wait_for(alive, timeout=300))
+    deadline = time.time() + 180
+    while time.time() < deadline and f"{class_name}.{method}" not in " ".join(actor.cmdline()):
+        time.sleep(0.002)
+    inside = f"{class_name}.{method}" in " ".join(actor.cmdline())
+    actor.send_signal(signal.SIGKILL)
+    return inside
+
+
+def kill_during_run(proc: subprocess.Popen, run_dir: Path, kills: list) -> tuple[list[tuple[bool, int]], str]:
+    """For each (ready, class_name, method) in turn: waits for ``ready()`` with the run still going,
+    then SIGKILLs the run's actor inside a call of ``method``. Returns, for each kill, whether it
+    landed inside such a call and the steps logged then; and the finished run's output."""
+    landed = []
+    try:
+        for ready, class_name, method in kills:
+            wait_for(lambda: ready() or proc.poll() is not None, timeout=300)
+            assert proc.poll() is None, proc.communicate()[0][-3000:]
+            step = steps_logged(run_dir)
+            landed.append((kill_inside(proc, class_name, method), step))
+        return landed, finish(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def finish(proc: subprocess.Popen, timeout: float = 420) -> str:
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out[-4000:]
+    return out

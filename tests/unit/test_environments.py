@@ -1,0 +1,122 @@
+"""The environment interface and the built-in environments, at the level of text: the guessing
+game, try-again feedback, tool use (tool answers as observations, the final answer verified), an
+environment served over HTTP (a real local server), and the forms a user's step may return."""
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from actors.environments import (
+    EnvSpec, Feedback, GuessNumber, Step, ToolUse, as_step, environment_factory, verifier,
+)
+from actors.rewards import exact_match
+from actors.tools import CALCULATOR, ToolBox
+
+ROW = {"prompt": "What is 6 * 7?", "answer": "42", "meta": {"answer": "42"}}
+
+
+def test_guess_number_answers_higher_lower_and_rewards_a_hit_within_the_budget():
+    rows = GuessNumber.make_rows(20, seed=3, low=1, high=8, max_guesses=3)
+    assert rows == GuessNumber.make_rows(20, seed=3, low=1, high=8, max_guesses=3)
+    assert all(1 <= int(r["answer"]) <= 8 for r in rows) and "3 guesses" in rows[0]["prompt"]
+    env = GuessNumber(1, 8, max_guesses=3)
+    env.reset({"prompt": "p", "answer": "5"})
+    assert env.step("I guess 2") == Step("Higher.", 0.0, False, {})
+    assert env.step("7") == Step("Lower.", 0.0, False, {})
+    assert env.step("5") == Step(None, 1.0, True, {"guesses": 3})
+    env.reset({"prompt": "p", "answer": "5"})
+    assert env.step("no idea").observation == "Reply with one number."
+    env.step("1")
+    assert env.step("2") == Step(None, 0.0, True, {"guesses": 3})  # out of guesses
+
+
+def test_feedback_discounts_each_retry_and_gives_up_after_its_attempts():
+    check = lambda row: verifier(exact_match, row)  # noqa: E731
+    env = Feedback(check, attempts=3, discount=0.5)
+    assert env.reset(ROW) == ROW["prompt"]
+    assert env.step("41") == Step("Incorrect, try again.", 0.0, False, {})
+    assert env.step("The answer is 42") == Step(None, 0.5, True, {"attempts": 2})
+    env.reset(ROW)
+    assert [env.step("0").done for _ in range(3)] == [False, False, True]
+
+
+def test_tool_use_answers_calls_with_tool_messages_and_verifies_the_final_answer():
+    env = ToolUse(lambda row: verifier(exact_match, row), ToolBox([CALCULATOR]), max_tool_calls=2)
+    env.reset(ROW)
+    assert env.tools[0]["function"]["name"] == "calculator"
+    step = env.step('<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>')
+    assert step.observation == {"role": "tool", "content": "<tool_response>\n42\n</tool_response>"} and not step.done
+    step = env.step("<tool_call>{oops}</tool_call>")
+    assert "malformed" in step.observation["content"] and step.info["tool_calls"] == {"ok": 1, "malformed": 1}
+    assert env.step("The answer is 42") == Step(None, 1.0, True, {"tool_calls": {"ok": 1, "malformed": 1}})
+    env.reset(ROW)
+    env.step('<tool_call>{"name": "calculator", "arguments": {"expression": "1"}}</tool_call>' * 3)
+    # A third call is over the limit: the episode ends unanswered.
+    assert env.counts == {"ok": 2, "over_limit": 1}
+
+
+def test_a_step_may_return_gymnasium_tuples_or_a_dict_and_garbage_is_an_error():
+    assert as_step(("o", 1, False, {})) == Step("o", 1.0, False, {})
+    assert as_step(("o", 0.5, False, True, {"k": 1})) == Step("o", 0.5, True, {"k": 1})
+    assert as_step({"observation": "o", "reward": None, "done": 1}) == Step("o", 0.0, True, {})
+    for garbage in ("text", None, (1, 2)):
+        with pytest.raises(TypeError):
+            as_step(garbage)
+
+
+def test_environment_factory_builds_each_kind_and_names_a_bad_one():
+    assert isinstance(environment_factory(EnvSpec("guess_number", {"high": 4}))(), GuessNumber)
+    assert isinstance(environment_factory(EnvSpec("feedback", verifier="exact_match"))(), Feedback)
+    env = environment_factory(EnvSpec("tool_use", tools=["calculator", "python"], verifier="exact_match"))()
+    assert [t["function"]["name"] for t in env.tools] == ["calculator", "python"]
+    assert isinstance(environment_factory(EnvSpec("tests.helpers.environments:DigitsAcrossTurns"))(), object)
+    for bad in ("nope", "no_such_module:Env", "actors.tools:missing"):
+        with pytest.raises(ValueError, match="environment"):
+            environment_factory(EnvSpec(bad))
+
+
+class _CounterEnv(BaseHTTPRequestHandler):
+    """An OpenEnv-style server: episodes by id; the reward is 1 when the reply says 'three'."""
+
+    episodes: dict = {}
+
+    def do_POST(self):  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path == "/reset":
+            self.episodes[body["episode_id"]] = 0
+            out = {"observation": {"prompt": "Count to three.", "metadata": {}}, "reward": None, "done": False}
+        elif self.path == "/step":
+            n = self.episodes[body["episode_id"]] = self.episodes[body["episode_id"]] + 1
+            said = body["action"]["message"]
+            out = {"observation": {"prompt": f"turn {n}"}, "reward": float("three" in said), "done": "three" in said}
+        else:
+            self.send_response(404)
+            self.end_headers()
+            return
+        data = json.dumps(out).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_an_environment_served_over_http_runs_episodes_side_by_side():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _CounterEnv)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        make = environment_factory(EnvSpec(f"http://127.0.0.1:{server.server_port}"))
+        a, b = make(), make()
+        assert a.reset({"prompt": "x"}) == "Count to three." and b.reset({"prompt": "x"}) == "Count to three."
+        assert a.step("one") == Step("turn 1", 0.0, False, {})
+        assert b.step("one, two, three") == Step("turn 1", 1.0, True, {})
+        assert a.step("two") == Step("turn 2", 0.0, False, {})
+        broken = environment_factory(EnvSpec(f"http://127.0.0.1:{server.server_port}/missing"))()
+        with pytest.raises(RuntimeError, match="HTTP 404"):
+            broken.reset({})
+    finally:
+        server.shutdown()

@@ -1,0 +1,138 @@
+"""Multi-turn episodes on a real in-process vLLM engine (no Ray): the record's tokens are the
+engine's sampled ids plus each observation's ids, turn by turn (never the text tokenised again);
+environments that raise, hang or return garbage are dropped and counted while the others finish;
+turn and token limits end episodes."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from actors.environments import EpisodeLimits, Step
+from actors.episodes import ChatTokens, EpisodeRunner
+from actors.tools import CALCULATOR
+from tests.helpers.environments import Unreliable
+
+
+@pytest.fixture(scope="module")
+def generator(tiny_model_path):
+    from actors.generator import Generator
+
+    return Generator(tiny_model_path, dtype="float32", max_model_len=256, seed=0)
+
+
+class Scripted:
+    """Three turns; observation k is 'Turn k: go on.'; reward 1 at the end."""
+
+    def reset(self, row: dict) -> str:
+        self.turn = 0
+        return row["prompt"]
+
+    def step(self, action: str) -> Step:
+        self.turn += 1
+        return Step(None, 1.0, True, {}) if self.turn == 3 else Step(f"Turn {self.turn}: go on.", 0.0, False, {})
+
+
+def _rows(n: int) -> list[dict]:
+    return [{"prompt": f"Say something about {i}.", "answer": str(i), "meta": {"i": i}} for i in range(n)]
+
+
+def test_trained_ids_are_the_sampled_ids_plus_the_observation_ids(generator, monkeypatch, tiny_model_path):
+    sampled: dict[int, list[tuple[list[int], list[float]]]] = {}
+    finished = EpisodeRunner.finished
+
+    def spy(self, ep, output):  # what the engine returned, before the runner touches it
+        comp = output.outputs[0]
+        ids = list(comp.token_ids)
+        sampled.setdefault(ep.key, []).append((ids, [s[t].logprob for t, s in zip(ids, comp.logprobs)]))
+        finished(self, ep, output)
+
+    monkeypatch.setattr(EpisodeRunner, "finished", spy)
+    limits = EpisodeLimits(max_turns=3, max_tokens=256, max_new_tokens=12)
+    exp, counts = generator.generate_episodes(_rows(4), [7, 8, 9, 10], Scripted, limits, n=2, seed=5)
+    assert exp.batch_size == 8 and counts["turns"] == 24 and counts["status_done"] == 8
+    assert exp.group_ids.tolist() == [7, 7, 8, 8, 9, 9, 10, 10]
+    chat = ChatTokens(generator.tokenizer)
+    retokenised_differently = 0
+    for row in range(8):
+        turns = sampled[row]
+        expected, actions, logprobs = list(generator.encode_prompt(f"Say something about {row // 2}.")), [], []
+        actions += [False] * len(expected)
+        logprobs += [0.0] * len(expected)
+        for k, (ids, lps) in enumerate(turns):
+            expected += ids
+            actions += [True] * len(ids)
+            logprobs += lps
+            if k < 2:
+                obs = chat.observation(f"Turn {k + 1}: go on.", reply_ended=ids[-1] == generator.eos_token_id)
+                expected += obs
+                actions += [False] * len(obs)
+                logprobs += [0.0] * len(obs)
+            text = generator.tokenizer.decode(ids)
+            retokenised_differently += generator.tokenizer.encode(text, add_special_tokens=False) != ids
+        n = len(expected)
+        assert exp.input_ids[row, :n].tolist() == expected
+        assert exp.attention_mask[row].sum() == n
+        assert exp.response_mask[row, :n].tolist() == actions
+        assert torch.allclose(exp.rollout_logprobs[row, :n], torch.tensor(logprobs))
+        assert exp.meta[row]["episode"]["turns"] == 3 and exp.meta[row]["episode"]["reward"] == 1.0
+    # The case the rule exists for: decoding a reply and encoding it again gives other ids.
+    assert retokenised_differently > 0
+    # The learner's log-probs of the record's action tokens are the engine's (fp32 both sides).
+    from transformers import AutoModelForCausalLM
+
+    from learners.modeling import sequence_logprobs
+
+    lm = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    with torch.no_grad():
+        lp = sequence_logprobs(lm, exp.input_ids, exp.attention_mask, exp.response_mask)
+    gap = (lp - exp.rollout_logprobs)[exp.response_mask].abs().max()
+    assert float(gap) < 1e-3
+
+
+def test_failing_environments_are_dropped_and_counted_while_the_others_finish(generator):
+    """Answers ending in 1-5 make the environment raise in reset, raise in step, hang, give a NaN
+    reward, return garbage; 6 behaves. The call returns while the hung step still sleeps."""
+    woke = threading.Event()
+
+    class Hangs(Unreliable):
+        def step(self, action):
+            out = super().step(action)
+            if self.mode == 3:
+                woke.set()
+            return out
+
+    rows = [{"prompt": f"Task {d}.", "answer": str(d), "meta": {"answer": str(d)}} for d in (1, 2, 3, 4, 5, 6)]
+    limits = EpisodeLimits(max_turns=2, max_tokens=200, max_new_tokens=8, step_timeout_s=0.5)
+    exp, counts = generator.generate_episodes(rows, list(range(6)), lambda: Hangs(hang_s=20), limits)
+    assert not woke.is_set()
+    assert exp.skipped["env_error"] == 3 and exp.skipped["env_timeout"] == 1
+    assert [m["answer"] for m in exp.meta] == ["4", "6"]
+    rewards = [m["episode"]["reward"] for m in exp.meta]
+    assert rewards[1] == 1.0 and rewards[0] != rewards[0]  # NaN: left to the scorer, which drops it
+    assert counts["status_env_error"] == 3 and counts["status_done"] == 2
+    with pytest.raises(ValueError, match="no episode of a batch of 1 finished"):
+        generator.generate_episodes(rows[:1], [0], lambda: Hangs(), limits)
+
+
+def test_turn_and_token_limits_end_episodes(generator):
+    endless = lambda: type("Endless", (), {"reset": lambda self, row: row["prompt"],  # noqa: E731
+                                            "step": lambda self, a: Step("More.", 0.0, False, {})})()
+    exp, counts = generator.generate_episodes(_rows(2), [0, 1], endless,
+                                              EpisodeLimits(max_turns=3, max_tokens=256, max_new_tokens=6))
+    assert counts["status_max_turns"] == 2 and counts["turns"] == 6
+    exp, counts = generator.generate_episodes(_rows(2), [0, 1], endless,
+                                              EpisodeLimits(max_turns=50, max_tokens=120, max_new_tokens=16))
+    assert counts["status_max_tokens"] == 2
+    assert int(exp.attention_mask.sum(1).max()) <= 120
+
+
+def test_prompts_render_the_tools_and_observations_follow_the_template(generator):
+    chat = ChatTokens(generator.tokenizer)
+    text = generator.tokenizer.decode(chat.prompt("What is 37 * 41?", [CALCULATOR.schema()]))
+    assert '"name": "calculator"' in text and "<tool_call>" in text and text.endswith("assistant\n")
+    after_eos = generator.tokenizer.decode(chat.observation({"role": "tool", "content": "1517"}, reply_ended=True))
+    cut = generator.tokenizer.decode(chat.observation("Go on.", reply_ended=False))
+    assert after_eos.startswith("\n<|im_start|>tool\n1517") and cut.startswith("<|im_end|>\n<|im_start|>user\nGo on.")
