@@ -46,21 +46,37 @@ class ChatTokens:
                                             add_generation_prompt=generation)
 
     def prompt(self, first: Any, tools: list[dict] | None = None) -> list[int]:
-        """The first turn's prompt: system message (with the tools where the template does not
-        render them itself), the first observation, the generation prompt."""
-        system = self.system
-        if tools and self._render([{"role": "user", "content": "x"}], tools) == self._render([{"role": "user", "content": "x"}]):
-            system = (system + "\n\n" if system else "") + tool_instructions(tools)
-        messages = ([{"role": "system", "content": system}] if system else []) + [as_message(first)]
+        """The first turn's prompt: system message, the first observation, the generation prompt."""
+        messages = ([{"role": "system", "content": self.system}] if self.system else []) + [as_message(first)]
+        return self.prompt_messages(messages, tools)
+
+    def prompt_messages(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """A conversation as the prompt of its next reply. Tools the template does not render
+        itself go into the system message."""
+        if tools and not self._renders_tools(tools):
+            listing = tool_instructions(tools)
+            if messages and messages[0].get("role") == "system":
+                messages = [{**messages[0], "content": f"{messages[0].get('content') or ''}\n\n{listing}"}] + messages[1:]
+            else:
+                messages = [{"role": "system", "content": listing}] + messages
         return self._encode(self._render(messages, tools, generation=True))
 
+    def _renders_tools(self, tools: list[dict]) -> bool:
+        probe = [{"role": "user", "content": "x"}]
+        return self._render(probe, tools) != self._render(probe)
+
     def observation(self, obs: Any, reply_ended: bool) -> list[int]:
+        """The ids between a reply's last sampled token and the next reply (``after_reply`` of one
+        observation message)."""
+        return self.after_reply([as_message(obs)], reply_ended)
+
+    def after_reply(self, messages: list[dict], reply_ended: bool) -> list[int]:
         """The ids between a reply's last sampled token and the next reply: the template's end of
-        the reply turn (minus the EOS the model already sampled, when it did), the observation's
-        turn and the next generation prompt."""
+        the reply turn (minus the EOS the model already sampled, when it did), the turns of
+        ``messages`` and the next generation prompt."""
         base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _SENTINEL}]
         before = self._render(base)
-        after = self._render(base + [as_message(obs)], generation=True)
+        after = self._render(base + list(messages), generation=True)
         cut = before.index(_SENTINEL) + len(_SENTINEL)
         if not after.startswith(before[:cut]):
             raise ValueError("the chat template renders an earlier turn differently once a turn follows it")

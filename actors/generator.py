@@ -97,6 +97,10 @@ class GeneratorConfig:
     environment: EnvSpec | None = None
     episode_limits: EpisodeLimits | None = None
     env_workers: int = 16
+    # An agent program (``module:function``) run against the generator's OpenAI endpoint instead
+    # (``actors/agent_endpoint.py``), and the seconds a batch of them may take.
+    agent: str = ""
+    agent_timeout_s: float = 300.0
 
 
 def _fit_context(model_path: str, wanted: int) -> int:
@@ -292,14 +296,9 @@ class Generator:
         record and the batch's episode counters."""
         import concurrent.futures
 
-        from vllm import SamplingParams
-
         from actors.episodes import ChatTokens, EpisodeRunner, episode_meta, episode_summary
 
-        def sampling(room: int) -> SamplingParams:
-            return SamplingParams(n=1, temperature=temperature, top_p=top_p, max_tokens=room, logprobs=1,
-                                  stop_token_ids=[self.eos_token_id] if self.eos_token_id is not None else None)
-
+        sampling = self._turn_sampling(temperature, top_p)
         if seed is not None:
             torch.manual_seed(seed)
         own_pool = pool is None
@@ -318,6 +317,44 @@ class Generator:
         out = [Sampled(ep.prompt_ids, ep.ids, ep.logprobs, ep.truncated, self.tokenizer.decode(ep.ids), episode_meta(ep),
                        ep.group, ep.versions, ep.action) for ep in kept]
         return self._to_experience(out, dropped), counts
+
+    def generate_agent_episodes(self, rows: list[dict[str, Any]], group_ids: list[int], agent: Any, endpoint: Any,
+                                limits: Any, *, temperature: float = 1.0, top_p: float = 1.0, n: int = 1,
+                                seed: int | None = None, pool: Any, timeout_s: float = 300.0
+                                ) -> tuple[Experience, dict[str, float]]:
+        """``n`` episodes per row of an agent program ``agent(row, base_url) -> reward`` against
+        ``endpoint`` (``actors/agent_endpoint.py``): one record row per trajectory segment, the
+        program's reward in ``meta["episode"]``; failed programs dropped and counted."""
+        from actors.agent_endpoint import AgentRunner, agent_summary
+        from actors.episodes import ChatTokens
+
+        if seed is not None:
+            torch.manual_seed(seed)
+        runner = AgentRunner(ChatTokens(self.tokenizer), limits, self._turn_sampling(temperature, top_p), pool, timeout_s)
+        episodes = runner.run(self.loop, endpoint, agent, rows, group_ids, n)
+        dropped, counts = agent_summary(episodes)
+        out = []
+        for ep in episodes:
+            if ep.status != "done":
+                continue
+            meta = {**ep.row.get("meta", {}), "episode": {"reward": ep.reward, "calls": ep.calls,
+                                                          "segments": len(ep.segments), "status": ep.status}}
+            out += [Sampled(seg.prompt_ids, seg.ids, seg.logprobs, seg.truncated, self.tokenizer.decode(seg.ids), meta,
+                            ep.group, seg.versions, seg.action) for seg in ep.segments]
+        if not out:
+            errors = sorted({ep.error or str(ep.status) for ep in episodes})[:3]
+            raise ValueError(f"no agent episode of a batch of {len(episodes)} finished: {dropped}; e.g. {errors}")
+        return self._to_experience(out, dropped), counts
+
+    def _turn_sampling(self, temperature: float, top_p: float):
+        """Sampling parameters of one turn with ``room`` tokens left."""
+        from vllm import SamplingParams
+
+        def sampling(room: int) -> SamplingParams:
+            return SamplingParams(n=1, temperature=temperature, top_p=top_p, max_tokens=room, logprobs=1,
+                                  stop_token_ids=[self.eos_token_id] if self.eos_token_id is not None else None)
+
+        return sampling
 
     # -- the engine loop -------------------------------------------------------------------------
     @property

@@ -246,6 +246,13 @@ class RolloutConfig(Section):
     sync_tolerance: float = _f(
         0.0, "Largest mean |log-prob difference| over the probe accepted by verify_sync (0: by model.generator_dtype: "
              "1e-3 for float32, 0.1 for bf16, whose kernels differ from the learner's by about 1e-2).", ge=0)
+    agent: str = _f(
+        "", "Your own agent program as the rollout: 'module:function', called as function(row, base_url) -> reward for "
+            "each episode; it talks to an OpenAI-compatible endpoint at base_url (the generator's, on 127.0.0.1) with "
+            "any client. Its calls join into token-in/token-out trajectories (actors/agent_endpoint.py); env.max_turns "
+            "limits its calls, env.max_tokens its tokens, env.workers the episodes running at once.")
+    agent_timeout_s: float = _f(300.0, "Seconds a batch's agent programs may run; the ones still running then are "
+                                       "dropped and counted (agent_timeout).", gt=0)
     max_restarts: int = _f(
         3, "Times Ray restarts a generator actor that died; a restarted generator gets the current weights "
            "and its unfinished prompts are issued again (0: a lost generator ends the run).", ge=0)
@@ -677,10 +684,11 @@ class Config(Section):
     def _env_checks(self, algo: str) -> list[tuple[bool, str]]:
         """What multi-turn episodes (``env.name``) combine with."""
         env = self.env
-        if not env.name:
+        if not (env.name or self.rollout.agent):
             return []
         return [
-            (algo in ("ppo", "qlearn", "dpo"), f"env.name needs run.algorithm=ppo, qlearn or dpo (episodes to learn "
+            (not (env.name and self.rollout.agent), "env.name and rollout.agent are two kinds of episodes: set one"),
+            (algo in ("ppo", "qlearn", "dpo"), f"episodes (env.name, rollout.agent) need run.algorithm=ppo, qlearn or dpo (episodes to learn "
                                                f"from), not {algo}"),
             (not (algo == "qlearn" and self.data.transition_file), "env.name: offline Q-learning (data.transition_file) "
                                                                    "runs no episodes; leave env.name empty"),

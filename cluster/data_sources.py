@@ -22,6 +22,13 @@ def load_task_prompts(cfg: Config) -> tuple[Any, Any, str]:
 
     if cfg.env.name:
         check_environment(cfg)
+    if cfg.rollout.agent:
+        from actors.agent_endpoint import resolve_agent
+
+        try:
+            resolve_agent(cfg.rollout.agent)
+        except ValueError as e:
+            raise UserError(str(e)) from None
     if cfg.env.name == "guess_number":  # the game makes its own prompts
         return environment_prompts(cfg)
     try:

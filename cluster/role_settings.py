@@ -36,13 +36,16 @@ def generator_config(cfg: Config, model_path: str, rank: int = 0, initial_versio
 def episode_settings(cfg: Config) -> dict:
     """The generator's multi-turn settings (none without ``env.name``)."""
     env = cfg.env
-    if not env.name:
+    if not (env.name or cfg.rollout.agent):
         return {}
-    spec = EnvSpec(name=env.name, args=dict(env.args), verifier=cfg.reward.function, verifier_kwargs=dict(cfg.reward.kwargs),
-                   tools=list(env.tools), max_tool_calls=env.max_tool_calls, tool_timeout_s=env.tool_timeout_s)
     limits = EpisodeLimits(max_turns=env.max_turns,
                            max_tokens=env.episode_tokens(cfg.model.max_prompt_tokens, cfg.model.max_new_tokens),
                            max_new_tokens=cfg.model.max_new_tokens, step_timeout_s=env.step_timeout_s)
+    if cfg.rollout.agent:
+        return {"agent": cfg.rollout.agent, "agent_timeout_s": cfg.rollout.agent_timeout_s, "episode_limits": limits,
+                "env_workers": env.workers}
+    spec = EnvSpec(name=env.name, args=dict(env.args), verifier=cfg.reward.function, verifier_kwargs=dict(cfg.reward.kwargs),
+                   tools=list(env.tools), max_tool_calls=env.max_tool_calls, tool_timeout_s=env.tool_timeout_s)
     return {"environment": spec, "episode_limits": limits, "env_workers": env.workers}
 
 
@@ -60,7 +63,7 @@ def scorer_spec(cfg: Config) -> ScorerSpec:
     """The scorer role's own settings, picked from the run's config."""
     r = cfg.reward
     # With episodes the environment's rewards are the scores (reward.function checks answers inside it).
-    spec = ScorerSpec(function="environment" if cfg.env.name else r.function, kwargs=dict(r.kwargs), on_error=r.on_error, model=r.model,
+    spec = ScorerSpec(function="environment" if cfg.env.name or cfg.rollout.agent else r.function, kwargs=dict(r.kwargs), on_error=r.on_error, model=r.model,
                       batch_size=r.batch_size, max_tokens=cfg.model.max_prompt_tokens + cfg.model.max_new_tokens + 8,
                       system_prompt=cfg.data.system_prompt, threads=_threads(r.threads))
     if r.function == "llm_judge":

@@ -46,11 +46,17 @@ class GeneratorWorker:
         self.gen = self._engine_thread.submit(self._build, Generator, gcfg).result()
         self.gcfg = gcfg
         # Multi-turn episodes: one environment per episode, their steps on a pool of threads.
-        self._make_env = self._env_pool = None
+        # Agent programs: their endpoint on 127.0.0.1, the programs on the same pool.
+        self._make_env = self._env_pool = self._agent = self._endpoint = None
         if gcfg.environment is not None:
             from actors.environments import environment_factory
 
             self._make_env = environment_factory(gcfg.environment)
+        if gcfg.agent:
+            from actors.agent_endpoint import AgentEndpoint, resolve_agent
+
+            self._agent, self._endpoint = resolve_agent(gcfg.agent), AgentEndpoint()
+        if gcfg.environment is not None or gcfg.agent:
             self._env_pool = ThreadPoolExecutor(gcfg.env_workers, thread_name_prefix="rayrlhf-env")
 
     @staticmethod
@@ -80,7 +86,11 @@ class GeneratorWorker:
         sampling = {"temperature": 0.0 if greedy else g.temperature, "top_p": 1.0 if greedy else g.top_p,
                     "n": 1 if greedy else g.samples_per_prompt, "seed": seed}
         episodes: dict = {}
-        if self._make_env is not None:
+        if self._agent is not None:
+            exp, episodes = self._on_engine(self.gen.generate_agent_episodes, rows, group_ids, self._agent, self._endpoint,
+                                            g.episode_limits, pool=self._env_pool, timeout_s=g.agent_timeout_s,
+                                            **sampling)
+        elif self._make_env is not None:
             exp, episodes = self._on_engine(self.gen.generate_episodes, rows, group_ids, self._make_env,
                                             g.episode_limits, pool=self._env_pool, **sampling)
         else:

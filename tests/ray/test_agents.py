@@ -71,3 +71,20 @@ def test_q_learning_credit_crosses_the_observation(ray_cluster, tmp_path):
     exported, skipped = read_transitions(run_dir / "data" / "transitions")
     assert len(exported) == 320 and not skipped
     assert all(t.action_mask is not None and t.action_mask[0] and not all(t.action_mask) for t in exported)
+
+
+def test_an_agent_program_with_the_openai_client_trains_through_the_rollout_endpoint(ray_cluster, tmp_path):
+    """``rollout.agent``: each episode is a 3-call program on the real ``openai`` client against
+    the generator's endpoint (tests/unit/test_agent_endpoint.py checks that the record holds the
+    tokens and log-probs the program was given); the learners train on those tokens (their
+    log-probs equal the engine's) and the reward, earned by the first reply, rises."""
+    run_dir = tmp_path / "agent"
+    cfg = load_config(ROOT / "configs" / "ppo_tiny.yaml", [
+        "rollout.agent=tests.helpers.agents:three_turns", "run.steps=4", "ppo.advantage_estimator=grpo",
+        "rollout.samples_per_prompt=4", f"rollout.prompts_per_step={PROMPTS}", "run.plot=false", "run.save_final=false"])
+    train(cfg, run_dir=run_dir)
+    got = [r for r in rows(run_dir) if r["step"] > 0]
+    assert all(r["episode/turns_mean"] == 3.0 and r["episode/segments"] == 32 for r in got)
+    assert max(r["logprob_gap/max_abs"] for r in got) < 1e-3
+    rewards = [r["reward/mean"] for r in got]
+    assert rewards[-1] > rewards[0] + 0.5, rewards
