@@ -86,6 +86,18 @@ def test_openai_client_completion_chat_and_stream(server):
     assert streamed == chat.choices[0].message.content
 
 
+def test_chat_with_tools_is_answered_through_the_tool_call_parser(server):
+    """A request offering tools is served (vLLM's hermes parser reads the reply for calls, the
+    format agents train with: tests/unit/test_tools.py); a reply without a call is plain content."""
+    from actors.tools import CALCULATOR
+
+    client = _client(server)
+    reply = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "What is 37 * 41?"}],
+                                           tools=[CALCULATOR.schema()], max_tokens=8, temperature=0)
+    assert not reply.choices[0].message.tool_calls and reply.choices[0].message.content
+    assert reply.choices[0].finish_reason in ("stop", "length")
+
+
 def test_best_of_n_returns_the_highest_scoring_sample(server):
     from actors.rewards import digit_density
 

@@ -3,6 +3,7 @@ read (an error text and a counted status), never an exception out of the toolbox
 tool runs in a subprocess with CPU-time, memory and wall-clock limits, without network or child
 processes."""
 
+import json
 import time
 
 import pytest
@@ -83,3 +84,22 @@ def test_tools_resolve_by_name_or_module_path():
     for bad in ("nope", "actors.tools:missing"):
         with pytest.raises(ValueError):
             resolve_tools([bad])
+
+
+def test_the_policy_servers_hermes_parser_reads_the_format_agents_train_with(tiny_model_path):
+    """``rayrlhf serve policy`` answers chat requests with ``tools`` through vLLM's ``hermes`` tool
+    parser: it reads the calls an agent trained here writes, as ``parse_tool_calls`` does."""
+    from transformers import AutoTokenizer
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.tool_parsers.hermes_tool_parser import Hermes2ProToolParser
+
+    text = ('Let me use the calculator. <tool_call>{"name": "calculator", "arguments": {"expression": "37 * 41"}}'
+            '</tool_call>\n<tool_call>{"name": "python", "arguments": {"code": "print(2 ** 10)"}}</tool_call>')
+    parser = Hermes2ProToolParser(AutoTokenizer.from_pretrained(tiny_model_path))
+    request = ChatCompletionRequest(model="policy", messages=[{"role": "user", "content": "x"}],
+                                    tools=[CALCULATOR.schema(), PYTHON.schema()])
+    served = parser.extract_tool_calls(text, request)
+    assert served.tools_called and served.content.strip() == "Let me use the calculator."
+    ours = parse_tool_calls(text)
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in served.tool_calls] == \
+        [(c.name, c.arguments) for c in ours]
