@@ -92,3 +92,23 @@ def test_failing_programs_are_counted_and_bad_calls_refused(generator, endpoint,
     # Outside a running batch, or with a token nobody issued: 404.
     url = endpoint.base_url("no-such-episode")
     assert requests.post(f"{url}/chat/completions", json={"messages": []}, timeout=10).status_code == 404
+
+
+def test_replies_offering_tools_carry_tool_calls_and_the_next_call_continues_them():
+    """With ``tools`` in the request a reply's Hermes calls come back as ``tool_calls``; the
+    program sends that message back (arguments as a JSON string, maybe reformatted) with the
+    tool's answer, and the conversation still counts as the same trajectory."""
+    import json
+
+    from actors.agent_endpoint import _norm, _reply_message
+    from actors.tools import CALCULATOR
+
+    text = 'Let me compute. <tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'
+    reply = _reply_message(text, [CALCULATOR.schema()])
+    assert reply["content"] == "Let me compute." and reply["tool_calls"][0]["function"]["name"] == "calculator"
+    assert json.loads(reply["tool_calls"][0]["function"]["arguments"]) == {"expression": "6*7"}
+    assert _reply_message(text, None) == {"role": "assistant", "content": text}  # no tools offered: plain text
+    echoed = {"role": "assistant", "content": "Let me compute.", "tool_calls": [
+        {"id": "x", "type": "function", "function": {"name": "calculator", "arguments": '{"expression":"6*7"}'}}]}
+    assert _norm(echoed) == _norm(reply)
+    assert _norm({**echoed, "content": "changed"}) != _norm(reply)
