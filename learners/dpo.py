@@ -111,7 +111,7 @@ class DPOLearner(PolicyLearner):
 
     def train_step(self, batch: Experience) -> dict[str, float]:
         """One pass (``train.epochs`` x ``train.num_minibatches`` updates) over the global batch."""
-        hp, tr, comm = self.hp, self.tr, self.comm
+        tr, comm = self.tr, self.comm
         t0 = time.perf_counter()
         lr = float(self.optimizer.param_groups[0]["lr"])
         self.check_batch(batch)

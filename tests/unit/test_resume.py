@@ -10,7 +10,7 @@ import torch
 from cluster.run_context import PromptSampler, RunContext, latest_checkpoint
 from learners.base import get_learner, load_learner_state
 from learners.optim import lr_multiplier
-from tests.helpers.factories import experience, flat_grads, make_learner, ragged_batch, tiny_lm
+from tests.helpers.factories import experience, make_learner, ragged_batch, tiny_lm
 
 
 def _batches(path, n=3):

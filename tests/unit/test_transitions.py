@@ -2,7 +2,6 @@
 per-token rewards, done and versions; every unusable row is counted by reason; the replay buffer
 evicts FIFO and samples deterministically per (seed, step)."""
 
-import json
 import math
 
 import pyarrow as pa
