@@ -94,7 +94,7 @@ class AgentRunner:
     """Runs agent programs against the endpoint for one batch (the ``Feed`` of
     ``EngineLoop.stream``: their calls' generations join the engine's running batch)."""
 
-    def __init__(self, chat: ChatTokens, limits: Any, sampling: Callable[[int], Any], pool: Any,
+    def __init__(self, chat: ChatTokens, limits: Any, sampling: Callable[[int, int, int], Any], pool: Any,
                  episode_timeout_s: float) -> None:
         self.chat, self.limits, self.sampling, self.pool = chat, limits, sampling, pool
         self.episode_timeout_s = episode_timeout_s
@@ -190,7 +190,8 @@ class AgentRunner:
             ep.segments.append(seg)
         call = _Call()
         with self._cv:
-            self._queue.append((call, {"prompt_token_ids": seg.prompt_ids + seg.ids + delta}, self.sampling(room)))
+            self._queue.append((call, {"prompt_token_ids": seg.prompt_ids + seg.ids + delta},
+                                self.sampling(room, ep.key, ep.calls)))
             self._cv.notify_all()
         call.done.wait()
         comp = call.output.outputs[0]

@@ -137,7 +137,7 @@ class EpisodeRunner:
     """Runs a batch of episodes on an engine loop (the ``Feed`` of ``EngineLoop.stream``)."""
 
     def __init__(self, chat: ChatTokens, make_env: Callable[[], Any], limits: EpisodeLimits,
-                 sampling: Callable[[int], Any], pool: concurrent.futures.ThreadPoolExecutor) -> None:
+                 sampling: Callable[[int, int, int], Any], pool: concurrent.futures.ThreadPoolExecutor) -> None:
         self.chat, self.make_env, self.limits, self.sampling, self.pool = chat, make_env, limits, sampling, pool
         self._cv = threading.Condition()
         self._ready: deque[Episode] = deque()
@@ -161,7 +161,7 @@ class EpisodeRunner:
             while self._ready:
                 ep = self._ready.popleft()
                 room = min(self.limits.max_new_tokens, self.limits.max_tokens - ep.length)
-                out.append((ep, {"prompt_token_ids": ep.prompt_ids + ep.ids}, self.sampling(room)))
+                out.append((ep, {"prompt_token_ids": ep.prompt_ids + ep.ids}, self.sampling(room, ep.key, len(ep.spans))))
         return out
 
     def finished(self, ep: Episode, output: Any) -> None:

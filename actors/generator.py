@@ -298,9 +298,7 @@ class Generator:
 
         from actors.episodes import ChatTokens, EpisodeRunner, episode_meta, episode_summary
 
-        sampling = self._turn_sampling(temperature, top_p)
-        if seed is not None:
-            torch.manual_seed(seed)
+        sampling = self._turn_sampling(temperature, top_p, seed)
         own_pool = pool is None
         pool = pool or concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="rayrlhf-env")
         try:
@@ -328,9 +326,8 @@ class Generator:
         from actors.agent_endpoint import AgentRunner, agent_summary
         from actors.episodes import ChatTokens
 
-        if seed is not None:
-            torch.manual_seed(seed)
-        runner = AgentRunner(ChatTokens(self.tokenizer), limits, self._turn_sampling(temperature, top_p), pool, timeout_s)
+        runner = AgentRunner(ChatTokens(self.tokenizer), limits, self._turn_sampling(temperature, top_p, seed), pool,
+                             timeout_s)
         episodes = runner.run(self.loop, endpoint, agent, rows, group_ids, n)
         dropped, counts = agent_summary(episodes)
         out = []
@@ -346,12 +343,16 @@ class Generator:
             raise ValueError(f"no agent episode of a batch of {len(episodes)} finished: {dropped}; e.g. {errors}")
         return self._to_experience(out, dropped), counts
 
-    def _turn_sampling(self, temperature: float, top_p: float):
-        """Sampling parameters of one turn with ``room`` tokens left."""
+    def _turn_sampling(self, temperature: float, top_p: float, seed: int | None):
+        """``sampling(room, key, turn)``: the parameters of one turn of episode ``key`` with ``room``
+        tokens left. With a batch ``seed`` each turn samples from a generator seeded by (seed,
+        episode, turn): its tokens do not depend on which other turns share the engine's batch,
+        which depends on when environments answer, so a seeded batch of episodes is reproducible."""
         from vllm import SamplingParams
 
-        def sampling(room: int) -> SamplingParams:
-            return SamplingParams(n=1, temperature=temperature, top_p=top_p, max_tokens=room, logprobs=1,
+        def sampling(room: int, key: int, turn: int) -> SamplingParams:
+            turn_seed = None if seed is None else (seed * 1_000_003 + key * 7919 + turn) % 2**31
+            return SamplingParams(n=1, temperature=temperature, top_p=top_p, max_tokens=room, logprobs=1, seed=turn_seed,
                                   stop_token_ids=[self.eos_token_id] if self.eos_token_id is not None else None)
 
         return sampling

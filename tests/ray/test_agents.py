@@ -1,8 +1,9 @@
 """Multi-turn agents on the real stack (vLLM generators running episodes, the environment's
 reward through the scorer, Ray Train learners): a task whose one reward, given after the second
 turn, depends only on the first reply, so that credit has to cross the environment's
-observation. GRPO learns it while a generator is killed mid-episode; token-level Q-learning
-learns it too, its backups bootstrapping across the observation."""
+observation. GRPO learns it while a generator is killed mid-episode (token-level Q-learning
+learns it too: tests/ray/test_qlearning.py); an agent program on the real openai client trains
+through the rollout endpoint."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from actors.transitions import read_transitions
 from cluster.config_loading import load_config
 from cluster.driver import train
 from cluster.ledger import read_ledger, summarize
@@ -54,23 +54,6 @@ def test_grpo_learns_across_turns_and_a_generator_killed_mid_episode_loses_nothi
     rewards = [r["reward/mean"] for r in got]
     assert _mean(rewards[-3:]) > _mean(rewards[:2]) + 0.5, rewards
     assert "generator 0 died" in out
-
-
-def test_q_learning_credit_crosses_the_observation(ray_cluster, tmp_path):
-    """The reward arrives after turn 2 and depends on turn 1 only: the n-step backups carry it
-    across the observation to the first reply's tokens (the backup at turn 1's last token
-    bootstraps from the state before turn 2's first action)."""
-    run_dir = tmp_path / "qlearn"
-    cfg = load_config(ROOT / "configs" / "qlearn_tiny.yaml", [*ENV, "run.steps=10", "qlearn.n_step=24"])
-    train(cfg, run_dir=run_dir)
-    got = rows(run_dir)
-    rewards = [r["reward/mean"] for r in got if r["step"] > 0]
-    assert _mean(rewards[-3:]) > rewards[0] + 0.3, rewards
-    # The replay data keep each episode as one row, the observation between the turns marked as
-    # no action.
-    exported, skipped = read_transitions(run_dir / "data" / "transitions")
-    assert len(exported) == 320 and not skipped
-    assert all(t.action_mask is not None and t.action_mask[0] and not all(t.action_mask) for t in exported)
 
 
 def test_an_agent_program_with_the_openai_client_trains_through_the_rollout_endpoint(ray_cluster, tmp_path):

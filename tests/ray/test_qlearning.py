@@ -26,10 +26,16 @@ def _rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_online_q_learning_raises_the_reward_and_resumes_with_its_buffer(ray_cluster, tiny_model_path, tmp_path):
+def test_online_q_learning_across_turns_raises_the_reward_and_resumes_with_its_buffer(ray_cluster, tiny_model_path,
+                                                                                      tmp_path):
+    """Multi-turn episodes (the generators run them, ``actors/episodes.py``): the one reward comes
+    after the second reply and depends on the first only, so credit has to cross the
+    environment's observation; the n-step backups carry it (the backup at turn 1's last token
+    bootstraps from the state before turn 2's first action)."""
     run = tmp_path / "online"
-    cfg = load_config(ROOT / "configs" / "qlearn_tiny.yaml", ["run.steps=10", "run.save_every=5",
-                                                              "qlearn.warmup_sequences=33"])
+    cfg = load_config(ROOT / "configs" / "qlearn_tiny.yaml", [
+        "run.steps=10", "run.save_every=5", "qlearn.warmup_sequences=33", "qlearn.n_step=24",
+        "env.name=tests.helpers.environments:DigitsAcrossTurns", "env.max_turns=2"])
     train(cfg, run_dir=run)
     # Stopped after step 5 and resumed: the replay buffer is refilled from the exported steps 1-5
     # (the later steps' files are removed and written again), and the run ends as the
@@ -40,7 +46,7 @@ def test_online_q_learning_raises_the_reward_and_resumes_with_its_buffer(ray_clu
     rows = _rows(stopped)
     assert [r["step"] for r in rows] == list(range(1, 11))
     rewards = [r["reward/mean"] for r in rows]
-    # The digit-density reward of the random-weight model's samples rises under the Q-policy.
+    # The digit-density reward of the first reply rises under the Q-policy.
     assert sum(rewards[-3:]) / 3 > rewards[0] + 0.3, rewards
     # 32 sequences a step, nothing evicted (capacity 512): step 6 sees the refilled 5 x 32 plus its own.
     assert [r["replay/size"] for r in rows] == [32.0 * s for s in range(1, 11)]
@@ -51,6 +57,9 @@ def test_online_q_learning_raises_the_reward_and_resumes_with_its_buffer(ray_clu
     assert all(math.isfinite(r["loss/td"]) and r["q/unseen_mean"] < r["q/taken"] for r in learned)
     exported, skipped = read_transitions(stopped / "data" / "transitions")
     assert len(exported) == 320 and not skipped
+    # One row per episode, the observation between the turns kept in place as no action.
+    assert all(t.action_mask is not None and t.action_mask[0] and not all(t.action_mask) for t in exported)
+    assert all(r["episode/turns_mean"] == 2.0 for r in rows)
     ckpt = stopped / "checkpoints" / "step_00010"
     assert (ckpt / "target" / "target.safetensors").is_file() and (ckpt / "model.safetensors").is_file()
 

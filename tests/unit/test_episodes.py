@@ -51,7 +51,8 @@ def test_trained_ids_are_the_sampled_ids_plus_the_observation_ids(generator, mon
 
     monkeypatch.setattr(EpisodeRunner, "finished", spy)
     limits = EpisodeLimits(max_turns=3, max_tokens=256, max_new_tokens=12)
-    exp, counts = generator.generate_episodes(_rows(4), [7, 8, 9, 10], Scripted, limits, n=2, seed=5)
+    # A high temperature: varied tokens (the random tiny model at 1.0 mostly repeats one token).
+    exp, counts = generator.generate_episodes(_rows(4), [7, 8, 9, 10], Scripted, limits, n=2, seed=5, temperature=2.0)
     assert exp.batch_size == 8 and counts["turns"] == 24 and counts["status_done"] == 8
     assert exp.group_ids.tolist() == [7, 7, 8, 8, 9, 9, 10, 10]
     chat = ChatTokens(generator.tokenizer)
@@ -80,14 +81,15 @@ def test_trained_ids_are_the_sampled_ids_plus_the_observation_ids(generator, mon
         assert exp.meta[row]["episode"]["turns"] == 3 and exp.meta[row]["episode"]["reward"] == 1.0
     # The case the rule exists for: decoding a reply and encoding it again gives other ids.
     assert retokenised_differently > 0
-    # The learner's log-probs of the record's action tokens are the engine's (fp32 both sides).
+    # The learner's log-probs of the record's action tokens are the engine's (fp32 both sides, at
+    # the sampling temperature).
     from transformers import AutoModelForCausalLM
 
     from learners.modeling import sequence_logprobs
 
     lm = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
     with torch.no_grad():
-        lp = sequence_logprobs(lm, exp.input_ids, exp.attention_mask, exp.response_mask)
+        lp = sequence_logprobs(lm, exp.input_ids, exp.attention_mask, exp.response_mask, temperature=2.0)
     gap = (lp - exp.rollout_logprobs)[exp.response_mask].abs().max()
     assert float(gap) < 1e-3
 
@@ -136,3 +138,23 @@ def test_prompts_render_the_tools_and_observations_follow_the_template(generator
     after_eos = generator.tokenizer.decode(chat.observation({"role": "tool", "content": "1517"}, reply_ended=True))
     cut = generator.tokenizer.decode(chat.observation("Go on.", reply_ended=False))
     assert after_eos.startswith("\n<|im_start|>tool\n1517") and cut.startswith("<|im_end|>\n<|im_start|>user\nGo on.")
+
+
+def test_a_seeded_batch_samples_the_same_episodes_whatever_the_environments_timing(generator):
+    """Each turn samples from its own seeded generator (seed, episode, turn), so which turns
+    share the engine's batch (when the environments answer) does not change the samples."""
+    import random
+    import time
+
+    class Jittery(Scripted):
+        def step(self, action):
+            time.sleep(random.random() * 0.05)
+            return super().step(action)
+
+    limits = EpisodeLimits(max_turns=3, max_tokens=256, max_new_tokens=10)
+    a, _ = generator.generate_episodes(_rows(6), list(range(6)), Jittery, limits, n=2, seed=11)
+    b, _ = generator.generate_episodes(_rows(6), list(range(6)), Jittery, limits, n=2, seed=11)
+    c, _ = generator.generate_episodes(_rows(6), list(range(6)), Jittery, limits, n=2, seed=12)
+    # The same tokens; their log-probs agree to float rounding (a batch of other shape sums differently).
+    assert torch.equal(a.input_ids, b.input_ids) and torch.allclose(a.rollout_logprobs, b.rollout_logprobs, atol=1e-4)
+    assert not torch.equal(a.input_ids, c.input_ids)
