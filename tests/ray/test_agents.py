@@ -23,7 +23,7 @@ pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parents[2]
 ENV = ["env.name=tests.helpers.environments:DigitsAcrossTurns", "env.max_turns=2", "run.plot=false",
        "run.save_final=false", "run.eval_every=0"]
-STEPS, PROMPTS = 8, 8
+STEPS, PROMPTS, SAMPLES = 8, 4, 8
 
 
 def _mean(xs: list[float]) -> float:
@@ -32,7 +32,7 @@ def _mean(xs: list[float]) -> float:
 
 def test_grpo_learns_across_turns_and_a_generator_killed_mid_episode_loses_nothing(ray_cluster, tmp_path):
     run_dir = tmp_path / "grpo"
-    sets = [*ENV, f"run.steps={STEPS}", "ppo.advantage_estimator=grpo", "rollout.samples_per_prompt=4",
+    sets = [*ENV, f"run.steps={STEPS}", "ppo.advantage_estimator=grpo", f"rollout.samples_per_prompt={SAMPLES}",
             f"rollout.prompts_per_step={PROMPTS}"]
     env = {**ray_cluster["env"], "RAY_ADDRESS": ray_cluster["address"]}
     cmd = [str(Path(sys.executable).parent / "rayrlhf"), "train", "configs/ppo_tiny.yaml", "--run-dir", str(run_dir),
@@ -46,7 +46,7 @@ def test_grpo_learns_across_turns_and_a_generator_killed_mid_episode_loses_nothi
     assert summary["restarts"] == {"generator": 1} and p["reissued"] >= 1, summary
     got = [r for r in rows(run_dir) if r["step"] > 0]
     # Every episode ran its two turns (the environment ends it after the second reply).
-    assert all(r["episode/turns_mean"] == 2.0 and r["episode/status_done"] == 32 for r in got)
+    assert all(r["episode/turns_mean"] == 2.0 and r["episode/status_done"] == PROMPTS * SAMPLES for r in got)
     # fp32 engine and learner: the learner's log-probs of the trained tokens are the engine's
     # log-probs of the tokens it sampled, observation tokens in between (re-tokenised text would
     # give other tokens and log-probs far apart).
@@ -64,10 +64,11 @@ def test_an_agent_program_with_the_openai_client_trains_through_the_rollout_endp
     run_dir = tmp_path / "agent"
     cfg = load_config(ROOT / "configs" / "ppo_tiny.yaml", [
         "rollout.agent=tests.helpers.agents:three_turns", "run.steps=4", "ppo.advantage_estimator=grpo",
-        "rollout.samples_per_prompt=4", f"rollout.prompts_per_step={PROMPTS}", "run.plot=false", "run.save_final=false"])
+        f"rollout.samples_per_prompt={SAMPLES}", f"rollout.prompts_per_step={PROMPTS}", "run.plot=false",
+        "run.save_final=false"])
     train(cfg, run_dir=run_dir)
     got = [r for r in rows(run_dir) if r["step"] > 0]
-    assert all(r["episode/turns_mean"] == 3.0 and r["episode/segments"] == 32 for r in got)
+    assert all(r["episode/turns_mean"] == 3.0 and r["episode/segments"] == PROMPTS * SAMPLES for r in got)
     assert max(r["logprob_gap/max_abs"] for r in got) < 1e-3
     rewards = [r["reward/mean"] for r in got]
     assert rewards[-1] > rewards[0] + 0.5, rewards

@@ -34,7 +34,7 @@ def test_online_q_learning_across_turns_raises_the_reward_and_resumes_with_its_b
     bootstraps from the state before turn 2's first action)."""
     run = tmp_path / "online"
     cfg = load_config(ROOT / "configs" / "qlearn_tiny.yaml", [
-        "run.steps=10", "run.save_every=5", "qlearn.warmup_sequences=33", "qlearn.n_step=24",
+        "run.steps=12", "run.save_every=5", "qlearn.warmup_sequences=33", "qlearn.n_step=24",
         "env.name=tests.helpers.environments:DigitsAcrossTurns", "env.max_turns=2"])
     train(cfg, run_dir=run)
     # Stopped after step 5 and resumed: the replay buffer is refilled from the exported steps 1-5
@@ -42,25 +42,25 @@ def test_online_q_learning_across_turns_raises_the_reward_and_resumes_with_its_b
     # uninterrupted one did: the same prompts, rewards, TD losses and weights.
     stopped = crashed_copy(run, 5, tmp_path / "stopped")
     assert cli.main(["train", "--resume", str(stopped)]) == 0
-    assert_same_run(stopped, run, ("reward/mean", "loss/td"), "data/prompt_ids", "step_00010")
+    assert_same_run(stopped, run, ("reward/mean", "loss/td"), "data/prompt_ids", "step_00012")
     rows = _rows(stopped)
-    assert [r["step"] for r in rows] == list(range(1, 11))
+    assert [r["step"] for r in rows] == list(range(1, 13))
     rewards = [r["reward/mean"] for r in rows]
     # The digit-density reward of the first reply rises under the Q-policy.
     assert sum(rewards[-3:]) / 3 > rewards[0] + 0.3, rewards
     # 32 sequences a step, nothing evicted (capacity 512): step 6 sees the refilled 5 x 32 plus its own.
-    assert [r["replay/size"] for r in rows] == [32.0 * s for s in range(1, 11)]
+    assert [r["replay/size"] for r in rows] == [32.0 * s for s in range(1, 13)]
     # Step 1 only fills the buffer (32 < 33 sequences); then two minibatch updates a step.
     assert rows[0]["learner/warmup"] == 1.0 and "loss/td" not in rows[0]
     learned = rows[1:]
     assert all(r["learner/target_updates"] == 2 * (r["step"] - 1) for r in learned)
     assert all(math.isfinite(r["loss/td"]) and r["q/unseen_mean"] < r["q/taken"] for r in learned)
     exported, skipped = read_transitions(stopped / "data" / "transitions")
-    assert len(exported) == 320 and not skipped
+    assert len(exported) == 384 and not skipped
     # One row per episode, the observation between the turns kept in place as no action.
     assert all(t.action_mask is not None and t.action_mask[0] and not all(t.action_mask) for t in exported)
     assert all(r["episode/turns_mean"] == 2.0 for r in rows)
-    ckpt = stopped / "checkpoints" / "step_00010"
+    ckpt = stopped / "checkpoints" / "step_00012"
     assert (ckpt / "target" / "target.safetensors").is_file() and (ckpt / "model.safetensors").is_file()
 
 
