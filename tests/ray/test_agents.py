@@ -33,7 +33,7 @@ def _mean(xs: list[float]) -> float:
 def test_grpo_learns_across_turns_and_a_generator_killed_mid_episode_loses_nothing(ray_cluster, tmp_path):
     run_dir = tmp_path / "grpo"
     sets = [*ENV, f"run.steps={STEPS}", "ppo.advantage_estimator=grpo", f"rollout.samples_per_prompt={SAMPLES}",
-            f"rollout.prompts_per_step={PROMPTS}"]
+            f"rollout.prompts_per_step={PROMPTS}", "ppo.loss_agg=seq_mean_token_mean"]
     env = {**ray_cluster["env"], "RAY_ADDRESS": ray_cluster["address"]}
     cmd = [str(Path(sys.executable).parent / "rayrlhf"), "train", "configs/ppo_tiny.yaml", "--run-dir", str(run_dir),
            *[a for s in sets for a in ("--set", s)]]
@@ -54,6 +54,9 @@ def test_grpo_learns_across_turns_and_a_generator_killed_mid_episode_loses_nothi
     rewards = [r["reward/mean"] for r in got]
     assert _mean(rewards[-3:]) > _mean(rewards[:2]) + 0.5, rewards
     assert "generator 0 died" in out
+    assert all("value/mean" not in r and r["reward/n"] == PROMPTS * SAMPLES for r in got)  # GRPO: no critic
+    # The samples of a prompt share its forward pass in the learner (identical prefixes found).
+    assert all(r["learner/prefix_shared_frac"] == 1.0 for r in got), [r["learner/prefix_shared_frac"] for r in got]
 
 
 def test_an_agent_program_with_the_openai_client_trains_through_the_rollout_endpoint(ray_cluster, tmp_path):
