@@ -155,6 +155,10 @@ class Generator:
         from learners.precision import resolve_engine_dtype
 
         dtype = resolve_engine_dtype(dtype, uses_gpu=gpu_memory_utilization > 0)
+        if gpu_memory_utilization <= 0:  # episodes seed each turn's sampler (see generate_episodes)
+            from actors.vllm_ext import make_seeded_requests_safe_on_cpu
+
+            make_seeded_requests_safe_on_cpu()
         t0 = time.time()
         # The same engine on either device: the installed vllm build decides where it runs, and
         # a GPU engine only needs its share of the GPU's memory.

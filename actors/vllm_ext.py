@@ -34,3 +34,33 @@ class WeightReloadExtension:
             if quant is not None and hasattr(quant, "process_weights_after_loading"):
                 quant.process_weights_after_loading(lm_head)
         return len(named)
+
+
+class RewindSafeGenerator(torch.Generator):
+    """A per-request sampling generator whose offset calls are no-ops on the CPU. vLLM rewinds a
+    request's generator by its Philox offset when it throws away a sample (a prompt prefilled in
+    chunks samples before its last chunk); a CPU generator has no offset and raised ("CPU
+    Generator does not use offset"), which ended every seeded request batch large enough to be
+    chunked. On the CPU the thrown-away sample's draws are simply consumed."""
+
+    def get_offset(self) -> int:
+        return 0 if self.device.type == "cpu" else super().get_offset()
+
+    def set_offset(self, offset: int) -> "RewindSafeGenerator":
+        return self if self.device.type == "cpu" else super().set_offset(offset)
+
+
+def make_seeded_requests_safe_on_cpu() -> None:
+    """Has vLLM's model runner build its per-request generators as ``RewindSafeGenerator``: its
+    module sees a copy of ``torch`` whose ``Generator`` is that class (everything else is torch's
+    own). Idempotent; call before the engine starts."""
+    import types
+
+    from vllm.v1.worker import gpu_model_runner
+
+    if getattr(gpu_model_runner.torch, "Generator", None) is RewindSafeGenerator:
+        return
+    proxy = types.ModuleType("torch")
+    proxy.__dict__.update(torch.__dict__)
+    proxy.Generator = RewindSafeGenerator
+    gpu_model_runner.torch = proxy

@@ -158,3 +158,12 @@ def test_a_seeded_batch_samples_the_same_episodes_whatever_the_environments_timi
     # The same tokens; their log-probs agree to float rounding (a batch of other shape sums differently).
     assert torch.equal(a.input_ids, b.input_ids) and torch.allclose(a.rollout_logprobs, b.rollout_logprobs, atol=1e-4)
     assert not torch.equal(a.input_ids, c.input_ids)
+
+
+def test_a_seeded_batch_large_enough_to_be_prefilled_in_chunks_runs(generator):
+    """vLLM rewinds a seeded request's generator when it throws a chunked prefill's sample away;
+    a CPU generator could not rewind and the engine raised. 256 episodes of ~60 prompt tokens are
+    more than one engine step prefills."""
+    limits = EpisodeLimits(max_turns=2, max_tokens=200, max_new_tokens=4)
+    exp, counts = generator.generate_episodes(_rows(32), list(range(32)), Scripted, limits, n=8, seed=1)
+    assert exp.batch_size == 256 and counts["status_max_turns"] == 256
