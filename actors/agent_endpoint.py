@@ -262,6 +262,13 @@ def _response(reply: dict, comp: Any, sampled: list[int], lps: list[float], prom
                       "total_tokens": prompt_len + len(sampled)}}
 
 
+class _Server(ThreadingHTTPServer):
+    # Every episode's program may connect at once: the default backlog of 5 pending connections
+    # refused some of a batch's 32 under load ("Connection error" in the client).
+    request_queue_size = 1024
+    daemon_threads = True
+
+
 class AgentEndpoint:
     """The HTTP server (one per generator, on 127.0.0.1): routes each call to its episode."""
 
@@ -299,8 +306,7 @@ class AgentEndpoint:
             def log_message(self, *args: Any) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer((host, port), Handler)
-        self.server.daemon_threads = True
+        self.server = _Server((host, port), Handler)
         threading.Thread(target=self.server.serve_forever, daemon=True, name="rayrlhf-agent-endpoint").start()
 
     def base_url(self, token: str) -> str:
