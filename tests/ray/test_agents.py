@@ -75,3 +75,26 @@ def test_an_agent_program_with_the_openai_client_trains_through_the_rollout_endp
     assert max(r["logprob_gap/max_abs"] for r in got) < 1e-3
     rewards = [r["reward/mean"] for r in got]
     assert rewards[-1] > rewards[0] + 0.5, rewards
+
+
+def test_dpo_pairs_the_best_and_worst_episode_of_a_prompt(ray_cluster, tmp_path):
+    """DPO on episodes (``dpo.pairs=scorer``): of a prompt's candidate episodes the best and the
+    worst by the environment's reward form a pair; the pair rows are the episode records as
+    sampled (the observation between the turns masked out), and DPO trains on them."""
+    import torch
+
+    run_dir = tmp_path / "dpo"
+    cfg = load_config(ROOT / "configs" / "ppo_tiny.yaml", [
+        *ENV, "run.algorithm=dpo", "dpo.pairs=scorer", "run.steps=2", "dpo.pairs_per_step=4", "dpo.pair_prompts=16",
+        "dpo.candidates=8", "dpo.candidate_temperature=2.0"])
+    train(cfg, run_dir=run_dir)
+    got = [r for r in rows(run_dir) if r["step"] > 0]
+    assert got[0]["pairs/candidates"] == 128 and got[0]["pairs/pairs"] > 0
+    assert all(r["loss/total"] == r["loss/total"] for r in got)  # finite
+    pairs = torch.load(run_dir / "data" / "pairs.pt", weights_only=True)
+    resp, att = pairs["response_mask"], pairs["attention_mask"]
+    first = resp.long().argmax(1)
+    # Every row: actions, then observation tokens (no actions), then actions again.
+    for i in range(resp.shape[0]):
+        after = resp[i, first[i]:int(att[i].sum())]
+        assert not after.all() and after[0] and after[-1], after
