@@ -257,7 +257,7 @@ def _response(reply: dict, comp: Any, sampled: list[int], lps: list[float], prom
         choice["logprobs"] = {"content": [{"token": tok.decode([t]), "logprob": lp, "bytes": None, "top_logprobs": []}
                                           for t, lp in zip(sampled, lps)]}
     return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": "policy", "choices": [choice], "prompt_token_ids_count": prompt_len,
+            "model": "policy", "choices": [choice],
             "usage": {"prompt_tokens": prompt_len, "completion_tokens": len(sampled),
                       "total_tokens": prompt_len + len(sampled)}}
 

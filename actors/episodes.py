@@ -40,6 +40,12 @@ class ChatTokens:
     def __init__(self, tokenizer: Any, system_prompt: str = "") -> None:
         self.tok, self.system = tokenizer, system_prompt
         self.eos_text = tokenizer.decode([tokenizer.eos_token_id]) if tokenizer.eos_token_id is not None else ""
+        # A placeholder conversation whose reply the observations follow, rendered once.
+        self._base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _SENTINEL}]
+        before = self._render(self._base)
+        self._head = before[: before.index(_SENTINEL) + len(_SENTINEL)]
+        # Whether the template renders a tool list itself, per tool list (asked once each).
+        self._tools_rendered: dict[str, bool] = {}
 
     def _render(self, messages: list[dict], tools: list[dict] | None = None, generation: bool = False) -> str:
         return self.tok.apply_chat_template(messages, tools=tools or None, tokenize=False,
@@ -62,8 +68,13 @@ class ChatTokens:
         return self._encode(self._render(messages, tools, generation=True))
 
     def _renders_tools(self, tools: list[dict]) -> bool:
-        probe = [{"role": "user", "content": "x"}]
-        return self._render(probe, tools) != self._render(probe)
+        import json
+
+        key = json.dumps(tools, sort_keys=True)
+        if key not in self._tools_rendered:
+            probe = [{"role": "user", "content": "x"}]
+            self._tools_rendered[key] = self._render(probe, tools) != self._render(probe)
+        return self._tools_rendered[key]
 
     def observation(self, obs: Any, reply_ended: bool) -> list[int]:
         """The ids between a reply's last sampled token and the next reply (``after_reply`` of one
@@ -74,13 +85,10 @@ class ChatTokens:
         """The ids between a reply's last sampled token and the next reply: the template's end of
         the reply turn (minus the EOS the model already sampled, when it did), the turns of
         ``messages`` and the next generation prompt."""
-        base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _SENTINEL}]
-        before = self._render(base)
-        after = self._render(base + list(messages), generation=True)
-        cut = before.index(_SENTINEL) + len(_SENTINEL)
-        if not after.startswith(before[:cut]):
+        after = self._render(self._base + list(messages), generation=True)
+        if not after.startswith(self._head):
             raise ValueError("the chat template renders an earlier turn differently once a turn follows it")
-        suffix = after[cut:]
+        suffix = after[len(self._head):]
         if reply_ended and self.eos_text and suffix.startswith(self.eos_text):
             suffix = suffix[len(self.eos_text):]
         return self._encode(suffix)
