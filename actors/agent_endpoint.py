@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
-from actors.episodes import ChatTokens
+from actors.episodes import ChatTokens, from_client
 from actors.generator import token_versions
 from actors.tools import parse_tool_calls
 
@@ -181,7 +181,7 @@ class AgentRunner:
         seg, delta = self._continued(ep, messages, tools)
         new = seg is None
         if new:
-            seg = Segment(messages, tools, self.chat.prompt_messages(messages, tools))
+            seg = Segment(messages, tools, self.chat.prompt_messages(from_client(messages), tools))
         room = min(self.limits.max_new_tokens, int(body.get("max_completion_tokens") or body.get("max_tokens") or 10**9),
                    self.limits.max_tokens - seg.length - len(delta))
         if room < 1:
@@ -214,7 +214,7 @@ class AgentRunner:
             k = len(seg.messages)
             if tools == seg.tools and len(messages) > k and [_norm(m) for m in messages[:k]] == [_norm(m) for m in seg.messages]:
                 ended = bool(seg.ids) and seg.ids[-1] == self.chat.tok.eos_token_id
-                return seg, self.chat.after_reply(messages[k:], reply_ended=ended)
+                return seg, self.chat.after_reply(from_client(messages[k:]), reply_ended=ended)
         return None, []
 
 

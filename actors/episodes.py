@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 from actors.environments import EpisodeLimits, as_step
 from actors.generator import token_versions
+from actors.tools import ToolCallFormat
 
 log = logging.getLogger("rayrlhf.episodes")
 
@@ -59,15 +60,20 @@ class ChatTokens:
     def prompt_messages(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """A conversation as the prompt of its next reply. Tools the template does not render
         itself go into the system message."""
-        if tools and not self._renders_tools(tools):
-            listing = tool_instructions(tools)
-            if messages and messages[0].get("role") == "system":
-                messages = [{**messages[0], "content": f"{messages[0].get('content') or ''}\n\n{listing}"}] + messages[1:]
-            else:
-                messages = [{"role": "system", "content": listing}] + messages
-        return self._encode(self._render(messages, tools, generation=True))
+        return self._encode(self._render(self.with_tools(messages, tools), tools, generation=True))
 
-    def _renders_tools(self, tools: list[dict]) -> bool:
+    def with_tools(self, messages: list[dict], tools: list[dict] | None) -> list[dict]:
+        """The messages the template renders: the tool list in the system message where the
+        template renders no tools itself (the way every rollout of rayrlhf lists them)."""
+        if not tools or self.renders_tools(tools):
+            return list(messages)
+        listing = tool_instructions(tools)
+        if messages and messages[0].get("role") == "system":
+            return [{**messages[0], "content": f"{messages[0].get('content') or ''}\n\n{listing}"}] + list(messages[1:])
+        return [{"role": "system", "content": listing}] + list(messages)
+
+    def renders_tools(self, tools: list[dict]) -> bool:
+        """Whether the chat template renders this tool list itself (asked once per list)."""
         import json
 
         key = json.dumps(tools, sort_keys=True)
@@ -103,6 +109,50 @@ def as_message(obs: Any) -> dict[str, str]:
     if isinstance(obs, str):
         return {"role": "user", "content": obs}
     raise TypeError(f"an observation must be text or a {{'role', 'content'}} message, got {type(obs).__name__}")
+
+
+def from_client(messages: list[Any], fmt: ToolCallFormat = ToolCallFormat()) -> list[dict]:
+    """A client's chat messages (OpenAI API) as the model saw such turns in training: an
+    assistant message's ``tool_calls`` as the text the model writes (after its content, each call
+    between the format's tags as ``{"name", "arguments"}`` JSON); consecutive ``tool`` messages as
+    one, their answers joined inside the response tags (as the ``tool_use`` environment answers
+    every call of a reply at once); content given as parts as its text. Other messages pass
+    through unchanged, so a conversation without tools is left as it is."""
+    import json
+
+    out: list[dict] = []
+    for m in messages:
+        m = dict(m) if isinstance(m, dict) else m.model_dump(exclude_none=True)
+        content = _text(m.get("content"))
+        if m.get("role") == "assistant" and m.get("tool_calls"):
+            calls = []
+            for c in m["tool_calls"]:
+                fn = c.get("function") or {}
+                args = fn.get("arguments")
+                try:
+                    args = json.loads(args) if isinstance(args, str) else (args or {})
+                except json.JSONDecodeError:
+                    pass  # what the model wrote, as it wrote it
+                calls.append(fmt.open_tag + json.dumps({"name": fn.get("name"), "arguments": args}) + fmt.close_tag)
+            # Exact for a reply that is calls only; text before the calls is joined by a line break.
+            out.append({"role": "assistant", "content": "\n".join(([content.rstrip()] if content.strip() else []) + calls)})
+        elif m.get("role") == "tool":
+            if out and out[-1].get("_answers") is not None:
+                out[-1]["_answers"].append(content)
+            else:
+                out.append({"role": "tool", "_answers": [content]})
+        else:
+            out.append({**{k: v for k, v in m.items() if k != "content"}, "content": content})
+    for m in out:
+        if "_answers" in m:
+            m["content"] = fmt.wrap_response("\n".join(m.pop("_answers")))
+    return out
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, list):  # OpenAI content parts
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return content if isinstance(content, str) else ""
 
 
 def tool_instructions(tools: list[dict]) -> str:

@@ -8,7 +8,11 @@ that cannot be used are excluded and counted by reason, never silently dropped:
 ``malformed_row`` (not JSON, not an object, wrong types), ``missing_field``, ``identical_pair``
 (chosen == rejected) and ``too_long`` (prompt or a response over its token budget).
 
-Demonstrations follow the same rules with one ``response`` field (text or messages).
+Demonstrations follow the same rules with one ``response`` field (text or messages), or are
+whole conversations: a ``messages`` field (and optionally ``tools``, function schemas) whose every
+assistant turn after the first user turn is trained, and whose other turns (tool answers, user
+feedback) are context, tokenised as a multi-turn rollout tokenises them (``ChatTokens``), so an
+SFT stage on transcripts and a multi-turn RL stage after it see the same token ids.
 
 Encoded pairs are two rows of one group with the prompt's tokens first (so the learner runs the
 prompt once for both, see ``learners/modeling.py``); the chosen row scores 1, the rejected 0.
@@ -96,9 +100,12 @@ def normalise_row(obj: Any) -> tuple[dict[str, Any] | None, str | None]:
 
 
 def normalise_demonstration(obj: Any) -> tuple[dict[str, Any] | None, str | None]:
-    """A usable ``{"prompt": Messages, "response": str}`` or (None, reason)."""
+    """A usable ``{"prompt": Messages, "response": str}`` (or ``{"messages", "tools"}``, a
+    conversation) or (None, reason)."""
     if not isinstance(obj, dict):
         return None, "malformed_row"
+    if "messages" in obj:
+        return normalise_conversation(obj)
     if obj.get("response") in (None, "", []):
         return None, "missing_field"
     context, response = _split_reply(obj["response"])
@@ -110,6 +117,23 @@ def normalise_demonstration(obj: Any) -> tuple[dict[str, Any] | None, str | None
     if not response.strip():
         return None, "missing_field"
     return {"prompt": messages, "response": response}, None
+
+
+def normalise_conversation(obj: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
+    """A ``{"messages": Messages, "tools": list | None}`` conversation with at least one
+    assistant turn after a turn of someone else, or (None, reason)."""
+    messages, tools = obj.get("messages"), obj.get("tools")
+    if messages in (None, []):
+        return None, "missing_field"
+    if not _is_messages(messages) or not (tools is None or (isinstance(tools, list)
+                                                            and all(isinstance(t, dict) for t in tools))):
+        return None, "malformed_row"
+    first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
+    if first is None or first == 0 or all(m["role"] == "system" for m in messages[:first]):
+        return None, "missing_field"
+    if any(m["role"] == "assistant" and not m["content"].strip() for m in messages):
+        return None, "missing_field"
+    return {"messages": [dict(m) for m in messages], "tools": tools or None}, None
 
 
 def read_demonstrations(path: str | Path) -> PreferenceSet:
@@ -210,9 +234,14 @@ def _reply_ids(tokenizer: Any, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
 
 
-def pad_rows(seqs: list[tuple[list[int], list[int]]], pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+Segments = list[tuple[list[int], bool]]
+
+
+def pad_rows(seqs: list[tuple[list[int], list[int]]], pad: int,
+             masks: list[list[bool] | None] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(prompt ids, reply ids) rows, right-padded: input_ids (B, L), attention_mask (B, L) and
-    reply mask (B, L), with L the longest row (at least 1)."""
+    reply mask (B, L), with L the longest row (at least 1). ``masks[i]``, where given, marks the
+    trained ids of row i's reply (a conversation's assistant turns); else all of it."""
     length = max([len(p) + len(r) for p, r in seqs], default=1)
     ids = torch.full((len(seqs), length), pad, dtype=torch.long)
     att = torch.zeros(len(seqs), length, dtype=torch.bool)
@@ -220,16 +249,38 @@ def pad_rows(seqs: list[tuple[list[int], list[int]]], pad: int) -> tuple[torch.T
     for i, (prompt, reply) in enumerate(seqs):
         ids[i, : len(prompt) + len(reply)] = torch.tensor(prompt + reply)
         att[i, : len(prompt) + len(reply)] = True
-        resp[i, len(prompt) : len(prompt) + len(reply)] = True
+        mask = masks[i] if masks is not None and masks[i] is not None else [True] * len(reply)
+        resp[i, len(prompt) : len(prompt) + len(reply)] = torch.tensor(mask, dtype=torch.bool)
     return ids, att, resp
+
+
+def conversation_ids(chat: Any, messages: Messages, tools: list[dict] | None, eos_token_id: int) -> tuple[list[int], Segments]:
+    """A conversation as a multi-turn rollout records it: the prompt's ids (up to the first
+    assistant turn, with the tool list) and then each assistant turn's ids (trained, ending in
+    EOS) and the ids of the turns between them (context). Turns after the last assistant turn are
+    left out. ``chat``: ``actors.episodes.ChatTokens``."""
+    first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    prompt = chat.prompt_messages(messages[:first], tools)
+    segments: Segments = []
+    between: Messages = []
+    for m in messages[first:]:
+        if m["role"] != "assistant":
+            between.append(m)
+            continue
+        if segments:  # the template's end of the last reply, the turns since, the next generation prompt
+            segments.append((chat.after_reply(between, reply_ended=True), False))
+        segments.append((list(chat.tok(m["content"], add_special_tokens=False)["input_ids"]) + [eos_token_id], True))
+        between = []
+    return prompt, segments
 
 
 def _to_experience(seqs: list[tuple[list[int], list[int]]], group_ids: list[int], scores: list[float],
                    completions: list[str], meta: list[dict[str, Any]], pad: int,
-                   skipped: dict[str, int]) -> Experience:
-    """Right-padded rows of (prompt, reply) token lists; the reply is the trained part."""
+                   skipped: dict[str, int], masks: list[list[bool] | None] | None = None) -> Experience:
+    """Right-padded rows of (prompt, reply) token lists; the reply (or its ``masks``) is the
+    trained part."""
     n = len(seqs)
-    ids, att, resp = pad_rows(seqs, pad)
+    ids, att, resp = pad_rows(seqs, pad, masks)
     return Experience(
         input_ids=ids, attention_mask=att, response_mask=resp, rollout_logprobs=torch.zeros(ids.shape),
         group_ids=torch.tensor(group_ids, dtype=torch.long), truncated=torch.zeros(n, dtype=torch.bool),
@@ -260,20 +311,42 @@ def encode_pairs(rows: list[dict[str, Any]], tokenizer: Any, *, max_prompt_token
 
 
 def encode_demonstrations(rows: list[dict[str, Any]], tokenizer: Any, *, max_prompt_tokens: int,
-                          max_response_tokens: int, system_prompt: str = "",
-                          pad_token_id: int | None = None) -> tuple[Experience, dict[str, int]]:
+                          max_response_tokens: int, system_prompt: str = "", pad_token_id: int | None = None,
+                          max_total_tokens: int = 0) -> tuple[Experience, dict[str, int]]:
     """Demonstrations as one ``Experience`` (one row each, its own group); rows over a token
-    budget are counted as ``too_long`` and left out."""
+    budget are counted as ``too_long`` and left out. A conversation's budget: the prompt, each
+    assistant turn (``max_response_tokens``) and the whole row (``max_total_tokens``, 0: the
+    prompt's and one turn's budget per assistant turn)."""
     skipped: dict[str, int] = {}
     pad = pad_token_id if pad_token_id is not None else (tokenizer.pad_token_id or 0)
-    seqs, completions, meta = [], [], []
+    chat = None
+    seqs, masks, completions, meta = [], [], [], []
     for row in rows:
-        prompt, reply = _prompt_ids(tokenizer, row["prompt"], system_prompt), _reply_ids(tokenizer, row["response"])
-        if len(prompt) > max_prompt_tokens or len(reply) > max_response_tokens:
-            _count(skipped, "too_long", f"row {row.get('index', len(meta))}")
-            continue
+        where = f"row {row.get('index', len(meta))}"
+        if "messages" in row:
+            if chat is None:
+                from actors.episodes import ChatTokens
+
+                chat = ChatTokens(tokenizer, system_prompt)
+            prompt, segments = conversation_ids(chat, row["messages"], row.get("tools"), tokenizer.eos_token_id)
+            turns = [ids for ids, trained in segments if trained]
+            reply = [t for ids, _ in segments for t in ids]
+            budget = max_total_tokens or max_prompt_tokens + max_response_tokens * len(turns)
+            if (len(prompt) > max_prompt_tokens or max(map(len, turns)) > max_response_tokens
+                    or len(prompt) + len(reply) > budget):
+                _count(skipped, "too_long", where)
+                continue
+            mask = [trained for ids, trained in segments for _ in ids]
+            text = "\n".join(m["content"] for m in row["messages"] if m["role"] == "assistant")
+        else:
+            prompt, reply = _prompt_ids(tokenizer, row["prompt"], system_prompt), _reply_ids(tokenizer, row["response"])
+            if len(prompt) > max_prompt_tokens or len(reply) > max_response_tokens:
+                _count(skipped, "too_long", where)
+                continue
+            mask, text = None, row["response"]
         seqs.append((prompt, reply))
-        completions.append(row["response"])
+        masks.append(mask)
+        completions.append(text)
         meta.append({"index": row.get("index", len(meta))})
     n = len(seqs)
-    return _to_experience(seqs, list(range(n)), [0.0] * n, completions, meta, pad, skipped), skipped
+    return _to_experience(seqs, list(range(n)), [0.0] * n, completions, meta, pad, skipped, masks), skipped

@@ -142,7 +142,8 @@ class DataConfig(Section):
     demonstration_file: str = _f(
         "",
         "For run.algorithm=sft and dpo.pairs=spin: JSONL or Parquet rows {prompt, response} (text or chat "
-        "messages); eval_size of them are held out. Empty: data.task's prompts with their reference answers.",
+        "messages), or for sft whole conversations {messages, tools} (every assistant turn trained); eval_size of "
+        "them are held out. Empty: data.task's prompts with their reference answers (or sft.transcripts).",
     )
 
 
@@ -453,6 +454,11 @@ class SFTConfig(Section):
         0, "With data.task: judge demonstrations (EFT seed data of Self-Rewarding LMs: judge.template filled with a "
         "prompt and a right or wrong answer, then 'Score: N') mixed into the training data, so the model learns "
         "to judge before a self_judge stage.", ge=0)
+    transcripts: str = _f(
+        "", "With data.task: demonstrations written by code as tool-use conversations instead of the bare answers: "
+        "calculator (a calculator call on the row's expression, the tool's answer, the reference answer) or "
+        "module:function (a row -> a list of messages, or None to skip it). The tools listed in the prompt are "
+        "env.tools, as the multi-turn stage after it renders them; every assistant turn is trained.")
 
 
 class QLearnConfig(Section):
@@ -653,6 +659,8 @@ class Config(Section):
             (not (algo == "dpo" and self.data.preference_file and self.dpo.pairs != "scorer"),
              f"dpo.pairs={self.dpo.pairs} makes its own pairs: leave data.preference_file empty"),
             (not self.stages or len({st.name for st in self.stages}) == len(self.stages), "stages: names must be unique"),
+            (not (self.sft.transcripts and self.data.demonstration_file),
+             "sft.transcripts writes demonstrations from data.task's rows: leave data.demonstration_file empty"),
             (not rollout.inflight_updates or (algo == "ppo" and rollout.max_staleness > 0),
              "rollout.inflight_updates needs run.algorithm=ppo with rollout.max_staleness > 0 (in a synchronous run no "
              "generation is running when the weights sync)"),
@@ -688,8 +696,8 @@ class Config(Section):
             return []
         return [
             (not (env.name and self.rollout.agent), "env.name and rollout.agent are two kinds of episodes: set one"),
-            (algo in ("ppo", "qlearn", "dpo"), f"episodes (env.name, rollout.agent) need run.algorithm=ppo, qlearn or dpo (episodes to learn "
-                                               f"from), not {algo}"),
+            (algo in ("ppo", "qlearn", "dpo", "sft"), f"episodes (env.name, rollout.agent) need run.algorithm=ppo, qlearn, "
+                                                      f"dpo or sft (its held-out evaluation runs episodes), not {algo}"),
             (not (algo == "qlearn" and self.data.transition_file), "env.name: offline Q-learning (data.transition_file) "
                                                                    "runs no episodes; leave env.name empty"),
             (not (algo == "dpo" and self.dpo.pairs != "scorer"), f"env.name with run.algorithm=dpo pairs the best and "

@@ -74,7 +74,7 @@ def environment_prompts(cfg: Config) -> tuple[Any, Any, str]:
 
 @dataclass
 class Demonstrations:
-    # {"prompt": messages, "response": str, "index": int}
+    # {"prompt": messages, "response": str, "index": int} or {"messages", "tools", "index"}
     rows: list[dict[str, Any]]
     # Rows excluded while loading, by reason.
     skipped: dict[str, int] = field(default_factory=dict)
@@ -89,6 +89,8 @@ def load_demonstrations(cfg: Config) -> tuple[Demonstrations, Demonstrations, st
 
     if not cfg.data.demonstration_file:
         train_set, eval_set, description = load_task_prompts(cfg)
+        if cfg.sft.transcripts:
+            return _transcripts(cfg, train_set, eval_set, description)
         demos = task_demonstrations(train_set.rows)
         if cfg.sft.judge_demonstrations:
             from actors.judge import judge_demonstrations
@@ -111,3 +113,26 @@ def load_demonstrations(cfg: Config) -> tuple[Demonstrations, Demonstrations, st
     return (Demonstrations(train, demos.skipped), Demonstrations(held),
             f"{len(train)} train / {len(held)} held-out demonstrations from {cfg.data.demonstration_file}"
             + (f" (skipped while loading: {demos.skipped})" if demos.skipped else ""))
+
+
+def _transcripts(cfg: Config, train_set: Any, eval_set: Any, description: str) -> tuple[Demonstrations, Demonstrations, str]:
+    """Tool-use conversations written by ``sft.transcripts`` from the task's rows, listing the
+    tools of ``env.tools`` as the multi-turn stage after it does (``actors/transcripts.py``)."""
+    from actors.tools import ToolBox, resolve_tools
+    from actors.transcripts import resolve_transcripts, transcript_demonstrations
+
+    try:
+        make = resolve_transcripts(cfg.sft.transcripts)
+        tools = ToolBox(resolve_tools(cfg.env.tools or ["calculator"]), workers=1)
+    except ValueError as e:
+        raise UserError(f"sft.transcripts: {e}") from None
+    schemas = tools.schemas()
+    tools.close()
+    train, skipped = transcript_demonstrations(train_set.rows, make, schemas)
+    held, _ = transcript_demonstrations(eval_set.rows, make, schemas)
+    if not train:
+        raise UserError(f"sft.transcripts={cfg.sft.transcripts}: no transcript written for any of the "
+                        f"{len(train_set.rows)} rows of data.task ({skipped})")
+    skipped = {**dict(train_set.skipped), **skipped}
+    return (Demonstrations(train, skipped), Demonstrations(held, {}, list(eval_set.rows)),
+            description + f"; {len(train)} {cfg.sft.transcripts} transcripts" + (f" (skipped: {skipped})" if skipped else ""))

@@ -8,6 +8,10 @@ rayrlhf's gateway, a subclass of Ray's ``OpenAiIngress`` that keeps its routes a
     - limits on ``n`` and ``max_tokens`` (400 naming the limit);
     - ``POST /v1/best_of_n``: n sampled answers ranked by a configured scorer (a ``ScorerServer``
       deployment of the same app), the best returned with every candidate's score;
+    - tools: a conversation with ``tools``, tool calls and tool answers reaches the template as
+      the agents saw it in training (the calls as the text the model writes, the answers inside
+      the response tags, the tool list in the system message where the template renders none),
+      and ``tool_calls`` come back parsed from the reply by vLLM's parser (``hermes`` by default);
     - ``POST /v1/admin/reload``: switch every replica to a newer checkpoint in place. Each engine
       pauses (requests in flight finish, new ones wait), reloads the weights from the folder,
       drops its prefix cache and resumes: no request is dropped.
@@ -91,6 +95,7 @@ class PolicyGateway(OpenAiIngress):
         configure_guard(GUARD, api_key, self.limits.max_body_bytes)
         self.scorer = scorer
         self.model_path = model_path
+        self._chat: tuple[str, Any] | None = None
         self._reload_lock = asyncio.Lock()
 
     async def completions(self, body: CompletionRequest, request: Request):
@@ -101,7 +106,28 @@ class PolicyGateway(OpenAiIngress):
         check_sampling(body.n, body.max_completion_tokens or body.max_tokens, self.limits)
         if body.max_tokens is None and body.max_completion_tokens is None:
             body.max_tokens = self.limits.max_tokens  # not "up to the context": the limit
+        if body.tools or any(_tool_turn(m) for m in body.messages):
+            body.messages = await asyncio.to_thread(self._as_trained, body.messages, body.tools)
         return await super().chat(body, request)
+
+    def _as_trained(self, messages: list, tools: list | None) -> list[dict]:
+        """A conversation with tools as rayrlhf's agents saw it in training (``actors/episodes.py``:
+        ``from_client``, ``ChatTokens.with_tools``): tool calls and answers as the text the model
+        wrote and read, the tool list where the training rollouts put it."""
+        from actors.episodes import from_client
+
+        schemas = [t.model_dump(exclude_none=True) if hasattr(t, "model_dump") else t for t in tools or []]
+        return self._chat_tokens().with_tools(from_client(messages), schemas or None)
+
+    def _chat_tokens(self) -> Any:
+        """The served checkpoint's chat template (loaded once per checkpoint)."""
+        if self._chat is None or self._chat[0] != self.model_path:
+            from transformers import AutoTokenizer
+
+            from actors.episodes import ChatTokens
+
+            self._chat = (self.model_path, ChatTokens(AutoTokenizer.from_pretrained(self.model_path)))
+        return self._chat[1]
 
     async def _one_chat(self, req: ChatCompletionRequest) -> Any:
         """A non-streaming chat response object from the engine (HTTPException on its error)."""
@@ -172,6 +198,11 @@ class PolicyGateway(OpenAiIngress):
 
     async def served(self, request: Request) -> JSONResponse:
         return JSONResponse({"model_path": self.model_path, "models": sorted(self._model_cards)})
+
+
+def _tool_turn(message: Any) -> bool:
+    m = message if isinstance(message, dict) else {}
+    return m.get("role") == "tool" or bool(m.get("tool_calls"))
 
 
 def _reload_replicas(broadcast: Any, handle: Any, folder: str) -> None:

@@ -1,7 +1,8 @@
 """Supervised fine-tuning recipe (stage 0 of the preference recipes):
 
     demos     <- demonstration rows (JSONL / Parquet), checked, counted, split, tokenised
-                 or, without a file: data.task's prompts with their reference answers
+                 or, without a file: data.task's prompts with their reference answers, or
+                 tool-use conversations written from them by code (sft.transcripts)
     for each step:
         batch    <- the next sft.examples_per_step demonstrations
         learners <- prompt-masked cross-entropy update
@@ -31,7 +32,9 @@ def encode(cfg: Config, tok: Any, rows: list[dict]) -> Any:
     budget = max(cfg.model.max_prompt_tokens, cfg.judge.max_prompt_tokens if cfg.sft.judge_demonstrations else 0)
     exp, skipped = encode_demonstrations(rows, tok, max_prompt_tokens=budget,
                                          max_response_tokens=cfg.model.max_new_tokens + 1,
-                                         system_prompt=cfg.data.system_prompt)
+                                         system_prompt=cfg.data.system_prompt,
+                                         max_total_tokens=cfg.env.episode_tokens(budget, cfg.model.max_new_tokens)
+                                         if cfg.env.name else 0)
     if skipped:
         print(f"[rayrlhf] demonstrations over the token budget (model.max_prompt_tokens / max_new_tokens), "
               f"left out: {skipped}", flush=True)

@@ -1,6 +1,7 @@
 """The policy server on a real local Ray cluster: the real ``openai`` client against
 ``ray.serve.llm``'s vLLM engine behind rayrlhf's gateway, serving checkpoints a training run wrote;
-best-of-n; an in-place switch to a newer checkpoint under load; API key and bad requests."""
+best-of-n; an in-place switch to a newer checkpoint under load; API key and bad requests; a model
+trained to call a tool returns ``tool_calls``, and the tool's answer reaches it as in training."""
 
 import json
 import threading
@@ -37,8 +38,8 @@ def server(checkpoints, serve_url, monkeypatch_module):
 
     monkeypatch_module.setenv("RAYRLHF_TEST_KEY", KEY)
     app = build_policy_app({
-        "model_path": str(checkpoints[0]), "dtype": "float32", "max_model_len": 256, "api_key_env": "RAYRLHF_TEST_KEY",
-        "limits": {"max_n": 8, "max_tokens": 32},
+        "model_path": str(checkpoints[0]), "dtype": "float32", "max_model_len": 640, "api_key_env": "RAYRLHF_TEST_KEY",
+        "limits": {"max_n": 8, "max_tokens": 96},
         "best_of_n_scorer": {"function": "actors.rewards:digit_density"},
     })
     serve.run(app, name="policy", route_prefix="/", blocking=False)
@@ -200,3 +201,39 @@ def test_refusals_are_clear_4xx(server, case):
     r = requests.post(f"{server}{path}", data=data, headers=headers, timeout=60)
     assert r.status_code == expect, r.text
     assert needle in r.json()["error"]["message"]
+
+
+def test_a_trained_tool_caller_answers_with_tool_calls_and_reads_the_tool_answer(server, tiny_model_path, tmp_path_factory):
+    """The tiny model, taught one calculator conversation by the SFT learner, served after a
+    reload: the real ``openai`` client gets ``tool_calls`` back, sends the tool's answer as a
+    ``tool`` message, and gets the final answer. Each request's prompt is exactly the token ids
+    training used (``actors/episodes.py``), or the model would not continue as it learned."""
+    from transformers import AutoTokenizer
+
+    from actors.episodes import ChatTokens
+    from tests.helpers.tool_agent import ANSWER, CALL, QUESTION, TOOLS, train_tool_caller
+
+    folder, metrics = train_tool_caller(tiny_model_path, tmp_path_factory.mktemp("tool_caller") / "model")
+    assert metrics["loss/total"] < 0.05
+    r = requests.post(f"{server}/v1/admin/reload", json={"model_path": str(folder)},
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=300)
+    assert r.status_code == 200, r.text
+    client = _client(server)
+    messages = [{"role": "user", "content": QUESTION}]
+    first = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, max_tokens=96, temperature=0)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "calculator" and json.loads(call.function.arguments) == {"expression": "37 * 41"}
+    tok = AutoTokenizer.from_pretrained(folder)
+    chat = ChatTokens(tok)
+    trained_prompt = chat.prompt(QUESTION, TOOLS)
+    assert first.usage.prompt_tokens == len(trained_prompt)
+    messages += [choice.message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": ANSWER}]
+    second = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, max_tokens=96, temperature=0)
+    assert second.choices[0].message.content == ANSWER and not second.choices[0].message.tool_calls
+    # The call as the model wrote it, the answer in the response tags, as the tool_use environment answers.
+    reply = tok(CALL, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    answer = chat.after_reply([{"role": "tool", "content": f"<tool_response>\n{ANSWER}\n</tool_response>"}], reply_ended=True)
+    assert second.usage.prompt_tokens == len(trained_prompt + reply + answer)
