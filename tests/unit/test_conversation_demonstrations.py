@@ -125,3 +125,24 @@ def test_rows_without_a_transcript_are_counted():
         resolve_transcripts("abacus")
     with pytest.raises(ValueError, match="no_such_module"):
         resolve_transcripts("no_such_module:fn")
+
+
+def test_a_run_gets_transcripts_from_its_task_with_the_env_tools(tmp_path):
+    from cluster.config import ConfigError, UserError
+    from cluster.config_loading import load_config
+    from cluster.data_sources import load_demonstrations
+
+    sets = ["run.algorithm=sft", "sft.transcripts=calculator", "env.name=tool_use", "env.tools=[calculator, python]",
+            "data.train_size=12", "data.eval_size=4",
+            "data.task_kwargs={min_terms: 2, max_terms: 2, min_digits: 2, max_digits: 2}"]
+    cfg = load_config("configs/calculator_smollm2.yaml", sets)
+    train, held, description = load_demonstrations(cfg)
+    assert len(train.rows) == 12 and len(held.task_rows) == 4 and "calculator transcripts" in description
+    assert [t["function"]["name"] for t in train.rows[0]["tools"]] == ["calculator", "python"]
+    assert train.rows[0]["messages"][1]["content"].startswith("<tool_call>")
+    with pytest.raises(UserError, match="sft.transcripts"):
+        load_demonstrations(load_config("configs/calculator_smollm2.yaml", sets + ["sft.transcripts=abacus"]))
+    demos = tmp_path / "d.jsonl"
+    demos.write_text('{"prompt": "q", "response": "a"}\n')
+    with pytest.raises(ConfigError, match="leave data.demonstration_file empty"):
+        load_config("configs/calculator_smollm2.yaml", sets + [f"data.demonstration_file={demos}"])
