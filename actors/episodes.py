@@ -181,6 +181,8 @@ class Episode:
     # Per turn: [first action index, end of the actions, end of the observation] in ``ids``.
     spans: list[list[int]] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
+    # Per turn: whether the reply ended by itself (not cut at its token limit).
+    ended: list[bool] = field(default_factory=list)
     info: dict[str, Any] = field(default_factory=dict)
     # None while running; done, max_turns, max_tokens, env_error, env_timeout, prompt_too_long.
     status: str | None = None
@@ -191,12 +193,33 @@ class Episode:
         return len(self.prompt_ids) + len(self.ids)
 
 
+# What a turn boundary's snapshot keeps of an episode: enough to go on from there.
+SNAPSHOT_FIELDS = ("prompt_ids", "ids", "action", "logprobs", "versions", "rewards", "spans", "texts", "ended", "truncated")
+
+
+def snapshot(ep: Episode) -> dict[str, Any]:
+    """An episode at a turn boundary (its next turn not sampled yet), as plain data."""
+    out = {f: getattr(ep, f) for f in SNAPSHOT_FIELDS}
+    # Copies: the episode goes on changing its lists while the snapshot travels.
+    return {**{k: list(v) if isinstance(v, list) else v for k, v in out.items()},
+            "spans": [list(s) for s in ep.spans], "info": dict(ep.info)}
+
+
 class EpisodeRunner:
-    """Runs a batch of episodes on an engine loop (the ``Feed`` of ``EngineLoop.stream``)."""
+    """Runs a batch of episodes on an engine loop (the ``Feed`` of ``EngineLoop.stream``).
+
+    Turn boundaries: ``journal(episode_key, snapshot)``, where given, is told of each episode
+    whose environment has answered and whose next turn is about to be sampled. An episode with a
+    snapshot in ``resume`` (an earlier, interrupted run of the same batch) goes on from it: a
+    fresh environment is reset and replays the snapshot's replies, and if it answers each as
+    recorded, the episode continues at its next turn; if not (an environment that is not
+    deterministic), it starts over (``info["resume"]``: resumed / replay_mismatch)."""
 
     def __init__(self, chat: ChatTokens, make_env: Callable[[], Any], limits: EpisodeLimits,
-                 sampling: Callable[[int, int, int], Any], pool: concurrent.futures.ThreadPoolExecutor) -> None:
+                 sampling: Callable[[int, int, int], Any], pool: concurrent.futures.ThreadPoolExecutor,
+                 journal: Callable[[int, dict], None] | None = None, resume: dict[int, dict] | None = None) -> None:
         self.chat, self.make_env, self.limits, self.sampling, self.pool = chat, make_env, limits, sampling, pool
+        self.journal, self.resume = journal, dict(resume or {})
         self._cv = threading.Condition()
         self._ready: deque[Episode] = deque()
         # Episodes whose environment call is out: key -> (deadline, episode).
@@ -233,6 +256,7 @@ class EpisodeRunner:
         ep.spans.append([start, len(ep.ids), len(ep.ids)])
         ep.texts.append(comp.text)
         ep.truncated = comp.finish_reason == "length"
+        ep.ended.append(not ep.truncated)
         self._call_env(ep, self._step, ep, comp.text)
 
     def expecting(self) -> bool:
@@ -267,7 +291,29 @@ class EpisodeRunner:
         if ep.length + 1 > self.limits.max_tokens:
             self._end(ep, "prompt_too_long")
             return
+        saved = self.resume.pop(ep.key, None)
+        if saved is not None and not self._replay(ep, saved):
+            self._reset(ep)  # the environment answered otherwise: the episode starts over
+            return
         self._next_turn(ep)
+
+    def _replay(self, ep: Episode, saved: dict[str, Any]) -> bool:
+        """Brings a freshly reset environment to the snapshot's turn boundary by replaying its
+        replies; adopts the snapshot if every answer is the recorded one."""
+        if saved.get("prompt_ids") != ep.prompt_ids:
+            ep.info["resume"] = "replay_mismatch"
+            return False
+        for (_, end, obs_end), text, ended, reward in zip(saved["spans"], saved["texts"], saved["ended"], saved["rewards"]):
+            step = as_step(ep.env.step(text))
+            if step.done or step.observation is None or float(step.reward) != reward or (
+                    self.chat.observation(step.observation, reply_ended=ended) != saved["ids"][end:obs_end]):
+                ep.info["resume"] = "replay_mismatch"
+                ep.env = self.make_env()
+                return False
+        for f in SNAPSHOT_FIELDS:
+            setattr(ep, f, saved[f])
+        ep.info = {**saved.get("info", {}), "resume": "resumed", "resumed_turns": len(saved["spans"])}
+        return True
 
     def _step(self, ep: Episode, text: str) -> None:
         step = as_step(ep.env.step(text))
@@ -296,6 +342,9 @@ class EpisodeRunner:
             if ep.key not in self._waiting_env:  # timed out meanwhile: already ended
                 return
             del self._waiting_env[ep.key]
+        if self.journal is not None and ep.spans:
+            self.journal(ep.key, snapshot(ep))
+        with self._cv:
             self._ready.append(ep)
             self._cv.notify_all()
 
@@ -327,11 +376,15 @@ KEPT = ("done", "max_turns", "max_tokens")
 
 
 def episode_summary(episodes: list[Episode]) -> tuple[dict[str, int], dict[str, float]]:
-    """(dropped episodes by reason, counters of the batch: turns, statuses, tool calls)."""
+    """(dropped episodes by reason, counters of the batch: turns, statuses, tool calls, episodes
+    resumed from an interrupted run and the turns they did not sample again)."""
     dropped: dict[str, int] = {}
     counts: dict[str, float] = {"episodes": len(episodes), "turns": 0}
     for ep in episodes:
         counts[f"status_{ep.status}"] = counts.get(f"status_{ep.status}", 0) + 1
+        if ep.info.get("resume"):  # went on from an interrupted run's turn boundary, or could not
+            counts[ep.info["resume"]] = counts.get(ep.info["resume"], 0) + 1
+            counts["resumed_turns"] = counts.get("resumed_turns", 0) + ep.info.get("resumed_turns", 0)
         if ep.status not in KEPT:
             dropped[ep.status] = dropped.get(ep.status, 0) + 1
             continue
@@ -347,5 +400,6 @@ def episode_meta(ep: Episode) -> dict[str, Any]:
     per-turn rewards, spans and texts, and how it ended."""
     return {**ep.row.get("meta", {}),
             "episode": {"reward": float(sum(ep.rewards)), "rewards": list(ep.rewards), "turns": len(ep.spans),
+                        "resumed_turns": int(ep.info.get("resumed_turns", 0)),
                         "spans": [list(s) for s in ep.spans], "status": ep.status,
                         "tool_calls": dict(ep.info.get("tool_calls") or {})}}

@@ -292,12 +292,14 @@ class Generator:
 
     def generate_episodes(self, rows: list[dict[str, Any]], group_ids: list[int], make_env: Any, limits: Any,
                           *, temperature: float = 1.0, top_p: float = 1.0, n: int = 1, seed: int | None = None,
-                          pool: Any = None) -> tuple[Experience, dict[str, float]]:
+                          pool: Any = None, journal: Any = None, resume: dict | None = None
+                          ) -> tuple[Experience, dict[str, float]]:
         """``n`` multi-turn episodes per row in ``make_env()`` environments (``actors/episodes.py``):
         one record row per episode, the model's tokens as sampled and the observations' between
         them (``response_mask`` marks the model's), rewards in ``meta["episode"]``. Episodes whose
-        environment failed or timed out are dropped and counted in ``skipped``. Returns the
-        record and the batch's episode counters."""
+        environment failed or timed out are dropped and counted in ``skipped``. ``journal`` /
+        ``resume``: turn-boundary snapshots out, and in from an interrupted run of this batch
+        (``EpisodeRunner``). Returns the record and the batch's episode counters."""
         import concurrent.futures
 
         from actors.episodes import ChatTokens, EpisodeRunner, episode_meta, episode_summary
@@ -306,7 +308,8 @@ class Generator:
         own_pool = pool is None
         pool = pool or concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="rayrlhf-env")
         try:
-            runner = EpisodeRunner(ChatTokens(self.tokenizer, self.system_prompt), make_env, limits, sampling, pool)
+            runner = EpisodeRunner(ChatTokens(self.tokenizer, self.system_prompt), make_env, limits, sampling, pool,
+                                   journal=journal, resume=resume)
             episodes = runner.run(self.loop, rows, group_ids, n)
         finally:
             if own_pool:

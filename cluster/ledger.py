@@ -9,8 +9,10 @@ below say "prompt"; the ``units`` record names the run's kind of unit.
   ``prompt``: its row in the dataset; ``unit``: its work unit in the step; ``version``: the
   policy version the generators held when it was issued);
 * ``reissued`` {step, uid, generator, reason}: sent again after its generator died;
-* ``scored``   {step, uid, samples, reward, generator, version}: the prompt's samples that got a
-  reward, their mean reward, the generator that sampled them and its policy version;
+* ``scored``   {step, uid, samples, reward, generator, version[, resumed_turns]}: the prompt's
+  samples that got a reward, their mean reward, the generator that sampled them and its policy
+  version (``resumed_turns``: episode turns its samples took over from a run of their work unit
+  that a generator's death interrupted, rather than sampling them again);
 * ``dropped``  {step, uid, samples, all, reasons}: samples of the prompt left out before the loss
   (``all``: none of its samples was left; ``reasons``: the drop counts of the shard it was in,
   e.g. ``{"reward_error": 1}``);
@@ -118,6 +120,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         "lost_uids": lost[:20],
         "restarts": dict(Counter(r["role"] for r in valid if r["event"] == "restart")),
         "resumes": sum(1 for r in records if r["event"] == "resume"),
+        "turns_resumed": sum(r.get("resumed_turns", 0) for r in valid if r["event"] == "scored"),
         "last_trained_step": finished,
     }
 
@@ -154,6 +157,9 @@ def outcome_records(step: int, unit_uids: list[list[int]], gen_stats: list[dict]
                 scored.append({"step": step, "uid": u, "samples": n,
                                "reward": round(sum(got) / len(got), 6) if got else None,
                                "generator": gen.get("generator"), "version": gen.get("policy_version")})
+                resumed = sum(t for g, t in zip(gen.get("groups", []), gen.get("resumed_turns") or []) if g == u)
+                if resumed:
+                    scored[-1]["resumed_turns"] = resumed
             if n < samples_per_prompt:
                 dropped.append({"step": step, "uid": u, "samples": samples_per_prompt - n, "all": n == 0,
                                 "reasons": reasons})

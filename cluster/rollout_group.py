@@ -14,7 +14,7 @@ from cluster.config import Config
 from cluster.role_settings import generator_config, reference_config, role_env, scorer_spec, self_judging
 from cluster.rollout_pool import GeneratorPool, Unit, unit_sizes
 from cluster.weight_sync import SyncError, probe_gaps
-from cluster.workers import GeneratorWorker, ReferenceWorker, ScorerWorker
+from cluster.workers import EpisodeJournal, GeneratorWorker, ReferenceWorker, ScorerWorker
 
 
 class RolloutGroup:
@@ -58,6 +58,11 @@ class RolloutGroup:
         # a generator that restarted.
         self.version: int | None = policy_version
         self.weights_source: Any = None
+        # Multi-turn episodes: their turn-boundary snapshots, kept apart from the generators so
+        # that a unit issued again after its generator died goes on from there.
+        self.journal = ray.remote(EpisodeJournal).options(
+            num_cpus=0, max_restarts=cfg.cluster.actor_max_restarts).remote() if cfg.env.name else None
+        self._batches = 0
         self.restarts = 0
         self.restart_log: list[dict] = []
         # The scorer's and the reference's restarts: counts, and entries for the run's ledger.
@@ -158,9 +163,10 @@ class RolloutGroup:
                texts: tuple[int, float] | None = None) -> list[Unit]:
         sizes = unit_sizes(len(rows), len(self.generators), self.cfg.rollout.unit_prompts)
         units, start = [], 0
+        self._batches += 1
         for k, n in enumerate(sizes):
             units.append(Unit(k, rows[start:start + n], group_ids[start:start + n], greedy,
-                              None if seed is None else seed + 7919 * k, texts=texts))
+                              None if seed is None else seed + 7919 * k, texts=texts, key=f"{self._batches}.{k}"))
             start += n
         return units
 
@@ -169,7 +175,8 @@ class RolloutGroup:
             n, temperature = unit.texts
             return self.generators[i].generate_texts.options(num_returns=2).remote(
                 unit.rows, unit.group_ids, n, temperature, unit.seed)
-        return self.generators[i].generate.options(num_returns=2).remote(unit.rows, unit.group_ids, unit.greedy, unit.seed)
+        return self.generators[i].generate.options(num_returns=2).remote(unit.rows, unit.group_ids, unit.greedy, unit.seed,
+                                                                         journal=self.journal, unit_key=unit.key)
 
     def _score_unit(self, unit: Unit) -> tuple | None:
         if unit.texts is not None:  # text prompts have no task to score against

@@ -72,6 +72,8 @@ class Unit:
     failures: list = field(default_factory=list)
     # How many times its generator had been revived when the unit started on it (see ``revive``).
     life: int = 0
+    # Unique in the run: where its episodes' turn-boundary snapshots are kept (``EpisodeJournal``).
+    key: str = ""
 
     @property
     def done(self) -> bool:

@@ -7,6 +7,7 @@ fetches the small stats dict.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
@@ -79,8 +80,12 @@ class GeneratorWorker:
         return self.gen.compilation()
 
     def generate(
-        self, rows: list[dict[str, Any]], group_ids: list[int], greedy: bool = False, seed: int | None = None
+        self, rows: list[dict[str, Any]], group_ids: list[int], greedy: bool = False, seed: int | None = None,
+        journal: Any = None, unit_key: str = "",
     ) -> tuple[Experience, dict]:
+        """A work unit's records and stats. ``journal`` (an ``EpisodeJournal`` actor) and
+        ``unit_key``: multi-turn episodes report their turn boundaries there, and a unit issued
+        again after its generator died goes on from the boundaries its first run reached."""
         g = self.gcfg
         t0 = time.perf_counter()
         sampling = {"temperature": 0.0 if greedy else g.temperature, "top_p": 1.0 if greedy else g.top_p,
@@ -92,7 +97,10 @@ class GeneratorWorker:
                                             **sampling)
         elif self._make_env is not None:
             exp, episodes = self._on_engine(self.gen.generate_episodes, rows, group_ids, self._make_env,
-                                            g.episode_limits, pool=self._env_pool, **sampling)
+                                            g.episode_limits, pool=self._env_pool, **sampling,
+                                            **_journaled(journal, unit_key))
+            if journal is not None and unit_key:
+                journal.drop.remote(unit_key)
         else:
             exp = self._on_engine(self.gen.generate, [r["prompt"] for r in rows], [r["meta"] for r in rows], group_ids,
                                   max_new_tokens=g.max_new_tokens, max_prompt_tokens=g.max_prompt_tokens, **sampling)
@@ -111,6 +119,9 @@ class GeneratorWorker:
             "groups": exp.group_ids.tolist(),
             "peak_rss_gb": peak_rss_gb(),
             "episodes": episodes,
+            # Per sample (as "groups"): turns taken over from an interrupted run of the unit.
+            "resumed_turns": [int((m.get("episode") or {}).get("resumed_turns", 0)) for m in exp.meta]
+            if episodes.get("resumed") else [],
             "samples": [(r, c) for r, c in zip([m.get("question", "") for m in exp.meta[:2]], exp.completions[:2])],
         }
         return exp, stats
@@ -183,6 +194,41 @@ class GeneratorWorker:
     def probe(self, token_ids: list[int]) -> dict:
         """The policy version this generator holds and its log-probs of the probe sequence."""
         return {"version": self.gen.version, "logprobs": self._beside_engine(self.gen.probe_logprobs, token_ids)}
+
+
+class EpisodeJournal:
+    """Turn-boundary snapshots of the multi-turn episodes of work units in flight
+    (``actors/episodes.py``: ``EpisodeRunner``), by unit and episode, in an actor apart from the
+    generators: when a generator dies mid-unit, the unit issued again goes on from them. A unit's
+    entries go when it finishes."""
+
+    def __init__(self) -> None:
+        self._units: dict[str, dict[int, dict]] = {}
+
+    def record(self, unit: str, episode: int, snapshot: dict) -> None:
+        self._units.setdefault(unit, {})[episode] = snapshot
+
+    def get(self, unit: str) -> dict[int, dict]:
+        return self._units.get(unit, {})
+
+    def drop(self, unit: str) -> None:
+        self._units.pop(unit, None)
+
+    def sizes(self) -> dict[str, int]:
+        return {u: len(eps) for u, eps in self._units.items()}
+
+
+def _journaled(journal: Any, unit_key: str) -> dict:
+    """``generate_episodes``' journal arguments: snapshots out to the journal actor (fire and
+    forget), and those an earlier run of this unit left (none if the journal cannot answer)."""
+    if journal is None or not unit_key:
+        return {}
+    try:
+        resume = ray.get(journal.get.remote(unit_key), timeout=60)
+    except (ray.exceptions.RayError, TimeoutError) as e:  # the unit starts from scratch, as it would without
+        logging.getLogger("rayrlhf.generator").warning("episode journal unavailable (%s): no resume", e)
+        resume = {}
+    return {"journal": lambda episode, snap: journal.record.remote(unit_key, episode, snap), "resume": resume}
 
 
 def _version_counts(exp: Experience) -> dict[int, int]:

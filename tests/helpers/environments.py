@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 
 from actors.environments import Step
 from actors.rewards import digit_density
@@ -14,8 +15,8 @@ class DigitsAcrossTurns:
     given after the second reply, is the digit density of the FIRST reply. Credit has to cross
     the observation to reach the tokens that earned it."""
 
-    def __init__(self, observation: str = "Again.", scored_turn: int = 1) -> None:
-        self.observation, self.first, self.scored_turn = observation, "", scored_turn
+    def __init__(self, observation: str = "Again.", scored_turn: int = 1, hold: str = "") -> None:
+        self.observation, self.first, self.scored_turn, self.hold = observation, "", scored_turn, hold
 
     def reset(self, row: dict) -> str:
         self.first = ""
@@ -25,7 +26,22 @@ class DigitsAcrossTurns:
         if not self.first:
             self.first = action or " "
             return Step(self.observation, 0.0, False, {})
+        self._held()
         return Step(None, digit_density([""], [self.first if self.scored_turn == 1 else action])[0], True, {})
+
+    def _held(self) -> None:
+        """With ``hold`` (a path prefix), once ``<hold>.arm`` exists: the second reply's step
+        waits, having touched ``<hold>.held``, until ``<hold>.release`` exists — a moment at which
+        a test knows episodes are between their turns. Once released it never waits again."""
+        if not self.hold or not Path(self.hold + ".arm").exists():
+            return
+        release = Path(self.hold + ".release")
+        if release.exists():
+            return
+        Path(self.hold + ".held").touch()
+        deadline = time.monotonic() + 120
+        while not release.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 class Unreliable:

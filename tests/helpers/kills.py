@@ -8,6 +8,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -52,10 +53,12 @@ def kill_inside(proc: subprocess.Popen, class_name: str, method: str) -> bool:
     return inside
 
 
-def kill_during_run(proc: subprocess.Popen, run_dir: Path, kills: list) -> tuple[list[tuple[bool, int]], str]:
+def kill_during_run(proc: subprocess.Popen, run_dir: Path, kills: list,
+                    after_kill: Any = None) -> tuple[list[tuple[bool, int]], str]:
     """For each (ready, class_name, method) in turn: waits for ``ready()`` with the run still going,
-    then SIGKILLs the run's actor inside a call of ``method``. Returns, for each kill, whether it
-    landed inside such a call and the steps logged then; and the finished run's output."""
+    then SIGKILLs the run's actor inside a call of ``method`` (then calls ``after_kill()``, if
+    given). Returns, for each kill, whether it landed inside such a call and the steps logged
+    then; and the finished run's output."""
     landed = []
     try:
         for ready, class_name, method in kills:
@@ -63,6 +66,8 @@ def kill_during_run(proc: subprocess.Popen, run_dir: Path, kills: list) -> tuple
             assert proc.poll() is None, proc.communicate()[0][-3000:]
             step = steps_logged(run_dir)
             landed.append((kill_inside(proc, class_name, method), step))
+            if after_kill is not None:
+                after_kill()
         return landed, finish(proc)
     finally:
         if proc.poll() is None:

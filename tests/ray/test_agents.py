@@ -31,19 +31,35 @@ def _mean(xs: list[float]) -> float:
 
 
 def test_grpo_learns_across_turns_and_a_generator_killed_mid_episode_loses_nothing(ray_cluster, tmp_path):
-    run_dir = tmp_path / "grpo"
+    """The kill lands while the episodes of step 3 wait between their turns (the environment
+    holds their second step until the test releases it, after the kill): the unit issued again
+    goes on from the turn boundaries its episodes had reached (``tests/unit/test_episodes.py``:
+    the same episodes as an uninterrupted run), and the ledger counts the turns taken over."""
+    run_dir, hold = tmp_path / "grpo", tmp_path / "hold"
     sets = [*ENV, f"run.steps={STEPS}", "ppo.advantage_estimator=grpo", f"rollout.samples_per_prompt={SAMPLES}",
-            f"rollout.prompts_per_step={PROMPTS}", "ppo.loss_agg=seq_mean_token_mean"]
+            f"rollout.prompts_per_step={PROMPTS}", "ppo.loss_agg=seq_mean_token_mean", f"env.args={{hold: {hold}}}"]
     env = {**ray_cluster["env"], "RAY_ADDRESS": ray_cluster["address"]}
     cmd = [str(Path(sys.executable).parent / "rayrlhf"), "train", "configs/ppo_tiny.yaml", "--run-dir", str(run_dir),
            *[a for s in sets for a in ("--set", s)]]
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    kills, out = kill_during_run(proc, run_dir, [(lambda: steps_logged(run_dir) >= 2, "GeneratorWorker", "generate")])
-    assert kills[0][0] and kills[0][1] < STEPS, kills
+
+    def held() -> bool:  # from step 3 on, the environments hold their second step
+        if steps_logged(run_dir) >= 2 and not Path(f"{hold}.arm").exists():
+            Path(f"{hold}.arm").touch()
+        return Path(f"{hold}.held").exists()
+
+    try:
+        kills, out = kill_during_run(proc, run_dir, [(held, "GeneratorWorker", "generate")], after_kill=lambda: Path(f"{hold}.release").touch())
+    finally:
+        Path(f"{hold}.release").touch()
+    assert kills[0][0] and 2 <= kills[0][1] < STEPS, kills
     summary = summarize(read_ledger(run_dir))
     p = summary["prompts"]
     assert p["issued"] == p["scored"] == p["trained"] == STEPS * PROMPTS and p["lost"] == 0, p
     assert summary["restarts"] == {"generator": 1} and p["reissued"] >= 1, summary
+    # Episodes of the interrupted unit that had finished their first turn did not sample it again.
+    assert 1 <= summary["turns_resumed"] <= PROMPTS * SAMPLES, summary
+    assert sum(r.get("episode/resumed", 0) for r in rows(run_dir)) >= 1
     got = [r for r in rows(run_dir) if r["step"] > 0]
     # Every episode ran its two turns (the environment ends it after the second reply).
     assert all(r["episode/turns_mean"] == 2.0 and r["episode/status_done"] == PROMPTS * SAMPLES for r in got)

@@ -167,3 +167,42 @@ def test_a_seeded_batch_large_enough_to_be_prefilled_in_chunks_runs(generator):
     limits = EpisodeLimits(max_turns=2, max_tokens=200, max_new_tokens=4)
     exp, counts = generator.generate_episodes(_rows(32), list(range(32)), Scripted, limits, n=8, seed=1)
     assert exp.batch_size == 256 and counts["status_max_turns"] == 256
+
+
+def test_an_interrupted_batch_goes_on_from_its_last_turn_boundaries(generator):
+    """The journal gets each episode's snapshot at every turn boundary. A second run of the batch
+    given the snapshots after turn 1 (as if the first had died there) replays turn 1 into fresh
+    environments, keeps the recorded turn (its log-probs are the snapshot's, not sampled again)
+    and samples the rest: the same episodes as the uninterrupted run. An environment that
+    answers the replay differently makes its episode start over, counted."""
+    import itertools
+
+    limits = EpisodeLimits(max_turns=3, max_tokens=256, max_new_tokens=10)
+    journal: dict[int, list[dict]] = {}
+    full, _ = generator.generate_episodes(_rows(4), list(range(4)), Scripted, limits, n=2, seed=5,
+                                          journal=lambda key, snap: journal.setdefault(key, []).append(snap))
+    assert sorted(journal) == list(range(8)) and all([len(s["spans"]) for s in v] == [1, 2] for v in journal.values())
+    resume = {k: v[0] for k, v in journal.items()}
+    for snap in resume.values():  # marks what the second run must take over rather than sample
+        snap["logprobs"] = [-1.25 if a else 0.0 for a in snap["action"]]
+    again, counts = generator.generate_episodes(_rows(4), list(range(4)), Scripted, limits, n=2, seed=5, resume=resume)
+    assert counts["resumed"] == 8 and counts["resumed_turns"] == 8 and "replay_mismatch" not in counts
+    assert torch.equal(again.input_ids, full.input_ids)
+    for i, meta in enumerate(again.meta):
+        start, end, _ = meta["episode"]["spans"][0]
+        offset = int((again.attention_mask[i] & ~again.response_mask[i]).long().cumprod(0).sum())  # prompt length
+        lp = again.rollout_logprobs[i]
+        assert torch.all(lp[offset + start:offset + end] == -1.25)  # turn 1: taken over
+        later = again.response_mask[i].clone()
+        later[: offset + end] = False
+        assert torch.allclose(lp[later], full.rollout_logprobs[i][later], atol=1e-4)  # turns 2, 3: sampled
+    counter = itertools.count()
+
+    class Forgetful(Scripted):  # its answers differ from one life to the next
+        def step(self, action):
+            out = super().step(action)
+            return out if out.done else Step(f"{out.observation} ({next(counter)})", 0.0, False, {})
+
+    resume = {k: v[0] for k, v in journal.items()}
+    _, counts = generator.generate_episodes(_rows(4), list(range(4)), Forgetful, limits, n=2, seed=5, resume=resume)
+    assert counts["replay_mismatch"] == 8 and counts["status_done"] == 8 and "resumed" not in counts
