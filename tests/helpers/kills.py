@@ -25,11 +25,16 @@ def steps_logged(run_dir: Path) -> int:
 
 def run_actor_pid(proc: subprocess.Popen, class_name: str) -> int:
     """The process of the run's own actor of that class (the run's Ray job: its driver is ``proc``)."""
+    import ray
     from ray.util.state import list_actors, list_jobs
 
-    jobs = [j.job_id for j in list_jobs() if j.driver_info is not None and int(j.driver_info.pid) == proc.pid]
+    # This process's cluster, named: another Ray instance on the machine would make it ambiguous.
+    address = ray.get_runtime_context().gcs_address
+    jobs = [j.job_id for j in list_jobs(address=address)
+            if j.driver_info is not None and int(j.driver_info.pid) == proc.pid]
     assert len(jobs) == 1, jobs
-    actors = list_actors(filters=[("class_name", "=", class_name), ("state", "=", "ALIVE"), ("job_id", "=", jobs[0])])
+    actors = list_actors(address=address, filters=[("class_name", "=", class_name), ("state", "=", "ALIVE"),
+                                                   ("job_id", "=", jobs[0])])
     assert len(actors) == 1, actors
     return int(actors[0].pid)
 
