@@ -356,6 +356,16 @@ class PPOConfig(Section):
         "sequence's token sum by loss_agg_constant, default model.max_new_tokens).",
     )
     loss_agg_constant: float = _f(0.0, "Normaliser of seq_mean_token_sum_norm (0: model.max_new_tokens).", ge=0)
+    policy_loss: Literal["ppo", "gspo", "cispo"] = _f(
+        "ppo", "Policy objective: ppo (clipped token ratio), gspo (GSPO: one clipped ratio per sequence, the geometric "
+        "mean of its token ratios; the paper clips at clip_eps=3e-4, clip_eps_high=4e-4, with "
+        "loss_agg=seq_mean_token_mean) or cispo (CISPO: REINFORCE with a clipped stop-gradient ratio weight on every "
+        "token; the paper bounds the top only, e.g. clip_eps=1.0, clip_eps_high=0.28). learners/policy_losses.py.")
+    clip_eps_high: float = _f(0.0, "Upper clip range of the ratio (0: clip_eps, symmetric). Larger than clip_eps is "
+                              "DAPO's clip-higher (e.g. 0.28 with clip_eps 0.2).", ge=0)
+    overlong_buffer: int = _f(0, "DAPO's soft overlong punishment: responses longer than model.max_new_tokens - "
+                              "overlong_buffer tokens lose reward linearly, up to overlong_penalty at the limit (0: off).", ge=0)
+    overlong_penalty: float = _f(1.0, "Reward lost by a response at model.max_new_tokens with overlong_buffer > 0.", ge=0)
     kl_controller: Literal["fixed", "adaptive"] = _f("fixed", "KL coefficient control: fixed (kl_coef) or adaptive (towards kl_target).")
     kl_target: float = _f(0.1, "Target KL per sequence of the adaptive controller.", gt=0)
     kl_horizon: int = _f(10000, "Horizon (samples) of the adaptive controller.", gt=0)
@@ -659,6 +669,11 @@ class Config(Section):
             (not (algo == "dpo" and self.data.preference_file and self.dpo.pairs != "scorer"),
              f"dpo.pairs={self.dpo.pairs} makes its own pairs: leave data.preference_file empty"),
             (not self.stages or len({st.name for st in self.stages}) == len(self.stages), "stages: names must be unique"),
+            (ppo.overlong_buffer <= self.model.max_new_tokens,
+             f"ppo.overlong_buffer ({ppo.overlong_buffer}) must not exceed model.max_new_tokens ({self.model.max_new_tokens})"),
+            (not (ppo.overlong_buffer and (self.env.name or rollout.agent)),
+             "ppo.overlong_buffer measures single replies against model.max_new_tokens; episodes (env.name, "
+             "rollout.agent) have several: leave it 0"),
             (not (self.sft.transcripts and self.data.demonstration_file),
              "sft.transcripts writes demonstrations from data.task's rows: leave data.demonstration_file empty"),
             (not rollout.inflight_updates or (algo == "ppo" and rollout.max_staleness > 0),

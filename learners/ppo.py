@@ -36,12 +36,13 @@ from learners.losses import (
     kl_penalty,
     masked_mean,
     masked_whiten,
-    policy_loss_clipped,
     rollout_importance_weights,
     value_loss_clipped,
 )
 from learners.modeling import autocast, micro_batch_order, shared_weight_casts
 from learners.policy import PolicyLearner
+from learners.policy_losses import policy_loss
+from learners.reward_shaping import overlong_penalty
 
 
 class PPOParams(Protocol):
@@ -72,6 +73,10 @@ class PPOParams(Protocol):
     rollout_is_low: float
     rollout_is_high: float
     skip_zero_advantage: bool
+    policy_loss: str
+    clip_eps_high: float
+    overlong_buffer: int
+    overlong_penalty: float
 
     @property
     def uses_reference(self) -> bool: ...
@@ -145,6 +150,14 @@ class PPOLearner(PolicyLearner):
         if rows:
             out[rows, : local.shape[1]] = local.float()
         return self.comm.all_reduce_sum(out)
+
+    def _apply_overlong(self, exp: Experience) -> Experience:
+        """DAPO's soft overlong punishment added to the scores (``learners/reward_shaping.py``)."""
+        if not self.hp.overlong_buffer:
+            return exp
+        lengths = exp.response_mask.sum(1)
+        return exp.replace(scores=exp.scores + overlong_penalty(
+            lengths, self.ctx.max_new_tokens, self.hp.overlong_buffer, self.hp.overlong_penalty).to(exp.scores.device))
 
     def _apply_truncation(self, exp: Experience) -> Experience:
         """Responses cut at the length limit: kept, penalised, or left out of the loss."""
@@ -227,7 +240,7 @@ class PPOLearner(PolicyLearner):
             batch = batch.replace(ref_logprobs=self._gather(local_ref, rows, tuple(batch.input_ids.shape)))
             t_ref = time.perf_counter() - t0
         n_truncated = int(batch.truncated.sum())
-        batch = self._apply_truncation(batch)
+        batch = self._apply_overlong(self._apply_truncation(batch))
         self.model.train()
         shape = tuple(batch.input_ids.shape)
         kl_coef = float(self.kl_ctl.value)
@@ -397,10 +410,10 @@ class PPOLearner(PolicyLearner):
                         )
                         totals["rollout_is/weight_mean"] += float(is_stats["weight_mean"]) * s_tok
                         totals["rollout_is/corrected_frac"] += float(is_stats["corrected_frac"]) * s_tok
-                    pg_loss, pg_stats = policy_loss_clipped(
-                        out["logprobs"], old_logprobs[micro, :width], advantages[micro, :width], mmask,
-                        clip_eps=hp.clip_eps, loss_agg=hp.loss_agg, loss_agg_constant=self.loss_agg_constant,
-                        weights=is_weights,
+                    pg_loss, pg_stats = policy_loss(
+                        hp.policy_loss, out["logprobs"], old_logprobs[micro, :width], advantages[micro, :width], mmask,
+                        clip_eps=hp.clip_eps, clip_eps_high=hp.clip_eps_high or None, loss_agg=hp.loss_agg,
+                        loss_agg_constant=self.loss_agg_constant, weights=is_weights,
                     )
                     loss = pg_loss * w_agg
                     if self.use_critic:

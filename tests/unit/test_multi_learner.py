@@ -166,3 +166,14 @@ def test_two_learners_with_no_row_to_run_take_part_in_every_reduction(tiny_model
     for g, m in results:
         assert m["learner/zero_advantage_rows"] == 7.0 and m["learner/local_sequences"] == 0.0
         assert g.abs().sum() == 0 and m["loss/policy"] == 0.0
+
+
+@pytest.mark.parametrize("policy_loss", ["gspo", "cispo"])
+def test_two_learners_match_one_with_each_policy_objective(tiny_model_path, policy_loss):
+    """GSPO's ratio is per sequence and CISPO's weights per token: either way the ranks' shares of
+    the global minibatch add up to the one-learner step. A ratio away from 1 (the reference
+    shift is the old policy's offset, clip ranges that bind) exercises the clipping."""
+    batch = _batch(tiny_model_path)
+    ppo = {"advantage_estimator": "grpo", "policy_loss": policy_loss, "kl_coef": 0.0, "clip_eps": 0.01,
+           "clip_eps_high": 0.02, "loss_agg": "seq_mean_token_mean"}
+    _compare(tiny_model_path, batch, {"micro_batch_size": 2, "epochs": 2}, ppo)
