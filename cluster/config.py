@@ -669,13 +669,6 @@ class Config(Section):
             (not (algo == "dpo" and self.data.preference_file and self.dpo.pairs != "scorer"),
              f"dpo.pairs={self.dpo.pairs} makes its own pairs: leave data.preference_file empty"),
             (not self.stages or len({st.name for st in self.stages}) == len(self.stages), "stages: names must be unique"),
-            (ppo.overlong_buffer <= self.model.max_new_tokens,
-             f"ppo.overlong_buffer ({ppo.overlong_buffer}) must not exceed model.max_new_tokens ({self.model.max_new_tokens})"),
-            (not (ppo.overlong_buffer and (self.env.name or rollout.agent)),
-             "ppo.overlong_buffer measures single replies against model.max_new_tokens; episodes (env.name, "
-             "rollout.agent) have several: leave it 0"),
-            (not (self.sft.transcripts and self.data.demonstration_file),
-             "sft.transcripts writes demonstrations from data.task's rows: leave data.demonstration_file empty"),
             (not rollout.inflight_updates or (algo == "ppo" and rollout.max_staleness > 0),
              "rollout.inflight_updates needs run.algorithm=ppo with rollout.max_staleness > 0 (in a synchronous run no "
              "generation is running when the weights sync)"),
@@ -694,7 +687,7 @@ class Config(Section):
             (not (self.cluster.realtime_learners and self.cluster.gpus_per_learner),
              "cluster.realtime_learners is for CPU learners (their OpenMP threads share cores with Ray's processes); "
              "a GPU learner's threads mostly wait for the GPU, and real-time waiting threads would starve the node"),
-        ] + self._env_checks(algo)
+        ] + self._env_checks(algo) + self._data_and_shaping_checks()
         for ok, msg in checks:
             if not ok:
                 raise ConfigError(msg)
@@ -703,6 +696,18 @@ class Config(Section):
         except ValueError as e:
             raise ConfigError(str(e)) from None
         return self
+
+    def _data_and_shaping_checks(self) -> list[tuple[bool, str]]:
+        ppo = self.ppo
+        return [
+            (ppo.overlong_buffer <= self.model.max_new_tokens,
+             f"ppo.overlong_buffer ({ppo.overlong_buffer}) must not exceed model.max_new_tokens ({self.model.max_new_tokens})"),
+            (not (ppo.overlong_buffer and (self.env.name or self.rollout.agent)),
+             "ppo.overlong_buffer measures single replies against model.max_new_tokens; episodes (env.name, "
+             "rollout.agent) have several: leave it 0"),
+            (not (self.sft.transcripts and self.data.demonstration_file),
+             "sft.transcripts writes demonstrations from data.task's rows: leave data.demonstration_file empty"),
+        ]
 
     def _env_checks(self, algo: str) -> list[tuple[bool, str]]:
         """What multi-turn episodes (``env.name``) combine with."""

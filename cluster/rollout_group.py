@@ -17,6 +17,14 @@ from cluster.weight_sync import SyncError, probe_gaps
 from cluster.workers import EpisodeJournal, GeneratorWorker, ReferenceWorker, ScorerWorker
 
 
+def _episode_journal(cfg: Config) -> Any:
+    """Multi-turn episodes' turn-boundary snapshots, in an actor apart from the generators so that
+    a unit issued again after its generator died goes on from there (None without episodes)."""
+    if not cfg.env.name:
+        return None
+    return ray.remote(EpisodeJournal).options(num_cpus=0, max_restarts=cfg.cluster.actor_max_restarts).remote()
+
+
 class RolloutGroup:
     """The inference-side roles: N generators, one scorer, one reference."""
 
@@ -58,10 +66,7 @@ class RolloutGroup:
         # a generator that restarted.
         self.version: int | None = policy_version
         self.weights_source: Any = None
-        # Multi-turn episodes: their turn-boundary snapshots, kept apart from the generators so
-        # that a unit issued again after its generator died goes on from there.
-        self.journal = ray.remote(EpisodeJournal).options(
-            num_cpus=0, max_restarts=cfg.cluster.actor_max_restarts).remote() if cfg.env.name else None
+        self.journal = _episode_journal(cfg)
         self._batches = 0
         self.restarts = 0
         self.restart_log: list[dict] = []
