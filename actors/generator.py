@@ -70,6 +70,8 @@ class GeneratorConfig:
     # Sampling: temperature, nucleus threshold, samples per prompt.
     temperature: float = 1.0
     top_p: float = 1.0
+    # Top-k truncation of the sampling distribution (0: off).
+    top_k: int = 0
     samples_per_prompt: int = 1
     # Engine seed; each call of ``generate`` may reseed with its own ``seed`` (reproducible steps).
     seed: int = 0
@@ -239,6 +241,7 @@ class Generator:
         top_p: float = 1.0,
         n: int = 1,
         ignore_eos: bool = False,
+        top_k: int = 0,
         seed: int | None = None,
     ) -> Experience:
         """Samples ``n`` responses per prompt (``ignore_eos``: fixed-length, for benchmarks).
@@ -274,7 +277,7 @@ class Generator:
             raise ValueError(f"no usable prompt in a batch of {len(prompts)}: {skipped}")
 
         params = SamplingParams(
-            n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, logprobs=1,
+            n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_new_tokens, logprobs=1,
             stop_token_ids=[self.eos_token_id] if self.eos_token_id is not None and not ignore_eos else None,
             ignore_eos=ignore_eos,
         )
@@ -292,7 +295,7 @@ class Generator:
 
     def generate_episodes(self, rows: list[dict[str, Any]], group_ids: list[int], make_env: Any, limits: Any,
                           *, temperature: float = 1.0, top_p: float = 1.0, n: int = 1, seed: int | None = None,
-                          pool: Any = None, journal: Any = None, resume: dict | None = None
+                          pool: Any = None, journal: Any = None, resume: dict | None = None, top_k: int = 0
                           ) -> tuple[Experience, dict[str, float]]:
         """``n`` multi-turn episodes per row in ``make_env()`` environments (``actors/episodes.py``):
         one record row per episode, the model's tokens as sampled and the observations' between
@@ -304,7 +307,7 @@ class Generator:
 
         from actors.episodes import ChatTokens, EpisodeRunner, episode_meta, episode_summary
 
-        sampling = self._turn_sampling(temperature, top_p, seed)
+        sampling = self._turn_sampling(temperature, top_p, seed, top_k)
         own_pool = pool is None
         pool = pool or concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="rayrlhf-env")
         try:
@@ -324,7 +327,7 @@ class Generator:
         return self._to_experience(out, dropped), counts
 
     def generate_agent_episodes(self, rows: list[dict[str, Any]], group_ids: list[int], agent: Any, endpoint: Any,
-                                limits: Any, *, temperature: float = 1.0, top_p: float = 1.0, n: int = 1,
+                                limits: Any, *, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, n: int = 1,
                                 seed: int | None = None, pool: Any, timeout_s: float = 300.0
                                 ) -> tuple[Experience, dict[str, float]]:
         """``n`` episodes per row of an agent program ``agent(row, base_url) -> reward`` against
@@ -333,7 +336,7 @@ class Generator:
         from actors.agent_endpoint import AgentRunner, agent_summary
         from actors.episodes import ChatTokens
 
-        runner = AgentRunner(ChatTokens(self.tokenizer), limits, self._turn_sampling(temperature, top_p, seed), pool,
+        runner = AgentRunner(ChatTokens(self.tokenizer), limits, self._turn_sampling(temperature, top_p, seed, top_k), pool,
                              timeout_s)
         episodes = runner.run(self.loop, endpoint, agent, rows, group_ids, n)
         dropped, counts = agent_summary(episodes)
@@ -350,7 +353,7 @@ class Generator:
             raise ValueError(f"no agent episode of a batch of {len(episodes)} finished: {dropped}; e.g. {errors}")
         return self._to_experience(out, dropped), counts
 
-    def _turn_sampling(self, temperature: float, top_p: float, seed: int | None):
+    def _turn_sampling(self, temperature: float, top_p: float, seed: int | None, top_k: int = 0):
         """``sampling(room, key, turn)``: the parameters of one turn of episode ``key`` with ``room``
         tokens left. With a batch ``seed`` each turn samples from a generator seeded by (seed,
         episode, turn): its tokens do not depend on which other turns share the engine's batch,
@@ -359,7 +362,8 @@ class Generator:
 
         def sampling(room: int, key: int, turn: int) -> SamplingParams:
             turn_seed = None if seed is None else (seed * 1_000_003 + key * 7919 + turn) % 2**31
-            return SamplingParams(n=1, temperature=temperature, top_p=top_p, max_tokens=room, logprobs=1, seed=turn_seed,
+            return SamplingParams(n=1, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=room, logprobs=1,
+                                  seed=turn_seed,
                                   stop_token_ids=[self.eos_token_id] if self.eos_token_id is not None else None)
 
         return sampling

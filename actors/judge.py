@@ -20,6 +20,7 @@ separate copy of the model.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -73,9 +74,13 @@ class JudgeConfig:
     # The scale: scores outside [min_score, max_score] are counted as out of range, not used.
     min_score: float = 0.0
     max_score: float = 5.0
-    # Judgements per item (k) and their sampling temperature.
+    # Judgements per item (k) and their sampling temperature, nucleus and top-k (0: off).
     samples: int = 3
     temperature: float = 0.7
+    top_p: float = 1.0
+    top_k: int = 0
+    # ``module:function`` reading a reply's score (reply -> number or None) instead of the pattern.
+    score_parser: str = ""
     # Token budgets of the judge prompt (after the chat template) and of its reply.
     max_prompt_tokens: int = 1024
     max_new_tokens: int = 128
@@ -92,6 +97,45 @@ class JudgeConfig:
             raise ValueError("judge score_pattern needs a capturing group around the number, e.g. 'Score: (\\d+)'")
         if not self.min_score < self.max_score:
             raise ValueError("judge min_score must be below max_score")
+        if self.score_parser:
+            resolve_parser(self.score_parser)
+
+    def parse(self, reply: str) -> tuple[float | None, str]:
+        """(score, 'parsed') or (None, 'unparsed' | 'out_of_range'), by the parser function or the pattern."""
+        if self.score_parser:
+            return parse_with(resolve_parser(self.score_parser), reply, self.min_score, self.max_score)
+        return parse_score(reply, self.score_pattern, self.min_score, self.max_score)
+
+
+@functools.lru_cache(maxsize=16)
+def resolve_parser(spec: str) -> Any:
+    """A ``module:function`` score parser; ValueError naming what is wrong."""
+    import importlib
+
+    module, _, attr = spec.partition(":")
+    if not module or not attr:
+        raise ValueError(f"judge score_parser must be 'module:function', got {spec!r}")
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"judge score_parser {spec!r}: {e}") from None
+    if not callable(fn):
+        raise ValueError(f"judge score_parser {spec!r} is not callable")
+    return fn
+
+
+def parse_with(fn: Any, reply: str, min_score: float, max_score: float) -> tuple[float | None, str]:
+    """A parser function's reading of a reply: an exception or a non-number is 'unparsed'."""
+    try:
+        value = fn(reply or "")
+        value = None if value is None or isinstance(value, bool) else float(value)
+    except Exception:  # a user's parser failing on one reply costs that judgement, counted
+        return None, "unparsed"
+    if value is None:
+        return None, "unparsed"
+    if not math.isfinite(value) or not min_score <= value <= max_score:
+        return None, "out_of_range"
+    return value, "parsed"
 
 
 def judge_prompt(template: str, prompt: str, response: str) -> str:
@@ -124,7 +168,7 @@ def aggregate(replies: list[list[str]], cfg: JudgeConfig) -> tuple[list[float], 
     for item in replies:
         valid = []
         for reply in item:
-            value, status = parse_score(reply, cfg.score_pattern, cfg.min_score, cfg.max_score)
+            value, status = cfg.parse(reply)
             counts[status] += 1
             if value is not None:
                 valid.append(value)
@@ -155,7 +199,7 @@ class Judge:
                 exp = generator.generate(
                     texts, [{"item": i} for i in range(len(texts))], list(range(len(texts))),
                     max_new_tokens=cfg.max_new_tokens, max_prompt_tokens=cfg.max_prompt_tokens,
-                    temperature=cfg.temperature, n=cfg.samples, seed=seed,
+                    temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, n=cfg.samples, seed=seed,
                 )
             except ValueError:  # every judge prompt was over the budget (or empty)
                 exp = None

@@ -200,6 +200,7 @@ class RolloutConfig(Section):
     samples_per_prompt: int = _f(1, "Responses sampled per prompt (groups stay together).", ge=1)
     temperature: float = _f(1.0, "Sampling temperature of the rollouts.", ge=0)
     top_p: float = _f(1.0, "Nucleus sampling threshold of the rollouts.", gt=0, le=1)
+    top_k: int = _f(0, "Top-k truncation of the rollouts' sampling (0: off).", ge=0)
     kv_cache_gib: float = _f(1.0, "vLLM CPU KV-cache size per generator (VLLM_CPU_KVCACHE_SPACE, GiB).", gt=0)
     cpus_per_generator: float = _f(
         0.5, "Ray CPUs reserved by each generator actor (a placement claim: the phases of a step run one after "
@@ -435,6 +436,7 @@ class DPOConfig(Section):
         0, "The prompt budget of target_pairs (0: 4 x pair_prompts).", ge=0)
     candidates: int = _f(4, "Candidates sampled per prompt for scorer / self_judge pairs (n).", ge=2)
     candidate_temperature: float = _f(0.7, "Sampling temperature of the candidates (and of SPIN's own replies).", ge=0)
+    candidate_top_k: int = _f(0, "Top-k truncation of the candidates' sampling (0: off).", ge=0)
     min_score_gap: float = _f(0.0, "A scored pair forms only when best - worst > this gap.", ge=0)
     min_chosen_score: float = _f(float("-inf"), "A scored pair forms only when the best candidate scores at least this.")
     eval_pairs: int = _f(32, "Without data.preference_file: scored pairs held out (at most a quarter of them).", ge=0)
@@ -520,6 +522,10 @@ class JudgeSection(Section):
     max_score: float = _f(5.0, "Highest score of the scale; higher ones are counted as out of range and not used.")
     samples: int = _f(3, "Judgements per response (k); its score is their mean over those that parse.", ge=1)
     temperature: float = _f(0.7, "Sampling temperature of the judgements.", ge=0)
+    top_p: float = _f(1.0, "Nucleus threshold of the judgements' sampling (Self-Rewarding LMs: 0.9).", gt=0, le=1)
+    top_k: int = _f(0, "Top-k truncation of the judgements' sampling (0: off).", ge=0)
+    score_parser: str = _f("", "module:function reading a judge reply's score (reply -> number, or None when it "
+                           "gives none) instead of score_pattern; its scores are range-checked and counted the same way.")
     max_prompt_tokens: int = _f(1024, "Token budget of a judge prompt (rubric + prompt + response); longer ones are counted, not judged.", ge=1)
     max_new_tokens: int = _f(128, "Token budget of a judge reply.", ge=1)
 
@@ -734,7 +740,8 @@ class Config(Section):
         """The judge's own settings (``actors/judge.py`` checks the template and the pattern)."""
         j = self.judge
         return JudgeConfig(template=j.template, score_pattern=j.score_pattern, min_score=j.min_score,
-                           max_score=j.max_score, samples=j.samples, temperature=j.temperature,
+                           max_score=j.max_score, samples=j.samples, temperature=j.temperature, top_p=j.top_p,
+                           top_k=j.top_k, score_parser=j.score_parser,
                            max_prompt_tokens=j.max_prompt_tokens, max_new_tokens=j.max_new_tokens)
 
     def to_dict(self) -> dict:

@@ -22,6 +22,7 @@ def generator_config(cfg: Config, model_path: str, rank: int = 0, initial_versio
     return GeneratorConfig(
         model_path=model_path, dtype=cfg.model.generator_dtype, max_prompt_tokens=cfg.model.max_prompt_tokens,
         max_new_tokens=cfg.model.max_new_tokens, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+        top_k=cfg.rollout.top_k,
         samples_per_prompt=cfg.rollout.samples_per_prompt, seed=cfg.run.seed * 1000 + rank,
         kv_cache_gib=cfg.rollout.kv_cache_gib, threads=cfg.rollout.threads, first_core=rank * cfg.rollout.threads,
         system_prompt=cfg.data.system_prompt,

@@ -89,6 +89,7 @@ class GeneratorWorker:
         g = self.gcfg
         t0 = time.perf_counter()
         sampling = {"temperature": 0.0 if greedy else g.temperature, "top_p": 1.0 if greedy else g.top_p,
+                    "top_k": 0 if greedy else g.top_k,
                     "n": 1 if greedy else g.samples_per_prompt, "seed": seed}
         episodes: dict = {}
         if self._agent is not None:

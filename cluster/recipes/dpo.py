@@ -133,10 +133,12 @@ def _read_reference(path: Path, parts: dict[str, Experience]) -> dict[str, Exper
 
 
 def _generator_config(cfg: Config) -> Config:
-    """The generators sample ``dpo.candidates`` candidates at ``dpo.candidate_temperature``."""
+    """The generators sample ``dpo.candidates`` candidates at ``dpo.candidate_temperature`` (and
+    ``dpo.candidate_top_k``)."""
     gen = cfg.model_copy(deep=True)
     gen.rollout.samples_per_prompt = cfg.dpo.candidates
     gen.rollout.temperature = cfg.dpo.candidate_temperature
+    gen.rollout.top_k = cfg.dpo.candidate_top_k
     return gen
 
 

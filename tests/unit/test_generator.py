@@ -45,6 +45,15 @@ def test_greedy_is_deterministic(generator):
     assert torch.equal(a.input_ids, b.input_ids)
 
 
+def test_top_k_of_one_samples_the_greedy_reply(generator):
+    prompts = ["Count to five.", "Name a colour."]
+    greedy = generator.generate(prompts, max_new_tokens=8, temperature=0.0)
+    top1 = generator.generate(prompts, max_new_tokens=8, temperature=1.5, top_k=1, n=2, seed=3)
+    hot = generator.generate(prompts, max_new_tokens=8, temperature=1.5, n=2, seed=3)
+    assert top1.completions == [c for c in greedy.completions for _ in range(2)]
+    assert hot.completions != top1.completions
+
+
 def test_a_seeded_call_samples_reproducibly(generator):
     """The same seed gives the same samples (what makes a resumed run sample as the uninterrupted
     one did); another seed gives others."""

@@ -70,8 +70,9 @@ class FakeEngine:
         self.replies = replies_by_response
         self.calls = []
 
-    def generate(self, prompts, meta, group_ids, *, max_new_tokens, max_prompt_tokens, temperature, n, seed=None):
-        self.calls.append(dict(n=n, temperature=temperature, max_new_tokens=max_new_tokens))
+    def generate(self, prompts, meta, group_ids, *, max_new_tokens, max_prompt_tokens, temperature, n, seed=None,
+                 top_p=1.0, top_k=0):
+        self.calls.append(dict(n=n, temperature=temperature, max_new_tokens=max_new_tokens, top_p=top_p, top_k=top_k))
         rows, completions = [], []
         for text, m in zip(prompts, meta):
             if len(text) > max_prompt_tokens:
@@ -93,7 +94,7 @@ def test_judge_runs_k_samples_per_item_and_counts_too_long():
     cfg = JudgeConfig(samples=3, temperature=0.7, max_prompt_tokens=len(DEFAULT_TEMPLATE) + 200)
     engine = FakeEngine({"A": ["Score: 5", "Score: 4", "Score: 3"], "B": ["", "Score: 11", "Score: 1"]})
     scores, counts, replies = Judge(cfg).judge(engine, ["q1", "q2", "q3"], ["A", "B", "x" * 400])
-    assert engine.calls == [dict(n=3, temperature=0.7, max_new_tokens=cfg.max_new_tokens)]
+    assert engine.calls == [dict(n=3, temperature=0.7, max_new_tokens=cfg.max_new_tokens, top_p=1.0, top_k=0)]
     assert scores[:2] == [4.0, 1.0] and math.isnan(scores[2])
     assert counts["judgements"] == 6 and counts["items_too_long"] == 1 and counts["items_unscored"] == 1
     assert counts["parsed"] + counts["unparsed"] + counts["out_of_range"] == counts["judgements"]
@@ -136,3 +137,24 @@ def test_judge_scorer_drops_unjudged_samples_and_reports_counts():
     assert scorer.last_metrics["judge/parsed"] == 2 and scorer.last_metrics["judge/unparsed"] == 2
     with pytest.raises(RewardError, match="no reward for sample 1"):
         JudgeScorer(cfg, None, on_error="raise", engine=engine).score(exp)
+
+
+def verdict_word(reply: str):
+    """A score parser: 'excellent' is 5, 'poor' is 1, a number word it does not know is none."""
+    words = {"excellent": 5, "poor": 1, "weird": 99}
+    if "boom" in reply:
+        raise RuntimeError("parser failed")
+    return next((v for w, v in words.items() if w in reply.lower()), None)
+
+
+def test_a_score_parser_function_reads_replies_and_sampling_settings_reach_the_engine():
+    cfg = JudgeConfig(samples=4, top_p=0.9, top_k=20, score_parser="tests.unit.test_judge:verdict_word",
+                      max_prompt_tokens=len(DEFAULT_TEMPLATE) + 200)
+    engine = FakeEngine({"A": ["Excellent work.", "poor", "Score: 5", "boom"], "B": ["weird", "poor.", "", ""]})
+    scores, counts, _ = Judge(cfg).judge(engine, ["q1", "q2"], ["A", "B"])
+    assert engine.calls[0]["top_p"] == 0.9 and engine.calls[0]["top_k"] == 20
+    assert scores == [3.0, 1.0]  # the pattern's "Score: 5" is not the parser's, and is not read
+    assert counts["parsed"] == 3 and counts["out_of_range"] == 1 and counts["unparsed"] == 4
+    for bad, msg in (("nomodule", "module:function"), ("no_such_mod:f", "no_such_mod"), ("math:pi", "not callable")):
+        with pytest.raises(ValueError, match=msg):
+            JudgeConfig(score_parser=bad)
