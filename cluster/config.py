@@ -201,6 +201,12 @@ class RolloutConfig(Section):
     temperature: float = _f(1.0, "Sampling temperature of the rollouts.", ge=0)
     top_p: float = _f(1.0, "Nucleus sampling threshold of the rollouts.", gt=0, le=1)
     top_k: int = _f(0, "Top-k truncation of the rollouts' sampling (0: off).", ge=0)
+    dynamic_sampling: int = _f(
+        0, "DAPO's dynamic sampling: groups with a non-zero advantage (scores not all equal) each step trains on; the "
+        "batch is refilled with newly drawn prompts (prompts_per_step at a time) until it holds that many, and "
+        "uninformative or surplus groups are dropped (in the ledger). 0: off.", ge=0)
+    dynamic_sampling_max_draws: int = _f(4, "Extra draws dynamic sampling may make per step; a step that still lacks "
+                                         "groups trains on those it has (dynamic_sampling/shortfall).", ge=0)
     kv_cache_gib: float = _f(1.0, "vLLM CPU KV-cache size per generator (VLLM_CPU_KVCACHE_SPACE, GiB).", gt=0)
     cpus_per_generator: float = _f(
         0.5, "Ray CPUs reserved by each generator actor (a placement claim: the phases of a step run one after "
@@ -704,8 +710,12 @@ class Config(Section):
         return self
 
     def _data_and_shaping_checks(self) -> list[tuple[bool, str]]:
-        ppo = self.ppo
+        ppo, rollout = self.ppo, self.rollout
         return [
+            (not rollout.dynamic_sampling or (self.run.algorithm == "ppo" and rollout.samples_per_prompt > 1
+                                              and rollout.max_staleness == 0),
+             "rollout.dynamic_sampling needs run.algorithm=ppo, rollout.samples_per_prompt > 1 (groups) and "
+             "rollout.max_staleness=0 (it draws more prompts before the step trains)"),
             (ppo.overlong_buffer <= self.model.max_new_tokens,
              f"ppo.overlong_buffer ({ppo.overlong_buffer}) must not exceed model.max_new_tokens ({self.model.max_new_tokens})"),
             (not (ppo.overlong_buffer and (self.env.name or self.rollout.agent)),

@@ -35,6 +35,7 @@ import ray
 from cluster.data_sources import load_task_prompts
 from cluster.ledger import issue_records, outcome_records
 from cluster.metrics import step_metrics
+from cluster.recipes.dynamic_sampling import Refill, informative_uids, select_groups
 from cluster.roles import Roles
 from cluster.run_context import PromptSampler, RunContext, RunResult, greedy_accuracy, sampling_seed
 from cluster.step_loop import StepOutcome, run_steps
@@ -90,8 +91,15 @@ class PPOSteps:
     def step(self, step: int) -> StepOutcome:
         cur = self.queue.take(step)
         exp, gen_stats, score_stats = self._sample_and_score(step, cur)
+        refill = self._refill(step, cur, exp, gen_stats, score_stats) if self.cfg.rollout.dynamic_sampling else None
         sampled = min(s["policy_version"] for s in gen_stats)
         kept = self._record_outcomes(step, cur, gen_stats, score_stats)
+        if refill is not None:  # only the informative groups it kept reach the loss
+            self.ledger.record("dropped", refill.dropped_records(step, kept))
+            kept = {u: n for u, n in kept.items() if u in set(refill.keep)}
+            exp = select_groups(exp, set(refill.keep))
+            if not exp:
+                return self._nothing_informative(step, cur, gen_stats, score_stats, refill)
         self.queue.fill(step)  # the next batches generate while the learners train on this one
         if self.learner_version - sampled > self.cfg.rollout.max_staleness:
             return self._drop_stale(step, sampled, gen_stats, kept)
@@ -113,22 +121,53 @@ class PPOSteps:
                **step_metrics(gen_stats, score_stats, result["metrics"]),
                "policy/version": result["version"], "policy/staleness": self.learner_version - sampled,
                **self._pool_metrics(gen_stats), **synced, **self.ledger.metrics(), **self.roles.record_restarts(step),
-               **_memory_peaks(gen_stats, score_stats, ref_stats)}
+               **_memory_peaks(gen_stats, score_stats, ref_stats), **(refill.metrics() if refill else {})}
         if exports:
             row["export/transitions"] = sum(d["rows"] for d in ray.get(exports))
         self.learner_version = result["version"]
         return StepOutcome(row, saved=result.get("saved"), version=result["version"])
 
-    def _launch(self, step: int) -> "Launched":
-        """Draws the step's prompts and starts their generation (returns at once)."""
+    def _launch(self, step: int, draw: int = 0) -> "Launched":
+        """Draws the step's prompts and starts their generation (returns at once). ``draw`` > 0:
+        an extra draw of dynamic sampling (its own sampling seed)."""
         prompt_ids, uids = self.sampler.next_with_uids()
         units = self.rollout.assignment(uids)  # the uids of each work unit
         self.ledger.record("issued", issue_records(step, uids, prompt_ids, [k for k, u in enumerate(units) for _ in u],
                                                    self.rollout.version))
         # Group ids are the prompts' uids: a prompt drawn twice in one batch is two groups.
         rows = [self.train_set.rows[i] for i in prompt_ids]
-        pending = self.rollout.submit(rows, uids, seed=sampling_seed(self.cfg.run.seed, step))
+        pending = self.rollout.submit(rows, uids, seed=sampling_seed(self.cfg.run.seed, step) + 104_729 * draw)
         return Launched(step, prompt_ids, uids, units, pending, self.sampler.consumed)
+
+    def _refill(self, step: int, cur: "Launched", exp: list, gen_stats: list[dict], score_stats: list[dict]) -> Refill:
+        """DAPO's dynamic sampling (``dynamic_sampling.py``): draws more prompts until the batch
+        holds ``rollout.dynamic_sampling`` informative groups or the draw budget is spent. The
+        extra units join ``cur``, ``exp`` and the stats lists in place."""
+        refill = Refill(self.cfg.rollout.dynamic_sampling)
+        refill.informative = informative_uids(cur.units, score_stats)
+        while len(refill.informative) < refill.target and refill.draws < self.cfg.rollout.dynamic_sampling_max_draws:
+            refill.draws += 1
+            extra = self._launch(step, draw=refill.draws)
+            e, g, sc = self._sample_and_score(step, extra)
+            exp += e
+            gen_stats += g
+            score_stats += sc
+            cur.units += extra.units
+            cur.uids += extra.uids
+            cur.prompt_ids += extra.prompt_ids
+            cur.consumed = extra.consumed
+            refill.informative += informative_uids(extra.units, sc)
+        return refill
+
+    def _nothing_informative(self, step: int, cur: "Launched", gen_stats: list[dict], score_stats: list[dict],
+                             refill: Refill) -> StepOutcome:
+        """Every draw scored its groups evenly: no update this step (the groups are in the ledger
+        as dropped, uninformative)."""
+        self._position = SamplerPosition(cur.consumed)
+        print(f"[rayrlhf] step {step}: no group with a non-zero advantage in {refill.draws + 1} draws "
+              f"(rollout.dynamic_sampling_max_draws={self.cfg.rollout.dynamic_sampling_max_draws}): no update", flush=True)
+        return StepOutcome({**step_metrics(gen_stats, score_stats, {}), **refill.metrics(), **self.ledger.metrics()},
+                           version=self.learner_version, trained=False)
 
     def _sample_and_score(self, step: int, cur: "Launched") -> tuple[list, list[dict], list[dict]]:
         if cur.done is not None:  # finished before a checkpoint (asynchronous runs)

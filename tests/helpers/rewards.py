@@ -39,3 +39,19 @@ def slow_digit_density(prompts, completions, **meta):
 
     time.sleep(0.3)
     return digit_density(prompts, completions)
+
+
+def informative_prompt(prompt: str) -> bool:
+    """A third of the prompts, by their text (so which ones is known before any sampling)."""
+    import zlib
+
+    return zlib.crc32(prompt.encode()) % 3 == 0
+
+
+def some_groups_informative(prompts, completions, **meta):
+    """For an informative prompt (``informative_prompt``) a random reward, so that its group's
+    scores differ whatever the replies (a collapsed policy may write identical ones); for the
+    others 0.5: their groups score evenly."""
+    import random
+
+    return [random.random() if informative_prompt(p) else 0.5 for p in prompts]
