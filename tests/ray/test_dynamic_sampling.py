@@ -18,7 +18,7 @@ from tests.helpers.runs import rows
 
 pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parents[2]
-STEPS, PROMPTS, TARGET, MAX_DRAWS = 4, 4, 3, 1
+STEPS, PROMPTS, TARGET, MAX_DRAWS = 3, 4, 3, 1
 
 
 def _expected(cfg) -> list[dict]:
