@@ -61,7 +61,7 @@ def evaluate(cfg, model_path: str, tools: bool) -> dict:
         exp, counts = gen.generate_episodes(rows, list(range(len(rows))), environment_factory(gcfg.environment),
                                             gcfg.episode_limits, temperature=0.0, n=1)
         scores = [float(m["episode"]["reward"]) for m in exp.meta]
-        used = [sum((m["episode"].get("info") or {}).get("tool_calls", {}).values()) > 0 for m in exp.meta]
+        used = [sum((m["episode"].get("tool_calls") or {}).values()) > 0 for m in exp.meta]
         extra = {"episodes": counts, "tool_use_rate": sum(used) / max(len(rows), 1)}
     else:
         exp = gen.generate([r["prompt"] for r in rows], [r["meta"] for r in rows], list(range(len(rows))),
