@@ -97,11 +97,13 @@ class GeneratorWorker:
                                             g.episode_limits, pool=self._env_pool, timeout_s=g.agent_timeout_s,
                                             **sampling)
         elif self._make_env is not None:
-            exp, episodes = self._on_engine(self.gen.generate_episodes, rows, group_ids, self._make_env,
-                                            g.episode_limits, pool=self._env_pool, **sampling,
-                                            **_journaled(journal, unit_key))
-            if journal is not None and unit_key:
-                journal.drop.remote(unit_key)
+            try:
+                exp, episodes = self._on_engine(self.gen.generate_episodes, rows, group_ids, self._make_env,
+                                                g.episode_limits, pool=self._env_pool, **sampling,
+                                                **_journaled(journal, unit_key))
+            finally:  # finished or failed for good (a death never gets here): its snapshots are done with
+                if journal is not None and unit_key:
+                    journal.drop.remote(unit_key)
         else:
             exp = self._on_engine(self.gen.generate, [r["prompt"] for r in rows], [r["meta"] for r in rows], group_ids,
                                   max_new_tokens=g.max_new_tokens, max_prompt_tokens=g.max_prompt_tokens, **sampling)
