@@ -30,27 +30,26 @@ sys.path.insert(0, str(ROOT))
 CONFIG = ROOT / "configs" / "grpo_smollm2.yaml"
 
 
-def load_cfg(steps: int, seed: int):
+def load_cfg(steps: int, seed: int, sets: tuple[str, ...] = (), config: Path = CONFIG):
     from cluster.config_loading import load_config
 
-    return load_config(str(CONFIG), [f"run.steps={steps}", f"run.seed={seed}", "run.eval_every=0", "run.plot=false"])
+    return load_config(str(config), [f"run.steps={steps}", f"run.seed={seed}", "run.eval_every=0", "run.plot=false",
+                                     *sets])
 
 
 def schedule(cfg) -> tuple[list[list[dict]], list[dict]]:
-    """The prompts rayrlhf's driver will draw, step by step (same loader, sampler and seed), and
-    the held-out rows."""
-    from actors.tasks import load_prompts
+    """The prompts (or an environment's own rows) rayrlhf's driver will draw, step by step (same
+    loader, sampler and seed), and the held-out rows."""
+    from cluster.data_sources import load_task_prompts
     from cluster.run_context import PromptSampler
 
-    train_set, eval_set = load_prompts(
-        cfg.data.task, cfg.data.train_size, cfg.data.eval_size, cfg.run.seed, cfg.data.task_kwargs, cfg.data.instruction
-    )
+    train_set, eval_set, _ = load_task_prompts(cfg)
     sampler = PromptSampler(len(train_set.rows), cfg.rollout.prompts_per_step, cfg.run.seed)
     return [[train_set.rows[i] for i in sampler.next()] for _ in range(cfg.run.steps)], eval_set.rows
 
 
-def run_rayrlhf(cfg, run_dir: Path, extra: tuple[str, ...] = ()) -> dict:
-    cmd = [sys.executable, "-m", "cluster.cli", "train", str(CONFIG), "--run-dir", str(run_dir),
+def run_rayrlhf(cfg, run_dir: Path, extra: tuple[str, ...] = (), config: Path = CONFIG) -> dict:
+    cmd = [sys.executable, "-m", "cluster.cli", "train", str(config), "--run-dir", str(run_dir),
            "--set", f"run.steps={cfg.run.steps}", "--set", f"run.seed={cfg.run.seed}",
            "--set", "run.eval_every=0", "--set", "run.plot=false"]
     for override in extra:
@@ -59,13 +58,15 @@ def run_rayrlhf(cfg, run_dir: Path, extra: tuple[str, ...] = ()) -> dict:
     subprocess.run(cmd, cwd=ROOT, check=True)
     wall = time.perf_counter() - t0
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "reward/mean" in r]  # training steps (not evaluation rows)
     ckpts = sorted((run_dir / "checkpoints").iterdir())
     return {
         "tool": "rayrlhf",
         "process_wall_s": wall,
         "steps": [
             {"step": r["step"], "step_s": r["time/step_s"], "reward": r["reward/mean"],
-             "length": r["response/length_mean"], "truncated_frac": r["response/truncated_frac"],
+             "length": r.get("response/length_mean"), "truncated_frac": r.get("response/truncated_frac"),
+             "turns_mean": r.get("episode/turns_mean"),
              "learner_compute_s": r.get("learner/prep_s", 0.0) + r.get("learner/update_s", 0.0),
              "prefix_shared_frac": r.get("learner/prefix_shared_frac"),
              "zero_advantage_rows": r.get("learner/zero_advantage_rows"),
