@@ -351,15 +351,6 @@ def agent_summary(episodes: list[AgentEpisode]) -> tuple[dict[str, int], dict[st
 
 def resolve_agent(spec: str) -> Callable[[dict, str], Any]:
     """``module:function`` of an agent program; ValueError naming what is wrong."""
-    import importlib
+    from actors.imports import import_callable
 
-    if ":" not in spec:
-        raise ValueError(f"rollout.agent {spec!r} must be 'module:function'")
-    module, name = spec.split(":", 1)
-    try:
-        fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"rollout.agent {spec!r}: {e}") from e
-    if not callable(fn):
-        raise ValueError(f"rollout.agent {spec!r} is not callable")
-    return fn
+    return import_callable(spec, "rollout.agent")

@@ -110,18 +110,9 @@ class JudgeConfig:
 @functools.lru_cache(maxsize=16)
 def resolve_parser(spec: str) -> Any:
     """A ``module:function`` score parser; ValueError naming what is wrong."""
-    import importlib
+    from actors.imports import import_callable
 
-    module, _, attr = spec.partition(":")
-    if not module or not attr:
-        raise ValueError(f"judge score_parser must be 'module:function', got {spec!r}")
-    try:
-        fn = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"judge score_parser {spec!r}: {e}") from None
-    if not callable(fn):
-        raise ValueError(f"judge score_parser {spec!r} is not callable")
-    return fn
+    return import_callable(spec, "judge score_parser")
 
 
 def parse_with(fn: Any, reply: str, min_score: float, max_score: float) -> tuple[float | None, str]:

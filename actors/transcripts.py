@@ -13,10 +13,10 @@ Your own: ``module:function`` taking a row and returning a list of messages or N
 
 from __future__ import annotations
 
-import importlib
 import json
 from typing import Any, Callable
 
+from actors.imports import import_callable
 from actors.tools import ToolCallFormat, calculate
 
 Messages = list[dict[str, str]]
@@ -70,14 +70,7 @@ def resolve_transcripts(name: str) -> TranscriptFn:
     if ":" not in name:
         raise ValueError(f"transcripts {name!r} are neither built in ({', '.join(BUILTIN_TRANSCRIPTS)}) "
                          "nor 'module:function'")
-    module, attr = name.split(":", 1)
-    try:
-        fn = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"transcripts {name!r}: {e}") from e
-    if not callable(fn):
-        raise ValueError(f"transcripts {name!r}: {attr} is not callable")
-    return fn
+    return import_callable(name, "transcripts")
 
 
 def transcript_demonstrations(rows: list[dict[str, Any]], make: TranscriptFn,
