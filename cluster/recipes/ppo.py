@@ -95,9 +95,10 @@ class PPOSteps:
         sampled = min(s["policy_version"] for s in gen_stats)
         kept = self._record_outcomes(step, cur, gen_stats, score_stats)
         if refill is not None:  # only the informative groups it kept reach the loss
+            keep = set(refill.keep)
             self.ledger.record("dropped", refill.dropped_records(step, kept))
-            kept = {u: n for u, n in kept.items() if u in set(refill.keep)}
-            exp = select_groups(exp, set(refill.keep))
+            kept = {u: n for u, n in kept.items() if u in keep}
+            exp = select_groups(exp, keep)
             if not exp:
                 return self._nothing_informative(step, cur, gen_stats, score_stats, refill)
         self.queue.fill(step)  # the next batches generate while the learners train on this one
