@@ -82,6 +82,8 @@ class GeneratorConfig:
     first_core: int = 0
     # Optional system message of the chat template.
     system_prompt: str = ""
+    # False: prompts are tokenised as they are (a base model without a chat template).
+    chat_template: bool = True
     trust_remote_code: bool = False
     # Policy version of the weights in ``model_path`` (non-zero when resuming from a checkpoint).
     initial_version: int = 0
@@ -150,6 +152,7 @@ class Generator:
         first_core: int = 0,
         gpu_memory_utilization: float = 0.0,
         compile: bool = False,
+        chat_template: bool = True,
     ) -> None:
         configure_vllm_env(kv_cache_gib, threads, first_core, compile_cpu=compile and gpu_memory_utilization <= 0)
         from vllm import LLM  # heavy import at the edge: only generator processes pay it
@@ -182,6 +185,7 @@ class Generator:
         self.tokenizer = self.llm.get_tokenizer()
         self.max_model_len = max_model_len
         self.system_prompt = system_prompt
+        self.chat_template = chat_template
         self.version = int(initial_version)
         self.eos_token_id = self.tokenizer.eos_token_id
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_token_id
@@ -204,6 +208,7 @@ class Generator:
             seed=cfg.seed, kv_cache_gib=cfg.kv_cache_gib, threads=cfg.threads, system_prompt=cfg.system_prompt,
             trust_remote_code=cfg.trust_remote_code, initial_version=cfg.initial_version, first_core=cfg.first_core,
             gpu_memory_utilization=cfg.gpu_memory_utilization, compile=cfg.compile,
+            chat_template=cfg.chat_template,
         )
 
     def compilation(self) -> dict[str, Any]:
@@ -218,15 +223,12 @@ class Generator:
                 "dynamo_graphs": int(counters["stats"]["unique_graphs"])}
 
     # -- prompts ---------------------------------------------------------------------------------
-    def encode_prompt(self, text: str) -> list[int]:
-        """Chat template applied, generation prompt added, as token ids."""
-        messages = ([{"role": "system", "content": self.system_prompt}] if self.system_prompt else []) + [
-            {"role": "user", "content": text}
-        ]
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
+    def encode_prompt(self, text: str, meta: dict | None = None) -> list[int]:
+        """Chat template applied (to the row's own messages where it has them), generation prompt
+        added, as token ids (``actors/tasks.prompt_token_ids``)."""
+        from actors.tasks import prompt_token_ids
+
+        return prompt_token_ids(self.tokenizer, text, meta, self.system_prompt, self.chat_template)
 
     # -- sampling --------------------------------------------------------------------------------
     def generate(
@@ -267,7 +269,7 @@ class Generator:
             if not isinstance(text, str) or not text.strip():
                 skipped["empty_prompt"] += 1
                 continue
-            ids = self.encode_prompt(text)
+            ids = self.encode_prompt(text, m)
             if len(ids) > budget:
                 skipped["prompt_too_long"] += 1
                 log.warning("skipping prompt of %d tokens (limit %d): %.60r", len(ids), budget, text)

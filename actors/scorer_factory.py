@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from actors.generator import GeneratorConfig
 from actors.judge import JudgeConfig, JudgeScorer
 from actors.remote import RemoteScorer, RemoteSettings
+from actors.reward_routing import RoutedScorer
 from actors.rm_scorer import RewardModelScorer
 from actors.scorer import Scorer, TextScorer
 
@@ -39,6 +40,10 @@ class ScorerSpec:
     judge_engine: GeneratorConfig | None = None
     # remote: the endpoint's settings.
     remote: RemoteSettings | None = None
+    # Weighted rule functions per source (None: every row), routed on the row's ``source_key``
+    # (``actors/reward_routing.py``); set, they replace ``function``.
+    routes: dict[str | None, list[tuple[str, float, dict]]] | None = None
+    source_key: str = "data_source"
 
 
 def build_scorer(spec: ScorerSpec) -> TextScorer:
@@ -54,4 +59,6 @@ def build_scorer(spec: ScorerSpec) -> TextScorer:
         if spec.remote is None:
             raise ValueError("a remote scorer needs its settings (url, ...)")
         return RemoteScorer(spec.remote, on_error=spec.on_error)
+    if spec.routes:
+        return RoutedScorer(spec.routes, spec.source_key, spec.on_error)
     return Scorer(spec.function, spec.kwargs, spec.on_error)

@@ -1,16 +1,17 @@
-"""Prompt sources: reasoning-gym generators or a JSONL file, split into train and held-out rows.
+"""Prompt sources: reasoning-gym generators or data files (``actors/tables.py``), split into train
+and held-out rows.
 
 A row is ``{"prompt": str, "answer": str, "meta": dict}``; ``meta`` travels with each sample
-to the scorer, so reward functions see the task's own data (answer, difficulty, ...).
+to the scorer, so reward functions see the task's own data (answer, difficulty, a file's other
+columns, ...). A file prompt given as chat messages keeps them in ``meta["messages"]``: the
+generator renders those through the chat template instead of one user message.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("rayrlhf.tasks")
@@ -54,35 +55,80 @@ def reasoning_gym_rows(task: str, size: int, seed: int, kwargs: dict, instructio
     return PromptSet(rows, skipped)
 
 
-def jsonl_rows(path: str, instruction: str) -> PromptSet:
-    """Reads ``{"prompt": ..., "answer": ...}`` lines; malformed lines are counted and logged."""
-    skipped: dict[str, int] = {}
+#: Where the reference answer of a file row is looked for when ``data.answer_key`` is empty: the
+#: plain key, verl's layout, and the usual names elsewhere (OpenRLHF's ``--label_key`` default).
+ANSWER_KEYS = ("answer", "reward_model.ground_truth", "ground_truth", "label", "solution")
+
+
+@dataclass
+class FileKeys:
+    """Which columns of a data file hold the prompt (text, or chat messages) and the answer."""
+
+    prompt: str = "prompt"
+    answer: str = ""  # empty: the first of ANSWER_KEYS present, else no answer ("")
+
+
+def is_messages(x: Any) -> bool:
+    return isinstance(x, list) and bool(x) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in x)
+
+
+def _message_row(messages: list[dict], answer: Any, meta: dict, skipped: dict[str, int]) -> dict | None:
+    """A prompt given as chat messages: used as it is (no instruction appended); its last user
+    message is the row's prompt text (what scorers and logs read)."""
+    users = [m["content"] for m in messages if m["role"] == "user"]
+    if not users or not users[-1].strip() or messages[-1]["role"] == "assistant":
+        skipped["empty_or_malformed_prompt"] = skipped.get("empty_or_malformed_prompt", 0) + 1
+        return None
+    messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+    text = users[-1].strip()
+    return {"prompt": text, "answer": str(answer),
+            "meta": {**meta, "answer": str(answer), "question": text, "prompt": text, "messages": messages}}
+
+
+def file_rows(spec: str, instruction: str, keys: FileKeys | None = None) -> PromptSet:
+    """Prompt rows of a data file or folder (``actors/tables.py``: JSON, JSONL, Parquet, CSV,
+    ``datasets`` folders); the columns besides the prompt travel in ``meta`` to the reward
+    function. Unusable rows are counted by reason and logged."""
+    from actors.tables import column, read_table
+
+    keys = keys or FileKeys()
+    table = read_table(spec[len("jsonl:"):] if spec.startswith("jsonl:") else spec)
+    skipped = dict(table.skipped)
     rows = []
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"prompt file not found: {p}")
-    for i, line in enumerate(p.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError:
-            skipped["malformed_json"] = skipped.get("malformed_json", 0) + 1
-            log.warning("%s:%d: not valid JSON, skipped", p, i)
-            continue
-        if not isinstance(obj, dict):
-            skipped["malformed_json"] = skipped.get("malformed_json", 0) + 1
-            continue
-        r = _row(obj.get("prompt"), obj.get("answer", ""), {"task": "jsonl", **{k: v for k, v in obj.items() if k not in ("prompt",)}}, instruction, skipped)
-        if r is not None:
+    for where, obj in table.rows:
+        prompt = column(obj, keys.prompt)
+        if keys.answer:
+            answer = column(obj, keys.answer)
+        else:
+            answer = next((v for v in (column(obj, k) for k in ANSWER_KEYS) if v is not None), "")
+        meta = {"task": "file", **{k: v for k, v in obj.items() if k != keys.prompt}}
+        if is_messages(prompt):
+            r = _message_row(prompt, answer, meta, skipped) if answer is not None else None
+            if answer is None:
+                skipped["missing_answer"] = skipped.get("missing_answer", 0) + 1
+        else:
+            r = _row(prompt, answer, meta, instruction, skipped)
+        if r is None:
+            log.warning("%s: row without a usable %r prompt or %r answer, skipped", where, keys.prompt, keys.answer or "answer")
+        else:
             rows.append(r)
     return PromptSet(rows, skipped)
 
 
-def load_prompts(task: str, train_size: int, eval_size: int, seed: int, kwargs: dict, instruction: str) -> tuple[PromptSet, PromptSet]:
-    """Train and held-out splits; held-out questions never appear in the train split."""
-    if task.startswith("jsonl:"):
-        everything = jsonl_rows(task[len("jsonl:"):], instruction)
+def is_file_task(task: str) -> bool:
+    """``data.task`` names a data file or folder (``jsonl:path`` is the older spelling)."""
+    from actors.tables import looks_like_path
+
+    return task.startswith("jsonl:") or looks_like_path(task)
+
+
+def load_prompts(task: str, train_size: int, eval_size: int, seed: int, kwargs: dict, instruction: str,
+                 keys: FileKeys | None = None) -> tuple[PromptSet, PromptSet]:
+    """Train and held-out splits; held-out questions never appear in the train split. A file's
+    rows are shuffled (seeded) and its first ``eval_size`` held out."""
+    if is_file_task(task):
+        everything = file_rows(task, instruction, keys)
         rows = list(everything.rows)
         random.Random(seed).shuffle(rows)
         held = rows[:eval_size]
@@ -97,3 +143,46 @@ def load_prompts(task: str, train_size: int, eval_size: int, seed: int, kwargs: 
     if not train.rows:
         raise ValueError(f"task {task!r}: no usable training rows ({train.skipped})")
     return train, held
+
+
+def prompt_token_ids(tokenizer: Any, text: str, meta: dict | None = None, system_prompt: str = "",
+                     chat_template: bool = True) -> list[int]:
+    """The ids a reply is sampled after: the chat template over the row's own messages
+    (``meta["messages"]``) or over the system prompt and the text as one user message, with the
+    generation prompt added; with ``chat_template=False`` the text's own tokens (a base model's
+    raw prompt). ``rayrlhf data inspect`` shows exactly these ids."""
+    messages = (meta or {}).get("messages")
+    if not chat_template:
+        if messages:
+            raise ValueError("a prompt given as chat messages needs the chat template (data.chat_template=true)")
+        return list(tokenizer.encode(text, add_special_tokens=True))
+    if not messages:
+        messages = [{"role": "user", "content": text}]
+    if system_prompt and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": system_prompt}] + list(messages)
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def weighted_counts(total: int, weights: list[float]) -> list[int]:
+    """``total`` split in proportion to ``weights`` (largest remainders, ties to the earlier
+    source), so the counts always sum to ``total``."""
+    if total <= 0 or not weights:
+        return [0] * len(weights)
+    w = sum(weights)
+    exact = [total * x / w for x in weights]
+    counts = [int(e) for e in exact]
+    order = sorted(range(len(weights)), key=lambda i: (-(exact[i] - counts[i]), i))
+    for i in order[: total - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
+def tag_source(rows: list[dict[str, Any]], name: str, override: bool = False) -> list[dict[str, Any]]:
+    """Sets each row's ``meta["data_source"]`` (kept where the row has its own, unless ``override``)."""
+    for r in rows:
+        if override or r["meta"].get("data_source") in (None, ""):
+            r["meta"]["data_source"] = name
+    return rows

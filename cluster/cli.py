@@ -5,6 +5,7 @@
     rayrlhf config [--schema]                               every field, its default and meaning
     rayrlhf validate CONFIG [--set ...]                     check a config without running it
     rayrlhf status RUN_DIR [--json]                         step, reward, checkpoint, prompt ledger of a run
+    rayrlhf data inspect [SOURCE] [--config C] [--set ...]  the prompts as the model will see them, skips counted
     rayrlhf serve policy|scorer|reload ...                  Ray Serve apps (serving/cli.py)
 
 User errors (a bad config key, a missing prompt file, an unknown task, a reward function that
@@ -54,6 +55,14 @@ def main(argv: list[str] | None = None) -> int:
     va = sub.add_parser("validate", help="check a config file without running it")
     va.add_argument("config")
     va.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    da = sub.add_parser("data", help="look at a run's data as the model will see it")
+    da_sub = da.add_subparsers(dest="data_command", required=True)
+    di = da_sub.add_parser("inspect", help="the first prompts after the chat template, token counts, rows skipped and why")
+    di.add_argument("source", nargs="?", help="a task name or data file/folder (replaces data.task / data.mix)")
+    di.add_argument("--config", default=None, help="the run's YAML preset (keys, mixture, model, budgets)")
+    di.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    di.add_argument("--rows", type=int, default=3, help="rows shown per split (default 3)")
+    di.add_argument("--json", action="store_true", help="every row with its token ids, as JSON")
     from serving.cli import add_parser as add_serve_parser
 
     add_serve_parser(sub)
@@ -70,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         from serving.cli import run as serve
 
         return serve(args)
+    if args.command == "data":
+        return _data(args)
     if args.command == "config":
         print(config_schema() if args.schema else config_help())
         return 0
@@ -80,6 +91,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print("config OK")
     return 0
+
+
+def _data(args: argparse.Namespace) -> int:
+    from cluster.data_inspect import main as inspect
+
+    try:
+        return inspect(args.config, args.overrides, args.source, args.rows, args.json)
+    except (ConfigError, UserError) as e:
+        print(f"rayrlhf: {e}", file=sys.stderr)
+        return 2
 
 
 def _train(args: argparse.Namespace) -> int:

@@ -111,12 +111,37 @@ class ModelConfig(Section):
     trust_remote_code: bool = _f(False, "Allow model repositories to run their own code (off: safe default).")
 
 
+class DataSourceConfig(Section):
+    """One source of a mixture (``data.mix``); keys left empty take data's own."""
+
+    task: str = _f(..., "A reasoning-gym task name or a data file / folder (as data.task).")
+    weight: float = _f(1.0, "Share of the train (and carved held-out) rows drawn from this source, relative to the others.", gt=0)
+    name: str = _f("", "The rows' data_source (reward.by_source routes on it); empty: the row's own data_source "
+                       "column, else the task name or file stem.")
+    prompt_key: str = _f("", "As data.prompt_key, for this source (empty: data.prompt_key).")
+    answer_key: str = _f("", "As data.answer_key, for this source (empty: data.answer_key).")
+    task_kwargs: dict | None = _f(None, "reasoning-gym difficulty keywords of this source (None: data.task_kwargs).")
+
+
 class DataConfig(Section):
     task: str = _f(
         "basic_arithmetic",
-        "reasoning-gym task name (e.g. basic_arithmetic, chain_sum, gsm_symbolic), or 'jsonl:<path>' for "
-        "a file of {\"prompt\": ..., \"answer\": ...} rows.",
+        "reasoning-gym task name (e.g. basic_arithmetic, chain_sum, gsm_symbolic), or a data file or folder: "
+        ".jsonl, .json, .parquet, .csv, a folder of them, or a datasets save_to_disk folder (folder#split picks a "
+        "split); 'jsonl:<path>' still works. See data.prompt_key / data.answer_key.",
     )
+    prompt_key: str = _f("prompt", "Column of a data file holding the prompt: text (data.instruction appended) or "
+                                   "a list of chat messages (used as they are; verl's layout). Dotted keys reach nested columns.")
+    answer_key: str = _f("", "Column holding the reference answer (dotted keys reach nested ones, e.g. "
+                             "reward_model.ground_truth). Empty: the first of answer, reward_model.ground_truth, "
+                             "ground_truth, label, solution that a row has, else none. Every other column reaches "
+                             "the reward function as meta.")
+    chat_template: bool = _f(True, "Render prompts through the tokenizer's chat template (false: tokenise the text "
+                                   "as it is, for base models; chat-message prompts then fail).")
+    eval_task: str = _f("", "Held-out prompts from their own source (a task name or a file, read like data.task; "
+                            "eval_size rows). Empty: carved from the train source(s).")
+    mix: list[DataSourceConfig] = _f([], "Several prompt sources mixed by weight (each a {task, weight, name, "
+                                         "prompt_key, answer_key, task_kwargs}); replaces data.task when set.")
     task_kwargs: dict = _f(
         {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
         "Keyword arguments for the reasoning-gym generator (difficulty). The defaults give SmolLM2-135M "
@@ -165,6 +190,26 @@ class RemoteScorerSection(Section):
     max_wait_s: float = _f(600.0, "With on_failure=wait: the longest outage a step waits out before the run stops.", ge=0)
 
 
+class RewardComponentConfig(Section):
+    """One rule function of a weighted reward (``reward.components``, ``reward.by_source``)."""
+
+    function: str = _f(..., "A rule function: a built-in of actors.rewards or 'module:function'.")
+    weight: float = _f(1.0, "Its weight in the sum.")
+    kwargs: dict = _f({}, "Extra keyword arguments of the function.")
+
+
+def _components(v: Any) -> Any:
+    """``fn`` or ``{function, weight}`` or a list of them, as a list of components."""
+    if isinstance(v, str):
+        return [{"function": v}]
+    if isinstance(v, dict):
+        return [v]
+    return [{"function": x} if isinstance(x, str) else x for x in v] if isinstance(v, list) else v
+
+
+Components = Annotated[list[RewardComponentConfig], BeforeValidator(_components)]
+
+
 class RewardConfig(Section):
     function: str = _f(
         "reasoning_gym",
@@ -175,6 +220,13 @@ class RewardConfig(Section):
         "reward.remote), or 'module:function' with signature (prompts, completions, **meta) -> list[float].",
     )
     kwargs: dict = _f({}, "Extra keyword arguments passed to the reward function.")
+    components: Components = _f([], "The reward as a weighted sum of rule functions, each a 'module:function' / "
+                                    "built-in name or {function, weight, kwargs}; each one's batch mean is logged "
+                                    "(reward/<function>). Replaces reward.function when set.")
+    by_source: dict[str, Components] = _f({}, "Rewards by the row's source: {value of reward.source_key: function or "
+                                              "components}. A row whose source is not listed is dropped and counted "
+                                              "(reward_unmapped_source), never scored 0. Replaces reward.function when set.")
+    source_key: str = _f("data_source", "The row column reward.by_source routes on (a mixture sets data_source per source).")
     on_error: Literal["skip", "raise"] = _f(
         "skip",
         "What to do when the reward function raises or returns NaN/inf for a sample, or a judge's replies do "
@@ -710,8 +762,19 @@ class Config(Section):
         return self
 
     def _data_and_shaping_checks(self) -> list[tuple[bool, str]]:
-        ppo, rollout = self.ppo, self.rollout
+        ppo, rollout, reward = self.ppo, self.rollout, self.reward
+        routed = bool(reward.components or reward.by_source)
         return [
+            (not (reward.components and reward.by_source), "reward.components and reward.by_source: set one (give a "
+                                                           "source several components inside by_source)"),
+            (not routed or reward.function not in ("reward_model", "llm_judge", "remote"),
+             f"reward.components / reward.by_source replace reward.function; it names the scorer kind "
+             f"{reward.function!r}: leave it unset"),
+            (not (routed and (self.env.name or self.rollout.agent)),
+             "reward.components / reward.by_source score single replies; episodes (env.name, rollout.agent) "
+             "take their rewards from the environment"),
+            (self.data.chat_template or not (self.env.name or self.rollout.agent),
+             "episodes (env.name, rollout.agent) render every turn through the chat template: data.chat_template must be true"),
             (not rollout.dynamic_sampling or (self.run.algorithm == "ppo" and rollout.samples_per_prompt > 1
                                               and rollout.max_staleness == 0),
              "rollout.dynamic_sampling needs run.algorithm=ppo, rollout.samples_per_prompt > 1 (groups) and "

@@ -6,11 +6,12 @@ answers). Every recipe reads its data through here, so no recipe imports another
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cluster.config import Config, UserError
+from cluster.config import Config, DataSourceConfig, UserError
 
 
 def load_task_prompts(cfg: Config) -> tuple[Any, Any, str]:
@@ -18,7 +19,6 @@ def load_task_prompts(cfg: Config) -> tuple[Any, Any, str]:
     that a reward model folder exists."""
     from actors.scorer import resolve_reward_fn
     from actors.scorer_factory import SCORER_KINDS
-    from actors.tasks import load_prompts
 
     if cfg.env.name:
         check_environment(cfg)
@@ -31,23 +31,92 @@ def load_task_prompts(cfg: Config) -> tuple[Any, Any, str]:
             raise UserError(str(e)) from None
     if cfg.env.name == "guess_number":  # the game makes its own prompts
         return environment_prompts(cfg)
-    try:
-        train_set, eval_set = load_prompts(
-            cfg.data.task, cfg.data.train_size, cfg.data.eval_size, cfg.run.seed, cfg.data.task_kwargs,
-            cfg.data.instruction,
-        )
-    except (FileNotFoundError, ValueError) as e:
-        raise UserError(f"data.task: {e}") from None
-    try:
-        if cfg.reward.function not in SCORER_KINDS:  # a rule function: it must import
-            resolve_reward_fn(cfg.reward.function)
-    except ValueError as e:
-        raise UserError(f"reward.function: {e}") from None
+    train_set, eval_set, described = prompt_sets(cfg)
+    functions = [c.function for c in cfg.reward.components] + [
+        c.function for comps in cfg.reward.by_source.values() for c in comps]
+    for name in functions or ([cfg.reward.function] if cfg.reward.function not in SCORER_KINDS else []):
+        try:  # a rule function: it must import
+            resolve_reward_fn(name)
+        except ValueError as e:
+            raise UserError(f"reward: {e}") from None
     if cfg.reward.model and not (Path(cfg.reward.model) / "config.json").is_file():
         raise UserError(f"reward.model: {cfg.reward.model} is not a model folder (no config.json)")
-    description = (f"{len(train_set)} train / {len(eval_set)} held-out prompts from {cfg.data.task}"
+    description = (f"{len(train_set)} train / {len(eval_set)} held-out prompts from {described}"
                    + (f" (skipped while loading: {train_set.skipped})" if train_set.skipped else ""))
     return train_set, eval_set, description
+
+
+def prompt_sets(cfg: Config) -> tuple[Any, Any, str]:
+    """Train and held-out prompts of ``data.task`` or of the ``data.mix`` sources (each source's
+    share by weight, rows tagged with their ``data_source``), the held-out ones from
+    ``data.eval_task`` when set; and where they came from, in words."""
+    from actors.tasks import PromptSet, tag_source, weighted_counts
+
+    d = cfg.data
+    sources = d.mix or [DataSourceConfig(task=d.task)]
+    n_eval = 0 if d.eval_task else d.eval_size
+    train_n = weighted_counts(d.train_size, [s.weight for s in sources])
+    eval_n = weighted_counts(n_eval, [s.weight for s in sources])
+    train, held, skipped = [], [], {}
+    for k, (src, n_train, n_held) in enumerate(zip(sources, train_n, eval_n)):
+        t, h = _source_prompts(cfg, src, n_train, n_held, cfg.run.seed + 7919 * k)
+        name = src.name or _source_name(src.task)
+        train += tag_source(t.rows, name, bool(src.name))
+        held += tag_source(h.rows, name, bool(src.name))
+        for r, n in t.skipped.items():
+            skipped[r] = skipped.get(r, 0) + n
+    if d.eval_task:
+        held = _eval_source(cfg)
+        seen = {r["prompt"] for r in held}
+        train = [r for r in train if r["prompt"] not in seen]
+    if not train:
+        raise UserError(f"data: no usable training prompts ({skipped})")
+    if len(sources) > 1:
+        random.Random(cfg.run.seed).shuffle(train)
+    described = " + ".join(f"{s.task} ({n})" for s, n in zip(sources, train_n)) if d.mix else d.task
+    return PromptSet(train, skipped), PromptSet(held), described + (f"; held out: {d.eval_task}" if d.eval_task else "")
+
+
+def _source_prompts(cfg: Config, src: DataSourceConfig, n_train: int, n_held: int, seed: int) -> tuple[Any, Any]:
+    """One source's train and held-out rows (``actors/tasks.load_prompts``); one line on a bad source."""
+    from actors.tasks import FileKeys, PromptSet, load_prompts
+
+    if n_train <= 0:
+        return PromptSet([]), PromptSet([])
+    d = cfg.data
+    keys = FileKeys(prompt=src.prompt_key or d.prompt_key, answer=src.answer_key or d.answer_key)
+    kwargs = d.task_kwargs if src.task_kwargs is None else src.task_kwargs
+    where = f"data.mix[{src.task}]" if d.mix else "data.task"
+    try:
+        return load_prompts(src.task, n_train, n_held, seed, kwargs, d.instruction, keys)
+    except (FileNotFoundError, ValueError) as e:
+        raise UserError(f"{where}: {e}") from None
+
+
+def _eval_source(cfg: Config) -> list[dict[str, Any]]:
+    """``data.eval_task``'s first ``eval_size`` rows (a file in its own order; a task generated
+    with the held-out seed)."""
+    from actors.tasks import FileKeys, file_rows, is_file_task, reasoning_gym_rows, tag_source
+
+    d = cfg.data
+    try:
+        if is_file_task(d.eval_task):
+            rows = file_rows(d.eval_task, d.instruction, FileKeys(d.prompt_key, d.answer_key)).rows
+        else:
+            rows = reasoning_gym_rows(d.eval_task, d.eval_size, cfg.run.seed + 1_000_003, d.task_kwargs, d.instruction).rows
+    except (FileNotFoundError, ValueError) as e:
+        raise UserError(f"data.eval_task: {e}") from None
+    return tag_source(rows[: d.eval_size], _source_name(d.eval_task))
+
+
+def _source_name(task: str) -> str:
+    """A source's default ``data_source``: a task's name, a file's or folder's stem."""
+    from actors.tasks import is_file_task
+
+    if not is_file_task(task):
+        return task
+    base = task[len("jsonl:"):] if task.startswith("jsonl:") else task
+    return Path(base.split("#", 1)[0].rstrip("/")).stem
 
 
 def check_environment(cfg: Config) -> None:

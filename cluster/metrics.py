@@ -148,7 +148,7 @@ def _merge_counts(stats: list[dict], key: str = "skipped") -> dict[str, int]:
 def judge_metrics(score_stats: list[dict]) -> dict[str, float]:
     """The scorers' own counts summed over shards: judge counts of judging generators
     (``counts``, as ``judge/<count>``, with the parse rate) and a scorer actor's ``metrics``
-    (e.g. ``remote/failed_attempts``)."""
+    (e.g. ``remote/failed_attempts``; a ``X/sum`` with its ``X/n`` also as ``X/mean``)."""
     out: dict[str, float] = {}
     for s in score_stats:
         items = [(f"judge/{k}", v) for k, v in s.get("counts", {}).items()] + list(s.get("metrics", {}).items())
@@ -156,6 +156,8 @@ def judge_metrics(score_stats: list[dict]) -> dict[str, float]:
             out[k] = out.get(k, 0) + v
     if "judge/judgements" in out:
         out["judge/parse_rate"] = out["judge/parsed"] / max(out["judge/judgements"], 1)
+    for k in [k for k in out if k.endswith("/sum") and k[:-4] + "/n" in out]:  # reward components, sources
+        out[k[:-4] + "/mean"] = out[k] / max(out[k[:-4] + "/n"], 1)
     return out
 
 

@@ -25,7 +25,7 @@ def generator_config(cfg: Config, model_path: str, rank: int = 0, initial_versio
         top_k=cfg.rollout.top_k,
         samples_per_prompt=cfg.rollout.samples_per_prompt, seed=cfg.run.seed * 1000 + rank,
         kv_cache_gib=cfg.rollout.kv_cache_gib, threads=cfg.rollout.threads, first_core=rank * cfg.rollout.threads,
-        system_prompt=cfg.data.system_prompt,
+        system_prompt=cfg.data.system_prompt, chat_template=cfg.data.chat_template,
         trust_remote_code=cfg.model.trust_remote_code, initial_version=initial_version,
         max_model_len=cfg.judge.max_prompt_tokens + cfg.judge.max_new_tokens if uses_judge(cfg) else 0,
         gpu_memory_utilization=cfg.rollout.gpu_memory_utilization if cfg.rollout.gpus_per_generator > 0 else 0.0,
@@ -60,6 +60,14 @@ def self_judging(cfg: Config) -> bool:
     return cfg.reward.function == "llm_judge" and not cfg.reward.model
 
 
+def reward_routes(cfg: Config) -> dict[str | None, list[tuple[str, float, dict]]]:
+    """``reward.components`` (every row: key None) or ``reward.by_source``, as the routes of
+    ``actors/reward_routing.py``."""
+    r = cfg.reward
+    as_tuples = lambda comps: [(c.function, c.weight, dict(c.kwargs)) for c in comps]  # noqa: E731
+    return {None: as_tuples(r.components)} if r.components else {k: as_tuples(v) for k, v in r.by_source.items()}
+
+
 def scorer_spec(cfg: Config) -> ScorerSpec:
     """The scorer role's own settings, picked from the run's config."""
     r = cfg.reward
@@ -67,6 +75,9 @@ def scorer_spec(cfg: Config) -> ScorerSpec:
     spec = ScorerSpec(function="environment" if cfg.env.name or cfg.rollout.agent else r.function, kwargs=dict(r.kwargs), on_error=r.on_error, model=r.model,
                       batch_size=r.batch_size, max_tokens=cfg.model.max_prompt_tokens + cfg.model.max_new_tokens + 8,
                       system_prompt=cfg.data.system_prompt, threads=_threads(r.threads))
+    if r.components or r.by_source:
+        spec.routes = reward_routes(cfg)
+        spec.source_key = r.source_key
     if r.function == "llm_judge":
         spec.judge = cfg.judge_config()
         spec.judge_engine = GeneratorConfig(

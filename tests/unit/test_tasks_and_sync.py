@@ -2,16 +2,16 @@ import numpy as np
 import pytest
 import torch
 
-from actors.tasks import jsonl_rows, load_prompts
+from actors.tasks import file_rows, load_prompts
 from cluster.weight_sync import pack, unpack
 
 
 def test_jsonl_malformed_rows_are_counted(tmp_path):
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt": "2+2?", "answer": "4"}\nnot json\n{"prompt": ""}\n[1,2]\n{"prompt": "x"}\n\n')
-    ps = jsonl_rows(str(f), "Answer.")
+    ps = file_rows(str(f), "Answer.")
     assert [r["prompt"] for r in ps.rows] == ["2+2? Answer.", "x Answer."]
-    assert ps.skipped == {"malformed_json": 2, "empty_or_malformed_prompt": 1}
+    assert ps.skipped == {"malformed_row": 2, "empty_or_malformed_prompt": 1}
 
 
 def test_held_out_split_is_disjoint():
