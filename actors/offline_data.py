@@ -20,7 +20,6 @@ prompt once for both, see ``learners/modeling.py``); the chosen row scores 1, th
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +27,7 @@ from typing import Any
 
 import torch
 
+from actors.tasks import is_messages as _is_messages
 from learners.experience import Experience
 
 log = logging.getLogger("rayrlhf.preferences")
@@ -49,12 +49,6 @@ class PreferenceSet:
 def _count(skipped: dict[str, int], reason: str, where: str) -> None:
     skipped[reason] = skipped.get(reason, 0) + 1
     log.warning("%s: %s, skipped", where, reason.replace("_", " "))
-
-
-def _is_messages(x: Any) -> bool:
-    return isinstance(x, list) and bool(x) and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in x
-    )
 
 
 def _split_reply(x: Any) -> tuple[Messages | None, str | None]:
@@ -165,37 +159,34 @@ def answer_pairs(task_rows: list[dict[str, Any]], seed: int = 0) -> list[dict[st
 
 
 def read_preferences(path: str | Path) -> PreferenceSet:
-    """Rows of a ``.jsonl`` file (read line by line, so one bad line is counted, not fatal) or a
-    ``.parquet`` file (pyarrow)."""
+    """Rows of JSON Lines (read line by line, so one bad line is counted, not fatal), JSON,
+    Parquet or CSV files, folders of them or ``datasets`` folders (``_read_rows``)."""
     return _read_rows(path, normalise_row, "preference")
 
 
 def _read_rows(path: str | Path, normalise: Any, kind: str) -> PreferenceSet:
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"{kind} file not found: {p}")
+    """Rows of one or several sources (a list, or paths separated by commas: concatenated in
+    order), each a file, a folder of files or a ``datasets`` folder (``actors/tables.py``)."""
+    from actors.tables import read_table
+
+    paths = path if isinstance(path, (list, tuple)) else [x.strip() for x in str(path).split(",") if x.strip()]
     skipped: dict[str, int] = {}
     rows: list[dict[str, Any]] = []
-    if p.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        raw = pq.read_table(p).to_pylist()
-        source = [(f"{p}[{i}]", obj) for i, obj in enumerate(raw)]
-    else:
-        source = []
-        for i, line in enumerate(p.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                source.append((f"{p}:{i}", json.loads(line)))
-            except json.JSONDecodeError:
-                _count(skipped, "malformed_row", f"{p}:{i}")
-    for index, (where, obj) in enumerate(source):
-        row, reason = normalise(obj)
-        if row is None:
-            _count(skipped, reason, where)
-            continue
-        rows.append({**row, "index": index})
+    index = 0
+    for one in paths:
+        try:
+            table = read_table(one)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{kind} file not found: {one}") from None
+        for k, n in table.skipped.items():
+            skipped[k] = skipped.get(k, 0) + n
+        for where, obj in table.rows:
+            row, reason = normalise(obj)
+            if row is None:
+                _count(skipped, reason, where)
+            else:
+                rows.append({**row, "index": index})
+            index += 1
     return PreferenceSet(rows, skipped)
 
 

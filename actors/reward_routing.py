@@ -28,13 +28,14 @@ _EVERY = "\0every"
 
 
 def component_names(routes: dict[str, list[Component]]) -> dict[tuple[str, int], str]:
-    """A metric name per (route, position): the function's own name, numbered where one
-    function appears with different weights or arguments."""
+    """A metric name per (route, position): the function's own name (its values are logged
+    unweighted, so one function under several weights is one metric), numbered where one
+    function appears with different arguments."""
     names: dict[tuple[str, int], str] = {}
     seen: dict[tuple, str] = {}
     for route, comps in routes.items():
-        for i, (fn, w, kw) in enumerate(comps):
-            key = (fn, w, tuple(sorted(kw.items())))
+        for i, (fn, _, kw) in enumerate(comps):
+            key = (fn, repr(sorted(kw.items())))
             if key not in seen:
                 base = fn.rsplit(":", 1)[-1]
                 taken = sum(1 for v in seen.values() if v == base or v.startswith(base + "_"))

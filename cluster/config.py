@@ -79,7 +79,14 @@ class RunConfig(Section):
     keep_last: int = _f(3, "Periodic checkpoints kept (older ones are deleted; 0: keep all).", ge=0)
     save_final: bool = _f(True, "Save a checkpoint at the end of the run.")
     plot: bool = _f(True, "Write a reward/KL curve PNG into the run directory.")
-    tensorboard: bool = _f(True, "Write TensorBoard event files to <run dir>/tensorboard/ (every metric of metrics.jsonl).")
+    trackers: Annotated[list[Literal["tensorboard", "wandb", "mlflow"]], BeforeValidator(_split_commas)] = _f(
+        ["tensorboard"], "Experiment trackers receiving every metrics row, the config and checkpoint paths: tensorboard "
+        "(<run dir>/tensorboard/), wandb (Weights & Biases; WANDB_MODE=offline works without a login) and mlflow "
+        "(run.mlflow_tracking_uri). One that fails to start is one console line, not a crashed run. [] for none.")
+    wandb_project: str = _f("rayrlhf", "W&B project of run.trackers=wandb (the run's name is the run directory's).")
+    mlflow_tracking_uri: str = _f("", "MLflow tracking URI of run.trackers=mlflow (empty: $MLFLOW_TRACKING_URI, else a "
+                                      "file store in <run dir>/mlruns).")
+    mlflow_experiment: str = _f("rayrlhf", "MLflow experiment of run.trackers=mlflow.")
     export_transitions: bool = _f(
         False, "Write every step's scored samples as token transitions (Parquet) to <run dir>/data/transitions/, "
         "the data of offline Q-learning (ppo and qlearn recipes).")
@@ -155,8 +162,9 @@ class DataConfig(Section):
     system_prompt: str = _f("", "Optional system message for the chat template.")
     preference_file: str = _f(
         "",
-        "For run.algorithm=dpo: JSONL or Parquet rows {prompt, chosen, rejected} (text or chat messages); "
-        "eval_size of them are held out.",
+        "For run.algorithm=dpo: rows {prompt, chosen, rejected} (text or chat messages; TRL's layouts) in JSONL, "
+        "JSON, Parquet or CSV files, folders of them or datasets folders; several separated by commas are "
+        "concatenated; eval_size of them are held out.",
     )
     transition_file: str = _f(
         "",
@@ -166,8 +174,9 @@ class DataConfig(Section):
     )
     demonstration_file: str = _f(
         "",
-        "For run.algorithm=sft and dpo.pairs=spin: JSONL or Parquet rows {prompt, response} (text or chat "
-        "messages), or for sft whole conversations {messages, tools} (every assistant turn trained); eval_size of "
+        "For run.algorithm=sft and dpo.pairs=spin: rows {prompt, response} (text or chat messages), or for sft "
+        "whole conversations {messages, tools} (every assistant turn trained), in JSONL, JSON, Parquet or CSV "
+        "files, folders of them or datasets folders; several separated by commas are concatenated; eval_size of "
         "them are held out. Empty: data.task's prompts with their reference answers (or sft.transcripts).",
     )
 
@@ -674,6 +683,7 @@ MOVED_KEYS = {
     )},
     "ppo.minibatch_size": "train.num_minibatches (number of minibatches per batch)",
     "reward.clip": "ppo.reward_clip",
+    "run.tensorboard": "run.trackers (a list of tensorboard, wandb, mlflow; [] for none)",
     "rollout.truncation": "ppo.truncation",
     "rollout.truncation_penalty": "ppo.truncation_penalty",
 }

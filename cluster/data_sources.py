@@ -174,7 +174,7 @@ def load_demonstrations(cfg: Config) -> tuple[Demonstrations, Demonstrations, st
                 description + "; demonstrations: the task's reference answers")
     try:
         demos = read_demonstrations(cfg.data.demonstration_file)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, ValueError) as e:
         raise UserError(f"data.demonstration_file: {e}") from None
     train, held = split_rows(demos.rows, cfg.run.seed, cfg.data.eval_size)
     if not train:

@@ -35,7 +35,8 @@ class RunLog:
         self.first_step = 1
         # What eval/accuracy measures (set by the recipe): a label for logs and plots.
         self.eval_label = "greedy accuracy"
-        # Where rows go besides metrics.jsonl (TensorBoard, Ray metrics): objects with write(row), close().
+        # Where rows go besides metrics.jsonl (trackers, Ray metrics): objects with write(row), close()
+        # and optionally checkpoint(path, step).
         self.sinks: list[Any] = []
         if keep_until_step is not None and self.path.is_file():
             old = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
@@ -58,6 +59,15 @@ class RunLog:
                 log.warning("%s failed (%r): turned off for this run; metrics.jsonl has every row",
                             type(sink).__name__, e)
                 self.sinks.remove(sink)
+
+    def checkpoint(self, folder: str | Path, step: int) -> None:
+        """Tells the sinks that track checkpoints (W&B, MLflow) where one was saved."""
+        for sink in list(self.sinks):
+            if hasattr(sink, "checkpoint"):
+                try:
+                    sink.checkpoint(str(folder), step)
+                except Exception as e:
+                    log.warning("%s could not record checkpoint %s: %r", type(sink).__name__, folder, e)
 
     def close(self) -> None:
         for sink in self.sinks:

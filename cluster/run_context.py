@@ -137,10 +137,11 @@ class RunContext:
         from cluster.console import attach_run_dir
 
         attach_run_dir(self.dir)
-        if cfg.run.tensorboard:
-            from cluster.telemetry import TensorBoardSink
+        if cfg.run.trackers:
+            from cluster.trackers import start_trackers
 
-            self.runlog.sinks.append(TensorBoardSink(self.dir))
+            self.runlog.sinks += start_trackers(cfg.run.trackers, self.dir, cfg.to_dict(), wandb_project=cfg.run.wandb_project,
+                                                mlflow_uri=cfg.run.mlflow_tracking_uri, mlflow_experiment=cfg.run.mlflow_experiment)
         # Early stopping: best value, its step, evaluations since (carried by checkpoints).
         self.early = dict(self.run_state.get("early_stop") or {"best": None, "best_step": None, "bad": 0, "stopped": False})
         self.final_checkpoint: Path | None = None
@@ -332,6 +333,7 @@ class RunContext:
         tmp.write_text(json.dumps(state))
         tmp.replace(state_dir / RUN_STATE_FILE)
         self.final_checkpoint = Path(folder)
+        self.runlog.checkpoint(folder, step)
         self._prune()
 
     def _prune(self) -> None:

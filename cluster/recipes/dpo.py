@@ -61,7 +61,7 @@ def load_data(cfg: Config) -> tuple[Any, Any, str]:
                                      f"prompt, ranked by {ranker}")
     try:
         prefs = read_preferences(cfg.data.preference_file)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, ValueError) as e:
         raise UserError(f"data.preference_file: {e}") from None
     train, held = split_rows(prefs.rows, cfg.run.seed, cfg.data.eval_size)
     if len(train) < cfg.dpo.pairs_per_step:

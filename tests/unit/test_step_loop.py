@@ -47,7 +47,7 @@ class StandIn:
 
 
 def _ctx(tmp_path, *overrides, resume=False):
-    cfg = load_config(overrides=["run.plot=false", "run.tensorboard=false", "cluster.metrics_export=false",
+    cfg = load_config(overrides=["run.plot=false", "run.trackers=[]", "cluster.metrics_export=false",
                                  *overrides])
     return RunContext(cfg, tmp_path / "run", resume=resume)
 
