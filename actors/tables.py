@@ -36,7 +36,7 @@ class Table:
 def looks_like_path(spec: str) -> bool:
     """A data source named as a file or folder (rather than a reasoning-gym task name)."""
     base = spec.split("#", 1)[0]
-    return "/" in base or base.endswith(SUFFIXES) or Path(base).exists()
+    return "/" in base or base.startswith("~") or base.endswith(SUFFIXES) or Path(base).exists()
 
 
 def read_table(spec: str | Path) -> Table:
@@ -44,7 +44,7 @@ def read_table(spec: str | Path) -> Table:
     split). Raises ``FileNotFoundError`` for a missing path, ``ValueError`` for a format it
     cannot read (one line each)."""
     base, _, split = str(spec).partition("#")
-    p = Path(base)
+    p = Path(base).expanduser()
     if not p.exists():
         raise FileNotFoundError(f"data file or folder not found: {p}")
     if p.is_dir() and _is_saved_dataset(p):
