@@ -86,29 +86,36 @@ def _message_row(messages: list[dict], answer: Any, meta: dict, skipped: dict[st
             "meta": {**meta, "answer": str(answer), "question": text, "prompt": text, "messages": messages}}
 
 
+def file_row(obj: dict[str, Any], keys: FileKeys, instruction: str, skipped: dict[str, int]) -> dict | None:
+    """One data-file row as a prompt row, or None (counted in ``skipped`` by reason)."""
+    from actors.tables import column
+
+    prompt = column(obj, keys.prompt)
+    if keys.answer:
+        answer = column(obj, keys.answer)
+    else:
+        answer = next((v for v in (column(obj, k) for k in ANSWER_KEYS) if v is not None), "")
+    meta = {"task": "file", **{k: v for k, v in obj.items() if k != keys.prompt}}
+    if not is_messages(prompt):
+        return _row(prompt, answer, meta, instruction, skipped)
+    if answer is None:
+        skipped["missing_answer"] = skipped.get("missing_answer", 0) + 1
+        return None
+    return _message_row(prompt, answer, meta, skipped)
+
+
 def file_rows(spec: str, instruction: str, keys: FileKeys | None = None) -> PromptSet:
     """Prompt rows of a data file or folder (``actors/tables.py``: JSON, JSONL, Parquet, CSV,
     ``datasets`` folders); the columns besides the prompt travel in ``meta`` to the reward
     function. Unusable rows are counted by reason and logged."""
-    from actors.tables import column, read_table
+    from actors.tables import read_table
 
     keys = keys or FileKeys()
     table = read_table(spec[len("jsonl:"):] if spec.startswith("jsonl:") else spec)
     skipped = dict(table.skipped)
     rows = []
     for where, obj in table.rows:
-        prompt = column(obj, keys.prompt)
-        if keys.answer:
-            answer = column(obj, keys.answer)
-        else:
-            answer = next((v for v in (column(obj, k) for k in ANSWER_KEYS) if v is not None), "")
-        meta = {"task": "file", **{k: v for k, v in obj.items() if k != keys.prompt}}
-        if is_messages(prompt):
-            r = _message_row(prompt, answer, meta, skipped) if answer is not None else None
-            if answer is None:
-                skipped["missing_answer"] = skipped.get("missing_answer", 0) + 1
-        else:
-            r = _row(prompt, answer, meta, instruction, skipped)
+        r = file_row(obj, keys, instruction, skipped)
         if r is None:
             log.warning("%s: row without a usable %r prompt or %r answer, skipped", where, keys.prompt, keys.answer or "answer")
         else:

@@ -147,6 +147,11 @@ class DataConfig(Section):
                                    "as it is, for base models; chat-message prompts then fail).")
     eval_task: str = _f("", "Held-out prompts from their own source (a task name or a file, read like data.task; "
                             "eval_size rows). Empty: carved from the train source(s).")
+    streaming: bool = _f(False, "Stream the train prompts with Ray Data instead of loading them (sets larger than "
+                                "memory; data.task a Parquet, JSONL or CSV file or a folder of one format; run.algorithm "
+                                "ppo or online qlearn). Each epoch reads the files in a seeded order through a seeded "
+                                "shuffle buffer; a resumed run continues at the exact row.")
+    shuffle_buffer: int = _f(1024, "With data.streaming: rows in the shuffle buffer of the stream.", ge=1)
     mix: list[DataSourceConfig] = _f([], "Several prompt sources mixed by weight (each a {task, weight, name, "
                                          "prompt_key, answer_key, task_kwargs}); replaces data.task when set.")
     task_kwargs: dict = _f(
@@ -154,7 +159,8 @@ class DataConfig(Section):
         "Keyword arguments for the reasoning-gym generator (difficulty). The defaults give SmolLM2-135M "
         "a 10-60% success rate, i.e. a learning signal.",
     )
-    train_size: int = _f(2000, "Number of training prompts generated.", ge=1)
+    train_size: int = _f(2000, "Number of training prompts: generated for a task, the first ones (after a seeded shuffle) "
+                               "of a file, split by weight in a mixture; a streamed file (data.streaming) is read whole.", ge=1)
     eval_size: int = _f(64, "Number of held-out prompts (generated with another seed, de-duplicated).", ge=0)
     instruction: str = _f(
         "Answer with just the final answer.", "Text appended to each question before the chat template."
@@ -775,6 +781,11 @@ class Config(Section):
         ppo, rollout, reward = self.ppo, self.rollout, self.reward
         routed = bool(reward.components or reward.by_source)
         return [
+            (not self.data.streaming or (not self.data.mix and (self.run.algorithm == "ppo" or (
+                self.run.algorithm == "qlearn" and not self.data.transition_file)) and not self.env.name
+                and not self.rollout.agent and not self.rollout.dynamic_sampling),
+             "data.streaming streams one data.task file or folder of prompts to run.algorithm=ppo or online qlearn "
+             "(no data.mix, env.name, rollout.agent or rollout.dynamic_sampling)"),
             (not (reward.components and reward.by_source), "reward.components and reward.by_source: set one (give a "
                                                            "source several components inside by_source)"),
             (not routed or reward.function not in ("reward_model", "llm_judge", "remote"),

@@ -41,6 +41,8 @@ def load_task_prompts(cfg: Config) -> tuple[Any, Any, str]:
             raise UserError(f"reward: {e}") from None
     if cfg.reward.model and not (Path(cfg.reward.model) / "config.json").is_file():
         raise UserError(f"reward.model: {cfg.reward.model} is not a model folder (no config.json)")
+    if cfg.data.streaming:  # its size is counted once the cluster is up
+        return train_set, eval_set, f"{len(eval_set)} held-out prompts; train prompts from {described}"
     description = (f"{len(train_set)} train / {len(eval_set)} held-out prompts from {described}"
                    + (f" (skipped while loading: {train_set.skipped})" if train_set.skipped else ""))
     return train_set, eval_set, description
@@ -53,6 +55,8 @@ def prompt_sets(cfg: Config) -> tuple[Any, Any, str]:
     from actors.tasks import PromptSet, tag_source, weighted_counts
 
     d = cfg.data
+    if d.streaming:
+        return _streamed(cfg)
     sources = d.mix or [DataSourceConfig(task=d.task)]
     n_eval = 0 if d.eval_task else d.eval_size
     train_n = weighted_counts(d.train_size, [s.weight for s in sources])
@@ -75,6 +79,25 @@ def prompt_sets(cfg: Config) -> tuple[Any, Any, str]:
         random.Random(cfg.run.seed).shuffle(train)
     described = " + ".join(f"{s.task} ({n})" for s, n in zip(sources, train_n)) if d.mix else d.task
     return PromptSet(train, skipped), PromptSet(held), described + (f"; held out: {d.eval_task}" if d.eval_task else "")
+
+
+def _streamed(cfg: Config) -> tuple[Any, Any, str]:
+    """``data.streaming``: the train rows streamed by Ray Data once the run's cluster is up
+    (``cluster/streaming_data.py``); the held-out rows loaded now."""
+    from actors.tasks import FileKeys, is_file_task, tag_source
+    from cluster.streaming_data import streaming_sets
+
+    d = cfg.data
+    if not is_file_task(d.task):
+        raise UserError(f"data.streaming reads a data file or folder; data.task={d.task!r} is not one")
+    try:
+        train, held = streaming_sets(d.task, FileKeys(d.prompt_key, d.answer_key), d.instruction, cfg.run.seed,
+                                     d.eval_size, _eval_source(cfg) if d.eval_task else None, d.shuffle_buffer,
+                                     _source_name(d.task))
+    except (FileNotFoundError, ValueError) as e:
+        raise UserError(f"data.task: {e}") from None
+    tag_source(held.rows, _source_name(d.eval_task or d.task))
+    return train, held, f"{d.task} (streamed with Ray Data, {len(train.files)} files)"
 
 
 def _source_prompts(cfg: Config, src: DataSourceConfig, n_train: int, n_held: int, seed: int) -> tuple[Any, Any]:

@@ -50,6 +50,13 @@ class Recipe(Protocol):
 
 
 def run_steps(ctx: RunContext, recipe: Recipe) -> RunResult:
+    try:
+        return _steps(ctx, recipe)
+    finally:  # a streamed data source closes its reader while the cluster is still up
+        getattr(recipe, "close", lambda: None)()
+
+
+def _steps(ctx: RunContext, recipe: Recipe) -> RunResult:
     if ctx.eval_due(0):
         with ctx.phase("eval"):
             ctx.log_base_eval(recipe.evaluate(0, None))

@@ -37,7 +37,8 @@ from cluster.ledger import issue_records, outcome_records
 from cluster.metrics import step_metrics
 from cluster.recipes.dynamic_sampling import Refill, informative_uids, select_groups
 from cluster.roles import Roles
-from cluster.run_context import PromptSampler, RunContext, RunResult, greedy_accuracy, sampling_seed
+from cluster.run_context import RunContext, RunResult, greedy_accuracy, sampling_seed
+from cluster.streaming_data import make_sampler
 from cluster.step_loop import StepOutcome, run_steps
 from cluster.transports import make_transport
 from cluster.weight_sync import probe_token_ids, sync_tolerance
@@ -68,8 +69,7 @@ class PPOSteps:
         self.ctx, self.roles, self.rollout, self.learners = ctx, roles, roles.rollout, roles.learners
         self.train_set, self.eval_set, self.probe_ids = train_set, eval_set, probe_ids
         self.ledger = roles.ledger
-        self.sampler = PromptSampler(len(train_set.rows), cfg.rollout.prompts_per_step, cfg.run.seed,
-                                     **ctx.run_state["sampler"])
+        self.sampler = make_sampler(train_set, cfg.rollout.prompts_per_step, cfg.run.seed, ctx.run_state["sampler"])
         self.queue = LaunchQueue(self._launch, cfg.rollout.max_staleness, cfg.run.steps)
         self.transport = make_transport(cfg.rollout.weight_transport, cfg.rollout.bucket_mb,
                                         cfg.rollout.collective_backend)
@@ -84,6 +84,9 @@ class PPOSteps:
 
     def position(self) -> "SamplerPosition":
         return self._position  # the prompts of batches started ahead are not in it
+
+    def close(self) -> None:
+        getattr(self.sampler, "close", lambda: None)()
 
     def save(self, step: int, folder: str) -> dict:
         return self.learners.save(step, folder)

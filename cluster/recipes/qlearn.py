@@ -37,6 +37,7 @@ from cluster.ledger import issue_records, outcome_records
 from cluster.metrics import step_metrics
 from cluster.roles import Roles
 from cluster.run_context import PromptSampler, RunContext, RunResult, greedy_accuracy, sampling_seed
+from cluster.streaming_data import make_sampler
 from cluster.step_loop import StepOutcome, run_steps
 
 
@@ -113,6 +114,9 @@ class QSteps:
     def position(self) -> PromptSampler:
         return self.sampler
 
+    def close(self) -> None:
+        getattr(self.sampler, "close", lambda: None)()
+
     def save(self, step: int, folder: str) -> dict:
         return self.learners.save(step, folder)
 
@@ -137,8 +141,8 @@ class QSteps:
 class OnlineSteps(QSteps):
     def __init__(self, ctx: RunContext, roles: Roles, train_set: Any, eval_set: Any) -> None:
         cfg = ctx.cfg
-        super().__init__(ctx, roles, eval_set, PromptSampler(len(train_set.rows), cfg.rollout.prompts_per_step,
-                                                             cfg.run.seed, **ctx.run_state["sampler"]))
+        super().__init__(ctx, roles, eval_set, make_sampler(train_set, cfg.rollout.prompts_per_step, cfg.run.seed,
+                                                             ctx.run_state["sampler"]))
         self.train_set, self.ledger = train_set, roles.ledger
         export_dir = str(ctx.dir / "data" / "transitions")
         replay = roles.start_replay(cfg.qlearn.buffer_capacity, export_dir)
