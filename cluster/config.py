@@ -116,6 +116,9 @@ class ModelConfig(Section):
                 "bf16 natively (AVX512-BF16, AMX, Arm BF16), float32 on other CPUs, where bf16 is emulated and "
                 "several times slower; resolved once on the driver (learners/precision.py).")
     trust_remote_code: bool = _f(False, "Allow model repositories to run their own code (off: safe default).")
+    dropout: float = _f(0.0, "Residual dropout in the learners' training forward passes (on each decoder layer's attention "
+                             "and MLP outputs; e.g. 0.1 for SFT / DPO / SPIN as in the self-rewarding recipe). Not with "
+                             "run.algorithm=ppo: its ratios compare forward passes. 0: off.", ge=0, lt=1)
 
 
 class DataSourceConfig(Section):
@@ -786,6 +789,9 @@ class Config(Section):
                 and not self.rollout.agent and not self.rollout.dynamic_sampling),
              "data.streaming streams one data.task file or folder of prompts to run.algorithm=ppo or online qlearn "
              "(no data.mix, env.name, rollout.agent or rollout.dynamic_sampling)"),
+            (not (self.model.dropout and self.run.algorithm == "ppo"),
+             "model.dropout is for sft, dpo, reward_model and qlearn: PPO's importance ratios compare the policy's "
+             "forward passes, and dropout noise would bias them (every RL framework turns it off there)"),
             (not (reward.components and reward.by_source), "reward.components and reward.by_source: set one (give a "
                                                            "source several components inside by_source)"),
             (not routed or reward.function not in ("reward_model", "llm_judge", "remote"),

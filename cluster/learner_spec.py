@@ -65,7 +65,7 @@ def learner_spec(cfg: Config, model_path: str, pad_token_id: int, resume_from: s
         context=LearnerContext(
             model_path=model_path, seed=cfg.run.seed, total_steps=cfg.run.steps,
             temperature=cfg.rollout.temperature or 1.0, max_new_tokens=cfg.model.max_new_tokens,
-            lora=cfg.lora if cfg.lora.enabled else None,
+            lora=cfg.lora if cfg.lora.enabled else None, dropout=cfg.model.dropout,
         ),
         resume_from=resume_from, tokenizer_path=model_path, pad_token_id=pad_token_id,
         sync_dtype=cfg.model.generator_dtype, num_learners=cfg.cluster.num_learners,

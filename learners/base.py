@@ -94,6 +94,8 @@ class LearnerContext:
     max_new_tokens: int = 0
     # LoRA settings, or None for full fine-tuning.
     lora: LoRAParams | None = None
+    # Residual dropout of the policy's forward passes in train mode (learners/modeling.py).
+    dropout: float = 0.0
     # Reductions across data-parallel ranks (single-process by default).
     comm: Collective | None = None
     # Torch device the learner computes on ("cpu", "cuda:0", ...): its model lives there and

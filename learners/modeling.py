@@ -63,6 +63,33 @@ def compile_decoder_layers(lm: nn.Module) -> int:
     return len(layers)
 
 
+def add_residual_dropout(lm: nn.Module, p: float) -> int:
+    """Dropout with probability ``p`` on every decoder layer's attention and MLP outputs, before
+    each is added to the residual stream (the residual dropout of the Transformer, Vaswani et al.
+    2017, §5.4; GPT-2's ``resid_pdrop``); active in train mode only (``nn.Module.training``), so
+    every no-grad or eval pass (old and reference log-probs, targets, evaluation) sees the
+    whole model. Llama-family models carry no dropout of their own (their ``attention_dropout``
+    is read only by attention kernels this project replaces). Returns the number of layers
+    hooked; raises ``ValueError`` for a model whose layers have no ``self_attn`` and ``mlp``."""
+    if p <= 0:
+        return 0
+    layers = [layer for layer in decoder_layers(lm) if hasattr(layer, "self_attn") and hasattr(layer, "mlp")]
+    if not layers:
+        raise ValueError("model.dropout: this model's decoder layers have no self_attn / mlp to put dropout after")
+
+    def drop(module: nn.Module, args: tuple, out: object) -> object:
+        if not module.training:
+            return out
+        if isinstance(out, tuple):  # attention returns (output, weights)
+            return (nn.functional.dropout(out[0], p, True), *out[1:])
+        return nn.functional.dropout(out, p, True)
+
+    for layer in layers:
+        layer.self_attn.register_forward_hook(drop)
+        layer.mlp.register_forward_hook(drop)
+    return len(layers)
+
+
 class PolicyWithValueHead(nn.Module):
     """A causal LM plus a scalar value head on its last hidden state (shared trunk).
 

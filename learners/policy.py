@@ -28,7 +28,7 @@ from learners.base import (
 )
 from learners.distributed import Collective
 from learners.experience import Experience
-from learners.modeling import PolicyWithValueHead, compile_decoder_layers, sequence_logprobs
+from learners.modeling import PolicyWithValueHead, add_residual_dropout, compile_decoder_layers, sequence_logprobs
 from learners.optim import make_scheduler
 from learners.precision import resolve_bf16
 
@@ -62,6 +62,7 @@ class PolicyLearner(Learner):
 
         lm = AutoModelForCausalLM.from_pretrained(ctx.model_path, dtype=torch.float32, attn_implementation=register())
         lm.config.use_cache = False
+        add_residual_dropout(lm, ctx.dropout)
         lora = ctx.lora
         self.lora = bool(lora is not None and lora.enabled)
         if self.lora:
