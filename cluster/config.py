@@ -443,6 +443,16 @@ class PPOConfig(Section):
     overlong_buffer: int = _f(0, "DAPO's soft overlong punishment: responses longer than model.max_new_tokens - "
                               "overlong_buffer tokens lose reward linearly, up to overlong_penalty at the limit (0: off).", ge=0)
     overlong_penalty: float = _f(1.0, "Reward lost by a response at model.max_new_tokens with overlong_buffer > 0.", ge=0)
+    teacher: str = _f("", "On-policy distillation: a teacher model folder (e.g. a trained checkpoint; its vocabulary "
+                          "the policy's) that the reference role holds instead of the initial policy. See distill_coef.")
+    distill_coef: float = _f(0.0, "Weight of the teacher's per-token advantage log pi_teacher - log pi_student on the "
+                                  "student's own samples (minimises the reverse KL to ppo.teacher; "
+                                  "learners/advantages.teacher_advantages). 0: off.", ge=0)
+    distill_discount: float = _f(0.0, "Discount of later tokens' teacher terms in that advantage (0: each token its "
+                                      "own, as Thinking Machines' on-policy distillation; 1: the rest of the sequence).",
+                                 ge=0, le=1)
+    task_coef: float = _f(1.0, "Weight of the task reward's advantage (0 with distill_coef > 0: pure distillation; "
+                               "the task reward is still measured).", ge=0)
     kl_controller: Literal["fixed", "adaptive"] = _f("fixed", "KL coefficient control: fixed (kl_coef) or adaptive (towards kl_target).")
     kl_target: float = _f(0.1, "Target KL per sequence of the adaptive controller.", gt=0)
     kl_horizon: int = _f(10000, "Horizon (samples) of the adaptive controller.", gt=0)
@@ -475,7 +485,7 @@ class PPOConfig(Section):
     def uses_reference(self) -> bool:
         """Whether any term needs reference log-probs; without one the reference model is not run
         (as with beta=0 in TRL's GRPO or verl without a KL loss), saving its pass and its memory."""
-        return self.kl_coef != 0 or self.kl_loss_coef != 0 or self.kl_controller == "adaptive"
+        return self.kl_coef != 0 or self.kl_loss_coef != 0 or self.kl_controller == "adaptive" or self.distill_coef != 0
 
 
 class DPOConfig(Section):
@@ -789,6 +799,9 @@ class Config(Section):
                 and not self.rollout.agent and not self.rollout.dynamic_sampling),
              "data.streaming streams one data.task file or folder of prompts to run.algorithm=ppo or online qlearn "
              "(no data.mix, env.name, rollout.agent or rollout.dynamic_sampling)"),
+            (bool(ppo.teacher) == bool(ppo.distill_coef),
+             "on-policy distillation needs both ppo.teacher (the teacher's model folder) and ppo.distill_coef > 0"),
+            (ppo.task_coef > 0 or ppo.distill_coef > 0, "ppo.task_coef=0 leaves nothing to learn without ppo.distill_coef"),
             (not (self.model.dropout and self.run.algorithm == "ppo"),
              "model.dropout is for sft, dpo, reward_model and qlearn: PPO's importance ratios compare the policy's "
              "forward passes, and dropout noise would bias them (every RL framework turns it off there)"),

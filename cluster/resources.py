@@ -39,7 +39,7 @@ def role_requests(cfg: Config) -> list[RoleRequest]:
     self_judging = cfg.reward.function == "llm_judge" and not cfg.reward.model
     if not self_judging:
         out.append(RoleRequest("scorer", 1, cfg.reward.cpus, "reward.cpus"))
-    reference = not cfg.lora.enabled and (
+    reference = (algo == "ppo" and bool(cfg.ppo.teacher)) or not cfg.lora.enabled and (
         (algo == "ppo" and cfg.ppo.uses_reference)
         or (algo == "qlearn" and cfg.qlearn.uses_reference)
         or (algo == "dpo" and cfg.dpo.loss != "simpo")

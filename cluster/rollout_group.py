@@ -80,14 +80,14 @@ class RolloutGroup:
         self.pool = GeneratorPool(len(self.generators), self._start_unit,
                                   on_done=None if self.scorer is None else self._score_unit)
         if with_reference is None:
-            with_reference = not cfg.lora.enabled and cfg.ppo.uses_reference
+            with_reference = cfg.ppo.uses_reference and (not cfg.lora.enabled or bool(cfg.ppo.teacher))
         if with_reference:
             self.reference = ray.remote(ReferenceWorker).options(
                 num_cpus=cfg.cluster.cpus_per_reference, num_gpus=cfg.cluster.gpus_per_reference,
                 max_restarts=cfg.cluster.actor_max_restarts,
                 runtime_env=role_env(cfg.cluster.threads, keep_freed_memory=cfg.cluster.keep_freed_memory
                                      and not cfg.cluster.gpus_per_reference),
-            ).remote(reference_config(cfg, model_path))
+            ).remote(reference_config(cfg, cfg.ppo.teacher or model_path))
 
     def wait_ready(self) -> list[float]:
         for role, actor in (("scorer", self.scorer), ("reference", self.reference)):

@@ -22,6 +22,7 @@ __all__ = [
     "group_baseline_advantages",
     "reinforce_pp_advantages",
     "discounted_returns",
+    "teacher_advantages",
     "episode_mask",
     "bootstrap_positions",
     "token_rewards_from_scores",
@@ -320,6 +321,36 @@ def discounted_returns(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
             else torch.zeros(B, 0, dtype=dtype, device=r.device)
         )
     return returns
+
+
+def teacher_advantages(student_logprobs: Tensor, teacher_logprobs: Tensor, mask: Tensor, discount: float = 0.0) -> Tensor:
+    """On-policy distillation: the advantage of each sampled token under the per-token reverse KL
+    to a teacher, ``A_t = sum_{k>=t} discount^(k-t) (log pi_T(y_k) - log pi_S(y_k))``.
+
+    The student samples ``y``; ``-(log pi_S - log pi_T)`` at a sampled token is the one-sample
+    estimate of the reverse KL ``KL(pi_S || pi_T)`` at that position, so a policy gradient on this
+    advantage minimises the sequence-level reverse KL on the student's own distribution (GKD,
+    Agarwal et al. 2024, with lambda = 1 and the reverse KL; MiniLLM, Gu et al. 2024, eq. 2-5).
+    ``discount=0`` (the default, as in Thinking Machines' "On-Policy Distillation", 2025) credits
+    each token with its own term only; ``discount=1`` with the whole remaining sequence's.
+
+    Edge cases: positions with ``mask == 0`` (prompt, padding, observation tokens) give 0 and
+    pass the running sum through, as ``discounted_returns``; a row with no response token is all
+    0. Inputs are detached (the advantage is a constant of the policy loss).
+
+    Args:
+        student_logprobs: ``(B, T)`` log-probs of the sampled tokens under the student (the
+            policy that sampled them, or the learner's old pass).
+        teacher_logprobs: ``(B, T)`` the same tokens' log-probs under the teacher.
+        mask: ``(B, T)`` response tokens.
+        discount: weight of later tokens' terms, in ``[0, 1]``.
+    """
+    if student_logprobs.shape != teacher_logprobs.shape:
+        raise ValueError(f"student {tuple(student_logprobs.shape)} and teacher {tuple(teacher_logprobs.shape)} log-probs differ in shape")
+    if not 0.0 <= discount <= 1.0:
+        raise ValueError(f"discount must be in [0, 1], got {discount}")
+    gap = (teacher_logprobs.detach() - student_logprobs.detach()).float()
+    return discounted_returns(torch.where(mask.detach() != 0, gap, torch.zeros_like(gap)), mask, discount)
 
 
 def reinforce_pp_advantages(rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Tensor:

@@ -27,6 +27,7 @@ from learners.advantages import (
     group_baseline_advantages,
     kl_shaped_rewards,
     reinforce_pp_advantages,
+    teacher_advantages,
 )
 from learners.base import CRITIC_DIR, LearnerContext, TrainParams
 from learners.distributed import fill_missing_gradients
@@ -77,6 +78,9 @@ class PPOParams(Protocol):
     clip_eps_high: float
     overlong_buffer: int
     overlong_penalty: float
+    distill_coef: float
+    distill_discount: float
+    task_coef: float
 
     @property
     def uses_reference(self) -> bool: ...
@@ -191,6 +195,11 @@ class PPOLearner(PolicyLearner):
             kl = kl_penalty(old_logprobs, ref_logprobs, hp.kl_estimator) * mask
             seq_rewards = exp.scores.clamp(-hp.reward_clip, hp.reward_clip) - kl_coef * kl.sum(1)
             advantages = group_baseline_advantages(seq_rewards, exp.group_ids, mask, estimator=hp.advantage_estimator)
+        if hp.task_coef != 1.0:
+            advantages = hp.task_coef * advantages
+        if hp.distill_coef:  # on-policy distillation: the reference holds the teacher (ppo.teacher)
+            advantages = advantages + hp.distill_coef * teacher_advantages(
+                old_logprobs, ref_logprobs, mask, hp.distill_discount) * mask
         return advantages, returns, kl
 
     def _inert_rows(

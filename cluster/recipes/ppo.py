@@ -32,6 +32,7 @@ from typing import Any, Callable
 
 import ray
 
+from cluster.config import UserError
 from cluster.data_sources import load_task_prompts
 from cluster.ledger import issue_records, outcome_records
 from cluster.metrics import step_metrics
@@ -43,7 +44,33 @@ from cluster.step_loop import StepOutcome, run_steps
 from cluster.transports import make_transport
 from cluster.weight_sync import probe_token_ids, sync_tolerance
 
-load_data = load_task_prompts
+
+
+def load_data(cfg: Any) -> tuple[Any, Any, str]:
+    """The task's prompts; with ``ppo.teacher``, a teacher folder whose vocabulary is the policy's."""
+    if cfg.ppo.teacher:
+        check_teacher(cfg)
+    return load_task_prompts(cfg)
+
+
+def check_teacher(cfg: Any) -> None:
+    """One line before anything starts: the teacher is a model folder with the policy's vocabulary
+    (its log-probs must score the student's token ids)."""
+    import json
+
+    from cluster.assets import resolve_model
+
+    teacher = Path(cfg.ppo.teacher)
+    if not (teacher / "config.json").is_file():
+        raise UserError(f"ppo.teacher: {teacher} is not a model folder (no config.json)")
+    try:
+        student = Path(resolve_model(cfg.model.path, cfg.model.cache_dir or None))
+    except FileNotFoundError as e:
+        raise UserError(str(e)) from None
+    vocab = [json.loads((f / "config.json").read_text()).get("vocab_size") for f in (teacher, student)]
+    if vocab[0] != vocab[1]:
+        raise UserError(f"ppo.teacher: its vocabulary ({vocab[0]} tokens) is not the policy's ({vocab[1]}); "
+                        "distillation compares log-probs of the same token ids")
 # An asynchronous run's batches already generating at a checkpoint (trainer_state/).
 AHEAD_FILE = "ahead_batches.pt"
 
@@ -56,6 +83,7 @@ def run(ctx: RunContext, model_path: str, train_set: Any, eval_set: Any) -> RunR
         roles.start_learners(probe_ids)
         roles.start_generators(colocate=cfg.cluster.layout == "colocated")
         reference = ("; no reference (no KL term)" if not cfg.ppo.uses_reference else
+                     f"; distilling from the teacher {cfg.ppo.teacher} (reference role)" if cfg.ppo.teacher else
                      "; reference = base model with the LoRA adapter disabled, in the learner" if cfg.lora.enabled else "")
         roles.ready(f"{cfg.ppo.advantage_estimator} advantages{reference}")
         return run_steps(ctx, PPOSteps(ctx, roles, train_set, eval_set, probe_ids))
