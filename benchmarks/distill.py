@@ -1,0 +1,65 @@
+"""On-policy distillation against GRPO from the same start (SmolLM2-135M-Instruct,
+basic_arithmetic), held-out greedy accuracy on 128 prompts as the presets report it.
+
+1. the teacher: the SFT preset (configs/sft_smollm2.yaml) trained for --teacher-steps;
+2. the student distilled from it: configs/distill_smollm2.yaml (pure reverse KL, task_coef 0);
+3. GRPO on the task reward: configs/grpo_smollm2.yaml;
+2 and 3 start from the same base model with the same prompts, batch and steps. Each run is
+``rayrlhf train`` in its own process, one after another (the machine's cores are not shared).
+
+    .venv/bin/python benchmarks/distill.py [--steps 20] [--out docs/results/distill.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def train(config: str, run_dir: Path, overrides: list[str]) -> dict:
+    """Runs one preset; its held-out accuracy per evaluation, train reward per step and seconds."""
+    args = [str(ROOT / ".venv" / "bin" / "rayrlhf"), "train", str(ROOT / "configs" / config), "--run-dir", str(run_dir)]
+    for o in overrides:
+        args += ["--set", o]
+    t0 = time.perf_counter()
+    subprocess.run(args, check=True, cwd=ROOT)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = sorted(r["time/step_s"] for r in rows if r["step"] > 0 and "time/step_s" in r)
+    return {"config": config, "overrides": overrides, "seconds": time.perf_counter() - t0,
+            "eval_accuracy": {r["step"]: r["eval/accuracy"] for r in rows if "eval/accuracy" in r},
+            "train_reward": [r.get("reward/mean") for r in rows if r["step"] > 0],
+            "median_step_s": steps[len(steps) // 2] if steps else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--teacher-steps", type=int, default=30)
+    ap.add_argument("--eval-every", type=int, default=10)
+    ap.add_argument("--runs", default=str(ROOT / "runs" / f"distill-bench-{int(time.time())}"))
+    ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "distill.json"))
+    a = ap.parse_args()
+    runs = Path(a.runs)
+    out: dict = {"steps": a.steps, "teacher_steps": a.teacher_steps, "runs": str(runs)}
+    out["teacher"] = train("sft_smollm2.yaml", runs / "teacher", [f"run.steps={a.teacher_steps}",
+                                                                  f"run.eval_every={a.teacher_steps}"])
+    teacher = runs / "teacher" / "checkpoints" / f"step_{a.teacher_steps:05d}"
+    common = [f"run.steps={a.steps}", f"run.eval_every={a.eval_every}"]
+    out["distill"] = train("distill_smollm2.yaml", runs / "distill", common + [f"ppo.teacher={teacher}"])
+    out["grpo"] = train("grpo_smollm2.yaml", runs / "grpo", common)
+    target = max(out["teacher"]["eval_accuracy"].values())
+    for name in ("distill", "grpo"):
+        reached = [s for s, acc in sorted(out[name]["eval_accuracy"].items()) if acc >= 0.9 * target]
+        out[name]["first_eval_at_90pct_of_teacher"] = reached[0] if reached else None
+    Path(a.out).write_text(json.dumps(out, indent=1))
+    print(json.dumps({k: out[k]["eval_accuracy"] for k in ("teacher", "distill", "grpo")}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
