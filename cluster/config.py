@@ -410,7 +410,17 @@ class TrainConfig(Section):
 class PPOConfig(Section):
     """PPO (with a critic) and the critic-free GRPO family; read by ``learners/ppo.py``."""
 
-    critic_lr: float = _f(1e-5, "Learning rate of the value head (the critic shares the policy's trunk).", gt=0)
+    critic_lr: float = _f(1e-5, "Learning rate of the critic: the value head on the policy's trunk (critic=shared) "
+                                "or the separate critic network.", gt=0)
+    critic: Literal["shared", "separate"] = _f(
+        "shared", "With advantage_estimator=gae: shared (a value head on the policy's trunk; the value loss trains the "
+        "trunk too) or separate (a critic network of its own: its own LoRA rank when LoRA is on, learning rate "
+        "critic_lr and weight decay; the value loss never reaches the policy; learners/critic.py).")
+    critic_init: str = _f("", "critic=separate: a reward-model checkpoint (run.algorithm=reward_model) to start the "
+                              "critic from (its trunk and score head); empty: the policy's initial weights, value head "
+                              "initialised orthogonally.")
+    critic_weight_decay: float = _f(0.0, "critic=separate: AdamW weight decay of the critic.", ge=0)
+    critic_lora_r: int = _f(0, "critic=separate with LoRA on: the critic's adapter rank (0: lora.r).", ge=0)
     clip_eps: float = _f(0.2, "PPO ratio clip epsilon.", gt=0)
     value_clip_eps: float = _f(0.2, "Value-function clip range around the old values.", gt=0)
     vf_coef: float = _f(0.1, "Weight of the value loss in the total loss.", ge=0)
@@ -710,7 +720,7 @@ MOVED_KEYS = {
 # Settings a resumed run may not change: the weights, optimiser state and checkpoints it
 # continues from were made with them.
 IMMUTABLE_ON_RESUME = ("run.algorithm", "model.path", "lora.enabled", "lora.r", "lora.target_modules",
-                       "ppo.advantage_estimator")
+                       "ppo.advantage_estimator", "ppo.critic", "ppo.critic_init", "ppo.critic_lora_r")
 
 
 class Config(Section):
@@ -799,6 +809,9 @@ class Config(Section):
                 and not self.rollout.agent and not self.rollout.dynamic_sampling),
              "data.streaming streams one data.task file or folder of prompts to run.algorithm=ppo or online qlearn "
              "(no data.mix, env.name, rollout.agent or rollout.dynamic_sampling)"),
+            (ppo.critic == "shared" or ppo.advantage_estimator == "gae",
+             f"ppo.critic=separate is a critic for advantage_estimator=gae; {ppo.advantage_estimator} uses none"),
+            (not ppo.critic_init or ppo.critic == "separate", "ppo.critic_init starts a separate critic: set ppo.critic=separate"),
             (bool(ppo.teacher) == bool(ppo.distill_coef),
              "on-policy distillation needs both ppo.teacher (the teacher's model folder) and ppo.distill_coef > 0"),
             (ppo.task_coef > 0 or ppo.distill_coef > 0, "ppo.task_coef=0 leaves nothing to learn without ppo.distill_coef"),

@@ -136,11 +136,15 @@ class PolicyWithValueHead(nn.Module):
             ``entropy`` (B, L) float32 (detached), zero outside ``positions_mask``.
         """
         hidden = self.hidden(input_ids, attention_mask, positions_mask, group_ids)
-        return heads_at_positions(
+        critic = getattr(self, "critic", None)
+        out = heads_at_positions(
             hidden, input_ids, positions_mask, self.lm.get_output_embeddings(),
-            self.value_head if with_values else None,
+            self.value_head if with_values and critic is None else None,
             temperature=temperature, chunk=chunk, with_entropy=with_entropy, fused=fused,
         )
+        if with_values and critic is not None:  # a separate critic (learners/critic.py) values the states
+            out["values"] = critic(input_ids, attention_mask, positions_mask, group_ids)
+        return out
 
 
     def hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, positions_mask: torch.Tensor,

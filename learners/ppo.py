@@ -81,6 +81,10 @@ class PPOParams(Protocol):
     distill_coef: float
     distill_discount: float
     task_coef: float
+    critic: str
+    critic_init: str
+    critic_weight_decay: float
+    critic_lora_r: int
 
     @property
     def uses_reference(self) -> bool: ...
@@ -111,11 +115,21 @@ class PPOLearner(PolicyLearner):
         self.kl_ctl = make_kl_controller(hp.kl_controller, hp.kl_coef, hp.kl_target, hp.kl_horizon)
         # "auto" is resolved by the run (truncate for asynchronous runs); on its own it means none.
         self.rollout_correction = "none" if hp.rollout_correction == "auto" else hp.rollout_correction
-        if not self.use_critic:
-            # Critic-free estimators never touch the value head.
+        self.separate_critic = self.use_critic and hp.critic == "separate"
+        if not self.use_critic or self.separate_critic:
+            # Critic-free estimators never touch the value head; a separate critic has its own.
             self.model.value_head.requires_grad_(False)
         head = [p for p in self.model.value_head.parameters() if p.requires_grad]
-        self._init_optimizer([{"params": head, "lr": hp.critic_lr}], updates_per_step=train.epochs * train.num_minibatches)
+        group = {"params": head, "lr": hp.critic_lr}
+        if self.separate_critic:
+            from learners.critic import build_critic
+
+            self.model.critic = build_critic(ctx.model_path, hp.critic_init, lora=ctx.lora, lora_r=hp.critic_lora_r,
+                                             seed=ctx.seed, gradient_checkpointing=train.gradient_checkpointing
+                                             ).to(self.device)
+            group = {"params": [p for p in self.model.critic.parameters() if p.requires_grad], "lr": hp.critic_lr,
+                     "weight_decay": hp.critic_weight_decay}
+        self._init_optimizer([group], updates_per_step=train.epochs * train.num_minibatches)
 
     # -- forward helpers -------------------------------------------------------------------------
     def _forward(self, exp: Experience, *, grad: bool) -> dict[str, torch.Tensor]:
@@ -470,20 +484,33 @@ class PPOLearner(PolicyLearner):
         self.kl_ctl.load_state_dict(state["kl_controller"])
 
     def save_extra(self, folder: Path) -> None:
-        """The value head in ``critic/`` (vLLM would trip over it at the top level)."""
+        """The value head in ``critic/`` (vLLM would trip over it at the top level); a separate
+        critic's trained tensors (with LoRA its adapter and head) in ``critic/critic.safetensors``."""
         if not self.use_critic:
             return
         from safetensors.torch import save_file
 
         (folder / CRITIC_DIR).mkdir(exist_ok=True)
-        save_file({k: v.detach().contiguous().cpu() for k, v in self.model.value_head.state_dict().items()},
-                  str(folder / CRITIC_DIR / "value_head.safetensors"))
+        state = self.model.critic.trainable_state() if self.separate_critic else self.model.value_head.state_dict()
+        name = "critic.safetensors" if self.separate_critic else "value_head.safetensors"
+        save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(folder / CRITIC_DIR / name))
 
     def restore_extra(self, folder: Path) -> None:
+        from safetensors.torch import load_file
+
+        if self.separate_critic:
+            path = folder / CRITIC_DIR / "critic.safetensors"
+            if not path.is_file():
+                raise ValueError(f"{folder} holds no separate critic ({CRITIC_DIR}/critic.safetensors): it was saved "
+                                 "with ppo.critic=shared")
+            saved = load_file(str(path))
+            missing = set(self.model.critic.trainable_state()) - set(saved)
+            if missing:
+                raise ValueError(f"{path} lacks the critic's {sorted(missing)[:3]}")
+            self.model.critic.load_state_dict(saved, strict=False)
+            return
         critic = folder / CRITIC_DIR / "value_head.safetensors"
         if self.use_critic and critic.is_file():
-            from safetensors.torch import load_file
-
             self.model.value_head.load_state_dict(load_file(str(critic)))
 
 

@@ -47,9 +47,18 @@ from cluster.weight_sync import probe_token_ids, sync_tolerance
 
 
 def load_data(cfg: Any) -> tuple[Any, Any, str]:
-    """The task's prompts; with ``ppo.teacher``, a teacher folder whose vocabulary is the policy's."""
+    """The task's prompts; the teacher (``ppo.teacher``) and the critic's reward model
+    (``ppo.critic_init``) checked first."""
     if cfg.ppo.teacher:
         check_teacher(cfg)
+    if cfg.ppo.critic_init:
+        import json
+
+        conf = Path(cfg.ppo.critic_init) / "config.json"
+        archs = json.loads(conf.read_text()).get("architectures") or [] if conf.is_file() else []
+        if not any(a.endswith("ForSequenceClassification") for a in archs):
+            raise UserError(f"ppo.critic_init: {cfg.ppo.critic_init} is not a reward-model folder (a "
+                            "*ForSequenceClassification checkpoint, as run.algorithm=reward_model saves)")
     return load_task_prompts(cfg)
 
 

@@ -16,7 +16,8 @@ def test_ppo_tiny_reward_rises(ray_cluster, tiny_model_path, tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    cfg = load_config(root / "configs" / "ppo_tiny.yaml", ["run.steps=25", "run.eval_every=12"])
+    # A separate critic (ppo.critic=separate): PPO with a value network of its own learns too.
+    cfg = load_config(root / "configs" / "ppo_tiny.yaml", ["run.steps=25", "run.eval_every=12", "ppo.critic=separate"])
     result = train(cfg, run_dir=tmp_path / "run")
     rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(0, 26))
@@ -42,6 +43,7 @@ def test_ppo_tiny_reward_rises(ray_cluster, tiny_model_path, tmp_path):
 
     assert result.final_checkpoint is not None
     assert (result.final_checkpoint / "model.safetensors").is_file()
+    assert (result.final_checkpoint / "critic" / "critic.safetensors").is_file()  # beside, not in, the model folder
     lm = AutoModelForCausalLM.from_pretrained(result.final_checkpoint)
     base = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     assert not torch.equal(lm.model.embed_tokens.weight, base.model.embed_tokens.weight)
