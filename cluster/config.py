@@ -421,6 +421,9 @@ class PPOConfig(Section):
                               "initialised orthogonally.")
     critic_weight_decay: float = _f(0.0, "critic=separate: AdamW weight decay of the critic.", ge=0)
     critic_lora_r: int = _f(0, "critic=separate with LoRA on: the critic's adapter rank (0: lora.r).", ge=0)
+    critic_pooling: Literal["token", "mean"] = _f(
+        "token", "critic=separate: a state's value from its last token's hidden state (token) or from the mean of the "
+        "hidden states of every token so far (mean, the PaLM-style trainer's pooled values, kept causal).")
     clip_eps: float = _f(0.2, "PPO ratio clip epsilon.", gt=0)
     value_clip_eps: float = _f(0.2, "Value-function clip range around the old values.", gt=0)
     vf_coef: float = _f(0.1, "Weight of the value loss in the total loss.", ge=0)

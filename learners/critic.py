@@ -26,15 +26,22 @@ from learners.modeling import _action_states, decoder_hidden
 class Critic(nn.Module):
     """A decoder and a scalar head: per-token values at the policy's log-prob positions."""
 
-    def __init__(self, decoder: nn.Module, head: nn.Linear) -> None:
+    def __init__(self, decoder: nn.Module, head: nn.Linear, pooling: str = "token") -> None:
         super().__init__()
-        self.decoder, self.head = decoder, head
+        if pooling not in ("token", "mean"):
+            raise ValueError(f"critic pooling must be 'token' or 'mean', got {pooling!r}")
+        self.decoder, self.head, self.pooling = decoder, head, pooling
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, positions_mask: torch.Tensor,
                 group_ids: torch.Tensor | None = None) -> torch.Tensor:
         """(B, L) float32 values at ``positions_mask`` (0 elsewhere); ``group_ids`` shares prompts
-        across a group's rows as the policy's pass does."""
+        across a group's rows as the policy's pass does. ``pooling='mean'``: the value of a state
+        reads the mean of the hidden states of every attended token so far (causal, so still a
+        function of the state only) instead of the last one's."""
         hidden, _ = decoder_hidden(self.decoder, input_ids, attention_mask, positions_mask, group_ids)
+        if self.pooling == "mean":
+            keep = attention_mask.to(hidden.dtype).unsqueeze(-1)
+            hidden = (hidden * keep).cumsum(1) / keep.cumsum(1).clamp(min=1)
         rows, cols, h, _ = _action_states(hidden, input_ids, positions_mask)
         values = self.head(h.float()).squeeze(-1)
         return torch.zeros(input_ids.shape, dtype=torch.float32, device=hidden.device).index_put((rows, cols), values)
@@ -46,7 +53,7 @@ class Critic(nn.Module):
 
 
 def build_critic(model_path: str, init_from: str = "", *, lora: Any = None, lora_r: int = 0, seed: int = 0,
-                 gradient_checkpointing: bool = False) -> Critic:
+                 gradient_checkpointing: bool = False, pooling: str = "token") -> Critic:
     """The critic from the policy's initial model (``init_from`` empty) or a reward-model folder.
 
     ``lora``: the policy's LoRA settings (None: the critic's decoder trains in full); the critic's
@@ -79,7 +86,7 @@ def build_critic(model_path: str, init_from: str = "", *, lora: Any = None, lora
                                                      target_modules=list(lora.target_modules), bias="none"))
     if gradient_checkpointing:
         decoder.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return Critic(decoder, head)
+    return Critic(decoder, head, pooling)
 
 
 def _orthogonal(shape: tuple[int, int], gen: torch.Generator) -> torch.Tensor:

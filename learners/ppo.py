@@ -85,6 +85,7 @@ class PPOParams(Protocol):
     critic_init: str
     critic_weight_decay: float
     critic_lora_r: int
+    critic_pooling: str
 
     @property
     def uses_reference(self) -> bool: ...
@@ -125,8 +126,8 @@ class PPOLearner(PolicyLearner):
             from learners.critic import build_critic
 
             self.model.critic = build_critic(ctx.model_path, hp.critic_init, lora=ctx.lora, lora_r=hp.critic_lora_r,
-                                             seed=ctx.seed, gradient_checkpointing=train.gradient_checkpointing
-                                             ).to(self.device)
+                                             seed=ctx.seed, gradient_checkpointing=train.gradient_checkpointing,
+                                             pooling=hp.critic_pooling).to(self.device)
             group = {"params": [p for p in self.model.critic.parameters() if p.requires_grad], "lr": hp.critic_lr,
                      "weight_decay": hp.critic_weight_decay}
         self._init_optimizer([group], updates_per_step=train.epochs * train.num_minibatches)

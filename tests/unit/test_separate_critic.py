@@ -1,4 +1,4 @@
-"""ppo.critic=separate: a value network of its own. Initialised from a reward model it values
+"""ppo.critic=separate: a value network of its own (token or mean-pooled values). Initialised from a reward model it values
 each state as that model scores the sequence up to it; the value loss never reaches the policy's
 gradients (the shared head's does); a stopped and restored learner continues as the
 uninterrupted one, critic and policy."""
@@ -102,3 +102,17 @@ def test_with_lora_the_critic_has_its_own_adapter_rank(tiny_model_path):
     assert critic_a and policy_a and critic_a[0].shape[0] == 2 and policy_a[0].shape[0] == 4
     trained = {n for n, p in learner.model.critic.named_parameters() if p.requires_grad}
     assert all("lora_" in n or n.startswith("head.") for n in trained)
+
+
+def test_mean_pooled_values_read_the_running_mean_of_the_states(tiny_model_path):
+    critic = build_critic(tiny_model_path, pooling="mean")
+    ids = torch.randint(3, 200, (1, 9), generator=torch.Generator().manual_seed(1))
+    att = torch.ones_like(ids, dtype=torch.bool)
+    positions = torch.zeros_like(att)
+    positions[:, 3:] = True
+    with torch.no_grad():
+        values = critic(ids, att, positions)
+        hidden = critic.decoder(input_ids=ids, attention_mask=att.long()).last_hidden_state
+        for t in range(3, 9):  # the naive loop: the mean of the states before token t
+            want = critic.head(hidden[0, :t].mean(0)).squeeze()
+            torch.testing.assert_close(values[0, t], want, atol=1e-5, rtol=1e-4)
