@@ -14,26 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
+import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
-
-def train(config: str, run_dir: Path, overrides: list[str]) -> dict:
-    """Runs one preset; its held-out accuracy per evaluation, train reward per step and seconds."""
-    args = [str(ROOT / ".venv" / "bin" / "rayrlhf"), "train", str(ROOT / "configs" / config), "--run-dir", str(run_dir)]
-    for o in overrides:
-        args += ["--set", o]
-    t0 = time.perf_counter()
-    subprocess.run(args, check=True, cwd=ROOT)
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = sorted(r["time/step_s"] for r in rows if r["step"] > 0 and "time/step_s" in r)
-    return {"config": config, "overrides": overrides, "seconds": time.perf_counter() - t0,
-            "eval_accuracy": {r["step"]: r["eval/accuracy"] for r in rows if "eval/accuracy" in r},
-            "train_reward": [r.get("reward/mean") for r in rows if r["step"] > 0],
-            "median_step_s": steps[len(steps) // 2] if steps else None}
+from benchmarks.preset_runs import train  # noqa: E402
 
 
 def main() -> None:
