@@ -217,3 +217,35 @@ def test_data_inspect_shows_the_ids_and_the_skips_a_run_applies(tmp_path, tiny_m
         assert (r["skipped"] == "prompt_too_long") == (r["tokens"] > 64)
     assert main(["data", "inspect", str(tmp_path / "missing.jsonl"), "--set", "model.path=tiny"]) == 2
     assert "not found" in capsys.readouterr().err
+
+
+def test_data_inspect_shows_pairs_and_demonstrations_as_the_learners_get_them(tmp_path, tiny_model_path, capsys):
+    from transformers import AutoTokenizer
+
+    from actors.offline_data import encode_pairs, read_preferences
+    from cluster.cli import main
+
+    prefs = tmp_path / "p.csv"
+    prefs.write_text("prompt,chosen,rejected\n" + "".join(f"q{i},good {i},bad {i}\n" for i in range(6))
+                     + "q9," + "long " * 80 + ",x\n")
+    common = ["--set", "model.path=tiny", "--set", "data.eval_size=0", "--set", "model.max_new_tokens=16", "--json"]
+    assert main(["data", "inspect", str(prefs), "--set", "run.algorithm=dpo", "--set", "dpo.pairs_per_step=2", *common]) == 0
+    report = json.loads(capsys.readouterr().out)
+    part = report["splits"]["train"]
+    assert report["kind"] == "preferences" and part["too_long"] == 1 and len(part["rows"]) == 12
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    rows = read_preferences(str(prefs)).rows
+    from actors.offline_data import split_rows
+
+    train, _ = split_rows(rows, 0, 0)
+    exp, _ = encode_pairs(train, tok, max_prompt_tokens=256, max_response_tokens=16)
+    for i, r in enumerate(part["rows"]):
+        keep = exp.attention_mask[i].bool()
+        assert r["ids"] == exp.input_ids[i][keep].tolist()
+        assert r["trained"] == exp.response_mask[i][keep].tolist()
+        assert r["score"] == (1.0 if i % 2 == 0 else 0.0)
+    demos = tmp_path / "d.jsonl"
+    demos.write_text("".join(json.dumps({"prompt": f"say {i}", "response": f"{i}"}) + "\n" for i in range(3)))
+    assert main(["data", "inspect", str(demos), "--set", "run.algorithm=sft", *common[:-1]]) == 0
+    text = capsys.readouterr().out
+    assert "demonstrations rows" in text and "⟦" in text
