@@ -34,22 +34,29 @@ def main() -> None:
     # teacher must be better than the student's start.
     ap.add_argument("--teacher-sets", nargs="*", default=["train.lr=1e-4", "sft.examples_per_step=32"])
     ap.add_argument("--runs", default=str(ROOT / "runs" / f"distill-bench-{int(time.time())}"))
+    ap.add_argument("--reuse", default="", help="a finished --runs folder: take its teacher and GRPO runs as they "
+                                                "are and run only the distillation (with --distill-sets)")
+    ap.add_argument("--distill-sets", nargs="*", default=[], help="extra overrides of the distillation run")
+    ap.add_argument("--name", default="distill", help="the distillation run's name in the results")
     ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "distill.json"))
     a = ap.parse_args()
-    runs = Path(a.runs)
-    out: dict = {"steps": a.steps, "teacher_steps": a.teacher_steps, "runs": str(runs)}
-    out["teacher"] = train("sft_smollm2.yaml", runs / "teacher", [f"run.steps={a.teacher_steps}",
-                                                                  f"run.eval_every={a.teacher_steps}", *a.teacher_sets])
+    runs = Path(a.reuse or a.runs)
+    out: dict = json.loads(Path(a.out).read_text()) if a.reuse and Path(a.out).is_file() else {}
+    out.update({"steps": a.steps, "teacher_steps": a.teacher_steps, "runs": str(runs)})
+    if not a.reuse:
+        out["teacher"] = train("sft_smollm2.yaml", runs / "teacher", [f"run.steps={a.teacher_steps}",
+                                                                      f"run.eval_every={a.teacher_steps}", *a.teacher_sets])
     teacher = runs / "teacher" / "checkpoints" / f"step_{a.teacher_steps:05d}"
     common = [f"run.steps={a.steps}", f"run.eval_every={a.eval_every}"]
-    out["distill"] = train("distill_smollm2.yaml", runs / "distill", common + [f"ppo.teacher={teacher}"])
-    out["grpo"] = train("grpo_smollm2.yaml", runs / "grpo", common)
+    out[a.name] = train("distill_smollm2.yaml", runs / a.name, common + [f"ppo.teacher={teacher}", *a.distill_sets])
+    if not a.reuse:
+        out["grpo"] = train("grpo_smollm2.yaml", runs / "grpo", common)
     target = max(out["teacher"]["eval_accuracy"].values())
-    for name in ("distill", "grpo"):
+    for name in [k for k in out if k.startswith("distill") or k == "grpo"]:
         reached = [s for s, acc in sorted(out[name]["eval_accuracy"].items()) if acc >= 0.9 * target]
         out[name]["first_eval_at_90pct_of_teacher"] = reached[0] if reached else None
     Path(a.out).write_text(json.dumps(out, indent=1))
-    print(json.dumps({k: out[k]["eval_accuracy"] for k in ("teacher", "distill", "grpo")}, indent=1))
+    print(json.dumps({k: v["eval_accuracy"] for k, v in out.items() if isinstance(v, dict)}, indent=1))
 
 
 if __name__ == "__main__":

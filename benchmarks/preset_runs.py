@@ -20,9 +20,14 @@ def train(config: str, run_dir: Path, overrides: list[str]) -> dict:
         args += ["--set", o]
     t0 = time.perf_counter()
     subprocess.run(args, check=True, cwd=ROOT)
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {"config": config, "overrides": overrides, "seconds": time.perf_counter() - t0, **summary(run_dir)}
+
+
+def summary(run_dir: Path) -> dict:
+    """A finished run's figures from its ``metrics.jsonl``."""
+    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     steps = sorted(r["time/step_s"] for r in rows if r["step"] > 0 and "time/step_s" in r)
-    return {"config": config, "overrides": overrides, "seconds": time.perf_counter() - t0,
+    return {"run_dir": str(run_dir),
             "eval_accuracy": {r["step"]: r["eval/accuracy"] for r in rows if "eval/accuracy" in r},
             "train_reward": [r.get("reward/mean") for r in rows if r["step"] > 0],
             "response_length": [r.get("response/length_mean") for r in rows if r["step"] > 0],

@@ -464,6 +464,8 @@ class PPOConfig(Section):
     distill_discount: float = _f(0.0, "Discount of later tokens' teacher terms in that advantage (0: each token its "
                                       "own, as Thinking Machines' on-policy distillation; 1: the rest of the sequence).",
                                  ge=0, le=1)
+    distill_center: bool = _f(False, "Subtract the batch's mean teacher term over response tokens from that advantage "
+                                     "(a constant baseline: same expected gradient, less variance).")
     task_coef: float = _f(1.0, "Weight of the task reward's advantage (0 with distill_coef > 0: pure distillation; "
                                "the task reward is still measured).", ge=0)
     kl_controller: Literal["fixed", "adaptive"] = _f("fixed", "KL coefficient control: fixed (kl_coef) or adaptive (towards kl_target).")

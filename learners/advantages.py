@@ -323,7 +323,8 @@ def discounted_returns(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
     return returns
 
 
-def teacher_advantages(student_logprobs: Tensor, teacher_logprobs: Tensor, mask: Tensor, discount: float = 0.0) -> Tensor:
+def teacher_advantages(student_logprobs: Tensor, teacher_logprobs: Tensor, mask: Tensor, discount: float = 0.0,
+                       center: bool = False) -> Tensor:
     """On-policy distillation: the advantage of each sampled token under the per-token reverse KL
     to a teacher, ``A_t = sum_{k>=t} discount^(k-t) (log pi_T(y_k) - log pi_S(y_k))``.
 
@@ -333,6 +334,10 @@ def teacher_advantages(student_logprobs: Tensor, teacher_logprobs: Tensor, mask:
     Agarwal et al. 2024, with lambda = 1 and the reverse KL; MiniLLM, Gu et al. 2024, eq. 2-5).
     ``discount=0`` (the default, as in Thinking Machines' "On-Policy Distillation", 2025) credits
     each token with its own term only; ``discount=1`` with the whole remaining sequence's.
+
+    ``center``: subtract the batch's mean over response tokens (a constant baseline: the sampled
+    gradient keeps its expectation, ``E[grad log pi] = 0``, and loses the variance of a term that
+    is negative almost everywhere, the student's own tokens being likelier under the student).
 
     Edge cases: positions with ``mask == 0`` (prompt, padding, observation tokens) give 0 and
     pass the running sum through, as ``discounted_returns``; a row with no response token is all
@@ -350,7 +355,11 @@ def teacher_advantages(student_logprobs: Tensor, teacher_logprobs: Tensor, mask:
     if not 0.0 <= discount <= 1.0:
         raise ValueError(f"discount must be in [0, 1], got {discount}")
     gap = (teacher_logprobs.detach() - student_logprobs.detach()).float()
-    return discounted_returns(torch.where(mask.detach() != 0, gap, torch.zeros_like(gap)), mask, discount)
+    adv = discounted_returns(torch.where(mask.detach() != 0, gap, torch.zeros_like(gap)), mask, discount)
+    if center and bool((mask != 0).any()):
+        valid = mask.detach() != 0
+        adv = torch.where(valid, adv - adv[valid].mean(), torch.zeros_like(adv))
+    return adv
 
 
 def reinforce_pp_advantages(rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Tensor:

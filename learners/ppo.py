@@ -80,6 +80,7 @@ class PPOParams(Protocol):
     overlong_penalty: float
     distill_coef: float
     distill_discount: float
+    distill_center: bool
     task_coef: float
     critic: str
     critic_init: str
@@ -214,7 +215,7 @@ class PPOLearner(PolicyLearner):
             advantages = hp.task_coef * advantages
         if hp.distill_coef:  # on-policy distillation: the reference holds the teacher (ppo.teacher)
             advantages = advantages + hp.distill_coef * teacher_advantages(
-                old_logprobs, ref_logprobs, mask, hp.distill_discount) * mask
+                old_logprobs, ref_logprobs, mask, hp.distill_discount, hp.distill_center) * mask
         return advantages, returns, kl
 
     def _inert_rows(

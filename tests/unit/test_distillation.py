@@ -100,3 +100,14 @@ def test_config_pairs_the_teacher_with_its_weight():
     with pytest.raises(ConfigError, match="task_coef=0"):
         load_config(overrides=["ppo.task_coef=0"])
     assert load_config(overrides=["ppo.teacher=/x", "ppo.distill_coef=1", "ppo.kl_coef=0"]).ppo.uses_reference
+
+
+def test_centering_subtracts_the_batch_mean_over_response_tokens():
+    gen = torch.Generator().manual_seed(2)
+    student, teacher = -torch.rand(3, 6, generator=gen) * 3, -torch.rand(3, 6, generator=gen) * 3
+    mask = torch.rand(3, 6, generator=gen) > 0.4
+    plain = teacher_advantages(student, teacher, mask, 0.5)
+    centred = teacher_advantages(student, teacher, mask, 0.5, center=True)
+    torch.testing.assert_close(centred[mask], plain[mask] - plain[mask].mean())
+    assert float(centred[~mask].abs().sum()) == 0
+    assert abs(float(centred[mask].sum())) < 1e-4
