@@ -1,6 +1,7 @@
 """Rows of the data files users bring, as plain dicts: JSON, JSON Lines, Parquet and CSV files,
 folders of them (shards, concatenated in name order) and folders written by the ``datasets``
-package's ``save_to_disk`` (a ``DatasetDict``'s ``train`` split, or ``folder#split``).
+package's ``save_to_disk`` (a ``DatasetDict``'s ``train`` split, or ``folder#split``; likewise a folder whose file names carry
+splits, e.g. verl's ``train.parquet`` / ``test.parquet``).
 
 Each row comes with where it was read (``file:line`` or ``file[i]``), so a reader further on can
 count and log a row it cannot use by place. A line that is not JSON, or a JSON value that is not
@@ -16,6 +17,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -49,11 +51,9 @@ def read_table(spec: str | Path) -> Table:
         raise FileNotFoundError(f"data file or folder not found: {p}")
     if p.is_dir() and _is_saved_dataset(p):
         return Table(list(_saved_dataset_rows(p, split)))
-    if split:
-        raise ValueError(f"{spec}: '#{split}' picks a split of a datasets folder (save_to_disk); {p} is not one")
-    files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file() and f.name.endswith(SUFFIXES))
-    if not files:
-        raise ValueError(f"{p}: no {', '.join(SUFFIXES)} files in this folder")
+    if split and p.is_file():
+        raise ValueError(f"{spec}: '#{split}' picks a split of a folder; {p} is one file")
+    files = [p] if p.is_file() else data_files(p, split)
     table = Table([])
     for f in files:
         part = _read_file(f)
@@ -61,6 +61,38 @@ def read_table(spec: str | Path) -> Table:
         for k, n in part.skipped.items():
             table.skipped[k] = table.skipped.get(k, 0) + n
     return table
+
+
+_SPLITS = ("train", "test", "validation", "valid", "val", "eval", "dev")
+# Files that describe a dataset rather than hold its rows.
+_METADATA = ("dataset_info.json", "state.json", "dataset_dict.json")
+
+
+def data_files(folder: Path, split: str = "", suffixes: tuple[str, ...] = SUFFIXES) -> list[Path]:
+    """A folder's data files in name order, hidden ones (``.ipynb_checkpoints``, ``_...``) and
+    dataset metadata left out. Where file names carry a split (``train.parquet``,
+    ``data/test-00000.parquet``) only ``split``'s files (default ``train``), so a folder of splits
+    never trains on its test rows."""
+    files = sorted(f for f in folder.rglob("*") if f.is_file() and f.name.endswith(suffixes)
+                   and f.name not in _METADATA and not any(part.startswith((".", "_")) for part in f.relative_to(folder).parts))
+    if not files:
+        raise ValueError(f"{folder}: no {', '.join(suffixes)} files in this folder")
+    splits = {f: _split_of(f.relative_to(folder)) for f in files}
+    if not any(splits.values()):
+        if split:
+            raise ValueError(f"{folder}#{split}: no file name in this folder names a split")
+        return files
+    want = split or "train"
+    picked = [f for f in files if splits[f] == want]
+    if not picked:
+        named = sorted({s for s in splits.values() if s})
+        raise ValueError(f"{folder}: no {want!r} files (splits here: {', '.join(named)}); pick one with {folder}#<split>")
+    return picked
+
+
+def _split_of(relative: Path) -> str | None:
+    tokens = re.split(r"[-_./]", str(relative.with_suffix("")).lower())
+    return next((t for t in tokens if t in _SPLITS), None)
 
 
 def column(row: dict[str, Any], key: str) -> Any:
@@ -81,7 +113,7 @@ def _read_file(p: Path) -> Table:
 
         return Table([(f"{p}[{i}]", r) for i, r in enumerate(pq.read_table(p).to_pylist())])
     if p.suffix == ".csv":
-        with p.open(newline="") as f:
+        with p.open(newline="", encoding="utf-8-sig") as f:  # a BOM (Excel's CSV) is not the first column's name
             return Table([(f"{p}:{i}", dict(r)) for i, r in enumerate(csv.DictReader(f), 2)])
     if p.suffix == ".json":
         text = p.read_text()
@@ -97,6 +129,30 @@ def _read_file(p: Path) -> Table:
     if p.suffix == ".jsonl":
         return _json_lines(p, p.read_text())
     raise ValueError(f"{p}: unsupported data file (use {', '.join(SUFFIXES)})")
+
+
+def iter_rows(p: Path) -> Iterator[dict[str, Any]]:
+    """One file's object rows, read lazily (JSON Lines and CSV line by line, Parquet batch by
+    batch): the first rows of a file too large to load. Malformed rows are passed over."""
+    if p.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        for batch in pq.ParquetFile(p).iter_batches(batch_size=256):
+            yield from batch.to_pylist()
+    elif p.suffix == ".csv":
+        with p.open(newline="", encoding="utf-8-sig") as f:
+            yield from csv.DictReader(f)
+    elif p.suffix == ".jsonl":
+        with p.open() as f:
+            for line in f:
+                try:
+                    obj = json.loads(line) if line.strip() else None
+                except json.JSONDecodeError:
+                    obj = None
+                if isinstance(obj, dict):
+                    yield obj
+    else:
+        yield from (r for _, r in _read_file(p).rows)
 
 
 def _json_lines(p: Path, text: str) -> Table:

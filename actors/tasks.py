@@ -95,7 +95,9 @@ def file_row(obj: dict[str, Any], keys: FileKeys, instruction: str, skipped: dic
         answer = column(obj, keys.answer)
     else:
         answer = next((v for v in (column(obj, k) for k in ANSWER_KEYS) if v is not None), "")
-    meta = {"task": "file", **{k: v for k, v in obj.items() if k != keys.prompt}}
+    # A row's own "messages" column would be taken for the prompt's messages (prompt_token_ids):
+    # it travels as "source_messages".
+    meta = {"task": "file", **{("source_messages" if k == "messages" else k): v for k, v in obj.items() if k != keys.prompt}}
     if not is_messages(prompt):
         return _row(prompt, answer, meta, instruction, skipped)
     if answer is None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 from typing_extensions import Annotated
 
 from actors.judge import DEFAULT_PATTERN, DEFAULT_TEMPLATE, JudgeConfig
@@ -87,6 +87,17 @@ class RunConfig(Section):
     mlflow_tracking_uri: str = _f("", "MLflow tracking URI of run.trackers=mlflow (empty: $MLFLOW_TRACKING_URI, else a "
                                       "file store in <run dir>/mlruns).")
     mlflow_experiment: str = _f("rayrlhf", "MLflow experiment of run.trackers=mlflow.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tensorboard_switch(cls, data: Any) -> Any:
+        """``run.tensorboard`` (before ``run.trackers``), as run directories saved it: still read,
+        so those runs resume; ``true`` is the default trackers, ``false`` none."""
+        if isinstance(data, dict) and "tensorboard" in data:
+            data = dict(data)
+            on = _BOOL.validate_python(data.pop("tensorboard"))
+            data.setdefault("trackers", ["tensorboard"] if on else [])
+        return data
     export_transitions: bool = _f(
         False, "Write every step's scored samples as token transitions (Parquet) to <run dir>/data/transitions/, "
         "the data of offline Q-learning (ppo and qlearn recipes).")
@@ -717,7 +728,6 @@ MOVED_KEYS = {
     )},
     "ppo.minibatch_size": "train.num_minibatches (number of minibatches per batch)",
     "reward.clip": "ppo.reward_clip",
-    "run.tensorboard": "run.trackers (a list of tensorboard, wandb, mlflow; [] for none)",
     "rollout.truncation": "ppo.truncation",
     "rollout.truncation_penalty": "ppo.truncation_penalty",
 }

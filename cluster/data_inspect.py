@@ -17,6 +17,9 @@ from typing import Any
 
 from cluster.config import Config, UserError
 
+# Rows of a streamed source that inspect reads (it never reads the whole stream).
+STREAM_SHOWN = 200
+
 
 def inspect_prompts(cfg: Config, tokenizer: Any, max_model_len: int) -> dict[str, Any]:
     """The train and held-out prompts with their token ids, and the skip counts by reason."""
@@ -24,10 +27,21 @@ def inspect_prompts(cfg: Config, tokenizer: Any, max_model_len: int) -> dict[str
     from cluster.data_sources import prompt_sets
 
     train, held, described = prompt_sets(cfg)
+    train_rows = train.rows
+    if isinstance(train_rows, dict):  # streamed (data.streaming): the first rows of its first file
+        from itertools import islice
+
+        from actors.tables import iter_rows
+        from actors.tasks import file_row, tag_source
+
+        converted = (file_row(obj, train.keys, train.instruction, train.skipped) for obj in iter_rows(train.files[0]))
+        train_rows = tag_source(list(islice((r for r in converted if r is not None), STREAM_SHOWN)),
+                                train.name or train.files[0].stem)
+        described += f"; shown: the first {len(train_rows)} usable rows of {train.files[0].name}, unshuffled"
     budget = min(cfg.model.max_prompt_tokens, max_model_len - cfg.model.max_new_tokens)
     out: dict[str, Any] = {"source": described, "max_prompt_tokens": budget,
                            "skipped_at_load": dict(train.skipped), "splits": {}}
-    for split, rows in (("train", train.rows), ("held_out", held.rows)):
+    for split, rows in (("train", train_rows), ("held_out", held.rows)):
         shown, too_long = [], 0
         for r in rows:
             try:

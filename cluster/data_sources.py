@@ -41,11 +41,27 @@ def load_task_prompts(cfg: Config) -> tuple[Any, Any, str]:
             raise UserError(f"reward: {e}") from None
     if cfg.reward.model and not (Path(cfg.reward.model) / "config.json").is_file():
         raise UserError(f"reward.model: {cfg.reward.model} is not a model folder (no config.json)")
+    _warn_unrouted(cfg, train_set, eval_set)
     if cfg.data.streaming:  # its size is counted once the cluster is up
         return train_set, eval_set, f"{len(eval_set)} held-out prompts; train prompts from {described}"
     description = (f"{len(train_set)} train / {len(eval_set)} held-out prompts from {described}"
                    + (f" (skipped while loading: {train_set.skipped})" if train_set.skipped else ""))
     return train_set, eval_set, description
+
+
+def _warn_unrouted(cfg: Config, train_set: Any, eval_set: Any) -> None:
+    """One line when ``reward.by_source`` has no entry for sources the data holds (a typo would
+    otherwise drop each of their samples, counted as ``reward_unmapped_source``)."""
+    if not cfg.reward.by_source:
+        return
+    from actors.tables import column
+
+    rows = list(eval_set.rows) + (list(train_set.rows) if isinstance(train_set.rows, list) else [])
+    found = {str(column(r["meta"], cfg.reward.source_key)) for r in rows}
+    missing = sorted(found - set(cfg.reward.by_source))
+    if missing:
+        print(f"[rayrlhf] reward.by_source has no entry for {missing} (the data's {cfg.reward.source_key} values): "
+              f"their samples will be dropped and counted as reward_unmapped_source", flush=True)
 
 
 def prompt_sets(cfg: Config) -> tuple[Any, Any, str]:
@@ -75,6 +91,8 @@ def prompt_sets(cfg: Config) -> tuple[Any, Any, str]:
         train = [r for r in train if r["prompt"] not in seen]
     if not train:
         raise UserError(f"data: no usable training prompts ({skipped})")
+    if not d.chat_template and any(r["meta"].get("messages") for r in train + held):
+        raise UserError("data.chat_template=false: some prompts are chat messages, which only the chat template renders")
     if len(sources) > 1:
         random.Random(cfg.run.seed).shuffle(train)
     described = " + ".join(f"{s.task} ({n})" for s, n in zip(sources, train_n)) if d.mix else d.task

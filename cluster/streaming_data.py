@@ -21,7 +21,7 @@ import random
 from pathlib import Path
 from typing import Any, Iterator
 
-from actors.tasks import FileKeys, PromptSet, file_row
+from actors.tasks import FileKeys, PromptSet, file_row, tag_source
 
 log = logging.getLogger("rayrlhf.streaming")
 
@@ -31,10 +31,13 @@ _END = object()
 
 def stream_files(spec: str) -> list[Path]:
     """The files of a streamed source (a file or a folder of one format), checked at load time."""
-    p = Path(spec[len("jsonl:"):] if spec.startswith("jsonl:") else spec).expanduser()
+    from actors.tables import data_files
+
+    base, _, split = (spec[len("jsonl:"):] if spec.startswith("jsonl:") else spec).partition("#")
+    p = Path(base).expanduser()
     if not p.exists():
         raise FileNotFoundError(f"data file or folder not found: {p}")
-    files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in STREAM_SUFFIXES)
+    files = [p] if p.is_file() else data_files(p, split, STREAM_SUFFIXES)
     suffixes = {f.suffix for f in files}
     if not files or len(suffixes) != 1 or not suffixes <= set(STREAM_SUFFIXES):
         raise ValueError(f"{p}: data.streaming reads one format of {', '.join(STREAM_SUFFIXES)} files (found "
@@ -53,6 +56,7 @@ class StreamingPrompts:
         self.skipped: dict[str, int] = {}
         self.raw_rows: int | None = None  # counted on first use (Ray Data; Parquet from its metadata)
         self.read = 0  # raw rows pulled from the stream by this process (a test sees it stream)
+        self.counting = True  # off while a reopened stream skips rows it has counted before
 
     def __len__(self) -> int:
         return self.count()
@@ -80,8 +84,16 @@ class StreamingPrompts:
         args = {"num_cpus": 0, "concurrency": 2}
         if files[0].suffix == ".parquet":
             return ray.data.read_parquet(paths, **args)
-        if files[0].suffix == ".csv":
-            return ray.data.read_csv(paths, **args)
+        if files[0].suffix == ".csv":  # every column a string, as the in-memory reader keeps them ("007" stays)
+            import csv
+
+            import pyarrow as pa
+            from pyarrow import csv as pacsv
+
+            with files[0].open(newline="", encoding="utf-8-sig") as f:
+                header = next(csv.reader(f), [])
+            types = pacsv.ConvertOptions(column_types={name: pa.string() for name in header})
+            return ray.data.read_csv(paths, convert_options=types, **args)
         return ray.data.read_text(paths, **args)
 
     def epoch_stream(self, epoch: int) -> Iterator[dict[str, Any] | None]:
@@ -109,13 +121,13 @@ class StreamingPrompts:
             except ValueError:
                 raw = None
             if not isinstance(raw, dict):
-                self.skipped["malformed_row"] = self.skipped.get("malformed_row", 0) + 1
+                if self.counting:
+                    self.skipped["malformed_row"] = self.skipped.get("malformed_row", 0) + 1
                 return None
-        row = file_row(raw, self.keys, self.instruction, self.skipped)
+        row = file_row(raw, self.keys, self.instruction, self.skipped if self.counting else {})
         if row is None or row["prompt"] in self.held:
             return None
-        row["meta"].setdefault("data_source", self.name or self.files[0].stem)
-        return row
+        return tag_source([row], self.name or self.files[0].stem)[0]
 
 
 class StreamingSampler:
@@ -139,8 +151,12 @@ class StreamingSampler:
     def _open(self) -> Iterator:
         epoch, pos = divmod(self._consumed, self.source.count())
         stream = self.source.epoch_stream(epoch)
-        for _ in range(pos):  # skip to the row: the stream is the same on every read
-            next(stream)
+        self.source.counting = False  # rows before the position were counted when first read
+        try:
+            for _ in range(pos):  # skip to the row: the stream is the same on every read
+                next(stream)
+        finally:
+            self.source.counting = True
         return stream
 
     def next_with_uids(self) -> tuple[list[int], list[int]]:
@@ -197,10 +213,16 @@ def streaming_sets(spec: str, keys: FileKeys, instruction: str, seed: int, eval_
                    shuffle_buffer: int, name: str = "") -> tuple[StreamingPrompts, PromptSet]:
     """The streamed train set and the held-out rows (``eval_rows``, or the first ``eval_size``
     usable rows of the first file)."""
-    from actors.tasks import file_rows
+    from actors.tables import iter_rows
 
     files = stream_files(spec)
-    if eval_rows is None:
-        eval_rows = file_rows(str(files[0]), instruction, keys).rows[:eval_size] if eval_size else []
+    if eval_rows is None:  # the first usable rows of the first file, read no further
+        eval_rows, skipped = [], {}
+        for obj in iter_rows(files[0]) if eval_size else ():
+            row = file_row(obj, keys, instruction, skipped)
+            if row is not None:
+                eval_rows.append(row)
+            if len(eval_rows) == eval_size:
+                break
     held = {r["prompt"] for r in eval_rows}
     return StreamingPrompts(files, keys, instruction, seed, held, shuffle_buffer, name), PromptSet(list(eval_rows))

@@ -46,23 +46,45 @@ class _Ids:
 
     def __init__(self, run_dir: Path) -> None:
         self.path = Path(run_dir) / IDS_FILE
-        self.ids = json.loads(self.path.read_text()) if self.path.is_file() else {}
+        try:
+            self.ids = json.loads(self.path.read_text()) if self.path.is_file() else {}
+        except ValueError:
+            print(f"[rayrlhf] {self.path} is not valid JSON: the trackers start new runs", flush=True)
+            self.ids = {}
 
-    def get(self, name: str) -> str | None:
+    def get(self, name: str) -> Any:
         return self.ids.get(name)
 
-    def set(self, name: str, value: str) -> None:
+    def set(self, name: str, value: Any) -> None:
         self.ids[name] = value
-        self.path.write_text(json.dumps(self.ids))
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.ids))
+        tmp.replace(self.path)
 
 
-class WandbSink:
+class _Resumable:
+    """Rows a tracker already holds are not sent again: a resumed run runs the steps after its
+    checkpoint again, and the interrupted run logged them (an exact resume, the same numbers);
+    W&B would refuse them (its steps only grow) and MLflow would hold them twice."""
+
+    name = ""
+
+    def fresh(self, row: dict[str, Any]) -> bool:
+        step = int(row["step"])
+        if step <= (self.ids.get(f"{self.name}_step") or -1):
+            return False
+        self.ids.set(f"{self.name}_step", step)
+        return True
+
+
+class WandbSink(_Resumable):
     """Weights & Biases: one W&B run per rayrlhf run, the config as its config, the
     checkpoint paths in its summary."""
 
     def __init__(self, run_dir: Path, config: dict[str, Any], project: str, ids: _Ids) -> None:
         import wandb
 
+        self.name, self.ids = "wandb", ids
         run_id = ids.get("wandb") or uuid.uuid4().hex[:12]
         settings = wandb.Settings(console="off", silent=True, disable_git=True, save_code=False)
         self.run = wandb.init(project=project, name=Path(run_dir).name, id=run_id, resume="allow", dir=str(run_dir),
@@ -70,6 +92,8 @@ class WandbSink:
         ids.set("wandb", run_id)
 
     def write(self, row: dict[str, Any]) -> None:
+        if not self.fresh(row):
+            return
         self.run.log({k: v for k, v in flat_numbers(row).items() if k != "step"}, step=int(row["step"]))
 
     def checkpoint(self, path: str, step: int) -> None:
@@ -82,7 +106,7 @@ class WandbSink:
 _MLFLOW_KEY = re.compile(r"[^A-Za-z0-9_\-. /]")
 
 
-class MlflowSink:
+class MlflowSink(_Resumable):
     """MLflow: one MLflow run per rayrlhf run in ``experiment``, the config as flattened params,
     the checkpoint paths as tags."""
 
@@ -93,6 +117,7 @@ class MlflowSink:
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
+        self.name, self.ids = "mlflow", ids
         self.client = MlflowClient(tracking_uri=uri)
         self.uri = uri
         run_id = ids.get("mlflow")
@@ -109,6 +134,8 @@ class MlflowSink:
     def write(self, row: dict[str, Any]) -> None:
         from mlflow.entities import Metric
 
+        if not self.fresh(row):
+            return
         now, step = int(time.time() * 1000), int(row["step"])
         metrics = [Metric(_MLFLOW_KEY.sub("_", k), v, now, step) for k, v in flat_numbers(row).items() if k != "step"]
         for i in range(0, len(metrics), 1000):

@@ -66,9 +66,9 @@ def compile_decoder_layers(lm: nn.Module) -> int:
 def add_residual_dropout(lm: nn.Module, p: float) -> int:
     """Dropout with probability ``p`` on every decoder layer's attention and MLP outputs, before
     each is added to the residual stream (the residual dropout of the Transformer, Vaswani et al.
-    2017, §5.4; GPT-2's ``resid_pdrop``); active in train mode only (``nn.Module.training``), so
-    every no-grad or eval pass (old and reference log-probs, targets, evaluation) sees the
-    whole model. Llama-family models carry no dropout of their own (their ``attention_dropout``
+    2017, §5.4; GPT-2's ``resid_pdrop``); active in train mode under autograd only, so every
+    no-grad or eval pass (old and reference log-probs, LoRA's adapter-off reference, targets,
+    evaluation) sees the whole model. Llama-family models carry no dropout of their own (their ``attention_dropout``
     is read only by attention kernels this project replaces). Returns the number of layers
     hooked; raises ``ValueError`` for a model whose layers have no ``self_attn`` and ``mlp``."""
     if p <= 0:
@@ -78,7 +78,7 @@ def add_residual_dropout(lm: nn.Module, p: float) -> int:
         raise ValueError("model.dropout: this model's decoder layers have no self_attn / mlp to put dropout after")
 
     def drop(module: nn.Module, args: tuple, out: object) -> object:
-        if not module.training:
+        if not (module.training and torch.is_grad_enabled()):  # no-grad passes (old, reference) see it whole
             return out
         if isinstance(out, tuple):  # attention returns (output, weights)
             return (nn.functional.dropout(out[0], p, True), *out[1:])

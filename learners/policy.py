@@ -127,7 +127,12 @@ class PolicyLearner(Learner):
         self.comm.sum_gradients(self.trainable)
         if self.on_gradients is not None:
             self.on_gradients(self.trainable)
-        norm = torch.nn.utils.clip_grad_norm_([p for p in self.trainable if p.grad is not None], self.tr.max_grad_norm)
+        # Networks trained side by side (a separate critic) are clipped each on its own norm, so one
+        # network's large gradients never shrink the other's step; the first group's norm is reported.
+        groups = getattr(self, "clip_groups", None) or [self.trainable]
+        norms = [torch.nn.utils.clip_grad_norm_([p for p in g if p.grad is not None], self.tr.max_grad_norm)
+                 for g in groups]
+        norm = norms[0]
         self.optimizer.step()
         # bf16 casts of the old weights (learners.modeling.shared_weight_casts) are stale now.
         torch.clear_autocast_cache()

@@ -132,6 +132,9 @@ class PPOLearner(PolicyLearner):
             group = {"params": [p for p in self.model.critic.parameters() if p.requires_grad], "lr": hp.critic_lr,
                      "weight_decay": hp.critic_weight_decay}
         self._init_optimizer([group], updates_per_step=train.epochs * train.num_minibatches)
+        if self.separate_critic:
+            critic = {id(p) for p in group["params"]}
+            self.clip_groups = [[p for p in self.trainable if id(p) not in critic], list(group["params"])]
 
     # -- forward helpers -------------------------------------------------------------------------
     def _forward(self, exp: Experience, *, grad: bool) -> dict[str, torch.Tensor]:

@@ -59,14 +59,16 @@ def load_data(cfg: Any) -> tuple[Any, Any, str]:
         if not any(a.endswith("ForSequenceClassification") for a in archs):
             raise UserError(f"ppo.critic_init: {cfg.ppo.critic_init} is not a reward-model folder (a "
                             "*ForSequenceClassification checkpoint, as run.algorithm=reward_model saves)")
+        from cluster.assets import resolve_model
+
+        check_same_tokens("ppo.critic_init", Path(cfg.ppo.critic_init),
+                          Path(resolve_model(cfg.model.path, cfg.model.cache_dir or None)))
     return load_task_prompts(cfg)
 
 
 def check_teacher(cfg: Any) -> None:
     """One line before anything starts: the teacher is a model folder with the policy's vocabulary
     (its log-probs must score the student's token ids)."""
-    import json
-
     from cluster.assets import resolve_model
 
     teacher = Path(cfg.ppo.teacher)
@@ -76,10 +78,23 @@ def check_teacher(cfg: Any) -> None:
         student = Path(resolve_model(cfg.model.path, cfg.model.cache_dir or None))
     except FileNotFoundError as e:
         raise UserError(str(e)) from None
-    vocab = [json.loads((f / "config.json").read_text()).get("vocab_size") for f in (teacher, student)]
-    if vocab[0] != vocab[1]:
-        raise UserError(f"ppo.teacher: its vocabulary ({vocab[0]} tokens) is not the policy's ({vocab[1]}); "
-                        "distillation compares log-probs of the same token ids")
+    check_same_tokens("ppo.teacher", teacher, student)
+
+
+def check_same_tokens(what: str, other: Path, student: Path) -> None:
+    """``other`` reads token ids as the policy does: the same tokenizer vocabulary (a larger
+    embedding, padded for speed, is fine; the same vocabulary size of another tokenizer is not)."""
+    from transformers import AutoTokenizer
+
+    try:
+        theirs = AutoTokenizer.from_pretrained(str(other)).get_vocab()
+    except (OSError, ValueError) as e:
+        raise UserError(f"{what}: {other} has no tokenizer to check its token ids against the policy's ({e})") from None
+    ours = AutoTokenizer.from_pretrained(str(student)).get_vocab()
+    if theirs != ours:
+        differ = sum(1 for t, i in ours.items() if theirs.get(t) != i)
+        raise UserError(f"{what}: its tokenizer is not the policy's ({differ} of {len(ours)} tokens differ); "
+                        "its log-probs or values would read other tokens")
 # An asynchronous run's batches already generating at a checkpoint (trainer_state/).
 AHEAD_FILE = "ahead_batches.pt"
 

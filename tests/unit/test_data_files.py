@@ -67,7 +67,7 @@ def test_unreadable_sources_are_one_clear_error(tmp_path):
         (tmp_path / "empty").mkdir()
         read_table(tmp_path / "empty")
     (tmp_path / "a.jsonl").write_text("{}\n")
-    with pytest.raises(ValueError, match="picks a split"):
+    with pytest.raises(ValueError, match="is one file"):
         read_table(f"{tmp_path / 'a.jsonl'}#train")
     (tmp_path / "arr.json").write_text('{"rows": 1}')
     with pytest.raises(ValueError, match="list of row objects"):
@@ -249,3 +249,30 @@ def test_data_inspect_shows_pairs_and_demonstrations_as_the_learners_get_them(tm
     assert main(["data", "inspect", str(demos), "--set", "run.algorithm=sft", *common[:-1]]) == 0
     text = capsys.readouterr().out
     assert "demonstrations rows" in text and "⟦" in text
+
+
+def test_a_folder_of_splits_trains_on_its_train_files_only(tmp_path):
+    folder = tmp_path / "gsm8k"
+    (folder / "data").mkdir(parents=True)
+    (folder / ".ipynb_checkpoints").mkdir()
+    pq.write_table(pa.Table.from_pylist(ROWS[:4]), folder / "data" / "train-00000-of-00001.parquet")
+    pq.write_table(pa.Table.from_pylist(ROWS[4:]), folder / "data" / "test-00000-of-00001.parquet")
+    pq.write_table(pa.Table.from_pylist(ROWS), folder / ".ipynb_checkpoints" / "train-checkpoint.parquet")
+    (folder / "dataset_info.json").write_text("{}")
+    assert [r["prompt"] for r in file_rows(str(folder), "").rows] == [r["prompt"] for r in ROWS[:4]]
+    assert [r["prompt"] for r in file_rows(f"{folder}#test", "").rows] == [r["prompt"] for r in ROWS[4:]]
+    with pytest.raises(ValueError, match="no 'validation' files"):
+        read_table(f"{folder}#validation")
+
+
+def test_a_text_prompts_own_messages_column_is_not_taken_for_the_prompt(tmp_path, tiny_model_path):
+    from transformers import AutoTokenizer
+
+    path = tmp_path / "chat.jsonl"
+    row = {"prompt": "2+2?", "answer": "4", "messages": [{"role": "user", "content": "2+2?"},
+                                                          {"role": "assistant", "content": "4"}]}
+    path.write_text(json.dumps(row) + "\n")
+    r = file_rows(str(path), "Be brief.").rows[0]
+    assert "messages" not in r["meta"] and r["meta"]["source_messages"] == row["messages"]
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    assert prompt_token_ids(tok, r["prompt"], r["meta"]) == prompt_token_ids(tok, "2+2? Be brief.", {})

@@ -111,3 +111,25 @@ def test_centering_subtracts_the_batch_mean_over_response_tokens():
     torch.testing.assert_close(centred[mask], plain[mask] - plain[mask].mean())
     assert float(centred[~mask].abs().sum()) == 0
     assert abs(float(centred[mask].sum())) < 1e-4
+
+
+def test_a_teacher_must_read_the_policys_token_ids(tiny_model_path, tmp_path):
+    """The same tokenizer passes; a tokenizer with other ids (here one token swapped) is one line."""
+    import json as _json
+    import shutil
+
+    from cluster.config import UserError
+    from cluster.recipes.ppo import check_teacher
+
+    same, other = tmp_path / "same", tmp_path / "other"
+    shutil.copytree(tiny_model_path, same)
+    shutil.copytree(tiny_model_path, other)
+    tok = _json.loads((other / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = list(vocab)[10], list(vocab)[11]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (other / "tokenizer.json").write_text(_json.dumps(tok))
+    base = ["model.path=tiny", "ppo.distill_coef=1", "ppo.kl_coef=0"]
+    check_teacher(load_config(overrides=base + [f"ppo.teacher={same}"]))
+    with pytest.raises(UserError, match="2 of .* tokens differ"):
+        check_teacher(load_config(overrides=base + [f"ppo.teacher={other}"]))

@@ -55,3 +55,14 @@ def test_ppo_refuses_dropout_and_the_learners_receive_it(tiny_model_path):
 
     cfg = load_config(overrides=["run.algorithm=sft", "model.dropout=0.1"])
     assert learner_spec(cfg, tiny_model_path, 0).context.dropout == 0.1
+
+
+def test_no_grad_passes_in_train_mode_see_the_whole_model(tiny_model_path):
+    """The learners' old and reference passes run under no_grad while the model is in train mode
+    (DPO's LoRA reference with the adapter off): dropout must not reach them."""
+    plain, dropped = _lm(tiny_model_path), _lm(tiny_model_path)
+    add_residual_dropout(dropped, 0.5)
+    dropped.train(), plain.eval()
+    ids = torch.arange(5, 25).unsqueeze(0)
+    with torch.no_grad():
+        torch.testing.assert_close(dropped(ids).logits, plain(ids).logits, rtol=0, atol=0)

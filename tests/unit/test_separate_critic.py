@@ -116,3 +116,18 @@ def test_mean_pooled_values_read_the_running_mean_of_the_states(tiny_model_path)
         for t in range(3, 9):  # the naive loop: the mean of the states before token t
             want = critic.head(hidden[0, :t].mean(0)).squeeze()
             torch.testing.assert_close(values[0, t], want, atol=1e-5, rtol=1e-4)
+
+
+def test_the_critic_is_clipped_on_its_own_norm(tiny_model_path):
+    """A value loss with huge gradients must not shrink the policy's clipped step: the policy's
+    gradient after clipping is the same whatever the value loss weighs."""
+    batch = _batch(tiny_model_path)
+    steps = []
+    for vf in (0.0, 1e4):
+        learner = make_learner(tiny_model_path, train={"max_grad_norm": 1e-3},
+                               ppo={**GAE, "critic": "separate", "vf_coef": vf})
+        steps.append([p.detach().clone() for p in learner.model.lm.parameters()])
+        learner.train_step(batch)
+        steps[-1] = [a - p.detach() for a, p in zip(steps[-1], learner.model.lm.parameters())]
+    for a, b in zip(*steps):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -34,7 +34,9 @@ def offline(monkeypatch):
 def test_wandb_and_mlflow_receive_every_row_the_config_and_checkpoints(tmp_path, offline):
     config = {"run": {"name": "t", "steps": 3}, "train": {"lr": 0.001}}
     _log(tmp_path, ROWS[:2], config, checkpoint_at=2)
-    _log(tmp_path, ROWS[2:], config)  # the resumed run continues the same tracker runs
+    # The resumed run (from a checkpoint of step 1) runs step 2 again, then 3: the same tracker
+    # runs continue, and step 2 is not sent twice.
+    _log(tmp_path, ROWS[1:], config)
     wb = wandb_offline_run(tmp_path)
     ml = mlflow_run(tmp_path)
     for row in ROWS:
@@ -49,7 +51,11 @@ def test_wandb_and_mlflow_receive_every_row_the_config_and_checkpoints(tmp_path,
     assert wb["summary"]["checkpoint"].endswith("step_000002") and wb["summary"]["checkpoint_step"] == 2
     assert ml["tags"]["checkpoint"].endswith("step_000002")
     ids = json.loads((tmp_path / "trackers.json").read_text())
-    assert set(ids) == {"wandb", "mlflow"} and len(list((tmp_path / "mlruns").glob("*/*/meta.yaml"))) == 1
+    assert {"wandb", "mlflow"} <= set(ids) and len(list((tmp_path / "mlruns").glob("*/*/meta.yaml"))) == 1
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=(tmp_path / "mlruns").resolve().as_uri())
+    assert [m.step for m in client.get_metric_history(ids["mlflow"], "reward/mean")] == [1, 2, 3]
 
 
 def test_a_tracker_that_cannot_start_is_one_line_and_the_others_go_on(tmp_path, offline, capsys):
@@ -59,3 +65,10 @@ def test_a_tracker_that_cannot_start_is_one_line_and_the_others_go_on(tmp_path, 
     assert len(out) == 1 and out[0].startswith("[rayrlhf] tracker mlflow did not start")
     for s in sinks:
         s.close()
+
+
+def test_runs_saved_with_the_old_tensorboard_switch_still_load():
+    from cluster.config_loading import load_config
+
+    assert load_config(base={"run": {"tensorboard": False}}).run.trackers == []
+    assert load_config(base={"run": {"tensorboard": True}}).run.trackers == ["tensorboard"]
