@@ -189,7 +189,7 @@ def test_cli_rejects_a_wrong_config_key_before_starting_anything(tmp_path):
 
 
 @pytest.mark.parametrize("override, words", [
-    ("data.task=jsonl:/nonexistent/prompts.jsonl", "prompt file not found"),
+    ("data.task=jsonl:/nonexistent/prompts.jsonl", "data file or folder not found"),
     ("data.task=no_such_task", "no_such_task"),
     ("reward.function=no_such_module:score", "cannot import module"),
     ("model.path=/nonexistent/model", "neither a built-in asset"),
