@@ -35,6 +35,13 @@ class Table:
     skipped: dict[str, int] = field(default_factory=dict)
 
 
+def source_path(spec: str | Path) -> tuple[Path, str]:
+    """(path, split) of a source spec: ``path``, ``path#split``, or the older ``jsonl:path``."""
+    spec = str(spec)
+    base, _, split = (spec[len("jsonl:"):] if spec.startswith("jsonl:") else spec).partition("#")
+    return Path(base).expanduser(), split
+
+
 def looks_like_path(spec: str) -> bool:
     """A data source named as a file or folder (rather than a reasoning-gym task name)."""
     base = spec.split("#", 1)[0]
@@ -45,8 +52,7 @@ def read_table(spec: str | Path) -> Table:
     """The rows of a file, a folder of files or a ``datasets`` folder (``path#split`` picks a
     split). Raises ``FileNotFoundError`` for a missing path, ``ValueError`` for a format it
     cannot read (one line each)."""
-    base, _, split = str(spec).partition("#")
-    p = Path(base).expanduser()
+    p, split = source_path(spec)
     if not p.exists():
         raise FileNotFoundError(f"data file or folder not found: {p}")
     if p.is_dir() and _is_saved_dataset(p):

@@ -14,6 +14,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+from actors.tables import column
+
 log = logging.getLogger("rayrlhf.tasks")
 
 
@@ -88,8 +90,6 @@ def _message_row(messages: list[dict], answer: Any, meta: dict, skipped: dict[st
 
 def file_row(obj: dict[str, Any], keys: FileKeys, instruction: str, skipped: dict[str, int]) -> dict | None:
     """One data-file row as a prompt row, or None (counted in ``skipped`` by reason)."""
-    from actors.tables import column
-
     prompt = column(obj, keys.prompt)
     if keys.answer:
         answer = column(obj, keys.answer)
@@ -113,7 +113,7 @@ def file_rows(spec: str, instruction: str, keys: FileKeys | None = None) -> Prom
     from actors.tables import read_table
 
     keys = keys or FileKeys()
-    table = read_table(spec[len("jsonl:"):] if spec.startswith("jsonl:") else spec)
+    table = read_table(spec)
     skipped = dict(table.skipped)
     rows = []
     for where, obj in table.rows:

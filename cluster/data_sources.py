@@ -156,8 +156,9 @@ def _source_name(task: str) -> str:
 
     if not is_file_task(task):
         return task
-    base = task[len("jsonl:"):] if task.startswith("jsonl:") else task
-    return Path(base.split("#", 1)[0].rstrip("/")).stem
+    from actors.tables import source_path
+
+    return source_path(task)[0].stem
 
 
 def check_environment(cfg: Config) -> None:

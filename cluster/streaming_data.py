@@ -16,6 +16,7 @@ Nothing touches Ray before the run's cluster is up: the source is opened at its 
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 from pathlib import Path
@@ -31,10 +32,9 @@ _END = object()
 
 def stream_files(spec: str) -> list[Path]:
     """The files of a streamed source (a file or a folder of one format), checked at load time."""
-    from actors.tables import data_files
+    from actors.tables import data_files, source_path
 
-    base, _, split = (spec[len("jsonl:"):] if spec.startswith("jsonl:") else spec).partition("#")
-    p = Path(base).expanduser()
+    p, split = source_path(spec)
     if not p.exists():
         raise FileNotFoundError(f"data file or folder not found: {p}")
     files = [p] if p.is_file() else data_files(p, split, STREAM_SUFFIXES)
@@ -114,8 +114,6 @@ class StreamingPrompts:
     def _convert(self, raw: dict[str, Any]) -> dict[str, Any] | None:
         self.read += 1
         if self.files[0].suffix == ".jsonl":
-            import json
-
             try:
                 raw = json.loads(raw["text"])
             except ValueError:

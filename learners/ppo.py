@@ -218,7 +218,7 @@ class PPOLearner(PolicyLearner):
             advantages = hp.task_coef * advantages
         if hp.distill_coef:  # on-policy distillation: the reference holds the teacher (ppo.teacher)
             advantages = advantages + hp.distill_coef * teacher_advantages(
-                old_logprobs, ref_logprobs, mask, hp.distill_discount, hp.distill_center) * mask
+                old_logprobs, ref_logprobs, mask, hp.distill_discount, hp.distill_center)
         return advantages, returns, kl
 
     def _inert_rows(

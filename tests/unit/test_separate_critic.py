@@ -12,6 +12,15 @@ from tests.helpers.factories import experience, flat_grads, grouped_batch, make_
 GAE = {"advantage_estimator": "gae", "kl_coef": 0.0}
 
 
+def _sequences(rows, length, first, seed):
+    """Random unpadded token rows and the positions valued: every token from ``first`` on."""
+    ids = torch.randint(3, 200, (rows, length), generator=torch.Generator().manual_seed(seed))
+    att = torch.ones_like(ids, dtype=torch.bool)
+    positions = torch.zeros_like(att)
+    positions[:, first:] = True
+    return ids, att, positions
+
+
 def _reward_model(path, folder):
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
@@ -29,10 +38,7 @@ def test_from_a_reward_model_its_first_values_are_the_models_scores(tiny_model_p
     _reward_model(tiny_model_path, tmp_path / "rm")
     rm = load_reward_model(tmp_path / "rm")
     critic = build_critic(tiny_model_path, str(tmp_path / "rm"))
-    ids = torch.randint(3, 200, (2, 12), generator=torch.Generator().manual_seed(0))
-    att = torch.ones_like(ids, dtype=torch.bool)
-    positions = torch.zeros_like(att)
-    positions[:, 4:] = True
+    ids, att, positions = _sequences(rows=2, length=12, first=4, seed=0)
     with torch.no_grad():
         values = critic(ids, att, positions)
         for t in range(4, 12):  # the state before token t is the sequence up to t - 1
@@ -106,10 +112,7 @@ def test_with_lora_the_critic_has_its_own_adapter_rank(tiny_model_path):
 
 def test_mean_pooled_values_read_the_running_mean_of_the_states(tiny_model_path):
     critic = build_critic(tiny_model_path, pooling="mean")
-    ids = torch.randint(3, 200, (1, 9), generator=torch.Generator().manual_seed(1))
-    att = torch.ones_like(ids, dtype=torch.bool)
-    positions = torch.zeros_like(att)
-    positions[:, 3:] = True
+    ids, att, positions = _sequences(rows=1, length=9, first=3, seed=1)
     with torch.no_grad():
         values = critic(ids, att, positions)
         hidden = critic.decoder(input_ids=ids, attention_mask=att.long()).last_hidden_state
