@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Any
 
-from serving.common import DEFAULT_HOST, DEFAULT_PORT
+from serving.common import DEFAULT_HOST, DEFAULT_PORT, use_server_cluster_env
 
 
 def add_parser(sub: Any) -> None:
@@ -95,6 +95,8 @@ def run(ns: argparse.Namespace) -> int:
                 "limits": {"max_items": ns.max_items}}
         make, name = (lambda: build_scorer_app(args)), "scorer"
     address = ns.address or os.environ.get("RAY_ADDRESS") or None
+    if address is None:
+        use_server_cluster_env()
     ray.init(address=address, include_dashboard=False if address is None else None, log_to_driver=True)
     serve.start(http_options={"host": ns.host, "port": ns.port}, logging_config={"enable_access_log": ns.access_log})
     try:

@@ -43,6 +43,29 @@ def error_body(status: int, message: str, kind: str = "invalid_request_error") -
     return json.dumps({"error": {"message": message, "type": kind, "code": status}}).encode()
 
 
+async def reply_error(send: Any, status: int, message: str, kind: str = "invalid_request_error") -> None:
+    """Sends an OpenAI-shaped error response through an ASGI ``send``."""
+    body = error_body(status, message, kind)
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def read_body(receive: Any) -> bytes:
+    """The whole request body from an ASGI ``receive`` (what arrived before a disconnect)."""
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            break
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            break
+    return b"".join(chunks)
+
+
 class _TooLarge(Exception):
     pass
 
@@ -93,12 +116,7 @@ class Guard:
         return self.settings.max_body_bytes
 
     async def _reply(self, send: Any, status: int, message: str, kind: str) -> None:
-        body = error_body(status, message, kind)
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-        if status == 401:
-            headers.append((b"www-authenticate", b"Bearer"))
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+        await reply_error(send, status, message, kind)
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope.get("path", "") in OPEN_PATHS:
@@ -163,6 +181,20 @@ def add_error_handlers(app: Any, validation: bool = True) -> None:
     app.add_exception_handler(HTTPException, http_error)
     if validation:
         app.add_exception_handler(RequestValidationError, bad_request)
+
+
+#: Environment of a Ray cluster a server starts for itself. Ray runs its workers (and so the vLLM
+#: engine a replica starts) at nice 15 while its own daemons (GCS, raylet, agents) run at nice 0:
+#: on a machine the engine fills, every wake-up of a daemon then preempts the engine's OpenMP
+#: threads. At 0 they share the cores fairly (docs/benchmarks.md, policy server).
+SERVER_CLUSTER_ENV = {"RAY_worker_niceness": "0"}
+
+
+def use_server_cluster_env() -> None:
+    """Applies ``SERVER_CLUSTER_ENV`` to this process before it starts a local Ray cluster (a value
+    the user set wins)."""
+    for name, value in SERVER_CLUSTER_ENV.items():
+        os.environ.setdefault(name, value)
 
 
 def serve_http_options(host: str = DEFAULT_HOST, port: int = DEFAULT_PORT) -> dict[str, Any]:

@@ -1,47 +1,51 @@
 """The policy server: an OpenAI-API Ray Serve application over vLLM, built on ``ray.serve.llm``.
 
-Its ``LLMServer`` deployment (Ray's vLLM engine host: replicas, autoscaling, streaming) sits behind
-rayrlhf's gateway, a subclass of Ray's ``OpenAiIngress`` that keeps its routes and error handling
-(unknown model 404, malformed request 400) and adds what Ray's does not have:
+One deployment, ``PolicyServer``: Ray's ``LLMServer`` (one vLLM engine per replica; replicas,
+autoscaling, health checks) serving vLLM's own OpenAI app as the ingress, so a request goes from
+Serve's proxy straight into the replica that holds the engine and is answered by the same code
+as vLLM's own server (routes, SSE streaming, validation, tool-call parsing, error shapes).
+rayrlhf adds, in that replica:
 
     - ``Guard``: Bearer API key (401) and body size (413), before anything is parsed;
-    - limits on ``n`` and ``max_tokens`` (400 naming the limit);
+    - ``RequestRules``: limits on ``n`` and ``max_tokens`` (400 naming the limit), chat's
+      ``max_tokens`` defaulting to the server's limit (not the whole context), and a conversation
+      with ``tools``, tool calls and tool answers rewritten as the agents saw it in training (the
+      calls as the text the model writes, the answers inside the response tags, the tool list in
+      the system message where the template renders none); ``tool_calls`` come back parsed from
+      the reply by vLLM's parser (``hermes`` by default);
     - ``POST /v1/best_of_n``: n sampled answers ranked by a configured scorer (a ``ScorerServer``
       deployment of the same app), the best returned with every candidate's score;
-    - tools: a conversation with ``tools``, tool calls and tool answers reaches the template as
-      the agents saw it in training (the calls as the text the model writes, the answers inside
-      the response tags, the tool list in the system message where the template renders none),
-      and ``tool_calls`` come back parsed from the reply by vLLM's parser (``hermes`` by default);
     - ``POST /v1/admin/reload``: switch every replica to a newer checkpoint in place. Each engine
       pauses (requests in flight finish, new ones wait), reloads the weights from the folder,
       drops its prefix cache and resumes: no request is dropped.
 
-``build_policy_app(args)`` makes the application (``rayrlhf serve policy``, ``serve run`` with a
-config file such as ``configs/serve/apps.yaml``).
+Why one deployment: a gateway deployment in front of the engine's (Ray's ``OpenAiIngress``, the
+layout this server had before) costs two extra actor hops per request, each request and
+response pickled twice; measured alone on 2 cores it served 0.75x the bare vLLM server
+(``docs/benchmarks.md``). ``build_policy_app(args)`` makes the application (``rayrlhf serve
+policy``, ``serve run`` with a config file such as ``configs/serve/apps.yaml``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 from typing import Any
 
-from fastapi import HTTPException, Request
+from fastapi import HTTPException
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
-from ray.llm._internal.serve.core.configs.openai_api_models import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    ErrorResponse,
-    to_model_metadata,
-)
-from ray.llm._internal.serve.core.ingress.ingress import DEFAULT_ENDPOINTS, OpenAiIngress, init, make_fastapi_ingress
+from ray.llm._internal.serve.core.configs.openai_api_models import ChatCompletionRequest, ErrorResponse
+from ray.llm._internal.serve.core.server.llm_server import LLMServer, _add_middleware_to_built_app
 
-from serving.common import Guard, GuardSettings, Limits, add_error_handlers, api_key_from_env, configure_guard
+from serving.common import Guard, GuardSettings, Limits, api_key_from_env, configure_guard, read_body, reply_error
 
 DEFAULT_MODEL_ID = "policy"
+#: The OpenAI routes whose bodies ``RequestRules`` checks, and the request kind of each.
+SAMPLING_ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 
 
 class BestOfNRequest(BaseModel):
@@ -65,12 +69,17 @@ class ReloadRequest(BaseModel):
     model_path: str = Field(description="A model folder (a rayrlhf checkpoint) with the served model's architecture.")
 
 
-def check_sampling(n: int | None, max_tokens: int | None, limits: Limits) -> None:
-    """400 for ``n`` or ``max_tokens`` outside the server's limits."""
-    if n is not None and not 1 <= n <= limits.max_n:
+def check_sampling(n: Any, max_tokens: Any, limits: Limits) -> None:
+    """400 for ``n`` or ``max_tokens`` outside the server's limits (values that are not integers
+    are left to the OpenAI request's own validation)."""
+    if _integer(n) and not 1 <= n <= limits.max_n:
         raise HTTPException(400, f"n must be between 1 and {limits.max_n}, got {n}")
-    if max_tokens is not None and not 1 <= max_tokens <= limits.max_tokens:
+    if _integer(max_tokens) and not 1 <= max_tokens <= limits.max_tokens:
         raise HTTPException(400, f"max_tokens must be between 1 and {limits.max_tokens}, got {max_tokens}")
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def check_model_folder(path: str) -> Path:
@@ -80,35 +89,87 @@ def check_model_folder(path: str) -> Path:
     return folder
 
 
-app = init()  # Ray's OpenAI app: its error middleware maps validation errors to 400
-add_error_handlers(app, validation=False)
 guard = GuardSettings()
 GUARD = "serving.policy:guard"
-app.add_middleware(Guard, settings=GUARD)
 
 
-class PolicyGateway(OpenAiIngress):
-    def __init__(self, llm_deployments: dict, model_cards: dict, *, limits: Limits | None = None, api_key: str = "",
-                 scorer: Any = None, model_path: str = "") -> None:
-        super().__init__(llm_deployments, model_cards)
+class RequestRules:
+    """ASGI middleware on the sampling routes (``SAMPLING_ROUTES``): the body is read once, checked
+    and completed by ``PolicyServer.apply_rules``, and handed on (re-encoded only when changed).
+    A body that is not a JSON object goes on untouched: vLLM's validation answers it with 400."""
+
+    def __init__(self, app: Any, server: "PolicyServer") -> None:
+        self.app, self.server = app, server
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        kind = SAMPLING_ROUTES.get(scope.get("path", "")) if scope["type"] == "http" else None
+        if kind is None or scope.get("method") != "POST":
+            return await self.app(scope, receive, send)
+        body = await read_body(receive)
+        try:
+            request = json.loads(body)
+        except ValueError:
+            request = None
+        if isinstance(request, dict):
+            try:
+                if await self.server.apply_rules(kind, request):
+                    body = json.dumps(request).encode()
+            except HTTPException as e:
+                return await reply_error(send, e.status_code, str(e.detail))
+        headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
+        scope = dict(scope, headers=headers + [(b"content-length", str(len(body)).encode())])
+        delivered = False
+
+        async def replay() -> dict:
+            nonlocal delivered
+            if delivered:
+                return await receive()  # what comes after the body: the client's disconnect
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+
+class PolicyServer(LLMServer):
+    """``LLMServer`` with rayrlhf's rules, routes and reload (see module doc)."""
+
+    async def __init__(self, llm_config: Any, *, limits: Limits | None = None, api_key: str = "", scorer: Any = None,
+                       model_path: str = "", **server_kwargs: Any) -> None:
         self.limits = limits or Limits()
         configure_guard(GUARD, api_key, self.limits.max_body_bytes)
         self.scorer = scorer
         self.model_path = model_path
         self._chat: tuple[str, Any] | None = None
         self._reload_lock = asyncio.Lock()
+        await super().__init__(llm_config, **server_kwargs)
 
-    async def completions(self, body: CompletionRequest, request: Request):
-        check_sampling(body.n, body.max_tokens, self.limits)
-        return await super().completions(body, request)
+    async def __serve_build_asgi_app__(self) -> Any:
+        app = await super().__serve_build_asgi_app__()
+        app.add_api_route("/v1/best_of_n", self.best_of_n, methods=["POST"])
+        app.add_api_route("/v1/admin/reload", self.reload, methods=["POST"])
+        app.add_api_route("/v1/admin/served", self.served, methods=["GET"])
+        _add_middleware_to_built_app(app, RequestRules, server=self)
+        _add_middleware_to_built_app(app, Guard, settings=GUARD)  # added last: runs first
+        return app
 
-    async def chat(self, body: ChatCompletionRequest, request: Request):
-        check_sampling(body.n, body.max_completion_tokens or body.max_tokens, self.limits)
-        if body.max_tokens is None and body.max_completion_tokens is None:
-            body.max_tokens = self.limits.max_tokens  # not "up to the context": the limit
-        if body.tools or any(_tool_turn(m) for m in body.messages):
-            body.messages = await asyncio.to_thread(self._as_trained, body.messages, body.tools)
-        return await super().chat(body, request)
+    async def apply_rules(self, kind: str, body: dict) -> bool:
+        """Checks a sampling request's limits and completes it; True when ``body`` was changed."""
+        check_sampling(body.get("n"), body.get("max_completion_tokens") or body.get("max_tokens"), self.limits)
+        if kind != "chat":
+            return False
+        changed = False
+        if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+            body["max_tokens"] = self.limits.max_tokens  # not "up to the context": the limit
+            changed = True
+        messages, tools = body.get("messages"), body.get("tools")
+        if isinstance(messages, list) and all(isinstance(m, dict) for m in messages) and (
+                tools or any(_tool_turn(m) for m in messages)):
+            try:
+                body["messages"] = await asyncio.to_thread(self._as_trained, messages, tools)
+            except (TypeError, ValueError, AttributeError) as e:
+                raise HTTPException(400, f"malformed tool conversation: {e}") from None
+            changed = True
+        return changed
 
     def _as_trained(self, messages: list, tools: list | None) -> list[dict]:
         """A conversation with tools as rayrlhf's agents saw it in training (``actors/episodes.py``:
@@ -116,7 +177,7 @@ class PolicyGateway(OpenAiIngress):
         wrote and read, the tool list where the training rollouts put it."""
         from actors.episodes import from_client
 
-        schemas = [t.model_dump(exclude_none=True) if hasattr(t, "model_dump") else t for t in tools or []]
+        schemas = [t for t in tools or [] if isinstance(t, dict)]
         return self._chat_tokens().with_tools(from_client(messages), schemas or None)
 
     def _chat_tokens(self) -> Any:
@@ -130,23 +191,20 @@ class PolicyGateway(OpenAiIngress):
         return self._chat[1]
 
     async def _one_chat(self, req: ChatCompletionRequest) -> Any:
-        """A non-streaming chat response object from the engine (HTTPException on its error)."""
-        from ray.llm._internal.serve.core.ingress.ingress import _sanitize_chat_completion_request
-
-        handle = self._get_configured_serve_handle(req.model)
-        async for item in handle.chat.remote(_sanitize_chat_completion_request(req), None):
+        """A non-streaming chat response object from this replica's engine (HTTPException on its error)."""
+        async for item in await self.chat(req):
             first = item[0] if isinstance(item, list) else item
             if isinstance(first, ErrorResponse):
                 raise HTTPException(first.error.code, first.error.message)
             return first
         raise HTTPException(502, "the engine returned no response")
 
-    async def _candidates(self, model_id: str, body: BestOfNRequest) -> Any:
+    async def _candidates(self, body: BestOfNRequest) -> Any:
         """One chat response holding the n candidates. With a seed, n requests seeded seed, seed+1,
         ...: one seeded request with n > 1 would give n copies of one sample."""
         def request(n: int, seed: int | None) -> ChatCompletionRequest:
-            return ChatCompletionRequest(model=model_id, messages=body.messages, n=n, seed=seed, stream=False,
-                                         max_tokens=body.max_tokens or self.limits.max_tokens,
+            return ChatCompletionRequest(model=self._llm_config.model_id, messages=body.messages, n=n, seed=seed,
+                                         stream=False, max_tokens=body.max_tokens or self.limits.max_tokens,
                                          temperature=body.temperature, top_p=body.top_p)
 
         if body.seed is None:
@@ -161,12 +219,13 @@ class PolicyGateway(OpenAiIngress):
             merged.usage.total_tokens = merged.usage.prompt_tokens + merged.usage.completion_tokens
         return merged
 
-    async def best_of_n(self, body: BestOfNRequest, request: Request) -> JSONResponse:
+    async def best_of_n(self, body: BestOfNRequest) -> JSONResponse:
         if self.scorer is None:
             raise HTTPException(404, "best-of-n is off: start the server with a scorer (best_of_n_scorer)")
         check_sampling(body.n, body.max_tokens, self.limits)
-        model_id = await self._get_model_id(body.model)
-        response = await self._candidates(model_id, body)
+        if body.model not in (None, self._llm_config.model_id):
+            raise HTTPException(404, f"The model `{body.model}` does not exist.")
+        response = await self._candidates(body)
         candidates = [c.message.content or "" for c in response.choices]
         prompt = next((str(m.get("content", "")) for m in reversed(body.messages) if m.get("role") == "user"), "")
         scored = await self.scorer.score.remote([prompt] * len(candidates), candidates,
@@ -178,26 +237,30 @@ class PolicyGateway(OpenAiIngress):
                                 f"({scored.get('skipped')})")
         best = max(valid, key=lambda i: scores[i])
         out = response.model_dump()
-        choice = dict(out["choices"][best], index=0)
-        out["choices"] = [choice]
+        out["choices"] = [dict(out["choices"][best], index=0)]
         out["best_of_n"] = {"scores": scores, "candidates": candidates, "best_index": best,
                             "scorer": scored.get("model"), "skipped": scored.get("skipped", {})}
         return JSONResponse(out)
 
-    async def reload(self, body: ReloadRequest, request: Request) -> JSONResponse:
-        """Every replica of every served model switches to the folder's weights (see module doc)."""
+    async def reload(self, body: ReloadRequest) -> JSONResponse:
+        """Every replica of this deployment switches to the folder's weights (see module doc)."""
         from ray.llm._internal.serve.utils.broadcast import broadcast
 
-        folder = check_model_folder(body.model_path)
+        given = check_model_folder(body.model_path)
+        folder = str(given.resolve())
+        context = serve.get_replica_context()
+        handle = serve.get_deployment_handle(context.deployment, context.app_name)
         t0 = time.perf_counter()
         async with self._reload_lock:
-            for handle in self._default_serve_handles.values():
-                await asyncio.to_thread(_reload_replicas, broadcast, handle, str(folder.resolve()))
-            self.model_path = str(folder)
-        return JSONResponse({"model_path": str(folder), "seconds": round(time.perf_counter() - t0, 3)})
+            await asyncio.to_thread(_reload_replicas, broadcast, handle, folder, str(given))
+        return JSONResponse({"model_path": str(given), "seconds": round(time.perf_counter() - t0, 3)})
 
-    async def served(self, request: Request) -> JSONResponse:
-        return JSONResponse({"model_path": self.model_path, "models": sorted(self._model_cards)})
+    def set_model_path(self, folder: str) -> None:
+        """The checkpoint this replica serves now (called on every replica by ``reload``)."""
+        self.model_path = folder
+
+    async def served(self) -> JSONResponse:
+        return JSONResponse({"model_path": self.model_path, "models": [self._llm_config.model_id]})
 
 
 def _tool_turn(message: Any) -> bool:
@@ -205,26 +268,16 @@ def _tool_turn(message: Any) -> bool:
     return m.get("role") == "tool" or bool(m.get("tool_calls"))
 
 
-def _reload_replicas(broadcast: Any, handle: Any, folder: str) -> None:
-    """pause (in-flight requests finish) -> reload weights -> reset prefix cache -> resume, per replica."""
+def _reload_replicas(broadcast: Any, handle: Any, folder: str, shown: str) -> None:
+    """pause (in-flight requests finish) -> reload weights -> reset prefix cache -> resume, per
+    replica; ``shown``: the path as the client gave it, what ``/v1/admin/served`` reports."""
     broadcast(handle, "pause", kwargs={"mode": "wait", "clear_cache": True})
     try:
         broadcast(handle, "collective_rpc", kwargs={"method": "reload_weights", "kwargs": {"weights_path": folder}})
         broadcast(handle, "reset_prefix_cache")
+        broadcast(handle, "set_model_path", kwargs={"folder": shown})
     finally:
         broadcast(handle, "resume")
-
-
-ENDPOINTS = {
-    "models": DEFAULT_ENDPOINTS["models"],
-    "model_data": DEFAULT_ENDPOINTS["model_data"],
-    "completions": DEFAULT_ENDPOINTS["completions"],
-    "chat": DEFAULT_ENDPOINTS["chat"],
-    "best_of_n": lambda a: a.post("/v1/best_of_n"),
-    "reload": lambda a: a.post("/v1/admin/reload"),
-    "served": lambda a: a.get("/v1/admin/served"),
-}
-Gateway = make_fastapi_ingress(PolicyGateway, app=app, endpoint_map=ENDPOINTS)
 
 
 def llm_config(model_path: str, *, model_id: str = DEFAULT_MODEL_ID, max_model_len: int = 1024,
@@ -297,7 +350,6 @@ def build_policy_app(args: dict[str, Any]) -> Any:
                                    "autoscaling", "seed", "accelerator", "access_log", "tool_call_parser") if k in args}
     engine.setdefault("max_model_len", max(1024, limits.max_tokens + 512))
     cfg = llm_config(folder, **engine)
-    llm = build_llm_deployment(cfg)
     scorer = None
     if args.get("best_of_n_scorer"):
         from serving.scorer import ScorerBackend, scorer_spec_from_args
@@ -305,10 +357,11 @@ def build_policy_app(args: dict[str, Any]) -> Any:
         scorer = serve.deployment(ScorerBackend, name="BestOfNScorer", ray_actor_options={"num_cpus": 0}).bind(
             scorer_spec_from_args(dict(args["best_of_n_scorer"])))
     api_key = api_key_from_env(args.get("api_key_env", "RAYRLHF_API_KEY"))
-    return serve.deployment(Gateway, name="PolicyGateway", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256,
-                            logging_config={"enable_access_log": bool(args.get("access_log", False))}).bind(
-        llm_deployments={cfg.model_id: llm}, model_cards={cfg.model_id: to_model_metadata(cfg.model_id, cfg)},
-        limits=limits, api_key=api_key, scorer=scorer, model_path=folder)
+    # serve.ingress() without an app: the replica builds it (PolicyServer.__serve_build_asgi_app__)
+    # once its engine runs.
+    return build_llm_deployment(cfg, name_prefix="PolicyServer:", deployment_cls=serve.ingress()(PolicyServer),
+                                bind_kwargs={"limits": limits, "api_key": api_key, "scorer": scorer,
+                                             "model_path": folder})
 
 
-__all__ = ["BestOfNRequest", "Gateway", "build_policy_app", "llm_config"]
+__all__ = ["BestOfNRequest", "PolicyServer", "build_policy_app", "llm_config"]

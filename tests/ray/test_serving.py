@@ -1,5 +1,6 @@
 """The policy server on a real local Ray cluster: the real ``openai`` client against
-``ray.serve.llm``'s vLLM engine behind rayrlhf's gateway, serving checkpoints a training run wrote;
+``PolicyServer`` (``ray.serve.llm``'s vLLM engine host serving vLLM's OpenAI app with rayrlhf's
+key, limits and routes), serving checkpoints a training run wrote;
 best-of-n; an in-place switch to a newer checkpoint under load; API key and bad requests; a model
 trained to call a tool returns ``tool_calls``, and the tool's answer reaches it as in training."""
 
