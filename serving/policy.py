@@ -283,14 +283,16 @@ def _reload_replicas(broadcast: Any, handle: Any, folder: str, shown: str) -> No
 def llm_config(model_path: str, *, model_id: str = DEFAULT_MODEL_ID, max_model_len: int = 1024,
                dtype: str = "auto", kv_cache_gib: float = 1.0, threads: int = 0, num_replicas: int = 1,
                autoscaling: dict | None = None, seed: int = 0, accelerator: str = "cpu", access_log: bool = False,
-               tool_call_parser: str = "hermes") -> Any:
+               tool_call_parser: str = "hermes", engine_metrics: bool = False) -> Any:
     """``ray.serve.llm.LLMConfig`` of one served checkpoint (safetensors only, no remote code).
     ``access_log``: Serve's per-request log lines (off: on a small machine they cost throughput).
     ``dtype`` "auto": bfloat16 on GPUs and on CPUs with native bf16, float32 on other CPUs, decided
     on the machine that builds the config (``learners.precision``). ``tool_call_parser``: how
     ``tool_calls`` are read from a reply when a request offers ``tools`` (``hermes``: JSON between
     ``<tool_call>`` tags, the format rayrlhf's agents train with, ``actors/tools.py``); "" turns
-    automatic tool calls off."""
+    automatic tool calls off. ``engine_metrics``: the engine's per-step and per-request metrics
+    also exported through Ray's metrics (the Ray Dashboard's Serve LLM panels; ``ray.serve.llm``'s
+    default), at a cost in throughput (docs/benchmarks.md)."""
     import os
 
     from ray.serve.llm import LLMConfig
@@ -319,12 +321,13 @@ def llm_config(model_path: str, *, model_id: str = DEFAULT_MODEL_ID, max_model_l
         kwargs.update(enable_auto_tool_choice=True, tool_call_parser=tool_call_parser)
     return LLMConfig(model_loading_config={"model_id": model_id, "model_source": str(model_path)},
                      accelerator_config={"kind": accelerator} if accelerator == "cpu" else None,
-                     engine_kwargs=kwargs, deployment_config=deployment, runtime_env={"env_vars": env})
+                     engine_kwargs=kwargs, deployment_config=deployment, runtime_env={"env_vars": env},
+                     log_engine_metrics=engine_metrics)
 
 
 POLICY_ARGS = ("model_path", "model_id", "max_model_len", "dtype", "kv_cache_gib", "threads", "num_replicas",
                "autoscaling", "seed", "accelerator", "access_log", "api_key_env", "limits", "best_of_n_scorer",
-               "tool_call_parser")
+               "tool_call_parser", "engine_metrics")
 
 
 def build_policy_app(args: dict[str, Any]) -> Any:
@@ -334,7 +337,8 @@ def build_policy_app(args: dict[str, Any]) -> Any:
     per-request log lines, default off), ``api_key_env`` (default
     RAYRLHF_API_KEY), ``limits`` (``serving.common.Limits`` fields), ``best_of_n_scorer`` (scorer
     settings as for ``serving.scorer``: enables ``/v1/best_of_n``), ``tool_call_parser`` (default
-    ``hermes``: chat requests with ``tools`` get ``tool_calls`` in the format agents train with)."""
+    ``hermes``: chat requests with ``tools`` get ``tool_calls`` in the format agents train with),
+    ``engine_metrics`` (default off: see ``llm_config``)."""
     from ray.serve.llm import build_llm_deployment
 
     unknown = set(args) - set(POLICY_ARGS)
@@ -347,7 +351,8 @@ def build_policy_app(args: dict[str, Any]) -> Any:
         raise ValueError(f"model_path {folder} is not a model folder (no config.json)")
     limits = Limits(**args.get("limits", {}))
     engine = {k: args[k] for k in ("model_id", "max_model_len", "dtype", "kv_cache_gib", "threads", "num_replicas",
-                                   "autoscaling", "seed", "accelerator", "access_log", "tool_call_parser") if k in args}
+                                   "autoscaling", "seed", "accelerator", "access_log", "tool_call_parser",
+                                   "engine_metrics") if k in args}
     engine.setdefault("max_model_len", max(1024, limits.max_tokens + 512))
     cfg = llm_config(folder, **engine)
     scorer = None

@@ -35,3 +35,27 @@ def test_builders_refuse_unknown_settings():
         scorer_spec_from_args({"function": "reasoning_gym", "modell": "x"})
     with pytest.raises(ValueError, match="not a model folder"):
         build_policy_app({"model_path": "/nonexistent"})
+
+
+def test_a_server_started_on_its_own_cluster_runs_rays_workers_at_the_daemons_priority(monkeypatch):
+    """`rayrlhf serve` on a local cluster: Ray's worker niceness (15 by default) is set to 0 so the
+    engine is not preempted by Ray's own daemons; a value the user set is kept."""
+    import os
+
+    from serving.common import use_server_cluster_env
+
+    monkeypatch.delenv("RAY_worker_niceness", raising=False)
+    use_server_cluster_env()
+    assert os.environ["RAY_worker_niceness"] == "0"
+    monkeypatch.setenv("RAY_worker_niceness", "5")
+    use_server_cluster_env()
+    assert os.environ["RAY_worker_niceness"] == "5"
+
+
+def test_engine_metrics_through_ray_are_off_unless_asked_for(tiny_model_path):
+    """Exporting the engine's metrics through Ray's metrics costs throughput (docs/benchmarks.md):
+    off by default, on with ``engine_metrics``."""
+    from serving.policy import llm_config
+
+    assert llm_config(tiny_model_path).log_engine_metrics is False
+    assert llm_config(tiny_model_path, engine_metrics=True).log_engine_metrics is True
