@@ -115,22 +115,19 @@ class Guard:
     def max_body(self) -> int:
         return self.settings.max_body_bytes
 
-    async def _reply(self, send: Any, status: int, message: str, kind: str) -> None:
-        await reply_error(send, status, message, kind)
-
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope.get("path", "") in OPEN_PATHS:
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         if self.api_key and headers.get("authorization", "") != f"Bearer {self.api_key}":
-            return await self._reply(send, 401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
+            return await reply_error(send, 401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
                                      "authentication_error")
         try:
             declared = int(headers.get("content-length", "0") or 0)
         except ValueError:
-            return await self._reply(send, 400, "malformed Content-Length header", "invalid_request_error")
+            return await reply_error(send, 400, "malformed Content-Length header", "invalid_request_error")
         if declared > self.max_body:
-            return await self._reply(send, 413, f"request body of {declared} bytes is over the limit of "
+            return await reply_error(send, 413, f"request body of {declared} bytes is over the limit of "
                                      f"{self.max_body}", "invalid_request_error")
         seen = 0
 
@@ -154,7 +151,7 @@ class Guard:
             await self.app(scope, counted_receive, tracked_send)
         except _TooLarge:
             if not started:
-                await self._reply(send, 413, f"request body over the limit of {self.max_body} bytes",
+                await reply_error(send, 413, f"request body over the limit of {self.max_body} bytes",
                                   "invalid_request_error")
 
 
