@@ -1,13 +1,13 @@
 """Prompt sets larger than memory, streamed with Ray Data (``data.streaming``).
 
 The train rows are read as the run draws them: each epoch reads the source's files in a seeded
-order (``ray.data.read_parquet`` / ``read_csv``, JSON Lines through ``read_text`` so that a broken
-line is counted, not fatal) with the order preserved, through a seeded shuffle buffer. The
-stream is a pure function of (files, seed, epoch), so the sampler's whole state is its raw
-position in the stream (``consumed``: rows read, usable or not, over all epochs): a resumed run
-reopens the epoch and skips to that row, and continues exactly where the interrupted one stopped.
-A prompt's id and uid are its raw position. Only the rows of the last draws are held
-(``StreamingPrompts.rows``); malformed rows are counted as they are read.
+order with Ray Data (``cluster/stream_reader.py``: read tasks that claim no CPU, blocks of rows),
+the order preserved, through a seeded shuffle buffer. The stream is a pure function of (files,
+seed, epoch), so the sampler's whole state is its raw position in the stream (``consumed``: rows
+read, usable or not, over all epochs): a resumed run reopens the epoch and skips to that row,
+and continues exactly where the interrupted one stopped. A prompt's id and uid are its raw
+position. Only the rows of the last draws are held (``StreamingPrompts.rows``); malformed rows are
+counted as they are read.
 
 The held-out prompts come from ``data.eval_task`` or are the source's first ``data.eval_size``
 usable rows in file order (read from its first file at load time); the stream skips those.
@@ -76,25 +76,15 @@ class StreamingPrompts:
     def _dataset(self, files: list[Path]) -> Any:
         import ray.data
 
+        from cluster.stream_reader import PromptFiles
+
         ctx = ray.data.DataContext.get_current()
         ctx.execution_options.preserve_order = True  # the stream must be the same on resume
         ctx.enable_progress_bars = False
-        paths = [str(f) for f in files]
-        # Reads claim no CPU (the run's roles hold the cluster's) and run two at a time.
-        args = {"num_cpus": 0, "concurrency": 2}
-        if files[0].suffix == ".parquet":
-            return ray.data.read_parquet(paths, **args)
-        if files[0].suffix == ".csv":  # every column a string, as the in-memory reader keeps them ("007" stays)
-            import csv
-
-            import pyarrow as pa
-            from pyarrow import csv as pacsv
-
-            with files[0].open(newline="", encoding="utf-8-sig") as f:
-                header = next(csv.reader(f), [])
-            types = pacsv.ConvertOptions(column_types={name: pa.string() for name in header})
-            return ray.data.read_csv(paths, convert_options=types, **args)
-        return ray.data.read_text(paths, **args)
+        # Reads claim no CPU (the run's roles hold the cluster's) and run two at a time; Ray Data's
+        # own file readers would wait for a CPU to list the files (cluster/stream_reader.py).
+        return ray.data.read_datasource(PromptFiles(files), ray_remote_args={"num_cpus": 0}, concurrency=2,
+                                        override_num_blocks=len(files))
 
     def epoch_stream(self, epoch: int) -> Iterator[dict[str, Any] | None]:
         """The epoch's raw rows in order: each a prompt row, or None where the row is unusable

@@ -1,5 +1,6 @@
-"""Resume on the real stack (vLLM generator, scorer, reference, Ray Train learner), and the
-checkpoint a run leaves behind loads in vLLM and transformers as it is."""
+"""Resume on the real stack (vLLM generator, scorer, reference, Ray Train learner, the train
+prompts streamed by Ray Data from a folder of Parquet shards), and the checkpoint a run leaves
+behind loads in vLLM and transformers as it is."""
 
 import json
 from pathlib import Path
@@ -25,11 +26,31 @@ def _rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def _streamed_prompts(folder: Path) -> list[str]:
+    """The task's 12 train prompts as three Parquet shards (streamed: data.streaming) and its 4
+    held-out ones in a file of their own."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from actors.tasks import load_prompts
+
+    train_set, held = load_prompts("basic_arithmetic", 12, 4, 0, {"min_terms": 2, "max_terms": 2}, "")
+    (folder / "train").mkdir()
+    for k in range(3):
+        pq.write_table(pa.Table.from_pylist([{"prompt": r["prompt"], "answer": r["answer"]}
+                                             for r in train_set.rows[4 * k : 4 * k + 4]]), folder / "train" / f"{k}.parquet")
+    pq.write_table(pa.Table.from_pylist([{"prompt": r["prompt"], "answer": r["answer"]} for r in held.rows]),
+                   folder / "held.parquet")
+    return [f"data.task={folder / 'train'}", "data.streaming=true", "data.shuffle_buffer=3",
+            f"data.eval_task={folder / 'held.parquet'}", "data.instruction="]
+
+
 @pytest.fixture(scope="module")
 def runs(ray_cluster, tiny_model_path, tmp_path_factory):
     base = tmp_path_factory.mktemp("resume")
-    straight = train(load_config(ROOT / "configs" / "ppo_tiny.yaml", SETTINGS + ["run.steps=4"]), run_dir=base / "a")
-    train(load_config(ROOT / "configs" / "ppo_tiny.yaml", SETTINGS + ["run.steps=2"]), run_dir=base / "b")
+    settings = SETTINGS + _streamed_prompts(base)
+    straight = train(load_config(ROOT / "configs" / "ppo_tiny.yaml", settings + ["run.steps=4"]), run_dir=base / "a")
+    train(load_config(ROOT / "configs" / "ppo_tiny.yaml", settings + ["run.steps=2"]), run_dir=base / "b")
     # The user's command: continue run b, asking for 4 steps in all.
     assert cli.main(["train", "--resume", str(base / "b"), "--set", "run.steps=4"]) == 0
     return straight, base / "a", base / "b"

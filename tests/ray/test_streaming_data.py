@@ -64,3 +64,30 @@ def test_broken_jsonl_lines_are_counted_as_they_stream(ray_cluster, tmp_path):
     assert sorted(got) == [f"p{i}" for i in range(6)]
     assert train.skipped == {"malformed_row": 2, "empty_or_malformed_prompt": 1}
     assert all(train.rows[i]["meta"]["data_source"] == "p" for i in train.rows)
+
+
+def test_the_stream_reads_while_the_runs_roles_hold_every_cpu_of_the_cluster(ray_cluster, tmp_path):
+    """A local ``rayrlhf train`` starts its cluster with the CPUs its roles claim. Ray Data's own
+    file readers list the files in a task that asks for a CPU, which would then never start: the
+    stream claims none."""
+    import threading
+
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    folder = _parquet_folder(tmp_path, files=3, rows=4)
+    free = int(ray.available_resources().get("CPU", 0))
+    held = placement_group([{"CPU": 1}] * free) if free else None
+    try:
+        if held is not None:
+            ray.get(held.ready())
+        assert ray.available_resources().get("CPU", 0) < 1
+        train, _ = streaming_sets(str(folder), FileKeys(), "", 0, 0, None, 2)
+        out = {}
+        reader = threading.Thread(target=lambda: out.update(draw=_draw(StreamingSampler(train, 12), 1)[0]), daemon=True)
+        reader.start()
+        reader.join(timeout=300)  # a guard against the hang, not a speed check: it reads in seconds
+        assert sorted(out.get("draw", [])) == sorted(f"q{f}-{i}" for f in range(3) for i in range(4))
+    finally:
+        if held is not None:
+            remove_placement_group(held)
