@@ -10,10 +10,10 @@ many tokens), temperature 1, the same concurrency from one local asyncio client,
 engine settings (dtype, eager, max_model_len, KV cache, OpenMP threads on every core). Each
 concurrency level (default 1, 32 and 128) sends `4 x concurrency` requests (at least 16, at
 most 256). Two layouts, because the machine's load drifts by tens of percent: `alone` (default)
-starts each server by itself in A B A B order, `--rounds-per-start` rounds per level after a
-warm-up each time; `together` keeps both up and alternates rounds between them, so drift hits
-both alike, but Ray's idle processes (Serve controller and proxy, GCS, raylet) then also run
-during the bare server's rounds.
+starts each server by itself, A B then B A with the levels reversed (and so on for more
+`--starts`), `--rounds-per-start` rounds per level after a warm-up each time; `together` keeps
+both up and alternates rounds between them, so drift hits both alike, but Ray's idle processes
+(Serve controller and proxy, GCS, raylet) then also run during the bare server's rounds.
 
     .venv/bin/python benchmarks/serve_throughput.py [--layout alone|together] [--concurrency 1,32,128]
 """
@@ -126,9 +126,10 @@ def requests_at(concurrency: int) -> int:
     return min(256, max(16, 4 * concurrency))
 
 
-def _rounds(name: str, url: str, texts: list[str], args: argparse.Namespace, results: dict, n: int) -> None:
-    """``n`` rounds at every concurrency level."""
-    for c in args.levels:
+def _rounds(name: str, url: str, texts: list[str], args: argparse.Namespace, results: dict, n: int,
+            levels: list[int] | None = None) -> None:
+    """``n`` rounds at every concurrency level (in ``levels``' order, default ``args.levels``)."""
+    for c in levels or args.levels:
         for _ in range(n):
             run = asyncio.run(load(url, "policy", texts[:requests_at(c)], c, args.max_tokens))
             results[name].setdefault(str(c), []).append(run)
@@ -165,21 +166,29 @@ def together(model: str, texts: list[str], args: argparse.Namespace, urls: dict,
 
 
 def alone(model: str, texts: list[str], args: argparse.Namespace, urls: dict, results: dict) -> None:
-    """Each server alone on the machine, started afresh in A B A B order."""
-    for _ in range(args.starts):
-        proc = start_vllm(model, args, 18001)
-        try:
-            _warm_up(urls["vllm_openai_server"], texts, args)
-            _rounds("vllm_openai_server", urls["vllm_openai_server"], texts, args, results, args.rounds_per_start)
-        finally:
+    """Each server alone on the machine, started afresh: A B, then B A with the concurrency levels
+    in reverse order, and so on, so that neither a server nor a level is always the first or the
+    last after a start (the machine's drift and a server's own warm-up fall on both alike)."""
+    for k in range(args.starts):
+        names = list(urls) if k % 2 == 0 else list(reversed(urls))
+        levels = args.levels if k % 2 == 0 else list(reversed(args.levels))
+        for name in names:
+            _alone_start(name, model, texts, args, urls[name], results, levels)
+
+
+def _alone_start(name: str, model: str, texts: list[str], args: argparse.Namespace, url: str, results: dict,
+                 levels: list[int]) -> None:
+    proc = start_vllm(model, args, 18001) if name == "vllm_openai_server" else None
+    try:
+        if proc is None:
+            start_rayrlhf(model, args, 18002)
+        _warm_up(url, texts, args)
+        _rounds(name, url, texts, args, results, args.rounds_per_start, levels)
+    finally:
+        if proc is not None:
             proc.terminate()
             proc.wait(60)
-        try:
-            start_rayrlhf(model, args, 18002)
-            _warm_up(urls["rayrlhf_policy_server"], texts, args)
-            _rounds("rayrlhf_policy_server", urls["rayrlhf_policy_server"], texts, args, results,
-                    args.rounds_per_start)
-        finally:
+        else:
             _stop_rayrlhf()
 
 
