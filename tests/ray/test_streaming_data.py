@@ -71,6 +71,7 @@ def test_the_stream_reads_while_the_runs_roles_hold_every_cpu_of_the_cluster(ray
     file readers list the files in a task that asks for a CPU, which would then never start: the
     stream claims none."""
     import threading
+    import time
 
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
@@ -81,6 +82,10 @@ def test_the_stream_reads_while_the_runs_roles_hold_every_cpu_of_the_cluster(ray
     try:
         if held is not None:
             ray.get(held.ready())
+        for _ in range(600):  # the cluster's resource view follows the placement group a moment later
+            if ray.available_resources().get("CPU", 0) < 1:
+                break
+            time.sleep(0.1)
         assert ray.available_resources().get("CPU", 0) < 1
         train, _ = streaming_sets(str(folder), FileKeys(), "", 0, 0, None, 2)
         out = {}
