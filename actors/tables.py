@@ -119,8 +119,7 @@ def _read_file(p: Path) -> Table:
 
         return Table([(f"{p}[{i}]", r) for i, r in enumerate(pq.read_table(p).to_pylist())])
     if p.suffix == ".csv":
-        with p.open(newline="", encoding="utf-8-sig") as f:  # a BOM (Excel's CSV) is not the first column's name
-            return Table([(f"{p}:{i}", dict(r)) for i, r in enumerate(csv.DictReader(f), 2)])
+        return Table([(f"{p}:{i}", dict(r)) for i, r in enumerate(csv_rows(p), 2)])
     if p.suffix == ".json":
         text = p.read_text()
         try:
@@ -146,19 +145,32 @@ def iter_rows(p: Path) -> Iterator[dict[str, Any]]:
         for batch in pq.ParquetFile(p).iter_batches(batch_size=256):
             yield from batch.to_pylist()
     elif p.suffix == ".csv":
-        with p.open(newline="", encoding="utf-8-sig") as f:
-            yield from csv.DictReader(f)
+        yield from csv_rows(p)
     elif p.suffix == ".jsonl":
-        with p.open() as f:
-            for line in f:
-                try:
-                    obj = json.loads(line) if line.strip() else None
-                except json.JSONDecodeError:
-                    obj = None
-                if isinstance(obj, dict):
-                    yield obj
+        for line in text_lines(p):
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError:
+                obj = None
+            if isinstance(obj, dict):
+                yield obj
     else:
         yield from (r for _, r in _read_file(p).rows)
+
+
+def csv_rows(p: Path) -> Iterator[dict[str, Any]]:
+    """A CSV file's rows, every cell a string ("007" stays); a BOM (Excel's CSV) is not the first
+    column's name."""
+    with p.open(newline="", encoding="utf-8-sig") as f:
+        yield from csv.DictReader(f)
+
+
+def text_lines(p: Path) -> Iterator[str]:
+    """A JSON Lines file's non-blank lines, line endings stripped, read lazily."""
+    with p.open(encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if line.strip():
+                yield line.rstrip("\r\n")
 
 
 def _json_lines(p: Path, text: str) -> Table:

@@ -7,14 +7,14 @@ whose CPUs the run's roles hold (every local ``rayrlhf train``: it starts the cl
 CPUs its roles claim) that task never starts, and the run waits for its first prompts forever.
 ``PromptFiles`` reads the files it is given in the order given: one read task per file, no
 listing task, each task yielding blocks of at most ``block_rows`` rows, so a large file never
-sits whole in memory. Parquet is read by row batches, CSV as strings (as the in-memory reader
-keeps them: "007" stays "007"), JSON Lines as one ``text`` column of raw lines, parsed by the
-sampler so that a broken line is counted, not fatal.
+sits whole in memory. Parquet is read by row batches, CSV and JSON Lines line by line with the
+in-memory readers' own functions (``actors/tables.py``): CSV cells as strings ("007" stays "007"),
+JSON Lines as one ``text`` column of raw lines, parsed by the sampler so that a broken line is
+counted, not fatal.
 """
 
 from __future__ import annotations
 
-import csv
 from functools import partial
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -22,6 +22,8 @@ from typing import Any, Iterator, Optional
 import pyarrow as pa
 from ray.data import Datasource, ReadTask
 from ray.data.block import BlockMetadata
+
+from actors.tables import csv_rows, text_lines
 
 BLOCK_ROWS = 4096
 
@@ -51,45 +53,30 @@ class PromptFiles(Datasource):
 
 def read_blocks(path: str, rows: int) -> Iterator[pa.Table]:
     """The file's rows in order, ``rows`` at a time."""
-    suffix = Path(path).suffix
-    if suffix == ".parquet":
+    p = Path(path)
+    if p.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=rows):
+        for batch in pq.ParquetFile(p).iter_batches(batch_size=rows):
             yield pa.Table.from_batches([batch])
-    elif suffix == ".csv":
-        yield from _csv_blocks(path, rows)
+    elif p.suffix == ".csv":
+        names: list[str] = []
+        for chunk in _chunks(csv_rows(p), rows):
+            # The header's columns, all strings (a short row's missing cells are null; a long row's
+            # extra cells, which csv files under no name, are dropped).
+            names = names or [k for k in chunk[0] if k is not None]
+            yield pa.Table.from_pylist(chunk, schema=pa.schema([(n, pa.string()) for n in names]))
     else:
-        yield from _line_blocks(path, rows)
+        for chunk in _chunks(text_lines(p), rows):
+            yield pa.table({"text": chunk})
 
 
-def _csv_blocks(path: str, rows: int) -> Iterator[pa.Table]:
-    from pyarrow import csv as pacsv
-
-    with open(path, newline="", encoding="utf-8-sig") as f:
-        header = next(csv.reader(f), [])
-    if not header:
-        return
-    types = pacsv.ConvertOptions(column_types={name: pa.string() for name in header})
-    # Blocks by bytes: about a kilobyte per row is generous for prompts.
-    reader = pacsv.open_csv(path, read_options=pacsv.ReadOptions(block_size=max(1 << 20, rows * 1024)),
-                            convert_options=types)
-    for batch in reader:
-        if batch.num_rows:
-            yield pa.Table.from_batches([batch])
-
-
-def _line_blocks(path: str, rows: int) -> Iterator[pa.Table]:
-    """JSON Lines as raw text lines (blank lines dropped, as Ray Data's ``read_text`` does)."""
-    lines: list[str] = []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            line = line.rstrip("\r\n")
-            if not line.strip():
-                continue
-            lines.append(line)
-            if len(lines) == rows:
-                yield pa.table({"text": lines})
-                lines = []
-    if lines:
-        yield pa.table({"text": lines})
+def _chunks(items: Iterator[Any], size: int) -> Iterator[list[Any]]:
+    chunk: list[Any] = []
+    for item in items:
+        chunk.append(item)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
