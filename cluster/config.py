@@ -408,6 +408,12 @@ class TrainConfig(Section):
         False, "PPO/GRPO policy passes: the LM head's log-probs chunk by chunk in the backward pass too "
         "(learners/logprob_kernel.fused_head_logprobs): no vocabulary-sized logits are kept for the backward (less "
         "memory), at the cost of recomputing them (one more LM-head matmul).")
+    sharding: Literal["replicated", "fsdp"] = _f(
+        "replicated", "How learner workers hold the policy: replicated (each worker the whole model, its gradients and "
+        "AdamW state: about 16 bytes per trained parameter) or fsdp (PyTorch FSDP2: each of N workers holds 1/N of "
+        "them, each decoder layer gathered only while it computes; learners/sharding.py). Either way N workers take "
+        "the step one worker would on the same global batch. fsdp: run.algorithm=ppo with full fine-tuning "
+        "(no LoRA) and ppo.critic=shared so far; train.shared_prefix is off under it.")
     shared_prefix: bool = _f(
         True,
         "Forward passes run each prompt once for all its samples (samples_per_prompt > 1; a preference "
@@ -824,6 +830,10 @@ class Config(Section):
                 and not self.rollout.agent and not self.rollout.dynamic_sampling),
              "data.streaming streams one data.task file or folder of prompts to run.algorithm=ppo or online qlearn "
              "(no data.mix, env.name, rollout.agent or rollout.dynamic_sampling)"),
+            (self.train.sharding == "replicated" or (self.run.algorithm == "ppo" and not self.lora.enabled
+                                                    and ppo.critic == "shared" and not self.train.compile),
+             "train.sharding=fsdp is built for run.algorithm=ppo with full fine-tuning so far (no lora.enabled, "
+             "ppo.critic=shared, no train.compile)"),
             (ppo.critic == "shared" or ppo.advantage_estimator == "gae",
              f"ppo.critic=separate is a critic for advantage_estimator=gae; {ppo.advantage_estimator} uses none"),
             (not ppo.critic_init or ppo.critic == "separate", "ppo.critic_init starts a separate critic: set ppo.critic=separate"),

@@ -15,6 +15,8 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from learners.sharding import full_tensor
+
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 # numpy has no bfloat16: bf16 and fp16 travel as int16 bit patterns.
 _CARRIER = {torch.bfloat16: np.int16, torch.float16: np.int16, torch.float32: np.float32}
@@ -39,7 +41,8 @@ class PackedWeights:
 def pack(state_dict: dict[str, torch.Tensor], dtype: str, version: int, out: np.ndarray | None = None) -> PackedWeights:
     """The tensors back to back in one flat buffer of ``dtype``. ``out``: a buffer of an earlier
     pack of the same weights to write into (a fresh 269 MB allocation page-faults on first touch,
-    ~3x the copy itself); only safe once the earlier pack has left (``ray.put`` copies it)."""
+    ~3x the copy itself); only safe once the earlier pack has left (``ray.put`` copies it).
+    Shards of a sharded learner are gathered one tensor at a time (every rank packs)."""
     tdtype = _DTYPES[dtype]
     total = sum(t.numel() for t in state_dict.values())
     if out is not None and out.size == total and out.dtype == np.dtype(_CARRIER[tdtype]):
@@ -50,7 +53,7 @@ def pack(state_dict: dict[str, torch.Tensor], dtype: str, version: int, out: np.
     offset = 0
     for name, t in state_dict.items():
         n = t.numel()
-        flat[offset : offset + n].copy_(t.detach().reshape(-1))
+        flat[offset : offset + n].copy_(full_tensor(t).detach().reshape(-1))
         layout.append((name, tuple(t.shape), offset))
         offset += n
     carrier = flat.view(torch.int16) if tdtype != torch.float32 else flat

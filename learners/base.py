@@ -76,6 +76,7 @@ class TrainParams(Protocol):
     logprob_chunk: int
     fused_logprobs: bool
     shared_prefix: bool
+    sharding: str  # "replicated" or "fsdp" (learners/sharding.py)
 
 
 @dataclass

@@ -28,9 +28,24 @@ from learners.base import (
 )
 from learners.distributed import Collective
 from learners.experience import Experience
-from learners.modeling import PolicyWithValueHead, add_residual_dropout, compile_decoder_layers, sequence_logprobs
+from learners.modeling import (
+    PolicyWithValueHead,
+    add_residual_dropout,
+    compile_decoder_layers,
+    decoder_layers,
+    sequence_logprobs,
+)
 from learners.optim import make_scheduler
 from learners.precision import resolve_bf16
+from learners.sharding import (
+    aligned_passes,
+    full_tensor,
+    load_full_weights,
+    load_optimizer_state,
+    optimizer_state,
+    shard_policy,
+    whole,
+)
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +64,18 @@ def _with_resolved_bf16(train: TrainParams, device: str) -> TrainParams:
     return resolved
 
 
+def _sharded(train: TrainParams) -> TrainParams:
+    """``train`` for sharded learners: prompts shared by a group's samples run once per sample.
+    The shared-prefix pass runs a layer once or twice depending on the rows, and with sharded
+    weights each layer's run is a collective every rank must make alike."""
+    if not train.shared_prefix:
+        return train
+    plain = copy.copy(train)
+    plain.shared_prefix = False
+    log.info("train.sharding=fsdp: train.shared_prefix off (each sample runs its prompt)")
+    return plain
+
+
 class PolicyLearner(Learner):
     """A causal LM policy (``self.model.lm``) with an AdamW optimiser and an LR schedule."""
 
@@ -58,6 +85,11 @@ class PolicyLearner(Learner):
         torch.manual_seed(ctx.seed)
         self.ctx, self.tr = ctx, _with_resolved_bf16(train, ctx.device)
         self.comm = ctx.comm or Collective()
+        # Sharded (learners/sharding.py): each rank holds 1/N of the weights, gradients and
+        # optimiser state, and every pass, weight read and save is a collective of all ranks.
+        self.sharded = getattr(train, "sharding", "replicated") == "fsdp"
+        if self.sharded:
+            self.tr = _sharded(self.tr)
         from learners.attention import register
 
         lm = AutoModelForCausalLM.from_pretrained(ctx.model_path, dtype=torch.float32, attn_implementation=register())
@@ -88,6 +120,8 @@ class PolicyLearner(Learner):
         """AdamW over the policy's trainable parameters (LoRA: the adapters) plus any extra groups
         (e.g. a value head with its own learning rate), and the configured LR schedule."""
         tr = self.tr
+        if self.sharded:  # before the optimiser: sharding replaces the parameters
+            extra_param_groups = self._shard(extra_param_groups)
         extra_ids = {id(p) for g in extra_param_groups for p in g["params"]}
         lm_params = list(self.model.lm.parameters())
         policy_params = [p for p in lm_params if p.requires_grad and id(p) not in extra_ids]
@@ -105,6 +139,26 @@ class PolicyLearner(Learner):
             self.optimizer, schedule=tr.lr_schedule, warmup_steps=tr.warmup_steps,
             total_steps=self.ctx.total_steps * updates_per_step, min_ratio=tr.min_lr_ratio,
         )
+
+    def _shard(self, extra_param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Shards the policy in place; the extra groups' parameters by name, as they are after it."""
+        if getattr(self.model, "critic", None) is not None or self.lora:
+            raise ValueError("train.sharding=fsdp is built for full fine-tuning with critic=shared so far")
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        wanted = [[names[id(p)] for p in g["params"]] for g in extra_param_groups]
+        shard_policy(self.model, decoder_layers(self.model.lm))
+        params = dict(self.model.named_parameters())
+        return [{**g, "params": [params[n] for n in ns]} for g, ns in zip(extra_param_groups, wanted)]
+
+    def aligned(self, n: int) -> int:
+        """How many passes this rank runs when it has ``n`` of its own: ``n``, or with sharded
+        weights the most any rank has (the rest are ``idle_pass``es)."""
+        return aligned_passes(self.comm, n) if self.sharded else n
+
+    @property
+    def writes_files(self) -> bool:
+        """Whether this rank writes checkpoints (sharded learners save on every rank, rank 0 writes)."""
+        return not self.sharded or self.comm.rank == 0
 
     def on_device(self, batch: Experience) -> Experience:
         """``batch`` on the learner's device (records travel and arrive on the CPU)."""
@@ -124,7 +178,8 @@ class PolicyLearner(Learner):
     def _optimizer_step(self) -> float:
         """Sums the local gradients across ranks (each rank's loss is already normalised by the
         global count), clips, steps the optimiser and the schedule; returns the gradient norm."""
-        self.comm.sum_gradients(self.trainable)
+        if not self.sharded:  # sharded gradients were summed shard by shard in the backward pass
+            self.comm.sum_gradients(self.trainable)
         if self.on_gradients is not None:
             self.on_gradients(self.trainable)
         # Networks trained side by side (a separate critic) are clipped each on its own norm, so one
@@ -166,7 +221,8 @@ class PolicyLearner(Learner):
             ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
             positions = torch.ones_like(ids, dtype=torch.bool)
             positions[0, 0] = False
-            lp = sequence_logprobs(lm, ids, torch.ones_like(positions), positions, chunk=self.tr.logprob_chunk)
+            with whole(self.model):
+                lp = sequence_logprobs(lm, ids, torch.ones_like(positions), positions, chunk=self.tr.logprob_chunk)
         finally:
             lm.train(was_training)
         return lp[0, 1:].tolist()
@@ -175,7 +231,8 @@ class PolicyLearner(Learner):
     def policy_weights(self) -> Iterator[dict[str, torch.Tensor]]:
         """Policy weights in transformers (checkpoint) naming, without extra heads or a tied
         lm_head copy. With LoRA the adapters are merged into the base weights for the duration of
-        the context (vLLM gets plain dense weights) and unmerged after: consume them inside."""
+        the context (vLLM gets plain dense weights) and unmerged after: consume them inside.
+        Sharded learners yield their shards: every rank reads each tensor with ``full_tensor``."""
         lm = self.model.lm
         tied = bool(getattr(lm.config, "tie_word_embeddings", False))
         if not self.lora:
@@ -199,9 +256,9 @@ class PolicyLearner(Learner):
             lm.unmerge_adapter()
 
     def policy_state_dict(self) -> dict[str, torch.Tensor]:
-        """A detached copy of ``policy_weights()``, on the CPU."""
+        """A detached copy of ``policy_weights()``, on the CPU (sharded: gathered, on every rank)."""
         with self.policy_weights() as sd:
-            return {k: v.detach().to("cpu", copy=True) for k, v in sd.items()}
+            return {k: full_tensor(v).detach().to("cpu", copy=True) for k, v in sd.items()}
 
     # -- checkpoints -----------------------------------------------------------------------------
     def algorithm_state(self) -> dict[str, Any]:
@@ -221,7 +278,9 @@ class PolicyLearner(Learner):
         return {
             "algorithm": self.name,
             "version": self.version,
-            "optimizer": self.optimizer.state_dict(),
+            # Sharded: full tensors by parameter name, which any number of ranks can load.
+            "optimizer": optimizer_state(self.model, self.optimizer) if self.sharded else self.optimizer.state_dict(),
+            "sharded": self.sharded,
             "scheduler": self.scheduler.state_dict(),
             "torch_rng": torch.get_rng_state(),
             **({"cuda_rng": torch.cuda.get_rng_state(self.device)} if self.device.type == "cuda" else {}),
@@ -234,8 +293,14 @@ class PolicyLearner(Learner):
             raise ValueError(f"checkpoint was written by the {state['algorithm']} learner, not {self.name}")
         if bool(state.get("lora")) != self.lora:
             raise ValueError(f"checkpoint was trained with lora={state.get('lora')}, this learner has lora={self.lora}")
+        if bool(state.get("sharded")) != self.sharded:
+            raise ValueError(f"checkpoint was trained with train.sharding={'fsdp' if state.get('sharded') else 'replicated'}"
+                             f", this learner has train.sharding={'fsdp' if self.sharded else 'replicated'}")
         self.version = int(state["version"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.sharded:
+            load_optimizer_state(self.model, self.optimizer, state["optimizer"])
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["torch_rng"])
         if "cuda_rng" in state and self.device.type == "cuda":
@@ -246,15 +311,19 @@ class PolicyLearner(Learner):
         """A model folder (LoRA merged) that transformers and vLLM load as it is; the adapter in
         ``adapter/``, extra modules in their subfolders, the training state in ``trainer_state/``."""
         folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
+        writes = self.writes_files
+        if writes:
+            folder.mkdir(parents=True, exist_ok=True)
         base = self.model.lm.get_base_model() if self.lora else self.model.lm
-        with self.policy_weights() as sd:
-            base.save_pretrained(str(folder), state_dict={k: v.detach().to("cpu", copy=True) for k, v in sd.items()},
-                                 safe_serialization=True)
+        weights = self.policy_state_dict()
+        state = self.state_dict()
+        self.save_extra(folder)  # sharded: gathers on every rank, writes on rank 0
+        if not writes:
+            return folder
+        base.save_pretrained(str(folder), state_dict=weights, safe_serialization=True)
         if self.lora:
             self.model.lm.save_pretrained(str(folder / ADAPTER_DIR))
-        self.save_extra(folder)
-        path = save_learner_state(folder, self.state_dict())
+        path = save_learner_state(folder, state)
         summary = {"algorithm": self.name, "version": self.version, "lora": self.lora}
         summary.update({k: v for k, v in self.algorithm_state().items() if _jsonable(v)})
         (path.parent / "learner.json").write_text(json.dumps(summary, indent=1))
@@ -275,13 +344,21 @@ class PolicyLearner(Learner):
             result = set_peft_model_state_dict(self.model.lm, adapter)
             if getattr(result, "unexpected_keys", None):
                 raise ValueError(f"adapter in {folder} does not fit this model: {result.unexpected_keys[:3]}")
+        elif self.sharded:
+            weights = {f"lm.{k}": v for k, v in load_model_weights(folder).items()}
+            missing, unexpected = load_full_weights(self.model, weights, strict=False)
+            self._check_fit(folder, [m.removeprefix("lm.") for m in missing if m.startswith("lm.")], unexpected)
         else:
             missing, unexpected = self.model.lm.load_state_dict(load_model_weights(folder), strict=False)
-            if unexpected or set(missing) - {"lm_head.weight"}:
-                raise ValueError(f"{folder} does not fit this model (missing {missing[:3]}, unexpected {unexpected[:3]})")
+            self._check_fit(folder, missing, unexpected)
             self.model.lm.tie_weights()
         self.restore_extra(folder)
         self.load_state_dict(load_learner_state(folder))
+
+    @staticmethod
+    def _check_fit(folder: Path, missing: list[str], unexpected: list[str]) -> None:
+        if unexpected or set(missing) - {"lm_head.weight"}:
+            raise ValueError(f"{folder} does not fit this model (missing {missing[:3]}, unexpected {unexpected[:3]})")
 
 
 def _jsonable(value: Any) -> bool:

@@ -44,6 +44,7 @@ from learners.modeling import autocast, micro_batch_order, shared_weight_casts
 from learners.policy import PolicyLearner
 from learners.policy_losses import policy_loss
 from learners.reward_shaping import overlong_penalty
+from learners.sharding import full_tensor, idle_inputs, load_full_weights, zero_loss
 
 
 class PPOParams(Protocol):
@@ -138,13 +139,32 @@ class PPOLearner(PolicyLearner):
 
     # -- forward helpers -------------------------------------------------------------------------
     def _forward(self, exp: Experience, *, grad: bool) -> dict[str, torch.Tensor]:
+        return self._pass(exp.input_ids, exp.attention_mask, exp.response_mask,
+                          exp.group_ids if self.tr.shared_prefix else None, grad=grad)
+
+    def _pass(self, ids: torch.Tensor, att: torch.Tensor, positions: torch.Tensor, group_ids: torch.Tensor | None,
+              *, grad: bool) -> dict[str, torch.Tensor]:
         with torch.set_grad_enabled(grad), autocast(self.tr.bf16, self.device):
             return self.model(
-                exp.input_ids, exp.attention_mask, exp.response_mask,
-                temperature=self.temperature, chunk=self.tr.logprob_chunk,
-                with_values=self.use_critic, with_entropy=True,
-                group_ids=exp.group_ids if self.tr.shared_prefix else None, fused=self.tr.fused_logprobs,
+                ids, att, positions, temperature=self.temperature, chunk=self.tr.logprob_chunk,
+                with_values=self.use_critic, with_entropy=True, group_ids=group_ids, fused=self.tr.fused_logprobs,
             )
+
+    def _pad_passes(self, extra: int, idle_out: dict[str, torch.Tensor] | None) -> None:
+        """``extra`` idle training passes after this rank's own (sharded ranks with fewer rows);
+        ``idle_out``: an idle forward already run, whose backward counts as one."""
+        if idle_out is not None and extra:
+            zero_loss(idle_out).backward()
+            extra -= 1
+        self._idle_passes(extra, grad=True)
+
+    def _idle_passes(self, n: int, *, grad: bool) -> None:
+        """``n`` passes that change nothing (``learners/sharding.py``): a sharded rank whose rows
+        ran out meets the other ranks' collectives with them."""
+        for _ in range(n):
+            out = self._pass(*idle_inputs(self.device), None, grad=grad)
+            if grad:
+                zero_loss(out).backward()
 
     @torch.no_grad()
     def evaluate_old(self, exp: Experience) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,13 +173,16 @@ class PPOLearner(PolicyLearner):
         vals = torch.zeros_like(lps)
         # Length-sorted, trimmed micro-batches (see _update); results go back to their rows.
         order = micro_batch_order(exp.attention_mask.sum(1), exp.group_ids)
-        for s in range(0, exp.batch_size, self.tr.micro_batch_size):
+        starts = range(0, exp.batch_size, self.tr.micro_batch_size)
+        idle = self.aligned(len(starts)) - len(starts)  # agreed before any pass: each is a collective
+        for s in starts:
             idx = order[s : s + self.tr.micro_batch_size]
             part = exp.select(idx).trimmed()
             out = self._forward(part, grad=False)
             lps[idx, : part.seq_len] = out["logprobs"]
             if self.use_critic:
                 vals[idx, : part.seq_len] = out["values"]
+        self._idle_passes(idle, grad=False)
         return lps, vals
 
     def reference_logprobs(self, exp: Experience) -> torch.Tensor:
@@ -296,8 +319,12 @@ class PPOLearner(PolicyLearner):
         fused = on_policy and tr.micro_batch_size >= max(len(s) for s in shards)
         streamed = on_policy and not fused and not self.use_critic and kl_coef == 0
         fused_out: dict[str, torch.Tensor] | None = None
+        idle_out = None  # a sharded rank without rows: the pass it runs beside the others' fused pass
         if fused:
+            any_rows = self.aligned(int(bool(rows)))  # agreed before the pass: it is a collective
             fused_out = self._forward(local, grad=True) if rows else None
+            if self.sharded and any_rows and not rows:
+                idle_out = self._pass(*idle_inputs(self.device), None, grad=True)
             lp = fused_out["logprobs"].detach() if fused_out else empty
             old_logprobs = self._gather(lp, rows, shape)
             vals = fused_out["values"].detach() if fused_out and self.use_critic else torch.zeros_like(lp)
@@ -309,6 +336,8 @@ class PPOLearner(PolicyLearner):
             old_values = torch.zeros(shape, device=self.device)
         else:
             lp, vals = self.evaluate_old(local) if rows else (empty, empty)
+            if not rows:
+                self._idle_passes(self.aligned(0), grad=False)
             old_logprobs, old_values = self._gather(lp, rows, shape), self._gather(vals, rows, shape)
         has_ref = batch.ref_logprobs is not None
         # No KL term (beta = 0, no KL loss): no reference pass ran, and the penalty is an exact 0.
@@ -319,7 +348,7 @@ class PPOLearner(PolicyLearner):
         with shared_weight_casts(tr.bf16, self.device):
             stats, grad_norms, local_old = self._update(
                 local, old_logprobs[rows], old_values[rows], advantages[rows], returns[rows],
-                fused_out=fused_out, streamed=streamed, on_policy=on_policy, normalisers=normalisers,
+                fused_out=fused_out, streamed=streamed, on_policy=on_policy, normalisers=normalisers, idle_out=idle_out,
             )
         if streamed:
             old_logprobs = self._gather(local_old, rows, shape)
@@ -388,7 +417,7 @@ class PPOLearner(PolicyLearner):
     def _update(
         self, local: Experience, old_logprobs: torch.Tensor, old_values: torch.Tensor, advantages: torch.Tensor,
         returns: torch.Tensor, *, fused_out: dict[str, torch.Tensor] | None, streamed: bool, on_policy: bool,
-        normalisers: tuple[float, float] | None = None,
+        normalisers: tuple[float, float] | None = None, idle_out: dict[str, torch.Tensor] | None = None,
     ) -> tuple[dict[str, float], list[float], torch.Tensor]:
         """Minibatch epochs over this rank's rows; returns global stats, grad norms and (streamed)
         the old log-probs the training passes produced. ``normalisers`` (global tokens, sequences)
@@ -416,10 +445,9 @@ class PPOLearner(PolicyLearner):
                     # Micro-batches of similar length, each trimmed to its longest row, with a
                     # prompt's samples kept together so that they can share its forward pass.
                     mini = micro_batch_order(local.attention_mask.sum(1), local.group_ids, mini)
-                micros = [mini] if fused_out is not None else list(torch.split(mini, tr.micro_batch_size))
+                micros = [mini] if fused_out is not None else [m for m in torch.split(mini, tr.micro_batch_size) if len(m)]
+                idle = self.aligned(len(micros)) - len(micros)  # agreed before any pass: each is a collective
                 for micro in micros:
-                    if not len(micro):
-                        continue
                     part = local if fused_out is not None else local.select(micro).trimmed()
                     width, mmask = part.seq_len, part.response_mask
                     w_tok = float(mmask.sum()) / g_tokens
@@ -466,6 +494,7 @@ class PPOLearner(PolicyLearner):
                     totals["policy/entropy"] += float(masked_mean(out["entropy"], mmask)) * s_tok
                     totals["policy/clip_frac"] += float(pg_stats["clip_frac"]) * s_tok
                     totals["policy/approx_kl"] += float(pg_stats["approx_kl"]) * s_tok
+                self._pad_passes(idle, idle_out)
                 if normalisers is not None:  # a rank may have run nothing: its gradients are 0
                     fill_missing_gradients(self.trainable)
                 grad_norms.append(self._optimizer_step())
@@ -495,10 +524,13 @@ class PPOLearner(PolicyLearner):
             return
         from safetensors.torch import save_file
 
-        (folder / CRITIC_DIR).mkdir(exist_ok=True)
         state = self.model.critic.trainable_state() if self.separate_critic else self.model.value_head.state_dict()
+        state = {k: full_tensor(v).detach().contiguous().cpu() for k, v in state.items()}
+        if not self.writes_files:
+            return
+        (folder / CRITIC_DIR).mkdir(exist_ok=True)
         name = "critic.safetensors" if self.separate_critic else "value_head.safetensors"
-        save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(folder / CRITIC_DIR / name))
+        save_file(state, str(folder / CRITIC_DIR / name))
 
     def restore_extra(self, folder: Path) -> None:
         from safetensors.torch import load_file
@@ -516,7 +548,11 @@ class PPOLearner(PolicyLearner):
             return
         critic = folder / CRITIC_DIR / "value_head.safetensors"
         if self.use_critic and critic.is_file():
-            self.model.value_head.load_state_dict(load_file(str(critic)))
+            if self.sharded:
+                load_full_weights(self.model, {f"value_head.{k}": v for k, v in load_file(str(critic)).items()},
+                                  strict=False)
+            else:
+                self.model.value_head.load_state_dict(load_file(str(critic)))
 
 
 def _explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:

@@ -1,0 +1,115 @@
+"""Sharded learners (``train.sharding: fsdp``): each rank keeps 1/N of the policy's weights, of
+its gradients and of its AdamW state (PyTorch's FSDP2, ``torch.distributed.fsdp.fully_shard``,
+over gloo on CPUs and NCCL on GPUs), instead of the replicated learners' whole copy each.
+
+The learners' data-parallel maths stay as they are (``learners/distributed.py``): each rank trains
+its own rows of the global batch, losses are normalised by global counts, gradients are *summed*
+over ranks, so N sharded ranks take the one-rank step. What sharding adds:
+
+* each decoder layer is a unit of its own and the policy module (embeddings, final norm, tied LM
+  head, value head) is the root unit: a layer's full weights exist only while it computes, and its
+  gradients are summed and re-sharded (reduce-scatter) as soon as its backward pass ends;
+* every pass over the policy is then a collective (the layer's all-gather), so every rank must run
+  the same number of passes even when its share of the batch is smaller: ``aligned_passes``
+  gives the count, and a rank with nothing left runs ``idle`` passes whose loss is multiplied by 0;
+* weights leave the learner one full tensor at a time (``full_tensor``, every rank taking part,
+  so no rank holds more than the tensor being read besides its shards), and checkpoints hold full
+  tensors: a sharded run resumes with any number of ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Mapping
+
+import torch
+from torch import nn
+
+from learners.distributed import Collective
+
+SHARDINGS: tuple[str, ...] = ("replicated", "fsdp")
+
+
+def shard_policy(root: nn.Module, layers: nn.ModuleList) -> None:
+    """FSDP2 units: every module of ``layers``, then ``root`` with what is left (in place).
+
+    Gradients are summed over ranks, not averaged (the learners' losses already carry global
+    normalisers), with sum-only collectives: gloo has no pre-multiplied sum."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in layers:
+        fully_shard(layer)
+    fully_shard(root)
+    for module in [*layers, root]:
+        module.set_gradient_divide_factor(1.0)
+        module.set_force_sum_reduction_for_comms(True)
+
+
+def is_sharded(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a shard (a collective: every rank must call it), or ``t`` itself."""
+    return t.full_tensor() if is_sharded(t) else t
+
+
+def aligned_passes(comm: Collective, n: int) -> int:
+    """The number of passes every rank runs: the largest ``n`` of any rank."""
+    return int(comm.all_reduce_max(torch.tensor([float(n)], dtype=torch.float64))[0])
+
+
+def idle_inputs(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A two-token row predicting its second token: the cheapest pass a rank with no rows left runs
+    so that its collectives meet the other ranks'. Its outputs enter the loss multiplied by 0."""
+    ids = torch.zeros(1, 2, dtype=torch.long, device=device)
+    att = torch.ones(1, 2, dtype=torch.bool, device=device)
+    positions = att.clone()
+    positions[0, 0] = False
+    return ids, att, positions
+
+
+def zero_loss(out: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """0 times every differentiable output of a pass: a backward that gives each parameter the
+    pass reached a zero gradient, as a rank's real passes do with data."""
+    parts = [v.sum() for v in out.values() if isinstance(v, torch.Tensor) and v.requires_grad]
+    return torch.stack(parts).sum() * 0.0
+
+
+@contextlib.contextmanager
+def whole(root: nn.Module) -> Iterator[None]:
+    """The root unit's weights gathered for code that does not enter through its ``forward``
+    (log-prob passes over the LM alone); the layers gather themselves as they compute. A no-op
+    for a module that is not sharded. Every rank must enter it."""
+    if not hasattr(root, "unshard"):
+        yield
+        return
+    root.unshard()
+    try:
+        yield
+    finally:
+        root.reshard()
+
+
+def optimizer_state(root: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimiser's state as full tensors keyed by parameter name (on rank 0; a collective):
+    loadable by any number of ranks."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(root, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_optimizer_state(root: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Loads ``optimizer_state`` output into this rank's shards (every rank passes the full state)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(root, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
+def load_full_weights(root: nn.Module, weights: Mapping[str, torch.Tensor], *, strict: bool = True) -> Any:
+    """Full tensors (``root``'s naming) into this rank's shards (every rank passes all of them)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    return set_model_state_dict(root, dict(weights), options=StateDictOptions(full_state_dict=True, strict=strict))

@@ -1,0 +1,146 @@
+"""Sharded learners (``train.sharding: fsdp``) take the step one replicated learner takes on the
+same global batch, and a sharded run resumes with another number of ranks as if uninterrupted.
+
+The ranks are real processes in a gloo group (``tests/helpers/ranks.py``): FSDP2 shards the
+parameters into DTensors and gathers / reduce-scatters them in every pass. Shards of unequal size
+(5 and 2 rows; 3 and 0) make the ranks run different numbers of passes of their own, so the idle
+passes that keep their collectives aligned are exercised. Gradients are compared before the
+optimiser step (gathered from the shards), weights after it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers.factories import assert_grads_close, experience, grouped_batch, make_learner, tiny_lm
+from tests.helpers.ranks import run_processes
+
+GROUPS = [10, 10, 20, 10, 20, 30, 30]  # over 2 ranks: 5 rows (groups 10, 30) and 2 (group 20)
+SCORES = [1.0, 0.0, 1.0, 0.5, 0.0, 0.0, 1.0]
+ONE_GROUP = [7, 7, 7]  # over 2 ranks: 3 rows and none
+LR = 1e-4
+# name -> (train overrides, ppo overrides, batch): each runs a different pass structure.
+CASES = {
+    # old-policy pass, then 3 vs 1 training micro-batches; the KL term reads the reference
+    "grpo_kl": ({"micro_batch_size": 2}, {"advantage_estimator": "grpo", "kl_coef": 0.1}, "groups"),
+    # the shared value head (trained with the trunk), two epochs: two optimiser steps
+    "gae": ({"micro_batch_size": 2, "epochs": 2}, {"advantage_estimator": "gae"}, "groups"),
+    # one fused pass on rank 0 while rank 1, with no rows, runs an idle one
+    "fused_empty_rank": ({"micro_batch_size": 8}, {"advantage_estimator": "grpo", "kl_coef": 0.0}, "one_group"),
+}
+
+
+def _batches(path: str) -> dict:
+    lm = tiny_lm(path)
+    ids, att, rm = grouped_batch(lm.config.vocab_size, GROUPS, seed=3)
+    one = grouped_batch(lm.config.vocab_size, ONE_GROUP, seed=4)
+    return {"groups": experience(lm, ids, att, rm, SCORES, groups=GROUPS, ref_shift=0.05),
+            "one_group": experience(lm, *one, [1.0, 0.0, 0.5], groups=ONE_GROUP, ref_shift=None)}
+
+
+def _learner(path: str, case: str, sharded: bool):
+    train, ppo, _ = CASES[case]
+    return make_learner(path, train={**train, "lr": LR, "sharding": "fsdp" if sharded else "replicated"}, ppo=ppo)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _step(learner, batch) -> tuple[torch.Tensor, dict, dict]:
+    """(global gradient of the first update, metrics, weights after the step: policy and value head)."""
+    captured: dict = {}
+
+    def on_gradients(params):
+        if "g" not in captured:  # gathered on every rank (a collective), kept once
+            captured["g"] = torch.cat([_full(p.grad).reshape(-1).clone() for p in params])
+
+    learner.on_gradients = on_gradients
+    metrics = learner.train_step(batch)
+    weights = learner.policy_state_dict()
+    weights.update({f"value_head.{k}": _full(v).detach().clone() for k, v in learner.model.value_head.state_dict().items()})
+    return captured["g"], metrics, weights
+
+
+def _two_ranks(rank: int, world: int, path: str, batches: dict, resume_from: str, save_to: str) -> dict:
+    from learners.distributed import default_collective
+
+    out = {}
+    for case in CASES:
+        learner = _learner(path, case, sharded=True)
+        learner.comm = default_collective()
+        out[case] = _step(learner, batches[CASES[case][2]])
+    learner = _learner(path, "grpo_kl", sharded=True)
+    learner.comm = default_collective()
+    learner.restore(resume_from)
+    out["resumed"] = _step(learner, batches["groups"])
+    learner.save(save_to)
+    return out
+
+
+def _one_rank(rank: int, world: int, path: str, batch, resume_from: str | None, save_to: str | None) -> tuple:
+    learner = _learner(path, "grpo_kl", sharded=True)
+    if resume_from:
+        learner.restore(resume_from)
+    result = _step(learner, batch)
+    if save_to:
+        learner.save(save_to)
+    return result
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model_path, tmp_path_factory):
+    """The replicated learner's steps, and the sharded ranks' same steps: every case on 2 ranks;
+    the resume chain 1 rank -> 2 ranks -> 1 rank (a checkpoint between each)."""
+    path, tmp = tiny_model_path, tmp_path_factory.mktemp("sharded")
+    batches = _batches(path)
+    replicated = {case: _step(_learner(path, case, sharded=False), batches[CASES[case][2]]) for case in CASES}
+    chain = _learner(path, "grpo_kl", sharded=False)
+    replicated["chain"] = [_step(chain, batches["groups"]) for _ in range(3)]
+    first = run_processes(1, _one_rank, path, batches["groups"], None, str(tmp / "a"))[0]
+    both = run_processes(2, _two_ranks, path, batches, str(tmp / "a"), str(tmp / "b"))
+    last = run_processes(1, _one_rank, path, batches["groups"], str(tmp / "b"), None)[0]
+    return replicated, both, [first, both[0]["resumed"], last], tmp
+
+
+def _assert_weights_close(got: dict, ref: dict) -> None:
+    """Each weight within a quarter of the learning rate, and within 0.002 of it on average: Adam
+    moves every weight by about lr whatever its gradient's size, so summation-order noise can move
+    a weight whose gradient is near 0 by a visible part of lr (0.04 lr seen, 1 element in 32768),
+    while a wrong gradient, moment or schedule moves the average by a large part of it."""
+    assert got.keys() == ref.keys()
+    for name, w in ref.items():
+        diff = (got[name] - w).abs()
+        assert float(diff.max()) <= 0.25 * LR and float(diff.mean()) <= 0.002 * LR, (
+            f"{name}: max {float(diff.max()) / LR:.3g} lr, mean {float(diff.mean()) / LR:.3g} lr")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_sharded_ranks_take_the_replicated_step(runs, case):
+    replicated, both, _, _ = runs
+    g1, m1, w1 = replicated[case]
+    for g, m, w in (r[case] for r in both):
+        assert_grads_close({"g": g}, {"g": g1})
+        _assert_weights_close(w, w1)
+        assert m["loss/policy"] == pytest.approx(m1["loss/policy"], rel=1e-4, abs=1e-6)
+        assert m["learner/sequences"] == m1["learner/sequences"]
+    # The one group's middle score is its mean: that row's advantage is 0 and it runs no pass.
+    assert sorted(m["learner/local_sequences"] for _, m, _ in (r[case] for r in both)) == (
+        [0.0, 2.0] if case == "fused_empty_rank" else [2.0, 5.0])
+
+
+def test_a_sharded_run_resumes_with_another_number_of_ranks(runs):
+    """1 rank -> save -> 2 ranks -> save -> 1 rank: the weights after every step are the
+    uninterrupted replicated run's, so the optimiser's moments and schedule came through."""
+    replicated, _, chain, tmp = runs
+    for (g, _, w), (g_ref, _, w_ref) in zip(chain, replicated["chain"]):
+        assert_grads_close({"g": g}, {"g": g_ref})
+        _assert_weights_close(w, w_ref)
+    # The checkpoint is a model folder: full tensors, as transformers loads it.
+    from transformers import AutoModelForCausalLM
+
+    lm = AutoModelForCausalLM.from_pretrained(str(tmp / "b"))
+    after_two = replicated["chain"][1][2]
+    _assert_weights_close({"w": lm.model.layers[0].mlp.up_proj.weight.detach()},
+                          {"w": after_two["model.layers.0.mlp.up_proj.weight"]})
