@@ -103,17 +103,21 @@ def _handle(item: dict, learner: Any, spec: LearnerSpec, comm: Any, peak_rss_gb:
     from learners.experience import Experience
 
     step = item.get("step")
+    # Rank 0 answers. Reading a sharded learner's weights (pack, probe, save) is a collective, so
+    # there every rank reads them with it.
+    reads = comm.rank == 0 or getattr(learner, "sharded", False)
     if "weights_group" in item:
-        return _weights_group(item, learner, spec, comm)
+        return _weights_group(item, learner, spec, comm) if reads else None
     if item.get("weights_only"):  # a restarted generator needs the weights the others hold
-        if comm.rank != 0:
+        if not reads:
             return None
-        packed, _ = _pack_weights(learner, spec)
-        return {"step": step, "weights": [ray.put(packed)], "version": learner.version, **_probe(learner, spec)}
+        packed, _ = _pack_weights(learner, spec, comm)
+        probe = _probe(learner, spec)
+        return {"step": step, "weights": [ray.put(packed)] if packed is not None else [], "version": learner.version, **probe}
     if item.get("digest"):
         return _weights_digest(learner, comm)
     if item.get("save_only"):  # a checkpoint outside a step (early stopping)
-        if comm.rank == 0:
+        if reads:
             learner.save(item["save_dir"], tokenizer_from=spec.tokenizer_path)
         return {"step": step, "saved": item["save_dir"], "version": learner.version}
     parts = ray.get(item["exp_refs"])
@@ -127,12 +131,12 @@ def _handle(item: dict, learner: Any, spec: LearnerSpec, comm: Any, peak_rss_gb:
         metrics["learner/realtime"] = float(realtime)
     metrics["memory/learner_peak_gb"] = float(comm.all_reduce_max(torch.tensor([peak_rss_gb()], dtype=torch.float64)))
     reply: dict[str, Any] = {"step": step, "metrics": metrics, "version": learner.version}
-    if comm.rank == 0:
+    if reads:
         if item.get("sync", True):
-            packed, metrics["sync/pack_s"] = _pack_weights(learner, spec)
-            reply["weights"] = [ray.put(packed)]
+            packed, metrics["sync/pack_s"] = _pack_weights(learner, spec, comm)
+            reply["weights"] = [ray.put(packed)] if packed is not None else []
             reply.update(_probe(learner, spec))
-            metrics["sync/bytes"] = float(packed.nbytes)
+            metrics["sync/bytes"] = float(packed.nbytes) if packed is not None else 0.0
         if item.get("save_dir"):
             learner.save(item["save_dir"], tokenizer_from=spec.tokenizer_path)
             reply["saved"] = item["save_dir"]
@@ -144,6 +148,11 @@ def _weights_digest(learner: Any, comm: Any) -> dict | None:
     must be after every step), and rank 0's weights as one flat fp32 vector."""
     import torch
 
+    from learners.sharding import is_sharded
+
+    if any(is_sharded(p) for p in learner.trainable):  # shards differ by design: compare the whole
+        flat = torch.cat([p.full_tensor().detach().reshape(-1).to(torch.float64) for p in learner.trainable])
+        return None if comm.rank else {"rank_spread": 0.0, "trainable": [ray.put(flat.float().cpu())]}
     flat = torch.cat([p.detach().reshape(-1).to(torch.float64) for p in learner.trainable])
     high = comm.all_reduce_max(flat.clone())
     low = -comm.all_reduce_max(-flat)
@@ -152,11 +161,18 @@ def _weights_digest(learner: Any, comm: Any) -> dict | None:
     return {"rank_spread": float((high - low).max()), "trainable": [ray.put(flat.float().cpu())]}
 
 
-def _pack_weights(learner: Any, spec: LearnerSpec) -> tuple[Any, float]:
-    """The policy as one flat buffer in the generators' dtype, and the seconds it took."""
+def _pack_weights(learner: Any, spec: LearnerSpec, comm: Any) -> tuple[Any, float]:
+    """The policy as one flat buffer in the generators' dtype, and the seconds it took. A sharded
+    learner's other ranks only take part in gathering each tensor (None: rank 0 packs)."""
     from cluster.weight_sync import pack
+    from learners.sharding import full_tensor
 
     t0 = time.perf_counter()
+    if comm.rank != 0:
+        with learner.policy_weights() as weights:
+            for t in weights.values():
+                full_tensor(t)
+        return None, time.perf_counter() - t0
     with learner.policy_weights() as weights:
         # Every caller hands the buffer on (ray.put copies it; the broadcast is synchronous)
         # before the next pack, so this worker reuses one buffer.
@@ -187,9 +203,12 @@ def _weights_group(item: dict, learner: Any, spec: LearnerSpec, comm: Any) -> di
     from cluster import collective
     from cluster.weight_sync import layout_of
 
-    if comm.rank != 0:
-        return None
     op = item["weights_group"]
+    if comm.rank != 0:  # a sharded learner's other ranks: their part of reading the weights
+        if op == "broadcast":
+            _pack_weights(learner, spec, comm)
+            _probe(learner, spec)
+        return None
     if op == "open":
         store, host, port = collective.open_store(item["world"])
         _WEIGHT_GROUP.clear()
@@ -203,7 +222,7 @@ def _weights_group(item: dict, learner: Any, spec: LearnerSpec, comm: Any) -> di
                                      backend=item.get("backend", "gloo"))
         return {"joined": True}
     if op == "broadcast":
-        packed, t_pack = _pack_weights(learner, spec)
+        packed, t_pack = _pack_weights(learner, spec, comm)
         t0 = time.perf_counter()
         group = _WEIGHT_GROUP["group"]
         # Packed in host memory; NCCL sends from the GPU (one host-to-device copy).

@@ -255,9 +255,14 @@ class PolicyLearner(Learner):
         finally:
             lm.unmerge_adapter()
 
-    def policy_state_dict(self) -> dict[str, torch.Tensor]:
-        """A detached copy of ``policy_weights()``, on the CPU (sharded: gathered, on every rank)."""
+    def policy_state_dict(self, keep: bool = True) -> dict[str, torch.Tensor]:
+        """A detached copy of ``policy_weights()``, on the CPU (sharded: gathered on every rank).
+        ``keep=False``: a sharded rank's part in the gathers only, holding none of it ({})."""
         with self.policy_weights() as sd:
+            if not keep:
+                for v in sd.values():
+                    full_tensor(v)
+                return {}
             return {k: full_tensor(v).detach().to("cpu", copy=True) for k, v in sd.items()}
 
     # -- checkpoints -----------------------------------------------------------------------------
@@ -315,7 +320,7 @@ class PolicyLearner(Learner):
         if writes:
             folder.mkdir(parents=True, exist_ok=True)
         base = self.model.lm.get_base_model() if self.lora else self.model.lm
-        weights = self.policy_state_dict()
+        weights = self.policy_state_dict(keep=writes)
         state = self.state_dict()
         self.save_extra(folder)  # sharded: gathers on every rank, writes on rank 0
         if not writes:

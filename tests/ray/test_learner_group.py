@@ -1,7 +1,8 @@
 """The real Ray Train learner group: two workers (gloo) on a batch take the same step as one (the
 two under real-time scheduling, cluster.realtime_learners): the same losses and gradient norm,
 both ranks' weights identical after the step, and equal to the one worker's, for each estimator
-family (a critic, group baselines, a whole-batch baseline)."""
+family (a critic, group baselines, a whole-batch baseline); and two sharded workers
+(train.sharding=fsdp) take it as well."""
 
 import pytest
 import ray
@@ -47,18 +48,24 @@ def test_two_ray_train_workers_match_one(ray_cluster, tiny_model_path, tmp_path,
                        ref_shift=0.05 if kl else None)
     ref = ray.put(batch)
     out, weights = {}, {}
-    for n in (1, 2):
+    # With a critic and a KL term (the most passes), two sharded workers (FSDP2) take the step too.
+    runs = [(1, "replicated"), (2, "replicated")] + ([(2, "fsdp")] if estimator == "gae" else [])
+    for n, sharding in runs:
         cfg = load_config(overrides=[
             f"model.path={tiny_model_path}", "train.bf16=false", "train.micro_batch_size=2", "model.generator_dtype=float32",
             f"ppo.advantage_estimator={estimator}", f"ppo.kl_coef={kl}", "rollout.samples_per_prompt=2",
             "train.epochs=1", "train.num_minibatches=1", f"ppo.skip_zero_advantage={n == 2}",
             f"cluster.num_learners={n}", "cluster.cpus_per_learner=1", "cluster.threads=1",
             # The two-worker update runs under real-time scheduling: the same maths, only sooner.
-            f"cluster.realtime_learners={n == 2}",
+            f"cluster.realtime_learners={n == 2}", f"train.sharding={sharding}",
         ])
-        info, result, start, end, spread = _learn(cfg, tiny_model_path, ref, tmp_path / f"n{n}")
+        info, result, start, end, spread = _learn(cfg, tiny_model_path, ref, tmp_path / f"n{n}{sharding}")
         assert info["world"] == n
-        assert spread == 0.0  # every rank holds the same weights after the step
+        assert spread == 0.0  # every rank holds the same weights after the step (sharded: no copies)
+        if sharding == "fsdp":
+            weights["fsdp"] = (start, end)
+            out["fsdp"] = result["metrics"]
+            continue
         weights[n] = (start, end)
         # CPU workers start with glibc's keep-freed-memory settings (cluster.keep_freed_memory).
         assert {k: info["env"][k] for k in KEEP_FREED_MEMORY_ENV} == KEEP_FREED_MEMORY_ENV
@@ -82,3 +89,9 @@ def test_two_ray_train_workers_match_one(ray_cluster, tiny_model_path, tmp_path,
     # (AdamW's first step moves each weight by about lr = 1e-6 in the sign of its gradient: 0.2 lr
     # apart at most, with no relative slack, tells a wrong direction anywhere.)
     torch.testing.assert_close(end2 - start2, end1 - start1, rtol=0, atol=2e-7)
+    if "fsdp" in out:  # the sharded workers: the same losses and step, their weights gathered
+        for key in ("policy/grad_norm", "loss/policy", "loss/total", "kl/ref_k1"):
+            assert out["fsdp"][key] == pytest.approx(one[key], rel=1e-4, abs=1e-6), key
+        start3, end3 = weights["fsdp"]
+        assert torch.equal(start3, start1)
+        torch.testing.assert_close(end3 - start3, end1 - start1, rtol=0, atol=2e-7)
