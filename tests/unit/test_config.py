@@ -96,6 +96,11 @@ def test_types_are_checked_and_coerced():
     with pytest.raises(ConfigError, match="rollout.inflight_updates needs.*max_staleness > 0"):
         load_config(overrides=["rollout.inflight_updates=true"])
     assert load_config(overrides=["rollout.inflight_updates=true", "rollout.max_staleness=1"]).rollout.inflight_updates
+    # Sharded learners are built for full fine-tuning PPO/GRPO so far: the rest is one clear line.
+    assert load_config(overrides=["train.sharding=fsdp"]).train.sharding == "fsdp"
+    for other in (["run.algorithm=dpo"], ["lora.enabled=true"], ["ppo.critic=separate"]):
+        with pytest.raises(ConfigError, match="train.sharding=fsdp is built for run.algorithm=ppo"):
+            load_config(overrides=["train.sharding=fsdp", *other])
 
 
 def test_algorithm_must_be_a_registered_recipe():
