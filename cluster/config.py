@@ -371,6 +371,10 @@ class EnvConfig(Section):
         return self.max_tokens or max_prompt_tokens + self.max_turns * max_new_tokens
 
 
+# Algorithms whose learners run with train.sharding=fsdp (learners/sharding.py).
+SHARDED_ALGORITHMS = ("ppo", "sft", "dpo")
+
+
 class TrainConfig(Section):
     """Optimisation settings shared by every learner (and the reference's precision/chunking)."""
 
@@ -412,8 +416,8 @@ class TrainConfig(Section):
         "replicated", "How learner workers hold the policy: replicated (each worker the whole model, its gradients and "
         "AdamW state: about 16 bytes per trained parameter) or fsdp (PyTorch FSDP2: each of N workers holds 1/N of "
         "them, each decoder layer gathered only while it computes; learners/sharding.py). Either way N workers take "
-        "the step one worker would on the same global batch. fsdp: run.algorithm=ppo with full fine-tuning "
-        "(no LoRA) and ppo.critic=shared so far; train.shared_prefix is off under it.")
+        "the step one worker would on the same global batch. fsdp: run.algorithm=ppo, sft or dpo with full "
+        "fine-tuning (no LoRA) and ppo.critic=shared so far; train.shared_prefix is off under it.")
     shared_prefix: bool = _f(
         True,
         "Forward passes run each prompt once for all its samples (samples_per_prompt > 1; a preference "
@@ -830,10 +834,10 @@ class Config(Section):
                 and not self.rollout.agent and not self.rollout.dynamic_sampling),
              "data.streaming streams one data.task file or folder of prompts to run.algorithm=ppo or online qlearn "
              "(no data.mix, env.name, rollout.agent or rollout.dynamic_sampling)"),
-            (self.train.sharding == "replicated" or (self.run.algorithm == "ppo" and not self.lora.enabled
+            (self.train.sharding == "replicated" or (self.run.algorithm in SHARDED_ALGORITHMS and not self.lora.enabled
                                                     and ppo.critic == "shared" and not self.train.compile),
-             "train.sharding=fsdp is built for run.algorithm=ppo with full fine-tuning so far (no lora.enabled, "
-             "ppo.critic=shared, no train.compile)"),
+             "train.sharding=fsdp is built for run.algorithm=ppo, sft or dpo with full fine-tuning so far (no "
+             "lora.enabled, ppo.critic=shared, no train.compile)"),
             (ppo.critic == "shared" or ppo.advantage_estimator == "gae",
              f"ppo.critic=separate is a critic for advantage_estimator=gae; {ppo.advantage_estimator} uses none"),
             (not ppo.critic_init or ppo.critic == "separate", "ppo.critic_init starts a separate critic: set ppo.critic=separate"),

@@ -66,16 +66,18 @@ def preference_pairs(group_ids: torch.Tensor, scores: torch.Tensor) -> tuple[tor
 
 
 def evaluate_pairs(batch: Experience, comm: Any, micro_pairs: int, stats: tuple[str, ...],
-                   micro_step: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]) -> dict[str, float]:
+                   micro_step: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor],
+                   passes: Callable[[Any], Any] = lambda micros: micros) -> dict[str, float]:
     """Held-out metrics of a pairwise learner under ``eval/``: each rank runs every ``world``-th
     pair through ``micro_step(chosen, rejected, global_pairs)`` (no gradient), which returns its
-    pairs' sums of ``stats``; the loss (first stat) is already a mean, the others become one."""
+    pairs' sums of ``stats``; the loss (first stat) is already a mean, the others become one.
+    ``passes``: the learner's ``rank_passes`` where its passes must be aligned across ranks."""
     chosen, rejected, malformed = preference_pairs(batch.group_ids, batch.scores)
     if len(chosen) == 0:
         return {"eval/pairs": 0.0, "eval/malformed_pairs": float(malformed)}
     totals = torch.zeros(len(stats), dtype=torch.float64, device=chosen.device)
     mine = torch.arange(len(chosen), device=chosen.device)[comm.rank :: comm.world]
-    for micro in torch.split(mine, max(1, micro_pairs)):
+    for micro in passes(torch.split(mine, max(1, micro_pairs))):
         totals += micro_step(chosen[micro], rejected[micro], len(chosen))
     summed = comm.all_reduce_sum(totals)
     out = {f"eval/{k}": float(v) / (1 if i == 0 else len(chosen)) for i, (k, v) in enumerate(zip(stats, summed))}
@@ -132,7 +134,7 @@ class DPOLearner(PolicyLearner):
             local_pairs += len(mine)
             self.optimizer.zero_grad(set_to_none=True)
             with shared_weight_casts(tr.bf16, self.device):
-                for micro in torch.split(mine, pairs_per_micro):
+                for micro in self.rank_passes(torch.split(mine, pairs_per_micro), grad=True):
                     totals += self._micro_step(batch, chosen[micro], rejected[micro], ref_seq, lengths, max(len(mini), 1))
             grad_norms.append(self._optimizer_step())
         self.version += 1
@@ -171,7 +173,8 @@ class DPOLearner(PolicyLearner):
         lengths = batch.response_mask.sum(1).float()
         self.model.eval()
         return evaluate_pairs(batch, self.comm, self.tr.micro_batch_size // 2, _STATS,
-                              lambda c, r, n: self._micro_step(batch, c, r, ref_seq, lengths, n, grad=False))
+                              lambda c, r, n: self._micro_step(batch, c, r, ref_seq, lengths, n, grad=False),
+                              passes=lambda micros: self.rank_passes(micros, grad=False))
 
     def _micro_step(self, batch: Experience, chosen: torch.Tensor, rejected: torch.Tensor,
                     ref_seq: torch.Tensor | None, lengths: torch.Tensor, global_pairs: int,

@@ -13,7 +13,7 @@ import copy
 import json
 import logging
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -40,11 +40,13 @@ from learners.precision import resolve_bf16
 from learners.sharding import (
     aligned_passes,
     full_tensor,
+    idle_inputs,
     load_full_weights,
     load_optimizer_state,
     optimizer_state,
     shard_policy,
     whole,
+    zero_loss,
 )
 
 log = logging.getLogger(__name__)
@@ -154,6 +156,26 @@ class PolicyLearner(Learner):
         """How many passes this rank runs when it has ``n`` of its own: ``n``, or with sharded
         weights the most any rank has (the rest are ``idle_pass``es)."""
         return aligned_passes(self.comm, n) if self.sharded else n
+
+    def rank_passes(self, micros: Iterable[torch.Tensor], *, grad: bool) -> Iterator[torch.Tensor]:
+        """This rank's non-empty micro-batches (index tensors), then, with sharded weights, the
+        idle passes that bring it to the most any rank runs (each pass is a collective there)."""
+        micros = [m for m in micros if len(m)]
+        idle = self.aligned(len(micros)) - len(micros)  # agreed before any pass
+        yield from micros
+        self.idle_passes(idle, grad=grad)
+
+    def idle_outputs(self) -> dict[str, torch.Tensor]:
+        """The outputs of a pass over a two-token row, reaching what a training pass reaches."""
+        return self.model(*idle_inputs(self.device), chunk=self.tr.logprob_chunk)
+
+    def idle_passes(self, n: int, *, grad: bool) -> None:
+        """``n`` passes whose loss is 0 (``learners/sharding.py``)."""
+        for _ in range(n):
+            with torch.set_grad_enabled(grad):
+                out = self.idle_outputs()
+                if grad:
+                    zero_loss(out).backward()
 
     @property
     def writes_files(self) -> bool:

@@ -150,21 +150,16 @@ class PPOLearner(PolicyLearner):
                 with_values=self.use_critic, with_entropy=True, group_ids=group_ids, fused=self.tr.fused_logprobs,
             )
 
+    def idle_outputs(self) -> dict[str, torch.Tensor]:
+        return self._pass(*idle_inputs(self.device), None, grad=torch.is_grad_enabled())
+
     def _pad_passes(self, extra: int, idle_out: dict[str, torch.Tensor] | None) -> None:
         """``extra`` idle training passes after this rank's own (sharded ranks with fewer rows);
         ``idle_out``: an idle forward already run, whose backward counts as one."""
         if idle_out is not None and extra:
             zero_loss(idle_out).backward()
             extra -= 1
-        self._idle_passes(extra, grad=True)
-
-    def _idle_passes(self, n: int, *, grad: bool) -> None:
-        """``n`` passes that change nothing (``learners/sharding.py``): a sharded rank whose rows
-        ran out meets the other ranks' collectives with them."""
-        for _ in range(n):
-            out = self._pass(*idle_inputs(self.device), None, grad=grad)
-            if grad:
-                zero_loss(out).backward()
+        self.idle_passes(extra, grad=True)
 
     @torch.no_grad()
     def evaluate_old(self, exp: Experience) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,7 +177,7 @@ class PPOLearner(PolicyLearner):
             lps[idx, : part.seq_len] = out["logprobs"]
             if self.use_critic:
                 vals[idx, : part.seq_len] = out["values"]
-        self._idle_passes(idle, grad=False)
+        self.idle_passes(idle, grad=False)
         return lps, vals
 
     def reference_logprobs(self, exp: Experience) -> torch.Tensor:
@@ -337,7 +332,7 @@ class PPOLearner(PolicyLearner):
         else:
             lp, vals = self.evaluate_old(local) if rows else (empty, empty)
             if not rows:
-                self._idle_passes(self.aligned(0), grad=False)
+                self.idle_passes(self.aligned(0), grad=False)
             old_logprobs, old_values = self._gather(lp, rows, shape), self._gather(vals, rows, shape)
         has_ref = batch.ref_logprobs is not None
         # No KL term (beta = 0, no KL loss): no reference pass ran, and the penalty is an exact 0.

@@ -47,7 +47,7 @@ class SFTLearner(PolicyLearner):
         self.model.eval()
         nll = torch.zeros((), dtype=torch.float64, device=self.device)
         with torch.no_grad():
-            for micro in torch.split(mine, self.tr.micro_batch_size):
+            for micro in self.rank_passes(torch.split(mine, self.tr.micro_batch_size), grad=False):
                 part = batch.select(micro).trimmed()
                 with autocast(self.tr.bf16, self.device):
                     out = self.model(part.input_ids, part.attention_mask, part.response_mask, chunk=self.tr.logprob_chunk)
@@ -73,7 +73,7 @@ class SFTLearner(PolicyLearner):
             global_tokens = max(float(tokens[mini].sum()), 1.0)
             self.optimizer.zero_grad(set_to_none=True)
             with shared_weight_casts(tr.bf16, self.device):
-                for micro in torch.split(mine, tr.micro_batch_size):
+                for micro in self.rank_passes(torch.split(mine, tr.micro_batch_size), grad=True):
                     part = batch.select(micro).trimmed()
                     with autocast(tr.bf16, self.device):
                         out = self.model(part.input_ids, part.attention_mask, part.response_mask,
