@@ -417,7 +417,8 @@ class TrainConfig(Section):
         "AdamW state: about 16 bytes per trained parameter) or fsdp (PyTorch FSDP2: each of N workers holds 1/N of "
         "them, each decoder layer gathered only while it computes; learners/sharding.py). Either way N workers take "
         "the step one worker would on the same global batch. fsdp: run.algorithm=ppo, sft or dpo with full "
-        "fine-tuning (no LoRA) and ppo.critic=shared so far; train.shared_prefix is off under it.")
+        "fine-tuning (no LoRA) and ppo.critic=shared so far; shared prompts take only the packed one-pass form "
+        "under it (a group too long to pack runs its rows in full).")
     shared_prefix: bool = _f(
         True,
         "Forward passes run each prompt once for all its samples (samples_per_prompt > 1; a preference "

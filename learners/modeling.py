@@ -104,6 +104,9 @@ class PolicyWithValueHead(nn.Module):
         self.value_head = nn.Linear(hidden, 1) if with_value_head else None
         self.rows_shared = 0
         self.rows_total = 0
+        # Every pass runs each decoder layer once (sharded weights: each run is a collective that
+        # every rank must make alike), so a shared prompt never takes the two-call prompt-cache pass.
+        self.one_call_per_layer = False
         if self.value_head is not None:
             nn.init.zeros_(self.value_head.weight)
             nn.init.zeros_(self.value_head.bias)
@@ -151,7 +154,8 @@ class PolicyWithValueHead(nn.Module):
                group_ids: torch.Tensor | None = None) -> torch.Tensor:
         """(B, L, H) last hidden states of the LM's decoder (``decoder_hidden``), counting the rows
         that shared their prefix for the learner's metrics."""
-        hidden, shared = decoder_hidden(self.lm.get_decoder(), input_ids, attention_mask, positions_mask, group_ids)
+        hidden, shared = decoder_hidden(self.lm.get_decoder(), input_ids, attention_mask, positions_mask, group_ids,
+                                        one_call=self.one_call_per_layer)
         self.rows_shared += input_ids.shape[0] if shared else 0
         self.rows_total += input_ids.shape[0]
         return hidden
@@ -163,6 +167,8 @@ def decoder_hidden(
     attention_mask: torch.Tensor,
     positions_mask: torch.Tensor | None = None,
     group_ids: torch.Tensor | None = None,
+    *,
+    one_call: bool = False,
 ) -> tuple[torch.Tensor, bool]:
     """(B, L, H) last hidden states of ``decoder`` and whether rows shared their prefix.
 
@@ -170,9 +176,12 @@ def decoder_hidden(
     ``positions_mask`` position run that prefix once (``shared_prefix_hidden``); the states are
     the same. Not under gradient checkpointing (it recomputes each layer from its inputs, which
     the shared pass builds once), nor when nothing can be shared: then every row runs in full.
+    ``one_call``: the decoder runs once (packed tree rows or every row in full, never the prompt
+    cache's two calls).
     """
     if group_ids is not None and positions_mask is not None and not getattr(decoder, "is_gradient_checkpointing", False):
-        hidden = shared_prefix_hidden(decoder, input_ids, attention_mask, positions_mask, group_ids)
+        hidden = shared_prefix_hidden(decoder, input_ids, attention_mask, positions_mask, group_ids,
+                                      prompt_cache=not one_call)
         if hidden is not None:
             return hidden, True
     return decoder(input_ids=input_ids, attention_mask=attention_mask.long()).last_hidden_state, False
@@ -195,6 +204,7 @@ def shared_prefix_hidden(
     group_ids: torch.Tensor,
     *,
     max_packed_len: int | None = None,
+    prompt_cache: bool = True,
 ) -> torch.Tensor | None:
     """Decoder hidden states for rows that share prompts, each prompt run once per group.
 
@@ -216,6 +226,8 @@ def shared_prefix_hidden(
             everything before its first ``positions_mask`` position.
         group_ids: (B,) rows with one id must have identical prefixes (checked).
         max_packed_len: the packed-tree bound in tokens (default ``PACKED_ROW_MAX``).
+        prompt_cache: False: None where the packed tree does not apply (the caller runs the rows in
+            full), so the decoder runs exactly once.
     Returns:
         (B, L, H) hidden states where ``[:, t-1]`` predicts token ``t`` at every position of
         ``positions_mask`` (other positions are zero), or None when no two rows share a prefix,
@@ -230,7 +242,7 @@ def shared_prefix_hidden(
     packed_len = plen[rep] + torch.zeros_like(plen[rep]).index_add(0, inv, cont_len)
     if int(packed_len.max()) <= max_packed_len and decoder.config._attn_implementation in _PACKED_ATTENTION:
         return _packed_tree_hidden(decoder, input_ids, inv, rep, plen, cont_len)
-    return _prefix_cache_hidden(decoder, input_ids, inv, rep, plen, cont_len)
+    return _prefix_cache_hidden(decoder, input_ids, inv, rep, plen, cont_len) if prompt_cache else None
 
 
 def _prefix_groups(input_ids: torch.Tensor, positions_mask: torch.Tensor, group_ids: torch.Tensor):

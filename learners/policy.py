@@ -66,18 +66,6 @@ def _with_resolved_bf16(train: TrainParams, device: str) -> TrainParams:
     return resolved
 
 
-def _sharded(train: TrainParams) -> TrainParams:
-    """``train`` for sharded learners: prompts shared by a group's samples run once per sample.
-    The shared-prefix pass runs a layer once or twice depending on the rows, and with sharded
-    weights each layer's run is a collective every rank must make alike."""
-    if not train.shared_prefix:
-        return train
-    plain = copy.copy(train)
-    plain.shared_prefix = False
-    log.info("train.sharding=fsdp: train.shared_prefix off (each sample runs its prompt)")
-    return plain
-
-
 class PolicyLearner(Learner):
     """A causal LM policy (``self.model.lm``) with an AdamW optimiser and an LR schedule."""
 
@@ -90,8 +78,6 @@ class PolicyLearner(Learner):
         # Sharded (learners/sharding.py): each rank holds 1/N of the weights, gradients and
         # optimiser state, and every pass, weight read and save is a collective of all ranks.
         self.sharded = getattr(train, "sharding", "replicated") == "fsdp"
-        if self.sharded:
-            self.tr = _sharded(self.tr)
         from learners.attention import register
 
         lm = AutoModelForCausalLM.from_pretrained(ctx.model_path, dtype=torch.float32, attn_implementation=register())
@@ -113,6 +99,8 @@ class PolicyLearner(Learner):
             compile_decoder_layers(lm)
         self.device = torch.device(ctx.device)
         self.model = PolicyWithValueHead(lm, with_value_head=with_value_head).to(self.device)
+        # Sharded: each layer's run is a collective every rank must make alike, whatever its rows.
+        self.model.one_call_per_layer = self.sharded
         self.version = 0
         # Called with the trainable parameters once their gradients are global, before clipping
         # and the optimiser step (tests compare gradients here).

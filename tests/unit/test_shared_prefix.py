@@ -4,7 +4,7 @@ must equal running every row in full."""
 import pytest
 import torch
 
-from learners.modeling import PolicyWithValueHead, sequence_logprobs, shared_prefix_hidden
+from learners.modeling import PolicyWithValueHead, decoder_hidden, sequence_logprobs, shared_prefix_hidden
 from tests.helpers.factories import assert_grads_close, experience, flat_grads, grouped_batch, make_learner, tiny_lm
 
 
@@ -157,3 +157,22 @@ def test_packed_rows_are_bounded(tiny_model_path):
         with torch.no_grad():
             shared_prefix_hidden(decoder, ids, att, rm, groups, max_packed_len=bound)
         assert calls == expected
+
+
+def test_one_call_per_layer_runs_long_groups_in_full(tiny_model_path):
+    """Sharded learners need every pass to run the decoder once (each layer's run is a collective):
+    without the prompt cache, a group too long to pack is left to the caller's full rows (one
+    call), and a packable group still takes its one packed call."""
+    lm = tiny_lm(tiny_model_path)
+    decoder = lm.get_decoder()
+    ids, att, rm, groups = _grouped_batch(lm.config.vocab_size)
+    calls = _decoder_calls(decoder)
+    with torch.no_grad():
+        assert shared_prefix_hidden(decoder, ids, att, rm, groups, max_packed_len=0, prompt_cache=False) is None
+        assert calls == []
+        full, shared = decoder_hidden(decoder, ids, att, rm, groups, one_call=True)
+        assert calls == [4] and shared  # packable: one tree-masked call
+        expected = decoder(input_ids=ids, attention_mask=att.long()).last_hidden_state
+    predicts = torch.zeros_like(rm)
+    predicts[:, :-1] = rm[:, 1:]
+    torch.testing.assert_close(full[predicts], expected[predicts], atol=1e-5, rtol=1e-5)
