@@ -22,6 +22,17 @@ Assumptions (each is a named constant below):
 * Learners shard (ZeRO/FSDP) and split the batch evenly; generators split the prompts evenly;
   no overlap between phases (the synchronous loop of today). The last column shows the
   one-step-off-policy pipeline, where generation overlaps learning on separate GPUs.
+
+Learner memory (``learner_memory_rows``): replicated learners hold ``STATE_BYTES_PER_PARAM``
+bytes per parameter each (fp32 weights, fp32 gradients, AdamW's two fp32 moments), sharded ones
+(``train.sharding: fsdp``) 1/W of it plus the units gathered while they compute (the root unit:
+embeddings and LM head; two decoder layers, the one computing and the next, prefetched) in fp32.
+Activations are left out (they depend on the micro-batch, and are the same either way). The
+state bytes and the sharded ranks' extra transient memory are checked against
+``docs/results/sharded_learners.json`` (``benchmarks/sharded_learners.py``). Sharding's traffic
+per micro-batch pass (gather the weights for the forward and again for the backward, reduce-scatter
+the gradients) is shown beside that pass's compute: FSDP prefetches the next unit while one
+computes, so the traffic costs time only where it exceeds the compute.
 """
 
 from __future__ import annotations
@@ -53,15 +64,23 @@ class Arch:
     params: float             # N
     layers: int
     kv_dim: int               # kv heads x head dim
+    hidden: int
+    vocab: int
 
 
 # SmolLM2-135M as measured; the others follow Qwen2.5's published shapes (GQA).
 ARCHS = {
-    "smollm2-135m": Arch("SmolLM2-135M", 134.5e6, 30, 192),
-    "1.5b": Arch("1.5B (Qwen2.5-1.5B shape)", 1.54e9, 28, 256),
-    "7b": Arch("7B (Qwen2.5-7B shape)", 7.6e9, 28, 512),
-    "72b": Arch("72B (Qwen2.5-72B shape)", 72.7e9, 80, 1024),
+    "smollm2-135m": Arch("SmolLM2-135M", 134.5e6, 30, 192, 576, 49152),
+    "0.5b": Arch("0.5B (Qwen2.5-0.5B shape)", 0.49e9, 24, 128, 896, 151936),
+    "1.5b": Arch("1.5B (Qwen2.5-1.5B shape)", 1.54e9, 28, 256, 1536, 151936),
+    "7b": Arch("7B (Qwen2.5-7B shape)", 7.6e9, 28, 512, 3584, 152064),
+    "72b": Arch("72B (Qwen2.5-72B shape)", 72.7e9, 80, 1024, 8192, 152064),
 }
+
+
+STATE_BYTES_PER_PARAM = 16     # fp32 weights + fp32 gradients + AdamW m and v (fp32)
+H100_MEMORY_BYTES = 80e9
+PASS_TOKENS = 16384            # tokens per micro-batch pass on a learner GPU (assumed)
 
 
 @dataclass
@@ -100,6 +119,36 @@ def gpu_phases(a: Arch, w: Workload, c: Cluster) -> dict[str, float]:
     ref = 2 * n * tokens / (H100_BF16_FLOPS * c.learner_gpus * MFU_FORWARD) if w.reference else 0.0
     sync = 2 * n / (c.sync_bps * LINK_EFF)
     return {"generate": prefill + w.max_new_tokens * (iteration + DECODE_ITER_OVERHEAD_S), "reference": ref, "learn": learn, "sync": sync}
+
+
+def learner_memory_rows(measured_file: Path) -> list[dict]:
+    """Per-GPU learner state, replicated vs sharded, and sharding's traffic beside a pass's compute."""
+    rows = []
+    for key, workers, link, link_name in (("0.5b", 8, NVLINK_BPS, "NVLink"), ("7b", 8, NVLINK_BPS, "NVLink"),
+                                          ("7b", 32, IB_BPS, "InfiniBand"), ("72b", 64, IB_BPS, "InfiniBand")):
+        a = ARCHS[key]
+        # The root unit: the embeddings and the LM head (tied in the small models, two matrices otherwise).
+        embed = a.vocab * a.hidden * (1 if a.params < 2e9 else 2)
+        gathered = 4 * (embed + 2 * (a.params - embed) / a.layers)
+        replicated = STATE_BYTES_PER_PARAM * a.params
+        sharded = replicated / workers + gathered
+        # Per pass: bf16 weights gathered twice, fp32 gradients reduce-scattered; each GPU sends
+        # and receives (W-1)/W of every tensor.
+        traffic = (2 * 2 + 4) * a.params * (workers - 1) / workers
+        rows.append({"model": a.name, "learner_gpus": workers, "link": link_name,
+                     "replicated_gb": replicated / 1e9, "sharded_gb": sharded / 1e9,
+                     "replicated_fits_h100": replicated < H100_MEMORY_BYTES, "sharded_fits_h100": sharded < H100_MEMORY_BYTES,
+                     "pass_traffic_s": traffic / (link * LINK_EFF),
+                     "pass_compute_s": 6 * a.params * PASS_TOKENS / (H100_BF16_FLOPS * MFU_TRAIN)})
+    if measured_file.exists():  # the model's state bytes against the ones measured here
+        res = json.loads(measured_file.read_text())["summary"]
+        n = ARCHS["smollm2-135m"].params
+        rows.append({"model": "SmolLM2-135M (measured here, 2 CPU workers)", "learner_gpus": 2, "link": "gloo",
+                     "replicated_gb": res["replicated x2 returning"]["state_gb_per_worker"] * 2**30 / 1e9,
+                     "sharded_gb": res["fsdp x2 returning"]["state_gb_per_worker"] * 2**30 / 1e9,
+                     "predicted_replicated_gb": STATE_BYTES_PER_PARAM * n / 1e9,
+                     "predicted_sharded_state_gb": STATE_BYTES_PER_PARAM * n / 2 / 1e9})
+    return rows
 
 
 def calibrate(measured: dict, a: Arch, w: Workload) -> dict[str, float]:
@@ -146,7 +195,8 @@ def main() -> int:
     # (16 sequences x 108 tokens, separate process, benchmarks/learner_memory.py).
     lm_file = ROOT / "docs" / "results" / "learner_memory.json"
     if lm_file.exists():
-        full = next(r for r in json.loads(lm_file.read_text()) if r["mode"] == "full")
+        saved = json.loads(lm_file.read_text())
+        full = next(r for r in (saved["runs"] if isinstance(saved, dict) else saved) if r["mode"] == "full")
         cpu["check_learner_benchmark"] = {
             "predicted_s": 6 * ARCHS["smollm2-135m"].params * 16 * 108 / cpu["train_flops_per_s"],
             "measured_s": statistics.median(full["step_s"][1:] or full["step_s"]),
@@ -184,6 +234,7 @@ def main() -> int:
                         "DECODE_BW_EFF": DECODE_BW_EFF, "LINK_EFF": LINK_EFF,
                         "DECODE_ITER_OVERHEAD_S": DECODE_ITER_OVERHEAD_S},
         "projections": rows,
+        "learner_memory": learner_memory_rows(ROOT / "docs" / "results" / "sharded_learners.json"),
     }
     Path(args.out).write_text(json.dumps(out, indent=1))
     print(f"CPU calibration: training at {cpu['train_flops_per_s'] / 1e9:.0f} GFLOP/s effective, "
@@ -196,6 +247,17 @@ def main() -> int:
     for r in rows:
         print(f"| {r['model']} | {r['cluster']} | {r['completions']} | {r['generate_s']:.3g} | {r['reference_s']:.3g} | "
               f"{r['learn_s']:.3g} | {r['sync_s']:.2g} | {r['step_s']:.3g} | {r['step_s_async']:.3g} | {r['completions_per_s']:.3g} |")
+    print("\n| model | learner GPUs | state per GPU, replicated GB | sharded GB | fits an H100 (replicated / sharded) | "
+          "sharding traffic per pass s | pass compute s |")
+    print("|---|---|---|---|---|---|---|")
+    for r in out["learner_memory"]:
+        if "pass_traffic_s" not in r:
+            print(f"| {r['model']} | {r['learner_gpus']} | {r['replicated_gb']:.2f} (model {r['predicted_replicated_gb']:.2f}) "
+                  f"| {r['sharded_gb']:.2f} (model, state only: {r['predicted_sharded_state_gb']:.2f}) | | | |")
+            continue
+        print(f"| {r['model']} | {r['learner_gpus']} ({r['link']}) | {r['replicated_gb']:.1f} | {r['sharded_gb']:.1f} | "
+              f"{'yes' if r['replicated_fits_h100'] else 'no'} / {'yes' if r['sharded_fits_h100'] else 'no'} | "
+              f"{r['pass_traffic_s']:.3g} | {r['pass_compute_s']:.3g} |")
     return 0
 
 

@@ -84,7 +84,8 @@ def test_own_data_with_bad_rows_routed_rewards_and_trackers(ray_cluster, tiny_mo
     source without a reward and a reward function that raises or returns NaN/inf are each counted
     and none reaches the loss; rewards are routed by source; the prompts the generators received
     are the ones ``rayrlhf data inspect`` shows; W&B (offline) and MLflow (file store) receive
-    every step's metrics."""
+    every step's metrics. Its learners are two sharded Ray Train workers (train.sharding=fsdp):
+    each sync gathers their shards, and the generators serve what the learner holds (the probe)."""
     from pathlib import Path
 
     import pyarrow.parquet as pq
@@ -96,8 +97,10 @@ def test_own_data_with_bad_rows_routed_rewards_and_trackers(ray_cluster, tiny_mo
     monkeypatch.setenv("WANDB_MODE", "offline")
     root = Path(__file__).resolve().parents[2]
     data = yaml.safe_load((root / "configs" / "ppo_tiny.yaml").read_text())
-    data["run"].update(steps=2, save_final=False, plot=False, export_transitions=True,
+    data["run"].update(steps=2, save_final=True, plot=False, export_transitions=True,
                        trackers=["tensorboard", "wandb", "mlflow"])
+    data["train"]["sharding"] = "fsdp"
+    data["cluster"] = {"num_learners": 2}
     # Every usable row once per step: the train set is the 35 usable rows, each source's share its size.
     data["data"] = {"mix": _own_data(tmp_path), "train_size": 35, "eval_size": 0}
     data["reward"] = {"by_source": {"gsm_like": "exact_match", "openrlhf": "tests.helpers.rewards:flaky",
@@ -105,9 +108,18 @@ def test_own_data_with_bad_rows_routed_rewards_and_trackers(ray_cluster, tiny_mo
     data["rollout"]["prompts_per_step"] = 35
     data["model"]["max_prompt_tokens"] = 64
     (tmp_path / "own.yaml").write_text(yaml.safe_dump(data))
-    train(load_config(tmp_path / "own.yaml"), run_dir=tmp_path / "run")
+    result = train(load_config(tmp_path / "own.yaml"), run_dir=tmp_path / "run")
     rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2
+    # Sharded learners: both ranks trained, every sync reached the generators as the learner's
+    # weights, and the final checkpoint is a whole model folder that moved from the start.
+    from transformers import AutoModelForCausalLM
+
+    assert all(r["sync/probe_gap"] < 1e-3 for r in rows)
+    assert all(0 < r["learner/local_sequences"] < r["learner/sequences"] for r in rows)  # rank 0's share
+    trained = AutoModelForCausalLM.from_pretrained(result.final_checkpoint)
+    start = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    assert not torch.equal(trained.model.layers[0].mlp.up_proj.weight, start.model.layers[0].mlp.up_proj.weight)
     for r in rows:
         assert r["skipped_at_load"] == {"malformed_row": 2, "empty_or_malformed_prompt": 5}
         sk = r["skipped"]
