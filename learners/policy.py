@@ -132,11 +132,16 @@ class PolicyLearner(Learner):
 
     def _shard(self, extra_param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Shards the policy in place; the extra groups' parameters by name, as they are after it."""
-        if getattr(self.model, "critic", None) is not None or self.lora:
-            raise ValueError("train.sharding=fsdp is built for full fine-tuning with critic=shared so far")
+        if getattr(self.model, "critic", None) is not None:
+            raise ValueError("train.sharding=fsdp is built for ppo.critic=shared so far")
         names = {id(p): n for n, p in self.model.named_parameters()}
         wanted = [[names[id(p)] for p in g["params"]] for g in extra_param_groups]
         shard_policy(self.model, decoder_layers(self.model.lm))
+        # FSDP sets its units up on the first pass through the root, which must be a training pass
+        # (one without gradients leaves the root's backward unhooked) and must come before any
+        # pass that enters the LM directly (the reference with LoRA off, the sync probe).
+        self.idle_passes(1, grad=True)
+        self.model.zero_grad(set_to_none=True)
         params = dict(self.model.named_parameters())
         return [{**g, "params": [params[n] for n in ns]} for g, ns in zip(extra_param_groups, wanted)]
 
@@ -211,13 +216,18 @@ class PolicyLearner(Learner):
         so the reference costs no second copy of the weights."""
         if not self.lora:
             raise RuntimeError("reference log-probs in the learner: needs LoRA (else a Reference actor serves them)")
-        with self.model.lm.disable_adapter():
-            return sequence_logprobs(
+        passes = -(-input_ids.shape[0] // self.tr.micro_batch_size)
+        idle = self.aligned(passes) - passes
+        with self.model.lm.disable_adapter(), whole(self.model):
+            out = sequence_logprobs(
                 self.model.lm, input_ids, attention_mask, positions,
                 temperature=temperature, micro_batch_size=self.tr.micro_batch_size,
                 chunk=self.tr.logprob_chunk, bf16=self.tr.bf16,
-                group_ids=group_ids if self.tr.shared_prefix else None,
-            )
+                # Sharded: every row in full, so each pass is one decoder call on every rank.
+                group_ids=group_ids if self.tr.shared_prefix and not self.sharded else None,
+            ) if passes else torch.zeros(input_ids.shape, device=self.device)
+            self.idle_passes(idle, grad=False)
+        return out
 
     # -- weights out -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -251,6 +261,9 @@ class PolicyLearner(Learner):
                 sd.pop("lm_head.weight", None)
             yield sd
             return
+        if self.sharded:
+            yield self._merged_shards(tied)
+            return
         lm.merge_adapter()
         try:
             sd = {}
@@ -264,6 +277,32 @@ class PolicyLearner(Learner):
             yield sd
         finally:
             lm.unmerge_adapter()
+
+    def _merged_shards(self, tied: bool) -> dict[str, torch.Tensor]:
+        """Sharded LoRA: every weight in checkpoint naming, the adapted ones merged shard by shard
+        (``W + s B A`` on this rank's rows of W and B; A, r x in, is gathered whole). The base
+        weights stay unmerged: nothing is undone after."""
+        from peft.tuners.lora import LoraLayer
+        from torch.distributed.tensor import DTensor
+
+        base = self.model.lm.get_base_model()
+        adapter = self.model.lm.active_adapter
+        merged = {}
+        for name, module in base.named_modules():
+            if isinstance(module, LoraLayer) and adapter in module.lora_A:
+                w = module.base_layer.weight
+                a = full_tensor(module.lora_A[adapter].weight)
+                b = module.lora_B[adapter].weight
+                local = w.to_local() + (b.to_local() @ a) * module.scaling[adapter]
+                merged[f"{name}.weight"] = DTensor.from_local(local, w.device_mesh, w.placements, shape=w.shape,
+                                                              stride=w.stride())
+        sd = {}
+        for k, v in base.state_dict().items():
+            name = k.replace(".base_layer.", ".")
+            if "lora_" in k or (tied and name == "lm_head.weight"):
+                continue
+            sd[name] = merged.get(name, v)
+        return sd
 
     def policy_state_dict(self, keep: bool = True) -> dict[str, torch.Tensor]:
         """A detached copy of ``policy_weights()``, on the CPU (sharded: gathered on every rank).
@@ -331,13 +370,16 @@ class PolicyLearner(Learner):
             folder.mkdir(parents=True, exist_ok=True)
         base = self.model.lm.get_base_model() if self.lora else self.model.lm
         weights = self.policy_state_dict(keep=writes)
+        # The adapter's own tensors (sharded: gathered; None: peft reads its model's own).
+        adapter = ({k: full_tensor(v) for k, v in self.model.lm.state_dict().items() if "lora_" in k}
+                   if self.lora and self.sharded else None)
         state = self.state_dict()
         self.save_extra(folder)  # sharded: gathers on every rank, writes on rank 0
         if not writes:
             return folder
         base.save_pretrained(str(folder), state_dict=weights, safe_serialization=True)
         if self.lora:
-            self.model.lm.save_pretrained(str(folder / ADAPTER_DIR))
+            self.model.lm.save_pretrained(str(folder / ADAPTER_DIR), state_dict=adapter)
         path = save_learner_state(folder, state)
         summary = {"algorithm": self.name, "version": self.version, "lora": self.lora}
         summary.update({k: v for k, v in self.algorithm_state().items() if _jsonable(v)})
@@ -356,9 +398,12 @@ class PolicyLearner(Learner):
             from peft import set_peft_model_state_dict
 
             adapter = load_file(str(folder / ADAPTER_DIR / "adapter_model.safetensors"))
-            result = set_peft_model_state_dict(self.model.lm, adapter)
-            if getattr(result, "unexpected_keys", None):
-                raise ValueError(f"adapter in {folder} does not fit this model: {result.unexpected_keys[:3]}")
+            if self.sharded:
+                self._restore_sharded_adapter(folder, adapter)
+            else:
+                result = set_peft_model_state_dict(self.model.lm, adapter)
+                if getattr(result, "unexpected_keys", None):
+                    raise ValueError(f"adapter in {folder} does not fit this model: {result.unexpected_keys[:3]}")
         elif self.sharded:
             weights = {f"lm.{k}": v for k, v in load_model_weights(folder).items()}
             missing, unexpected = load_full_weights(self.model, weights, strict=False)
@@ -369,6 +414,16 @@ class PolicyLearner(Learner):
             self.model.lm.tie_weights()
         self.restore_extra(folder)
         self.load_state_dict(load_learner_state(folder))
+
+    def _restore_sharded_adapter(self, folder: Path, adapter: dict[str, torch.Tensor]) -> None:
+        """A saved adapter (peft's naming: no adapter name) into this rank's shards."""
+        import re
+
+        name = self.model.lm.active_adapter
+        weights = {"lm." + re.sub(r"\.(lora_[AB])\.", rf".\1.{name}.", k): v for k, v in adapter.items()}
+        _, unexpected = load_full_weights(self.model, weights, strict=False)
+        if unexpected:
+            raise ValueError(f"adapter in {folder} does not fit this model: {unexpected[:3]}")
 
     @staticmethod
     def _check_fit(folder: Path, missing: list[str], unexpected: list[str]) -> None:

@@ -282,7 +282,7 @@ class PPOLearner(PolicyLearner):
         t_ref = 0.0
         self.model.rows_shared = self.model.rows_total = 0
         if batch.ref_logprobs is None and hp.uses_reference:
-            local_ref = self.reference_logprobs(batch.select(rows)) if rows else empty
+            local_ref = self.reference_logprobs(batch.select(rows))
             batch = batch.replace(ref_logprobs=self._gather(local_ref, rows, tuple(batch.input_ids.shape)))
             t_ref = time.perf_counter() - t0
         n_truncated = int(batch.truncated.sum())
