@@ -88,6 +88,7 @@ def evaluate_pairs(batch: Experience, comm: Any, micro_pairs: int, stats: tuple[
 class DPOLearner(PolicyLearner):
     name = "dpo"
     config_section = "dpo"
+    shardable = True
     required_fields = ("scores",)
 
     def __init__(self, ctx: LearnerContext, train: TrainParams, hp: DPOParams) -> None:

@@ -13,7 +13,7 @@ import copy
 import json
 import logging
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, ClassVar, Iterable, Iterator
 
 import torch
 
@@ -68,6 +68,10 @@ def _with_resolved_bf16(train: TrainParams, device: str) -> TrainParams:
 
 class PolicyLearner(Learner):
     """A causal LM policy (``self.model.lm``) with an AdamW optimiser and an LR schedule."""
+
+    #: Whether the learner runs with ``train.sharding: fsdp``: every pass through ``self.model``'s
+    #: forward or aligned with ``rank_passes`` / ``aligned``, weights read through ``policy_weights``.
+    shardable: ClassVar[bool] = False
 
     def __init__(self, ctx: LearnerContext, train: TrainParams, *, with_value_head: bool) -> None:
         from transformers import AutoModelForCausalLM
@@ -132,8 +136,9 @@ class PolicyLearner(Learner):
 
     def _shard(self, extra_param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Shards the policy in place; the extra groups' parameters by name, as they are after it."""
-        if getattr(self.model, "critic", None) is not None:
-            raise ValueError("train.sharding=fsdp is built for ppo.critic=shared so far")
+        if not self.shardable or getattr(self.model, "critic", None) is not None:
+            raise ValueError(f"train.sharding=fsdp is not built for the {self.name} learner"
+                             f"{' with ppo.critic=separate' if self.shardable else ''} yet")
         names = {id(p): n for n, p in self.model.named_parameters()}
         wanted = [[names[id(p)] for p in g["params"]] for g in extra_param_groups]
         shard_policy(self.model, decoder_layers(self.model.lm))

@@ -107,6 +107,7 @@ _MEASURED_ON_RUN_ROWS = ("policy/entropy", "policy/clip_frac", "policy/approx_kl
 class PPOLearner(PolicyLearner):
     name = "ppo"
     config_section = "ppo"
+    shardable = True
     required_fields = ("scores",)
 
     def __init__(self, ctx: LearnerContext, train: TrainParams, hp: PPOParams) -> None:

@@ -31,6 +31,7 @@ class SFTParams(Protocol):
 class SFTLearner(PolicyLearner):
     name = "sft"
     config_section = "sft"
+    shardable = True
     required_fields = ()
 
     def __init__(self, ctx: LearnerContext, train: TrainParams, hp: SFTParams) -> None:
