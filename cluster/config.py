@@ -416,8 +416,8 @@ class TrainConfig(Section):
         "replicated", "How learner workers hold the policy: replicated (each worker the whole model, its gradients and "
         "AdamW state: about 16 bytes per trained parameter) or fsdp (PyTorch FSDP2: each of N workers holds 1/N of "
         "them, each decoder layer gathered only while it computes; learners/sharding.py). Either way N workers take "
-        "the step one worker would on the same global batch. fsdp: run.algorithm=ppo, sft or dpo, full or "
-        "LoRA, with ppo.critic=shared so far; shared prompts take only the packed one-pass form "
+        "the step one worker would on the same global batch. fsdp: run.algorithm=ppo (either critic), sft or "
+        "dpo, full or LoRA, so far; shared prompts take only the packed one-pass form "
         "under it (a group too long to pack runs its rows in full).")
     shared_prefix: bool = _f(
         True,
@@ -836,9 +836,8 @@ class Config(Section):
              "data.streaming streams one data.task file or folder of prompts to run.algorithm=ppo or online qlearn "
              "(no data.mix, env.name, rollout.agent or rollout.dynamic_sampling)"),
             (self.train.sharding == "replicated" or (self.run.algorithm in SHARDED_ALGORITHMS
-                                                    and ppo.critic == "shared" and not self.train.compile),
-             "train.sharding=fsdp is built for run.algorithm=ppo, sft or dpo so far (with ppo.critic=shared, "
-             "without train.compile)"),
+                                                    and not self.train.compile),
+             "train.sharding=fsdp is built for run.algorithm=ppo, sft or dpo so far (without train.compile)"),
             (ppo.critic == "shared" or ppo.advantage_estimator == "gae",
              f"ppo.critic=separate is a critic for advantage_estimator=gae; {ppo.advantage_estimator} uses none"),
             (not ppo.critic_init or ppo.critic == "separate", "ppo.critic_init starts a separate critic: set ppo.critic=separate"),

@@ -31,6 +31,12 @@ class Critic(nn.Module):
         if pooling not in ("token", "mean"):
             raise ValueError(f"critic pooling must be 'token' or 'mean', got {pooling!r}")
         self.decoder, self.head, self.pooling = decoder, head, pooling
+        # One decoder call per pass (sharded learners: every layer's run is a collective).
+        self.one_call = False
+
+    def layers(self) -> nn.ModuleList:
+        """The decoder's layers (through a PEFT wrapper, with LoRA)."""
+        return (self.decoder.get_base_model() if hasattr(self.decoder, "get_base_model") else self.decoder).layers
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, positions_mask: torch.Tensor,
                 group_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -38,7 +44,8 @@ class Critic(nn.Module):
         across a group's rows as the policy's pass does. ``pooling='mean'``: the value of a state
         reads the mean of the hidden states of every attended token so far (causal, so still a
         function of the state only) instead of the last one's."""
-        hidden, _ = decoder_hidden(self.decoder, input_ids, attention_mask, positions_mask, group_ids)
+        hidden, _ = decoder_hidden(self.decoder, input_ids, attention_mask, positions_mask, group_ids,
+                                   one_call=self.one_call)
         if self.pooling == "mean":
             keep = attention_mask.to(hidden.dtype).unsqueeze(-1)
             hidden = (hidden * keep).cumsum(1) / keep.cumsum(1).clamp(min=1)

@@ -136,12 +136,16 @@ class PolicyLearner(Learner):
 
     def _shard(self, extra_param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Shards the policy in place; the extra groups' parameters by name, as they are after it."""
-        if not self.shardable or getattr(self.model, "critic", None) is not None:
-            raise ValueError(f"train.sharding=fsdp is not built for the {self.name} learner"
-                             f"{' with ppo.critic=separate' if self.shardable else ''} yet")
+        if not self.shardable:
+            raise ValueError(f"train.sharding=fsdp is not built for the {self.name} learner yet")
         names = {id(p): n for n, p in self.model.named_parameters()}
         wanted = [[names[id(p)] for p in g["params"]] for g in extra_param_groups]
-        shard_policy(self.model, decoder_layers(self.model.lm))
+        layers = list(decoder_layers(self.model.lm))
+        critic = getattr(self.model, "critic", None)
+        if critic is not None:  # a separate critic's layers are units too; its embeddings join the root's
+            critic.one_call = True
+            layers += list(critic.layers())
+        shard_policy(self.model, layers)
         # FSDP sets its units up on the first pass through the root, which must be a training pass
         # (one without gradients leaves the root's backward unhooked) and must come before any
         # pass that enters the LM directly (the reference with LoRA off, the sync probe).

@@ -135,8 +135,10 @@ class PPOLearner(PolicyLearner):
                      "weight_decay": hp.critic_weight_decay}
         self._init_optimizer([group], updates_per_step=train.epochs * train.num_minibatches)
         if self.separate_critic:
-            critic = {id(p) for p in group["params"]}
-            self.clip_groups = [[p for p in self.trainable if id(p) not in critic], list(group["params"])]
+            # The critic's group as the optimiser holds it (sharding replaced the parameters).
+            critic_params = list(self.optimizer.param_groups[1]["params"])
+            critic = {id(p) for p in critic_params}
+            self.clip_groups = [[p for p in self.trainable if id(p) not in critic], critic_params]
 
     # -- forward helpers -------------------------------------------------------------------------
     def _forward(self, exp: Experience, *, grad: bool) -> dict[str, torch.Tensor]:
@@ -540,7 +542,10 @@ class PPOLearner(PolicyLearner):
             missing = set(self.model.critic.trainable_state()) - set(saved)
             if missing:
                 raise ValueError(f"{path} lacks the critic's {sorted(missing)[:3]}")
-            self.model.critic.load_state_dict(saved, strict=False)
+            if self.sharded:
+                load_full_weights(self.model, {f"critic.{k}": v for k, v in saved.items()}, strict=False)
+            else:
+                self.model.critic.load_state_dict(saved, strict=False)
             return
         critic = folder / CRITIC_DIR / "value_head.safetensors"
         if self.use_critic and critic.is_file():

@@ -30,7 +30,7 @@ from learners.distributed import Collective
 SHARDINGS: tuple[str, ...] = ("replicated", "fsdp")
 
 
-def shard_policy(root: nn.Module, layers: nn.ModuleList) -> None:
+def shard_policy(root: nn.Module, layers: list[nn.Module]) -> None:
     """FSDP2 units: every module of ``layers``, then ``root`` with what is left (in place).
 
     Gradients are summed over ranks, not averaged (the learners' losses already carry global

@@ -98,7 +98,7 @@ def test_types_are_checked_and_coerced():
     assert load_config(overrides=["rollout.inflight_updates=true", "rollout.max_staleness=1"]).rollout.inflight_updates
     # Sharded learners are built for full fine-tuning PPO/GRPO so far: the rest is one clear line.
     assert load_config(overrides=["train.sharding=fsdp"]).train.sharding == "fsdp"
-    for other in (["run.algorithm=qlearn"], ["ppo.critic=separate"], ["train.compile=true"]):
+    for other in (["run.algorithm=qlearn"], ["run.algorithm=reward_model", "dpo.pairs=scorer"], ["train.compile=true"]):
         with pytest.raises(ConfigError, match="train.sharding=fsdp is built for run.algorithm=ppo, sft or dpo"):
             load_config(overrides=["train.sharding=fsdp", *other])
 

@@ -36,6 +36,9 @@ CASES = {
     "grpo_kl": ("ppo", {"micro_batch_size": 2}, {"advantage_estimator": "grpo", "kl_coef": 0.1}, "groups"),
     # the shared value head (trained with the trunk), two epochs: two optimiser steps
     "gae": ("ppo", {"micro_batch_size": 2, "epochs": 2}, {"advantage_estimator": "gae"}, "groups"),
+    # a separate critic: its own decoder's layers sharded beside the policy's
+    "gae_separate_critic": ("ppo", {"micro_batch_size": 2},
+                            {"advantage_estimator": "gae", "critic": "separate", "critic_lr": 1e-4}, "groups"),
     # one fused pass on rank 0 while rank 1, with no rows, runs an idle one
     "fused_empty_rank": ("ppo", {"micro_batch_size": 8}, {"advantage_estimator": "grpo", "kl_coef": 0.0}, "one_group"),
     # 7 demonstrations in minibatches of 4 and 3, every other row to each rank, one row per pass:
@@ -86,8 +89,9 @@ def _step(learner, batch) -> tuple[torch.Tensor, dict, dict]:
     learner.on_gradients = on_gradients
     metrics = learner.train_step(batch)
     weights = learner.policy_state_dict()
-    head = learner.model.value_head
+    head, critic = learner.model.value_head, getattr(learner.model, "critic", None)
     weights.update({f"value_head.{k}": _full(v).detach().clone() for k, v in (head.state_dict() if head else {}).items()})
+    weights.update({f"critic.{k}": _full(v).detach().clone() for k, v in (critic.state_dict() if critic else {}).items()})
     return captured["g"], metrics, weights
 
 
@@ -140,14 +144,15 @@ def runs(tiny_model_path, tmp_path_factory):
 
 
 def _assert_weights_close(got: dict, ref: dict) -> None:
-    """Each weight within a quarter of the learning rate, and within 0.002 of it on average: Adam
-    moves every weight by about lr whatever its gradient's size, so summation-order noise can move
-    a weight whose gradient is near 0 by a visible part of lr (0.04 lr seen, 1 element in 32768),
-    while a wrong gradient, moment or schedule moves the average by a large part of it."""
+    """Each weight within 0.002 lr of the reference on average, and none further than the two
+    sides of one Adam step (2.5 lr). Adam moves every weight by about lr whatever its gradient's
+    size, so where a gradient is rounding noise around 0 (a critic's embedding row of a token seen
+    once) its sign, and the weight's step, can flip (0.43 lr seen, 1 element in 65536); a wrong
+    gradient, moment or schedule moves the average by a large part of lr."""
     assert got.keys() == ref.keys()
     for name, w in ref.items():
         diff = (got[name] - w).abs()
-        assert float(diff.max()) <= 0.25 * LR and float(diff.mean()) <= 0.002 * LR, (
+        assert float(diff.max()) <= 2.5 * LR and float(diff.mean()) <= 0.002 * LR, (
             f"{name}: max {float(diff.max()) / LR:.3g} lr, mean {float(diff.mean()) / LR:.3g} lr")
 
 
