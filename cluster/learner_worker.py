@@ -165,13 +165,10 @@ def _pack_weights(learner: Any, spec: LearnerSpec, comm: Any) -> tuple[Any, floa
     """The policy as one flat buffer in the generators' dtype, and the seconds it took. A sharded
     learner's other ranks only take part in gathering each tensor (None: rank 0 packs)."""
     from cluster.weight_sync import pack
-    from learners.sharding import full_tensor
 
     t0 = time.perf_counter()
     if comm.rank != 0:
-        with learner.policy_weights() as weights:
-            for t in weights.values():
-                full_tensor(t)
+        learner.policy_state_dict(keep=False)
         return None, time.perf_counter() - t0
     with learner.policy_weights() as weights:
         # Every caller hands the buffer on (ray.put copies it; the broadcast is synchronous)

@@ -171,16 +171,12 @@ class PPOLearner(PolicyLearner):
         vals = torch.zeros_like(lps)
         # Length-sorted, trimmed micro-batches (see _update); results go back to their rows.
         order = micro_batch_order(exp.attention_mask.sum(1), exp.group_ids)
-        starts = range(0, exp.batch_size, self.tr.micro_batch_size)
-        idle = self.aligned(len(starts)) - len(starts)  # agreed before any pass: each is a collective
-        for s in starts:
-            idx = order[s : s + self.tr.micro_batch_size]
+        for idx in self.rank_passes(torch.split(order, self.tr.micro_batch_size), grad=False):
             part = exp.select(idx).trimmed()
             out = self._forward(part, grad=False)
             lps[idx, : part.seq_len] = out["logprobs"]
             if self.use_critic:
                 vals[idx, : part.seq_len] = out["values"]
-        self.idle_passes(idle, grad=False)
         return lps, vals
 
     def reference_logprobs(self, exp: Experience) -> torch.Tensor:
