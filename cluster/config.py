@@ -372,7 +372,7 @@ class EnvConfig(Section):
 
 
 # Algorithms whose learners run with train.sharding=fsdp (learners/sharding.py).
-SHARDED_ALGORITHMS = ("ppo", "sft", "dpo")
+SHARDED_ALGORITHMS = ("ppo", "sft", "dpo", "qlearn", "reward_model")
 
 
 class TrainConfig(Section):
@@ -837,7 +837,7 @@ class Config(Section):
              "(no data.mix, env.name, rollout.agent or rollout.dynamic_sampling)"),
             (self.train.sharding == "replicated" or (self.run.algorithm in SHARDED_ALGORITHMS
                                                     and not self.train.compile),
-             "train.sharding=fsdp is built for run.algorithm=ppo, sft or dpo so far (without train.compile)"),
+             "train.sharding=fsdp is built for run.algorithm=ppo, sft, dpo, qlearn or reward_model, without train.compile"),
             (ppo.critic == "shared" or ppo.advantage_estimator == "gae",
              f"ppo.critic=separate is a critic for advantage_estimator=gae; {ppo.advantage_estimator} uses none"),
             (not ppo.critic_init or ppo.critic == "separate", "ppo.critic_init starts a separate critic: set ppo.critic=separate"),

@@ -10,6 +10,7 @@ each sequence.
 from __future__ import annotations
 
 import contextlib
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -113,9 +114,9 @@ class PolicyWithValueHead(nn.Module):
 
     def forward(
         self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        positions_mask: torch.Tensor,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        positions_mask: torch.Tensor | None = None,
         *,
         temperature: float = 1.0,
         chunk: int = 1024,
@@ -123,7 +124,8 @@ class PolicyWithValueHead(nn.Module):
         with_entropy: bool = False,
         group_ids: torch.Tensor | None = None,
         fused: bool = False,
-    ) -> dict[str, torch.Tensor]:
+        run: Callable[[], Any] | None = None,
+    ) -> Any:
         """Per-token log-probs (and values / entropy) at ``positions_mask``.
 
         With ``group_ids`` (B,), rows of one group that share their prefix up to the first
@@ -137,7 +139,13 @@ class PolicyWithValueHead(nn.Module):
         Returns:
             dict with ``logprobs`` (B, L) float32, optionally ``values`` (B, L) float32 and
             ``entropy`` (B, L) float32 (detached), zero outside ``positions_mask``.
+
+        ``run``: instead, a learner's own computation over the modules (Q-values, a reward head),
+        returned as it is. Run inside ``forward`` so that sharded weights are gathered around it
+        and its gradients reduced after it, as for any pass (FSDP hooks the module's forward).
         """
+        if run is not None:
+            return run()
         hidden = self.hidden(input_ids, attention_mask, positions_mask, group_ids)
         critic = getattr(self, "critic", None)
         out = heads_at_positions(
@@ -525,6 +533,8 @@ def last_token_hidden(
     attention_mask: torch.Tensor,
     positions_mask: torch.Tensor | None = None,
     group_ids: torch.Tensor | None = None,
+    *,
+    one_call: bool = False,
 ) -> tuple[torch.Tensor, bool]:
     """(B, H) hidden state of each row's last attended token: where a reward model reads the
     whole (prompt, response) sequence (InstructGPT's scalar head on the final token), and
@@ -533,8 +543,9 @@ def last_token_hidden(
     input_ids, attention_mask: (B, L); padding may sit anywhere after a row's last real token.
     positions_mask, group_ids: as ``decoder_hidden`` (the responses, and the pair or group of
     each row): a preference pair's two rows then run their prompt once.
+    ``one_call``: as ``decoder_hidden``.
     """
-    hidden, shared = decoder_hidden(decoder, input_ids, attention_mask, positions_mask, group_ids)
+    hidden, shared = decoder_hidden(decoder, input_ids, attention_mask, positions_mask, group_ids, one_call=one_call)
     positions = torch.arange(input_ids.shape[1], device=input_ids.device)
     last = (positions * attention_mask.long()).argmax(1)
     return hidden[torch.arange(input_ids.shape[0], device=input_ids.device), last], shared

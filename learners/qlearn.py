@@ -40,6 +40,7 @@ from learners.td_losses import conservative_penalty, cql_penalty, td_loss
 from learners.modeling import autocast, max_q_after_positions, q_heads_at_positions
 from learners.optim import ema_update_
 from learners.policy import PolicyLearner
+from learners.sharding import full_tensor, load_shard_, local
 
 TARGET_DIR = "target"
 TARGET_FILE = "target.safetensors"
@@ -73,6 +74,7 @@ _SUMS = ("loss/td", "loss/conservative", "loss/kl", "q/taken", "q/target", "q/un
 class QLearner(PolicyLearner):
     name = "qlearn"
     config_section = "qlearn"
+    shardable = True
 
     def __init__(self, ctx: LearnerContext, train: TrainParams, hp: QLearnParams) -> None:
         super().__init__(ctx, train, with_value_head=False)
@@ -119,15 +121,39 @@ class QLearner(PolicyLearner):
     # -- networks --------------------------------------------------------------------------------
     @contextlib.contextmanager
     def target_network(self) -> Iterator[None]:
-        """The target weights in place of the online ones for the duration of the context."""
-        online = [p.data for p in self.trainable]
+        """The target weights in place of the online ones for the duration of the context.
+
+        Replicated: the parameters' data swapped (no copy). Sharded: each rank's shards copied in
+        and back (FSDP gathers from the shards' own storage), the root unit's gathered weights
+        dropped on the way in and out (after a pass without gradients it keeps them)."""
+        if not self.sharded:
+            online = [p.data for p in self.trainable]
+            try:
+                for p, t in zip(self.trainable, self.target_params):
+                    p.data = t
+                yield
+            finally:
+                for p, o in zip(self.trainable, online):
+                    p.data = o
+            return
+        shards = [local(p) for p in self.trainable]
+        online = [s.clone() for s in shards]
+        self.model.reshard()
+        torch._foreach_copy_(shards, [local(t) for t in self.target_params])
         try:
-            for p, t in zip(self.trainable, self.target_params):
-                p.data = t
             yield
         finally:
-            for p, o in zip(self.trainable, online):
-                p.data = o
+            self.model.reshard()
+            torch._foreach_copy_(shards, online)
+
+    def idle_passes(self, n: int, *, grad: bool) -> None:
+        """A Q update's passes are two (the target network's, then the online one): an idle rank
+        runs both. (The build's first pass comes before the target network exists.)"""
+        for _ in range(n):
+            if getattr(self, "target_params", None) is not None:
+                with torch.no_grad(), self.target_network():
+                    self.idle_outputs()
+            super().idle_passes(1, grad=grad)
 
     def _hidden(self, part: Experience) -> torch.Tensor:
         return self.model.hidden(part.input_ids, part.attention_mask, part.response_mask,
@@ -143,8 +169,17 @@ class QLearner(PolicyLearner):
             decay = hp.target_decay
         else:
             return
-        ema_update_(self.target_params, [p.detach() for p in self.trainable], decay)
+        ema_update_([local(t) for t in self.target_params], [local(p.detach()) for p in self.trainable], decay)
         self.target_updates += 1
+
+    def _with_reference(self, batch: Experience) -> Experience:
+        """``batch`` with the reference's log-probs where the KL anchor needs them and the batch
+        brought none (LoRA: the base model with the adapter disabled, every row at once)."""
+        if not self.hp.uses_reference or batch.ref_logprobs is not None:
+            return batch
+        ref = self.base_logprobs(batch.input_ids, batch.attention_mask, batch.response_mask, batch.group_ids,
+                                 temperature=self.temperature)
+        return batch.replace(ref_logprobs=ref)
 
     # -- the update ------------------------------------------------------------------------------
     def _micro(self, batch: Experience, idx: torch.Tensor, mask: torch.Tensor, rewards: torch.Tensor,
@@ -159,17 +194,19 @@ class QLearner(PolicyLearner):
         self.model.eval()  # targets without dropout noise
         try:
             with torch.no_grad(), self.target_network(), autocast(self.tr.bf16, self.device):
-                next_max = max_q_after_positions(self._hidden(part), bootstrap_positions(m), head, chunk=chunk)
+                next_max = self.model(run=lambda: max_q_after_positions(
+                    self._hidden(part), bootstrap_positions(m), head, chunk=chunk))
         finally:
             self.model.train(was_training)
         targets = q_learning_targets(r, next_max, m, done[idx], gamma=hp.gamma, n_step=hp.n_step,
                                      mc_lower_bound=hp.mc_lower_bound)
         floor = hp.q_floor * hp.reward_scale
+        terms = ("logsumexp" if hp.conservative == "logsumexp" else "sq_dev_sum",
+                 *(("logprobs",) if hp.uses_reference else ()))
         with torch.set_grad_enabled(grad), autocast(self.tr.bf16, self.device):
-            out = q_heads_at_positions(self._hidden(part), part.input_ids, m, head, floor=floor,
-                                       temperature=self.temperature, chunk=chunk,
-                                       terms=("logsumexp" if hp.conservative == "logsumexp" else "sq_dev_sum",
-                                              *(("logprobs",) if hp.uses_reference else ())))
+            out = self.model(run=lambda: q_heads_at_positions(
+                self._hidden(part), part.input_ids, m, head, floor=floor, temperature=self.temperature,
+                chunk=chunk, terms=terms))
         mf = m.float()
         td = (td_loss(out["q"], targets) * mf).sum() / n_actions
         if hp.conservative == "logsumexp":
@@ -179,11 +216,7 @@ class QLearner(PolicyLearner):
         cons = (penalty * mf).sum() / n_actions
         kl = torch.zeros((), device=self.device)
         if hp.uses_reference:
-            ref = part.ref_logprobs
-            if ref is None:  # LoRA: the base model with the adapter disabled
-                ref = self.base_logprobs(part.input_ids, part.attention_mask, m, part.group_ids,
-                                         temperature=self.temperature)
-            kl = (kl_penalty(out["logprobs"], ref, "k3") * mf).sum() / n_actions
+            kl = (kl_penalty(out["logprobs"], part.ref_logprobs, "k3") * mf).sum() / n_actions
         loss = td + hp.conservative_weight * cons + hp.kl_coef * kl
         if not torch.isfinite(loss):
             raise FloatingPointError(f"non-finite Q-learning loss: td {float(td)}, conservative {float(cons)}, kl {float(kl)}")
@@ -213,6 +246,7 @@ class QLearner(PolicyLearner):
         mask, rewards, done = self.episodes(batch)
         if not bool(mask.any()):
             return {"learner/empty_batch": 1.0, "learner/sequences": float(batch.batch_size)}
+        batch = self._with_reference(batch)
         self.model.train()
         self.model.rows_shared = self.model.rows_total = 0
         totals = torch.zeros(len(_SUMS), dtype=torch.float64, device=self.device)
@@ -222,7 +256,7 @@ class QLearner(PolicyLearner):
             n_actions = max(int(mask[mini].sum()), 1)
             actions += n_actions
             self.optimizer.zero_grad(set_to_none=True)
-            for micro in torch.split(mine, tr.micro_batch_size):
+            for micro in self.rank_passes(torch.split(mine, tr.micro_batch_size), grad=True):
                 totals += self._micro(batch, micro, mask, rewards, done, n_actions, grad=True)
             grad_norms.append(self._optimizer_step())
             self.updates += 1
@@ -254,13 +288,13 @@ class QLearner(PolicyLearner):
     def evaluate(self, batch: Experience) -> dict[str, float]:
         """TD loss and Q statistics of held-out transitions (no update), under ``eval/``."""
         self.check_batch(batch)
-        batch = self.on_device(batch)
+        batch = self._with_reference(self.on_device(batch))
         mask, rewards, done = self.episodes(batch)
         n = max(int(mask.sum()), 1)
         self.model.eval()
         totals = torch.zeros(len(_SUMS), dtype=torch.float64, device=self.device)
         mine = torch.arange(batch.batch_size, device=self.device)[self.comm.rank :: self.comm.world]
-        for micro in torch.split(mine, self.tr.micro_batch_size):
+        for micro in self.rank_passes(torch.split(mine, self.tr.micro_batch_size), grad=False):
             totals += self._micro(batch, micro, mask, rewards, done, n, grad=False)
         summed = self.comm.all_reduce_sum(totals)
         return {f"eval/{k}": float(v) / n for k, v in zip(_SUMS, summed)} | {"eval/tokens": float(mask.sum())}
@@ -276,9 +310,11 @@ class QLearner(PolicyLearner):
     def save_extra(self, folder: Path) -> None:
         from safetensors.torch import save_file
 
+        target = {n: full_tensor(t).contiguous().cpu() for n, t in zip(self.target_names, self.target_params)}
+        if not self.writes_files:  # sharded: every rank gathered, rank 0 writes
+            return
         (folder / TARGET_DIR).mkdir(parents=True, exist_ok=True)
-        save_file({n: t.contiguous().cpu() for n, t in zip(self.target_names, self.target_params)},
-                  str(folder / TARGET_DIR / TARGET_FILE))
+        save_file(target, str(folder / TARGET_DIR / TARGET_FILE))
 
     def restore_extra(self, folder: Path) -> None:
         from safetensors.torch import load_file
@@ -291,4 +327,4 @@ class QLearner(PolicyLearner):
         if missing:
             raise ValueError(f"target network in {folder} does not fit this learner (missing {missing[:3]})")
         for n, t in zip(self.target_names, self.target_params):
-            t.copy_(saved[n])
+            load_shard_(t, saved[n])

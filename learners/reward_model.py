@@ -30,6 +30,7 @@ from learners.experience import Experience
 from learners.preference_losses import bradley_terry_loss
 from learners.modeling import autocast, last_token_hidden
 from learners.policy import PolicyLearner
+from learners.sharding import idle_inputs, load_full_weights
 
 _STATS = ("loss/total", "rewards/accuracy", "rewards/margin", "rewards/chosen", "rewards/rejected")
 HEAD_NAME = "score.weight"
@@ -49,6 +50,7 @@ class RewardModelLearner(PolicyLearner):
 
     name = "reward_model"
     config_section = "reward_model"
+    shardable = True
     required_fields = ("scores",)
 
     def __init__(self, ctx: LearnerContext, train: TrainParams, hp: RewardModelParams) -> None:
@@ -70,12 +72,24 @@ class RewardModelLearner(PolicyLearner):
     def rewards(self, part: Experience) -> torch.Tensor:
         """(B,) rewards of whole sequences (prompt and response). A pair's two rows run their
         shared prompt once (``train.shared_prefix``)."""
-        with autocast(self.tr.bf16, self.device):
-            h, shared = last_token_hidden(self.model.lm.get_decoder(), part.input_ids, part.attention_mask,
-                                          part.response_mask, part.group_ids if self.tr.shared_prefix else None)
-        self.model.rows_shared += part.batch_size if shared else 0
-        self.model.rows_total += part.batch_size
-        return self.model.value_head(h.float()).squeeze(-1)
+        return self._rewards(part.input_ids, part.attention_mask, part.response_mask,
+                             part.group_ids if self.tr.shared_prefix else None)
+
+    def _rewards(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor,
+                 group_ids: torch.Tensor | None) -> torch.Tensor:
+        def run() -> torch.Tensor:
+            with autocast(self.tr.bf16, self.device):
+                h, shared = last_token_hidden(self.model.lm.get_decoder(), input_ids, attention_mask, positions,
+                                              group_ids, one_call=self.sharded)
+            self.model.rows_shared += input_ids.shape[0] if shared else 0
+            self.model.rows_total += input_ids.shape[0]
+            return self.model.value_head(h.float()).squeeze(-1)
+
+        return self.model(run=run)  # through the module's forward: sharded weights gather around it
+
+    def idle_outputs(self) -> dict[str, torch.Tensor]:
+        """An idle pass reaches what a reward pass reaches: the trunk and the reward head."""
+        return {"rewards": self._rewards(*idle_inputs(self.device), None)}
 
     def train_step(self, batch: Experience) -> dict[str, float]:
         """One pass (``train.epochs`` x ``train.num_minibatches`` updates) over the global batch."""
@@ -93,7 +107,7 @@ class RewardModelLearner(PolicyLearner):
         grad_norms = []
         for mini, mine in self.global_minibatches(torch.arange(len(chosen), device=self.device)):
             self.optimizer.zero_grad(set_to_none=True)
-            for micro in torch.split(mine, max(1, tr.micro_batch_size // 2)):
+            for micro in self.rank_passes(torch.split(mine, max(1, tr.micro_batch_size // 2)), grad=True):
                 totals += self._micro_step(batch, chosen[micro], rejected[micro], max(len(mini), 1))
             grad_norms.append(self._optimizer_step())
         self.version += 1
@@ -115,7 +129,8 @@ class RewardModelLearner(PolicyLearner):
         batch = self.on_device(batch)
         self.model.eval()
         return evaluate_pairs(batch, self.comm, self.tr.micro_batch_size // 2, _STATS,
-                              lambda c, r, n: self._micro_step(batch, c, r, n, grad=False))
+                              lambda c, r, n: self._micro_step(batch, c, r, n, grad=False),
+                              passes=lambda micros: self.rank_passes(micros, grad=False))
 
     def _micro_step(self, batch: Experience, chosen: torch.Tensor, rejected: torch.Tensor, global_pairs: int,
                     grad: bool = True) -> torch.Tensor:
@@ -149,6 +164,11 @@ class RewardModelLearner(PolicyLearner):
         from learners.base import save_learner_state
 
         folder = Path(folder)
+        writes = self.writes_files  # sharded: every rank gathers each tensor, rank 0 writes
+        weights = self.policy_state_dict(keep=writes)
+        state = self.state_dict()
+        if not writes:
+            return folder
         folder.mkdir(parents=True, exist_ok=True)
         config = self.model.lm.config.to_dict()
         arch = type(self.model.lm).__name__.replace("ForCausalLM", "ForSequenceClassification")
@@ -157,10 +177,9 @@ class RewardModelLearner(PolicyLearner):
         if config.get("pad_token_id") is None:  # transformers pools the last non-pad token: it needs one
             config["pad_token_id"] = config.get("eos_token_id") if isinstance(config.get("eos_token_id"), int) else 0
         (folder / "config.json").write_text(json.dumps(config, indent=1))
-        with self.policy_weights() as sd:
-            save_file({k: v.detach().contiguous().to("cpu", copy=True) for k, v in sd.items()}, str(folder / "model.safetensors"),
-                      metadata={"format": "pt"})
-        path = save_learner_state(folder, self.state_dict())
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(folder / "model.safetensors"),
+                  metadata={"format": "pt"})
+        path = save_learner_state(folder, state)
         (path.parent / "learner.json").write_text(json.dumps({"algorithm": self.name, "version": self.version}))
         if tokenizer_from:
             from transformers import AutoTokenizer
@@ -174,12 +193,17 @@ class RewardModelLearner(PolicyLearner):
         head = weights.pop(HEAD_NAME, None)
         if head is None:
             raise ValueError(f"{folder} holds no reward head ({HEAD_NAME}): not a reward-model checkpoint")
-        trunk = {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
-        missing, unexpected = self.model.lm.get_decoder().load_state_dict(trunk, strict=False)
+        if self.sharded:  # into the shards, by the policy module's parameter names
+            full = {f"lm.{k}": v for k, v in weights.items()} | {"value_head.weight": head}
+            missing, unexpected = load_full_weights(self.model, full, strict=False)
+            missing = [m for m in missing if m not in ("lm.lm_head.weight", "value_head.bias")]
+        else:
+            trunk = {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
+            missing, unexpected = self.model.lm.get_decoder().load_state_dict(trunk, strict=False)
+            with torch.no_grad():
+                self.model.value_head.weight.copy_(head)
         if missing or unexpected:
             raise ValueError(f"{folder} does not fit this model (missing {missing[:3]}, unexpected {unexpected[:3]})")
-        with torch.no_grad():
-            self.model.value_head.weight.copy_(head)
         self.load_state_dict(load_learner_state(folder))
 
 

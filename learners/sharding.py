@@ -56,6 +56,23 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if is_sharded(t) else t
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of ``t`` as a plain tensor sharing its storage (in-place writes reach the
+    sharded parameter), or ``t`` itself."""
+    return t.to_local() if is_sharded(t) else t
+
+
+def load_shard_(t: torch.Tensor, full: torch.Tensor) -> None:
+    """Copies this rank's part of the whole tensor ``full`` into ``t`` (a shard, or a plain
+    tensor). A collective for shards: every rank passes the same ``full``."""
+    if is_sharded(t):
+        from torch.distributed.tensor import distribute_tensor
+
+        full = distribute_tensor(full.to(t.device, t.dtype), t.device_mesh, t.placements).to_local()
+    with torch.no_grad():
+        local(t).copy_(full)
+
+
 def aligned_passes(comm: Collective, n: int) -> int:
     """The number of passes every rank runs: the largest ``n`` of any rank."""
     return int(comm.all_reduce_max(torch.tensor([float(n)], dtype=torch.float64))[0])
@@ -112,4 +129,6 @@ def load_full_weights(root: nn.Module, weights: Mapping[str, torch.Tensor], *, s
     """Full tensors (``root``'s naming) into this rank's shards (every rank passes all of them)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    return set_model_state_dict(root, dict(weights), options=StateDictOptions(full_state_dict=True, strict=strict))
+    result = set_model_state_dict(root, dict(weights), options=StateDictOptions(full_state_dict=True, strict=strict))
+    root.reshard()  # the root unit keeps the weights it gathered for a pass without gradients: drop them
+    return result

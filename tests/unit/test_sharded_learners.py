@@ -1,11 +1,13 @@
 """Sharded learners (``train.sharding: fsdp``) take the step one replicated learner takes on the
-same global batch, and a sharded run resumes with another number of ranks as if uninterrupted.
+same global batch — PPO with either critic, GRPO, SFT, DPO, Q-learning (its EMA target network
+too) and the reward model, with LoRA on and off, on 2 and on 4 ranks — and a sharded run resumes
+with another number of ranks as if uninterrupted.
 
 The ranks are real processes in a gloo group (``tests/helpers/ranks.py``): FSDP2 shards the
 parameters into DTensors and gathers / reduce-scatters them in every pass. Shards of unequal size
-(5 and 2 rows; 3 and 0) make the ranks run different numbers of passes of their own, so the idle
-passes that keep their collectives aligned are exercised. Gradients are compared before the
-optimiser step (gathered from the shards), weights after it.
+(5 and 2 rows; 3 and 0; over 4 ranks 3, 2, 2 and 0) make the ranks run different numbers of
+passes of their own, so the idle passes that keep their collectives aligned are exercised.
+Gradients are compared before the optimiser step (gathered from the shards), weights after it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from tests.helpers.factories import (
     grouped_batch,
     make_dpo_learner,
     make_learner,
+    make_q_learner,
+    make_rm_learner,
     make_sft_learner,
     preference_batch,
     tiny_lm,
@@ -49,13 +53,23 @@ CASES = {
     # LoRA: the learner's own reference pass (adapter off) on its rows, the weights merged shard by shard
     "grpo_lora": ("ppo_lora", {"micro_batch_size": 2}, {"advantage_estimator": "grpo", "kl_coef": 0.1}, "groups_no_ref"),
     "dpo_lora": ("dpo_lora", {"micro_batch_size": 2}, {"beta": 0.5}, "pairs_no_ref"),
+    # Q-learning: per update a target-network pass and an online pass (2 updates: the second's
+    # target is the EMA after the first), 2-step backups, the KL anchor to the given reference
+    "qlearn": ("qlearn", {"micro_batch_size": 2, "num_minibatches": 2}, {"n_step": 2, "kl_coef": 0.1}, "groups"),
+    # the EMA of the adapter alone; the reference is the base model, computed by the learner
+    "qlearn_lora": ("qlearn_lora", {"micro_batch_size": 2, "num_minibatches": 2}, {"kl_coef": 0.1}, "groups_no_ref"),
+    # a reward model: the trunk and the reward head, one pair per pass (2 passes; 1 and an idle one)
+    "reward_model": ("reward_model", {"micro_batch_size": 2}, {}, "pairs"),
 }
 LORA = {"r": 4, "alpha": 8.0}
 BUILDERS = {"ppo": lambda path, train, own: make_learner(path, train=train, ppo=own),
             "sft": lambda path, train, own: make_sft_learner(path, train=train),
             "dpo": lambda path, train, own: make_dpo_learner(path, train=train, dpo=own),
             "ppo_lora": lambda path, train, own: make_learner(path, train=train, ppo=own, lora=LORA),
-            "dpo_lora": lambda path, train, own: make_dpo_learner(path, train=train, dpo=own, lora=LORA)}
+            "dpo_lora": lambda path, train, own: make_dpo_learner(path, train=train, dpo=own, lora=LORA),
+            "qlearn": lambda path, train, own: make_q_learner(path, train=train, qlearn=own),
+            "qlearn_lora": lambda path, train, own: make_q_learner(path, train=train, qlearn=own, lora=LORA),
+            "reward_model": lambda path, train, own: make_rm_learner(path, train=train, rm=own)}
 
 
 def _batches(path: str) -> dict:
@@ -79,7 +93,8 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def _step(learner, batch) -> tuple[torch.Tensor, dict, dict]:
-    """(global gradient of the first update, metrics, weights after the step: policy and value head)."""
+    """(global gradient of the first update, metrics, weights after the step: policy, value head
+    and a Q-learner's target network)."""
     captured: dict = {}
 
     def on_gradients(params):
@@ -92,10 +107,12 @@ def _step(learner, batch) -> tuple[torch.Tensor, dict, dict]:
     head, critic = learner.model.value_head, getattr(learner.model, "critic", None)
     weights.update({f"value_head.{k}": _full(v).detach().clone() for k, v in (head.state_dict() if head else {}).items()})
     weights.update({f"critic.{k}": _full(v).detach().clone() for k, v in (critic.state_dict() if critic else {}).items()})
+    weights.update({f"target.{n}": _full(t).clone() for n, t in zip(getattr(learner, "target_names", ()),
+                                                                     getattr(learner, "target_params", ()))})
     return captured["g"], metrics, weights
 
 
-def _two_ranks(rank: int, world: int, path: str, batches: dict, resume_from: str, save_to: str) -> dict:
+def _every_case(rank: int, world: int, path: str, batches: dict, save_to: str | None = None) -> dict:
     from learners.distributed import default_collective
 
     out = {}
@@ -103,8 +120,15 @@ def _two_ranks(rank: int, world: int, path: str, batches: dict, resume_from: str
         learner = _learner(path, case, sharded=True)
         learner.comm = default_collective()
         out[case] = _step(learner, batches[CASES[case][3]])
-        if case == "grpo_lora":
-            learner.save(save_to + "_lora")
+        if save_to and case in ("grpo_lora", "reward_model"):
+            learner.save(f"{save_to}_{case}")
+    return out
+
+
+def _two_ranks(rank: int, world: int, path: str, batches: dict, resume_from: str, save_to: str) -> dict:
+    from learners.distributed import default_collective
+
+    out = _every_case(rank, world, path, batches, save_to)
     learner = _learner(path, "grpo_kl", sharded=True)
     learner.comm = default_collective()
     learner.restore(resume_from)
@@ -120,17 +144,18 @@ def _one_rank(rank: int, world: int, path: str, batch, resume_from: str | None, 
     result = _step(learner, batch)
     if save_to:
         learner.save(save_to)
-    if resume_from:  # also the LoRA learner the two ranks saved: its merged weights, restored
-        lora = _learner(path, "grpo_lora", sharded=True)
-        lora.restore(resume_from + "_lora")
-        result = (*result, lora.policy_state_dict())
+    if resume_from:  # also the LoRA learner and the reward model the two ranks saved, restored
+        for case in ("grpo_lora", "reward_model"):
+            other = _learner(path, case, sharded=True)
+            other.restore(f"{resume_from}_{case}")
+            result = (*result, other.policy_state_dict())
     return result
 
 
 @pytest.fixture(scope="module")
 def runs(tiny_model_path, tmp_path_factory):
-    """The replicated learner's steps, and the sharded ranks' same steps: every case on 2 ranks;
-    the resume chain 1 rank -> 2 ranks -> 1 rank (a checkpoint between each)."""
+    """The replicated learner's steps, and the sharded ranks' same steps: every case on 2 ranks
+    and on 4; the resume chain 1 rank -> 2 ranks -> 1 rank (a checkpoint between each)."""
     path, tmp = tiny_model_path, tmp_path_factory.mktemp("sharded")
     batches = _batches(path)
     replicated = {case: _step(_learner(path, case, sharded=False), batches[CASES[case][3]]) for case in CASES}
@@ -138,8 +163,9 @@ def runs(tiny_model_path, tmp_path_factory):
     replicated["chain"] = [_step(chain, batches["groups"]) for _ in range(3)]
     first = run_processes(1, _one_rank, path, batches["groups"], None, str(tmp / "a"))[0]
     both = run_processes(2, _two_ranks, path, batches, str(tmp / "a"), str(tmp / "b"))
-    *last, lora_restored = run_processes(1, _one_rank, path, batches["groups"], str(tmp / "b"), None)[0]
-    replicated["lora_restored"] = lora_restored
+    *last, lora_restored, rm_restored = run_processes(1, _one_rank, path, batches["groups"], str(tmp / "b"), None)[0]
+    replicated["lora_restored"], replicated["rm_restored"] = lora_restored, rm_restored
+    replicated["four"] = run_processes(4, _every_case, path, batches)
     return replicated, both, [first, both[0]["resumed"], tuple(last)], tmp
 
 
@@ -156,9 +182,11 @@ def _assert_weights_close(got: dict, ref: dict) -> None:
             f"{name}: max {float(diff.max()) / LR:.3g} lr, mean {float(diff.mean()) / LR:.3g} lr")
 
 
+@pytest.mark.parametrize("ranks", [2, 4])
 @pytest.mark.parametrize("case", list(CASES))
-def test_two_sharded_ranks_take_the_replicated_step(runs, case):
+def test_sharded_ranks_take_the_replicated_step(runs, case, ranks):
     replicated, both, _, _ = runs
+    both = both if ranks == 2 else replicated["four"]
     g1, m1, w1 = replicated[case]
     for g, m, w in (r[case] for r in both):
         assert_grads_close({"g": g}, {"g": g1})
@@ -170,8 +198,10 @@ def test_two_sharded_ranks_take_the_replicated_step(runs, case):
                 assert m[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
     if CASES[case][0] == "ppo":
         # The one group's middle score is its mean: that row's advantage is 0 and it runs no pass.
+        # Whole groups are dealt round-robin: over 4 ranks groups 10, 20 and 30 and none.
+        expected = {2: ([0.0, 2.0], [2.0, 5.0]), 4: ([0.0, 0.0, 0.0, 2.0], [0.0, 2.0, 2.0, 3.0])}[ranks]
         assert sorted(m["learner/local_sequences"] for _, m, _ in (r[case] for r in both)) == (
-            [0.0, 2.0] if case == "fused_empty_rank" else [2.0, 5.0])
+            expected[0] if case == "fused_empty_rank" else expected[1])
 
 
 def test_a_sharded_run_resumes_with_another_number_of_ranks(runs):
@@ -200,14 +230,30 @@ def test_a_sharded_lora_checkpoint_restores_on_another_number_of_ranks(runs, tin
     _assert_weights_close(replicated["lora_restored"], after)
     start = AutoModelForCausalLM.from_pretrained(tiny_model_path).state_dict()
     assert not torch.equal(after["model.layers.0.self_attn.q_proj.weight"], start["model.layers.0.self_attn.q_proj.weight"])
-    merged = AutoModelForCausalLM.from_pretrained(str(tmp / "b_lora")).state_dict()
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp / "b_grpo_lora")).state_dict()
     _assert_weights_close({k: merged[k] for k in after}, after)
 
 
-def test_a_learner_not_built_for_sharding_says_so(tiny_model_path):
-    """Q-learning swaps its target network's weights in place, which sharded parameters do not
-    allow yet: built with train.sharding=fsdp it stops with one line (the config refuses it too)."""
-    from tests.helpers.factories import make_q_learner
+def test_a_sharded_reward_model_checkpoint_restores_on_one_rank(runs):
+    """Saved by 2 sharded ranks as a sequence-classification folder, restored by 1: the trunk and
+    the reward head are the replicated reward model's after its step, and the folder loads in
+    transformers with that head."""
+    from transformers import AutoModelForSequenceClassification
 
-    with pytest.raises(ValueError, match="train.sharding=fsdp is not built for the qlearn learner yet"):
-        make_q_learner(tiny_model_path, train={"sharding": "fsdp"})
+    replicated, _, _, tmp = runs
+    after = replicated["reward_model"][2]
+    restored = replicated["rm_restored"]
+    _assert_weights_close(restored, {k: after[k] for k in restored})
+    assert not torch.equal(restored["score.weight"], torch.zeros_like(restored["score.weight"]))
+    loaded = AutoModelForSequenceClassification.from_pretrained(str(tmp / "b_reward_model"))
+    _assert_weights_close({"score.weight": loaded.score.weight.detach()}, {"score.weight": after["score.weight"]})
+
+
+def test_a_learner_not_built_for_sharding_says_so(tiny_model_path, monkeypatch):
+    """A learner class that does not declare itself shardable (one of a user's own, say) stops
+    with one line when built with train.sharding=fsdp."""
+    from learners.sft import SFTLearner
+
+    monkeypatch.setattr(SFTLearner, "shardable", False)
+    with pytest.raises(ValueError, match="train.sharding=fsdp is not built for the sft learner yet"):
+        make_sft_learner(tiny_model_path, train={"sharding": "fsdp"})
