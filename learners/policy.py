@@ -19,6 +19,7 @@ import torch
 
 from learners.base import (
     ADAPTER_DIR,
+    TRAINER_STATE_DIR,
     Learner,
     LearnerContext,
     TrainParams,
@@ -42,14 +43,17 @@ from learners.sharding import (
     full_tensor,
     idle_inputs,
     load_full_weights,
-    load_optimizer_state,
-    optimizer_state,
+    load_optimizer_shards,
+    save_optimizer_shards,
     shard_policy,
     whole,
     zero_loss,
 )
 
 log = logging.getLogger(__name__)
+
+# Under trainer_state/: a sharded learner's optimiser state, each rank's shards (learners/sharding.py).
+OPTIMIZER_SHARDS_DIR = "optimizer"
 
 # Device types with PyTorch's fused AdamW kernel.
 _FUSED_ADAMW_DEVICES = ("cpu", "cuda")
@@ -341,8 +345,8 @@ class PolicyLearner(Learner):
         return {
             "algorithm": self.name,
             "version": self.version,
-            # Sharded: full tensors by parameter name, which any number of ranks can load.
-            "optimizer": optimizer_state(self.model, self.optimizer) if self.sharded else self.optimizer.state_dict(),
+            # Sharded: in files of its own, each rank's shards (``save_trainer_state``).
+            "optimizer": None if self.sharded else self.optimizer.state_dict(),
             "sharded": self.sharded,
             "scheduler": self.scheduler.state_dict(),
             "torch_rng": torch.get_rng_state(),
@@ -360,15 +364,28 @@ class PolicyLearner(Learner):
             raise ValueError(f"checkpoint was trained with train.sharding={'fsdp' if state.get('sharded') else 'replicated'}"
                              f", this learner has train.sharding={'fsdp' if self.sharded else 'replicated'}")
         self.version = int(state["version"])
-        if self.sharded:
-            load_optimizer_state(self.model, self.optimizer, state["optimizer"])
-        else:
+        if not self.sharded:  # (sharded: ``load_trainer_state`` loaded the shards)
             self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["torch_rng"])
         if "cuda_rng" in state and self.device.type == "cuda":
             torch.cuda.set_rng_state(state["cuda_rng"], self.device)
         self.load_algorithm_state(state)
+
+    def save_trainer_state(self, folder: Path) -> dict[str, Any]:
+        """``state_dict()``, and with sharded weights every rank's optimiser shards written into
+        ``trainer_state/optimizer/`` (a collective: every rank calls it, at the same point)."""
+        state = self.state_dict()
+        if self.sharded:
+            save_optimizer_shards(self.model, self.optimizer, folder / TRAINER_STATE_DIR / OPTIMIZER_SHARDS_DIR)
+        return state
+
+    def load_trainer_state(self, folder: Path) -> None:
+        """What ``save_trainer_state`` saved (the shards on any number of ranks)."""
+        state = load_learner_state(folder)
+        if self.sharded and state.get("sharded"):
+            load_optimizer_shards(self.model, self.optimizer, folder / TRAINER_STATE_DIR / OPTIMIZER_SHARDS_DIR)
+        self.load_state_dict(state)
 
     def save(self, folder: str | Path, tokenizer_from: str | None = None) -> Path:
         """A model folder (LoRA merged) that transformers and vLLM load as it is; the adapter in
@@ -382,7 +399,7 @@ class PolicyLearner(Learner):
         # The adapter's own tensors (sharded: gathered; None: peft reads its model's own).
         adapter = ({k: full_tensor(v) for k, v in self.model.lm.state_dict().items() if "lora_" in k}
                    if self.lora and self.sharded else None)
-        state = self.state_dict()
+        state = self.save_trainer_state(folder)
         self.save_extra(folder)  # sharded: gathers on every rank, writes on rank 0
         if not writes:
             return folder
@@ -422,7 +439,7 @@ class PolicyLearner(Learner):
             self._check_fit(folder, missing, unexpected)
             self.model.lm.tie_weights()
         self.restore_extra(folder)
-        self.load_state_dict(load_learner_state(folder))
+        self.load_trainer_state(folder)
 
     def _restore_sharded_adapter(self, folder: Path, adapter: dict[str, torch.Tensor]) -> None:
         """A saved adapter (peft's naming: no adapter name) into this rank's shards."""

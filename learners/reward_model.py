@@ -24,7 +24,7 @@ from typing import Any, Iterator, Protocol
 
 import torch
 
-from learners.base import LearnerContext, TrainParams, load_learner_state, load_model_weights
+from learners.base import LearnerContext, TrainParams, load_model_weights
 from learners.dpo import evaluate_pairs, preference_pairs
 from learners.experience import Experience
 from learners.preference_losses import bradley_terry_loss
@@ -166,7 +166,7 @@ class RewardModelLearner(PolicyLearner):
         folder = Path(folder)
         writes = self.writes_files  # sharded: every rank gathers each tensor, rank 0 writes
         weights = self.policy_state_dict(keep=writes)
-        state = self.state_dict()
+        state = self.save_trainer_state(folder)
         if not writes:
             return folder
         folder.mkdir(parents=True, exist_ok=True)
@@ -204,7 +204,7 @@ class RewardModelLearner(PolicyLearner):
                 self.model.value_head.weight.copy_(head)
         if missing or unexpected:
             raise ValueError(f"{folder} does not fit this model (missing {missing[:3]}, unexpected {unexpected[:3]})")
-        self.load_state_dict(load_learner_state(folder))
+        self.load_trainer_state(Path(folder))
 
 
 def load_reward_model(folder: str | Path, dtype: torch.dtype = torch.float32) -> Any:

@@ -13,13 +13,17 @@ over ranks, so N sharded ranks take the one-rank step. What sharding adds:
   the same number of passes even when its share of the batch is smaller: ``aligned_passes``
   gives the count, and a rank with nothing left runs ``idle`` passes whose loss is multiplied by 0;
 * weights leave the learner one full tensor at a time (``full_tensor``, every rank taking part,
-  so no rank holds more than the tensor being read besides its shards), and checkpoints hold full
-  tensors: a sharded run resumes with any number of ranks.
+  so no rank holds more than the tensor being read besides its shards): a checkpoint's model
+  folder holds full tensors, as transformers and vLLM load it;
+* the optimiser's state is saved by every rank, its own shards only, with
+  ``torch.distributed.checkpoint`` (``trainer_state/optimizer/``), which reshards it on load: a
+  sharded run resumes with any number of ranks.
 """
 
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 import torch
@@ -110,19 +114,27 @@ def whole(root: nn.Module) -> Iterator[None]:
         root.reshard()
 
 
-def optimizer_state(root: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimiser's state as full tensors keyed by parameter name (on rank 0; a collective):
-    loadable by any number of ranks."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+def save_optimizer_shards(root: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
+    """Each rank writes its own shards of the optimiser's state into ``folder``
+    (``torch.distributed.checkpoint``: one file per rank and the metadata; a collective). No rank
+    gathers the whole state, and any number of ranks can load it (``load_optimizer_shards``).
+    Every rank must reach ``folder``: shared storage when learners span nodes."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    return get_optimizer_state_dict(root, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    dcp.save({"optimizer": get_optimizer_state_dict(root, optimizer)}, checkpoint_id=str(folder))
 
 
-def load_optimizer_state(root: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-    """Loads ``optimizer_state`` output into this rank's shards (every rank passes the full state)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+def load_optimizer_shards(root: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
+    """What ``save_optimizer_shards`` wrote, resharded for this number of ranks (a collective)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-    set_optimizer_state_dict(root, optimizer, state, options=StateDictOptions(full_state_dict=True))
+    if not (Path(folder) / ".metadata").is_file():
+        raise FileNotFoundError(f"{folder} holds no sharded optimiser state (.metadata)")
+    state = {"optimizer": get_optimizer_state_dict(root, optimizer)}
+    dcp.load(state, checkpoint_id=str(folder))
+    set_optimizer_state_dict(root, optimizer, state["optimizer"])
 
 
 def load_full_weights(root: nn.Module, weights: Mapping[str, torch.Tensor], *, strict: bool = True) -> Any:

@@ -35,7 +35,8 @@ def test_online_q_learning_across_turns_raises_the_reward_and_resumes_with_its_b
     run = tmp_path / "online"
     cfg = load_config(ROOT / "configs" / "qlearn_tiny.yaml", [
         "run.steps=12", "run.save_every=5", "qlearn.warmup_sequences=33", "qlearn.n_step=24",
-        "env.name=tests.helpers.environments:DigitsAcrossTurns", "env.max_turns=2"])
+        "env.name=tests.helpers.environments:DigitsAcrossTurns", "env.max_turns=2",
+        "train.sharding=fsdp", "cluster.num_learners=2"])
     train(cfg, run_dir=run)
     # Stopped after step 5 and resumed: the replay buffer is refilled from the exported steps 1-5
     # (the later steps' files are removed and written again), and the run ends as the

@@ -211,6 +211,11 @@ def test_a_sharded_run_resumes_with_another_number_of_ranks(runs):
     for (g, _, w), (g_ref, _, w_ref) in zip(chain, replicated["chain"]):
         assert_grads_close({"g": g}, {"g": g_ref})
         _assert_weights_close(w, w_ref)
+    # The optimiser's state: each of the 2 ranks wrote its own shards (torch.distributed.checkpoint),
+    # none of it gathered into the learner's state file; 1 rank resumed from them above.
+    shards = sorted(p.name for p in (tmp / "b" / "trainer_state" / "optimizer").iterdir())
+    assert ".metadata" in shards and sum(name.endswith(".distcp") for name in shards) == 2, shards
+    assert torch.load(tmp / "b" / "trainer_state" / "learner.pt", weights_only=True)["optimizer"] is None
     # The checkpoint is a model folder: full tensors, as transformers loads it.
     from transformers import AutoModelForCausalLM
 
