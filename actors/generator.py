@@ -105,6 +105,9 @@ class GeneratorConfig:
     # (``actors/agent_endpoint.py``), and the seconds a batch of them may take.
     agent: str = ""
     agent_timeout_s: float = 300.0
+    # LoRA adapter syncs (``learners/lora_sync.py``): the base model folder the adapters' factors
+    # are merged into ("" : syncs send whole weights).
+    lora_base: str = ""
 
 
 def _fit_context(model_path: str, wanted: int) -> int:
@@ -153,6 +156,7 @@ class Generator:
         gpu_memory_utilization: float = 0.0,
         compile: bool = False,
         chat_template: bool = True,
+        lora_base: str = "",
     ) -> None:
         configure_vllm_env(kv_cache_gib, threads, first_core, compile_cpu=compile and gpu_memory_utilization <= 0)
         from vllm import LLM  # heavy import at the edge: only generator processes pay it
@@ -196,6 +200,8 @@ class Generator:
         self.llm.llm_engine.set_weight_version(str(self.version))
         self.startup_s = time.time() - t0
         self.compiled = bool(compile)
+        self.lora_base = lora_base
+        self._base_weights = None  # opened at the first adapter sync
         log.info("vLLM engine ready in %.1fs (%s, %s, %s)", self.startup_s, model_path, dtype,
                  "compiled" if compile else "eager")
 
@@ -208,7 +214,7 @@ class Generator:
             seed=cfg.seed, kv_cache_gib=cfg.kv_cache_gib, threads=cfg.threads, system_prompt=cfg.system_prompt,
             trust_remote_code=cfg.trust_remote_code, initial_version=cfg.initial_version, first_core=cfg.first_core,
             gpu_memory_utilization=cfg.gpu_memory_utilization, compile=cfg.compile,
-            chat_template=cfg.chat_template,
+            chat_template=cfg.chat_template, lora_base=cfg.lora_base,
         )
 
     def compilation(self) -> dict[str, Any]:
@@ -432,9 +438,21 @@ class Generator:
         self.loop.between_steps(lambda: self._load(named, version))
         return time.perf_counter() - t0
 
+    def _dense(self, named: list) -> Iterable[tuple[str, torch.Tensor]]:
+        """``named`` as dense weights: LoRA factors merged into the base weights, one at a time."""
+        from learners.lora_sync import BaseWeights, is_adapter_sync, merge_into_base
+
+        if not is_adapter_sync(name for name, _ in named):
+            return named
+        if not self.lora_base:
+            raise ValueError("an adapter sync reached a generator started without lora_base (its base model)")
+        if self._base_weights is None:
+            self._base_weights = BaseWeights(self.lora_base)
+        return merge_into_base(named, self._base_weights)
+
     def _load(self, named: list, version: int) -> None:
         """The load itself, under the engine lock."""
-        self.llm.collective_rpc("rayrlhf_load_weights", args=(named,))
+        self.llm.collective_rpc("rayrlhf_load_weights", args=(self._dense(named),))
         # Cached KV blocks were computed with the old weights. Running sequences are preempted
         # and recompute theirs, so each new token is sampled by the new weights alone.
         if not self.llm.reset_prefix_cache(reset_running_requests=True):

@@ -19,8 +19,14 @@ class WeightReloadExtension:
         ``model.load_weights`` fails on the CPU backend because Linear weights are repacked
         after loading; ``reload_weights`` re-runs the loader and the repacking.
         """
-        named = list(named_tensors)
-        self.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
+        count = [0]
+
+        def counted():  # streamed: merged LoRA weights are made one at a time (learners/lora_sync.py)
+            for item in named_tensors:
+                count[0] += 1
+                yield item
+
+        self.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
         model = self.model_runner.get_model()
         lm_head = getattr(model, "lm_head", None)
         embed = getattr(getattr(model, "model", None), "embed_tokens", None)
@@ -33,7 +39,7 @@ class WeightReloadExtension:
             quant = getattr(lm_head, "quant_method", None)
             if quant is not None and hasattr(quant, "process_weights_after_loading"):
                 quant.process_weights_after_loading(lm_head)
-        return len(named)
+        return count[0]
 
 
 class RewindSafeGenerator(torch.Generator):

@@ -669,6 +669,10 @@ class LoRAConfig(Section):
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         "Module names that get adapters.",
     )
+    sync: Literal["adapter", "merged"] = _f(
+        "adapter", "What a weight sync sends the generators: 'adapter' (the LoRA factors only, merged by each "
+        "generator into the base weights it reads from model.path: about r (in + out) numbers per adapted "
+        "weight) or 'merged' (every merged weight). Checkpoints are merged model folders either way.")
 
 
 class ClusterConfig(Section):

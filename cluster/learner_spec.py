@@ -31,6 +31,8 @@ class LearnerSpec:
     pad_token_id: int
     # dtype of the weights sent to the generators.
     sync_dtype: str
+    # LoRA: syncs send the adapters' factors only (``learners/lora_sync.py``).
+    adapter_sync: bool = False
     # Data-parallel workers, CPUs reserved by each, torch threads of each (0: every core).
     num_learners: int = 1
     cpus_per_learner: float = 1.0
@@ -69,6 +71,7 @@ def learner_spec(cfg: Config, model_path: str, pad_token_id: int, resume_from: s
         ),
         resume_from=resume_from, tokenizer_path=model_path, pad_token_id=pad_token_id,
         sync_dtype=cfg.model.generator_dtype, num_learners=cfg.cluster.num_learners,
+        adapter_sync=cfg.lora.enabled and cfg.lora.sync == "adapter",
         cpus_per_learner=cfg.cluster.cpus_per_learner, threads=cfg.cluster.threads,
         gpus_per_learner=cfg.cluster.gpus_per_learner, keep_freed_memory=cfg.cluster.keep_freed_memory,
         realtime=cfg.cluster.realtime_learners,

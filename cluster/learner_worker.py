@@ -165,17 +165,25 @@ def _pack_weights(learner: Any, spec: LearnerSpec, comm: Any) -> tuple[Any, floa
     """The policy as one flat buffer in the generators' dtype, and the seconds it took. A sharded
     learner's other ranks only take part in gathering each tensor (None: rank 0 packs)."""
     from cluster.weight_sync import pack
+    from learners.sharding import full_tensor
 
     t0 = time.perf_counter()
-    if comm.rank != 0:
-        learner.policy_state_dict(keep=False)
-        return None, time.perf_counter() - t0
-    with learner.policy_weights() as weights:
+    with learner.sync_weights(spec.adapter_sync) as weights:
+        if comm.rank != 0:
+            for tensor in weights.values():
+                full_tensor(tensor)
+            return None, time.perf_counter() - t0
         # Every caller hands the buffer on (ray.put copies it; the broadcast is synchronous)
         # before the next pack, so this worker reuses one buffer.
-        packed = pack(weights, spec.sync_dtype, version=learner.version, out=_PACK_BUFFER.get("buffer"))
+        packed = pack(weights, _sync_dtype(spec), version=learner.version, out=_PACK_BUFFER.get("buffer"))
     _PACK_BUFFER["buffer"] = packed.buffer
     return packed, time.perf_counter() - t0
+
+
+def _sync_dtype(spec: LearnerSpec) -> str:
+    """The dtype weights travel in: LoRA factors always in fp32 (a few MB; the generator merges
+    them into its base weights exactly as the learner does)."""
+    return "float32" if spec.adapter_sync else spec.sync_dtype
 
 
 # The last pack's buffer in this learner worker, reused by the next.
@@ -210,9 +218,9 @@ def _weights_group(item: dict, learner: Any, spec: LearnerSpec, comm: Any) -> di
         store, host, port = collective.open_store(item["world"])
         _WEIGHT_GROUP.clear()
         _WEIGHT_GROUP.update(store=store, host=host, port=port, world=item["world"])
-        with learner.policy_weights() as weights:
+        with learner.sync_weights(spec.adapter_sync) as weights:
             layout, total = layout_of(weights)
-        return {"host": host, "port": port, "layout": layout, "total": total, "dtype": spec.sync_dtype}
+        return {"host": host, "port": port, "layout": layout, "total": total, "dtype": _sync_dtype(spec)}
     if op == "join":
         g = _WEIGHT_GROUP
         g["group"] = collective.join(g["host"], g["port"], 0, g["world"], store=g["store"],

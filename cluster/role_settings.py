@@ -17,8 +17,11 @@ def _threads(n: int) -> int:
     return n or os.cpu_count() or 1
 
 
-def generator_config(cfg: Config, model_path: str, rank: int = 0, initial_version: int = 0) -> GeneratorConfig:
-    """The generator's own settings, picked from the run's config."""
+def generator_config(cfg: Config, model_path: str, rank: int = 0, initial_version: int = 0,
+                     base_model: str = "") -> GeneratorConfig:
+    """The generator's own settings, picked from the run's config. ``base_model``: the learners'
+    base model folder, into which LoRA adapter syncs are merged (``model_path`` may be a
+    checkpoint to continue from)."""
     return GeneratorConfig(
         model_path=model_path, dtype=cfg.model.generator_dtype, max_prompt_tokens=cfg.model.max_prompt_tokens,
         max_new_tokens=cfg.model.max_new_tokens, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
@@ -30,6 +33,7 @@ def generator_config(cfg: Config, model_path: str, rank: int = 0, initial_versio
         max_model_len=cfg.judge.max_prompt_tokens + cfg.judge.max_new_tokens if uses_judge(cfg) else 0,
         gpu_memory_utilization=cfg.rollout.gpu_memory_utilization if cfg.rollout.gpus_per_generator > 0 else 0.0,
         compile=cfg.rollout.compile,
+        lora_base=(base_model or model_path) if cfg.lora.enabled and cfg.lora.sync == "adapter" else "",
         **episode_settings(cfg),
     )
 

@@ -49,7 +49,8 @@ class RolloutGroup:
         slots = 2 if cfg.rollout.inflight_updates else 1
         self.generators = [
             gen_cls.options(runtime_env=role_env(cfg.rollout.threads), max_restarts=cfg.rollout.max_restarts,
-                            max_concurrency=slots, **where[i]).remote(generator_config(cfg, policy_path or model_path, i, policy_version))
+                            max_concurrency=slots, **where[i]).remote(
+                generator_config(cfg, policy_path or model_path, i, policy_version, base_model=model_path))
             for i in range(cfg.rollout.num_generators)
         ]
         # reward.function=llm_judge without a judge model: the generators judge (no scorer actor).

@@ -291,6 +291,19 @@ class PolicyLearner(Learner):
         finally:
             lm.unmerge_adapter()
 
+    @contextlib.contextmanager
+    def sync_weights(self, adapter: bool = False) -> Iterator[dict[str, torch.Tensor]]:
+        """What a weight sync sends the generators: ``policy_weights()``, or with LoRA and
+        ``adapter`` only the adapters' factors, which the generators merge into their base weights
+        (``learners/lora_sync.py``). Sharded: shards, read with ``full_tensor`` on every rank."""
+        if adapter and self.lora:
+            from learners.lora_sync import adapter_factors
+
+            yield adapter_factors(self.model.lm)
+            return
+        with self.policy_weights() as sd:
+            yield sd
+
     def _merged_shards(self, tied: bool) -> dict[str, torch.Tensor]:
         """Sharded LoRA: every weight in checkpoint naming, the adapted ones merged shard by shard
         (``W + s B A`` on this rank's rows of W and B; A, r x in, is gathered whole). The base

@@ -38,7 +38,7 @@ def test_lora_learns_with_reference_from_disabled_adapter(ray_cluster, tiny_mode
     assert all(r["reference/in_learner"] for r in rows)
     assert all(r["learner/ref_s"] > 0 for r in rows)
     assert rows[-1]["kl/ref_k1"] > 0
-    # After every sync of merged LoRA weights, vLLM's log-probs match the trainer's (fp32): a
+    # After every sync of the LoRA weights, vLLM's log-probs match the trainer's (fp32): a
     # stale or failed sync moves every token's log-prob by about 1e-2 or more at this lr. The
     # bound on the single worst token of a run is looser: lr 2e-2 on the random tiny model makes
     # some positions ill-conditioned in fp32. One token measured against an fp64 forward of the
@@ -47,6 +47,14 @@ def test_lora_learns_with_reference_from_disabled_adapter(ray_cluster, tiny_mode
     assert max(r["logprob_gap/max_abs"] for r in rows) < 1e-2
     ckpt = result.final_checkpoint
     assert (ckpt / "model.safetensors").is_file() and (ckpt / "adapter" / "adapter_config.json").is_file()
+    # lora.sync=adapter (the default): each sync sent the adapter's factors in fp32, the bytes of
+    # the saved adapter's tensors, and each generator merged them into its base weights (the gaps
+    # above: what vLLM served is the learner's policy after every step).
+    from safetensors.torch import load_file
+
+    adapter_bytes = sum(4 * t.numel() for t in load_file(str(ckpt / "adapter" / "adapter_model.safetensors")).values())
+    assert all(r["sync/bytes"] == adapter_bytes for r in rows)
+    assert adapter_bytes < 0.2 * 4 * sum(t.numel() for t in load_file(str(ckpt / "model.safetensors")).values())
     state = json.loads((ckpt / "trainer_state" / "learner.json").read_text())
     assert state["lora"] is True and "value" in state["kl_controller"]
 

@@ -171,3 +171,40 @@ def test_a_weight_load_lands_between_decoding_steps_and_each_token_records_its_v
         engine.step = real_step
         del generator._load
         generator.load_weights(original.items(), v0)
+
+
+def test_an_adapter_sync_serves_what_a_merged_sync_serves(generator, tiny_model_path):
+    """``lora.sync: adapter``: the engine receives LoRA factors only (on q and v, which vLLM fuses
+    with k into one layer), merges them into the base weights it reads from the base model folder,
+    and serves the log-probs it serves after receiving the merged weights themselves."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from learners.lora_sync import adapter_factors
+
+    lm = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    original = {k: v.clone() for k, v in lm.state_dict().items()}
+    model = get_peft_model(lm, LoraConfig(r=4, lora_alpha=8.0, target_modules=["q_proj", "v_proj"], bias="none"))
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    factors = adapter_factors(model)
+    probe = generator.encode_prompt("What is 3 + 4? The answer is 7.")
+    base_lps = generator.probe_logprobs(probe)
+    generator.lora_base, v0 = tiny_model_path, generator.version
+    try:
+        generator.load_weights(factors.items(), v0 + 1)
+        from_adapter = generator.probe_logprobs(probe)
+        generator.load_weights(model.merge_and_unload().state_dict().items(), v0 + 2)
+        from_merged = generator.probe_logprobs(probe)
+    finally:
+        generator.load_weights(original.items(), v0)
+        generator.lora_base = ""
+    assert from_adapter == pytest.approx(from_merged, abs=1e-5)
+    assert max(abs(a - b) for a, b in zip(from_adapter, base_lps)) > 1e-2  # the adapter changed what it serves
+    assert generator.probe_logprobs(probe) == pytest.approx(base_lps, abs=1e-5)
+    # Without a base model folder an adapter sync is refused, not loaded half-way.
+    with pytest.raises(ValueError, match="without lora_base"):
+        generator.load_weights(factors.items(), v0 + 3)
