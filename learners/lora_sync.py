@@ -5,7 +5,7 @@ into the base weights it reads from the base model folder,
     W = W0 + (s B) A        (Hu et al. 2021, eq. 3; s = alpha / r),
 
 so a sync moves r (in + out) numbers per adapted weight instead of in x out (SmolLM2-135M, r = 8
-on every linear layer: 4.9 MB in fp32 against 538 MB merged), and the engine still serves plain
+on every linear layer: 9.8 MB in fp32 against 538 MB merged), and the engine still serves plain
 dense weights: no LoRA kernels in the decoding loop, in-flight weight updates and the
 verified-sync probe work as with merged weights.
 
