@@ -416,9 +416,14 @@ class TrainConfig(Section):
         "replicated", "How learner workers hold the policy: replicated (each worker the whole model, its gradients and "
         "AdamW state: about 16 bytes per trained parameter) or fsdp (PyTorch FSDP2: each of N workers holds 1/N of "
         "them, each decoder layer gathered only while it computes; learners/sharding.py). Either way N workers take "
-        "the step one worker would on the same global batch. fsdp: run.algorithm=ppo (either critic), sft or "
-        "dpo, full or LoRA, so far; shared prompts take only the packed one-pass form "
-        "under it (a group too long to pack runs its rows in full).")
+        "the step one worker would on the same global batch. fsdp: every learner (ppo with either critic, sft, "
+        "dpo, qlearn, reward_model), full or LoRA, not with train.compile; shared prompts take only the packed "
+        "one-pass form under it (a group too long to pack runs its rows in full).")
+    reference: Literal["actor", "learners"] = _f(
+        "actor", "Where a KL term's or DPO's frozen reference log-probs come from without LoRA: a Reference actor "
+        "holding a full copy of the initial model, or the learner workers, each holding a frozen copy beside the "
+        "policy (sharded with it under train.sharding=fsdp: 1/N each, no extra actor). With LoRA the learners always "
+        "compute them, with the adapter disabled. Not with ppo.teacher (the Reference actor serves the teacher).")
     shared_prefix: bool = _f(
         True,
         "Forward passes run each prompt once for all its samples (samples_per_prompt > 1; a preference "
@@ -845,6 +850,8 @@ class Config(Section):
             (ppo.critic == "shared" or ppo.advantage_estimator == "gae",
              f"ppo.critic=separate is a critic for advantage_estimator=gae; {ppo.advantage_estimator} uses none"),
             (not ppo.critic_init or ppo.critic == "separate", "ppo.critic_init starts a separate critic: set ppo.critic=separate"),
+            (self.train.reference == "actor" or not ppo.teacher,
+             "train.reference=learners does not hold a teacher: ppo.teacher needs train.reference=actor"),
             (bool(ppo.teacher) == bool(ppo.distill_coef),
              "on-policy distillation needs both ppo.teacher (the teacher's model folder) and ppo.distill_coef > 0"),
             (ppo.task_coef > 0 or ppo.distill_coef > 0, "ppo.task_coef=0 leaves nothing to learn without ppo.distill_coef"),

@@ -39,7 +39,8 @@ def role_requests(cfg: Config) -> list[RoleRequest]:
     self_judging = cfg.reward.function == "llm_judge" and not cfg.reward.model
     if not self_judging:
         out.append(RoleRequest("scorer", 1, cfg.reward.cpus, "reward.cpus"))
-    reference = (algo == "ppo" and bool(cfg.ppo.teacher)) or not cfg.lora.enabled and (
+    in_learners = cfg.lora.enabled or cfg.train.reference == "learners"
+    reference = (algo == "ppo" and bool(cfg.ppo.teacher)) or not in_learners and (
         (algo == "ppo" and cfg.ppo.uses_reference)
         or (algo == "qlearn" and cfg.qlearn.uses_reference)
         or (algo == "dpo" and cfg.dpo.loss != "simpo")

@@ -81,7 +81,8 @@ class RolloutGroup:
         self.pool = GeneratorPool(len(self.generators), self._start_unit,
                                   on_done=None if self.scorer is None else self._score_unit)
         if with_reference is None:
-            with_reference = cfg.ppo.uses_reference and (not cfg.lora.enabled or bool(cfg.ppo.teacher))
+            in_learners = cfg.lora.enabled or cfg.train.reference == "learners"
+            with_reference = cfg.ppo.uses_reference and (not in_learners or bool(cfg.ppo.teacher))
         if with_reference:
             self.reference = ray.remote(ReferenceWorker).options(
                 num_cpus=cfg.cluster.cpus_per_reference, num_gpus=cfg.cluster.gpus_per_reference,

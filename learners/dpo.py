@@ -98,7 +98,7 @@ class DPOLearner(PolicyLearner):
 
     def check_batch(self, batch: Experience) -> None:
         super().check_batch(batch)
-        if self.hp.uses_reference and batch.ref_logprobs is None and not self.lora:
+        if self.hp.uses_reference and batch.ref_logprobs is None and not self.reference_in_learner:
             raise ExperienceError(f"dpo.loss={self.hp.loss} needs ref_logprobs in every batch "
                                   "(computed by the Reference actor, or in the learner with LoRA)")
 

@@ -113,6 +113,33 @@ class PolicyLearner(Learner):
         # Called with the trainable parameters once their gradients are global, before clipping
         # and the optimiser step (tests compare gradients here).
         self.on_gradients = None
+        # train.reference=learners without LoRA: a frozen copy of the initial model, built at its
+        # first use (``base_logprobs``).
+        self._reference_model = None
+
+    @property
+    def reference_in_learner(self) -> bool:
+        """Whether the learner computes reference log-probs itself (LoRA: its adapter disabled;
+        ``train.reference=learners``: its own frozen copy)."""
+        return self.lora or getattr(self.tr, "reference", "actor") == "learners"
+
+    def _frozen_reference(self) -> PolicyWithValueHead:
+        """The initial model, frozen, beside the policy; sharded like it (every rank builds it)."""
+        if self._reference_model is None:
+            from transformers import AutoModelForCausalLM
+
+            from learners.attention import register
+
+            lm = AutoModelForCausalLM.from_pretrained(self.ctx.model_path, dtype=torch.float32,
+                                                      attn_implementation=register())
+            lm.config.use_cache = False
+            lm.requires_grad_(False)
+            ref = PolicyWithValueHead(lm.eval(), with_value_head=False).to(self.device)
+            ref.one_call_per_layer = self.sharded
+            if self.sharded:
+                shard_policy(ref, list(decoder_layers(lm)))
+            self._reference_model = ref
+        return self._reference_model
 
     def _init_optimizer(self, extra_param_groups: list[dict[str, Any]] = (), updates_per_step: int = 1) -> None:
         """AdamW over the policy's trainable parameters (LoRA: the adapters) plus any extra groups
@@ -225,21 +252,30 @@ class PolicyLearner(Learner):
     @torch.no_grad()
     def base_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor,
                       group_ids: torch.Tensor | None, temperature: float = 1.0) -> torch.Tensor:
-        """(B, L) log-probs of the frozen base model: the LoRA policy with its adapter disabled,
-        so the reference costs no second copy of the weights."""
-        if not self.lora:
-            raise RuntimeError("reference log-probs in the learner: needs LoRA (else a Reference actor serves them)")
+        """(B, L) log-probs of the frozen initial model: the LoRA policy with its adapter disabled
+        (no second copy of the weights), or with ``train.reference=learners`` the learner's own
+        frozen copy. Sharded ranks run aligned passes."""
+        if not self.reference_in_learner:
+            raise RuntimeError("reference log-probs in the learner: needs LoRA or train.reference=learners "
+                               "(else a Reference actor serves them)")
+        if self.lora:
+            root, off = self.model, self.model.lm.disable_adapter()
+        else:
+            root, off = self._frozen_reference(), contextlib.nullcontext()
         passes = -(-input_ids.shape[0] // self.tr.micro_batch_size)
         idle = self.aligned(passes) - passes
-        with self.model.lm.disable_adapter(), whole(self.model):
-            out = sequence_logprobs(
-                self.model.lm, input_ids, attention_mask, positions,
-                temperature=temperature, micro_batch_size=self.tr.micro_batch_size,
-                chunk=self.tr.logprob_chunk, bf16=self.tr.bf16,
-                # Sharded: every row in full, so each pass is one decoder call on every rank.
-                group_ids=group_ids if self.tr.shared_prefix and not self.sharded else None,
-            ) if passes else torch.zeros(input_ids.shape, device=self.device)
-            self.idle_passes(idle, grad=False)
+        with off, whole(root):
+            def logprobs(ids, att, pos, groups):
+                return sequence_logprobs(
+                    root.lm, ids, att, pos, temperature=temperature, micro_batch_size=self.tr.micro_batch_size,
+                    chunk=self.tr.logprob_chunk, bf16=self.tr.bf16,
+                    # Sharded: every row in full, so each pass is one decoder call on every rank.
+                    group_ids=groups if self.tr.shared_prefix and not self.sharded else None)
+
+            out = (logprobs(input_ids, attention_mask, positions, group_ids) if passes
+                   else torch.zeros(input_ids.shape, device=self.device))
+            for _ in range(idle):
+                logprobs(*idle_inputs(self.device), None)
         return out
 
     # -- weights out -----------------------------------------------------------------------------

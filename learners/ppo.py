@@ -180,7 +180,8 @@ class PPOLearner(PolicyLearner):
         return lps, vals
 
     def reference_logprobs(self, exp: Experience) -> torch.Tensor:
-        """(B, L) log-probs of the frozen base model (LoRA only: the adapter disabled)."""
+        """(B, L) log-probs of the frozen initial model (LoRA: the adapter disabled; else the
+        learner's own copy, ``train.reference=learners``)."""
         return self.base_logprobs(exp.input_ids, exp.attention_mask, exp.response_mask, exp.group_ids,
                                   temperature=self.temperature)
 

@@ -96,7 +96,7 @@ class QLearner(PolicyLearner):
     def check_batch(self, batch: Experience) -> None:
         if batch.scores is None and batch.token_rewards is None:
             raise ExperienceError("the qlearn learner needs scores or token_rewards in every batch")
-        if self.hp.uses_reference and batch.ref_logprobs is None and not self.lora:
+        if self.hp.uses_reference and batch.ref_logprobs is None and not self.reference_in_learner:
             raise ExperienceError("qlearn.kl_coef > 0 needs ref_logprobs in every batch "
                                   "(computed by the Reference actor, or in the learner with LoRA)")
 

@@ -85,7 +85,8 @@ def _with_reference(ctx: RunContext, model_path: str, parts: dict[str, Experienc
     """Reference log-probs of every pair, computed once by a Reference actor (then stopped) and
     cached in the run directory, so a resumed run does not score the data again."""
     cfg = ctx.cfg
-    if not cfg.dpo.uses_reference or cfg.lora.enabled or cfg.run.algorithm == "reward_model":
+    if (not cfg.dpo.uses_reference or cfg.lora.enabled or cfg.train.reference == "learners"
+            or cfg.run.algorithm == "reward_model"):
         return parts
     cache = ctx.dir / REFERENCE_CACHE
     if cache.is_file():
@@ -197,8 +198,8 @@ def _objective(cfg: Config, n_pairs: int) -> str:
     if cfg.run.algorithm == "reward_model":
         what = "Bradley-Terry reward model"
     else:
-        reference = ("in the learner (LoRA)" if cfg.lora.enabled else "scored once" if cfg.dpo.uses_reference
-                     else "none")
+        reference = ("none" if not cfg.dpo.uses_reference else "in the learner (LoRA)" if cfg.lora.enabled
+                     else "in the learners (a frozen copy)" if cfg.train.reference == "learners" else "scored once")
         what = f"{cfg.dpo.loss} loss, beta {cfg.dpo.beta}, reference {reference}"
     return f"{what}; {n_pairs} training pairs"
 

@@ -108,7 +108,8 @@ def run(ctx: RunContext, model_path: str, train_set: Any, eval_set: Any) -> RunR
         roles.start_generators(colocate=cfg.cluster.layout == "colocated")
         reference = ("; no reference (no KL term)" if not cfg.ppo.uses_reference else
                      f"; distilling from the teacher {cfg.ppo.teacher} (reference role)" if cfg.ppo.teacher else
-                     "; reference = base model with the LoRA adapter disabled, in the learner" if cfg.lora.enabled else "")
+                     "; reference = base model with the LoRA adapter disabled, in the learner" if cfg.lora.enabled else
+                     "; reference = a frozen copy in the learners" if cfg.train.reference == "learners" else "")
         roles.ready(f"{cfg.ppo.advantage_estimator} advantages{reference}")
         return run_steps(ctx, PPOSteps(ctx, roles, train_set, eval_set, probe_ids))
 

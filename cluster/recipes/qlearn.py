@@ -92,7 +92,8 @@ def run(ctx: RunContext, model_path: str, train_data, eval_set) -> RunResult:
     train_set, transitions = train_data
     with Roles(ctx, model_path, unit="prompt" if transitions is None else "transition") as roles:
         roles.start_learners()
-        roles.start_generators(with_reference=cfg.qlearn.uses_reference and not cfg.lora.enabled)
+        roles.start_generators(with_reference=cfg.qlearn.uses_reference and not cfg.lora.enabled
+                               and cfg.train.reference == "actor")
         steps = (OnlineSteps(ctx, roles, train_set, eval_set) if transitions is None
                  else OfflineSteps(ctx, roles, transitions, eval_set))
         q = cfg.qlearn

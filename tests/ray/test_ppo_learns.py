@@ -85,7 +85,8 @@ def test_own_data_with_bad_rows_routed_rewards_and_trackers(ray_cluster, tiny_mo
     and none reaches the loss; rewards are routed by source; the prompts the generators received
     are the ones ``rayrlhf data inspect`` shows; W&B (offline) and MLflow (file store) receive
     every step's metrics. Its learners are two sharded Ray Train workers (train.sharding=fsdp):
-    each sync gathers their shards, and the generators serve what the learner holds (the probe)."""
+    each sync gathers their shards, and the generators serve what the learner holds (the probe); the
+    KL term's reference is a frozen copy sharded in the same workers (train.reference=learners)."""
     from pathlib import Path
 
     import pyarrow.parquet as pq
@@ -100,6 +101,7 @@ def test_own_data_with_bad_rows_routed_rewards_and_trackers(ray_cluster, tiny_mo
     data["run"].update(steps=2, save_final=True, plot=False, export_transitions=True,
                        trackers=["tensorboard", "wandb", "mlflow"])
     data["train"]["sharding"] = "fsdp"
+    data["train"]["reference"] = "learners"  # the KL term's reference: a frozen copy sharded in the learners
     data["cluster"] = {"num_learners": 2}
     # Every usable row once per step: the train set is the 35 usable rows, each source's share its size.
     data["data"] = {"mix": _own_data(tmp_path), "train_size": 35, "eval_size": 0}
@@ -116,6 +118,7 @@ def test_own_data_with_bad_rows_routed_rewards_and_trackers(ray_cluster, tiny_mo
     from transformers import AutoModelForCausalLM
 
     assert all(r["sync/probe_gap"] < 1e-3 for r in rows)
+    assert all(r["reference/in_learner"] and r["learner/ref_s"] > 0 for r in rows)  # no Reference actor
     assert all(0 < r["learner/local_sequences"] < r["learner/sequences"] for r in rows)  # rank 0's share
     trained = AutoModelForCausalLM.from_pretrained(result.final_checkpoint)
     start = AutoModelForCausalLM.from_pretrained(tiny_model_path)

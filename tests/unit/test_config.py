@@ -101,6 +101,10 @@ def test_types_are_checked_and_coerced():
     assert load_config(overrides=["train.sharding=fsdp", "run.algorithm=reward_model", "dpo.pairs=scorer"])
     with pytest.raises(ConfigError, match="train.sharding=fsdp is built for .*, without train.compile"):
         load_config(overrides=["train.sharding=fsdp", "train.compile=true"])
+    # The learners' own reference is the initial model: a distillation teacher stays in its actor.
+    assert load_config(overrides=["train.reference=learners"]).train.reference == "learners"
+    with pytest.raises(ConfigError, match="ppo.teacher needs train.reference=actor"):
+        load_config(overrides=["train.reference=learners", "ppo.teacher=/x", "ppo.distill_coef=1"])
 
 
 def test_algorithm_must_be_a_registered_recipe():

@@ -1,6 +1,7 @@
 """Sharded learners (``train.sharding: fsdp``) take the step one replicated learner takes on the
 same global batch — PPO with either critic, GRPO, SFT, DPO, Q-learning (its EMA target network
-too) and the reward model, with LoRA on and off, on 2 and on 4 ranks — and a sharded run resumes
+too) and the reward model, with LoRA on and off, with the frozen reference sharded beside the
+policy (``train.reference=learners``), on 2 and on 4 ranks — and a sharded run resumes
 with another number of ranks as if uninterrupted.
 
 The ranks are real processes in a gloo group (``tests/helpers/ranks.py``): FSDP2 shards the
@@ -58,6 +59,11 @@ CASES = {
     "qlearn": ("qlearn", {"micro_batch_size": 2, "num_minibatches": 2}, {"n_step": 2, "kl_coef": 0.1}, "groups"),
     # the EMA of the adapter alone; the reference is the base model, computed by the learner
     "qlearn_lora": ("qlearn_lora", {"micro_batch_size": 2, "num_minibatches": 2}, {"kl_coef": 0.1}, "groups_no_ref"),
+    # train.reference=learners: a frozen copy of the initial model sharded beside the policy; PPO
+    # runs it on each rank's own rows (over 4 ranks one has none: an idle reference pass)
+    "grpo_kl_own_reference": ("ppo", {"micro_batch_size": 2, "reference": "learners"},
+                              {"advantage_estimator": "grpo", "kl_coef": 0.1}, "groups_no_ref"),
+    "dpo_own_reference": ("dpo", {"micro_batch_size": 2, "reference": "learners"}, {"beta": 0.5}, "pairs_no_ref"),
     # a reward model: the trunk and the reward head, one pair per pass (2 passes; 1 and an idle one)
     "reward_model": ("reward_model", {"micro_batch_size": 2}, {}, "pairs"),
 }
