@@ -22,6 +22,7 @@ its resident set after the last step, and the bytes of its parameters, gradients
 the contenders alternate R times.
 
     .venv/bin/python benchmarks/sharded_learners.py [--steps 4] [--rounds 2] [--out ...]
+        [--micro-batch 8] [--checkpointing] [--contenders "replicated x2 returning,fsdp x2 returning"]
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ class _PeakSampler:
         self._thread.join()
 
 
-def worker(rank: int, world: int, mode: str, model: str, steps: int, threads: int) -> dict:
+def worker(rank: int, world: int, mode: str, model: str, steps: int, threads: int, micro: int = 8,
+           checkpointing: bool = False) -> dict:
     import torch
 
     sys.path.insert(0, str(ROOT))
@@ -84,7 +86,8 @@ def worker(rank: int, world: int, mode: str, model: str, steps: int, threads: in
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    train = TrainConfig(num_minibatches=1, micro_batch_size=8, bf16="auto", sharding=mode)
+    train = TrainConfig(num_minibatches=1, micro_batch_size=micro, bf16="auto", sharding=mode,
+                        gradient_checkpointing=checkpointing)
     hp = PPOConfig(advantage_estimator="grpo", kl_coef=0.0, loss_agg="token_mean")
     learner = PPOLearner.build(LearnerContext(model_path=resolve_model(model), comm=default_collective()), train, hp)
     exp = _batch("grpo", learner.model.lm.config.vocab_size, False)
@@ -102,7 +105,8 @@ def worker(rank: int, world: int, mode: str, model: str, steps: int, threads: in
             "life_peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
-def run(mode: str, world: int, malloc: str, model: str, steps: int) -> list[dict]:
+def run(mode: str, world: int, malloc: str, model: str, steps: int, micro: int = 8,
+        checkpointing: bool = False) -> list[dict]:
     sys.path.insert(0, str(ROOT))
     from cluster.role_settings import KEEP_FREED_MEMORY_ENV
     from tests.helpers.ranks import run_processes
@@ -111,7 +115,7 @@ def run(mode: str, world: int, malloc: str, model: str, steps: int) -> list[dict
     # glibc reads these when a process starts: the ranks are spawned with them.
     os.environ.update(KEEP_FREED_MEMORY_ENV if malloc == "product" else RETURNING_ENV)
     try:
-        ranks = run_processes(world, worker, mode, model, steps, 2 // world, timeout_s=1800)
+        ranks = run_processes(world, worker, mode, model, steps, 2 // world, micro, checkpointing, timeout_s=1800)
     finally:
         os.environ.clear()
         os.environ.update(saved)
@@ -123,16 +127,20 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--micro-batch", type=int, default=8, help="train.micro_batch_size of every contender")
+    ap.add_argument("--checkpointing", action="store_true", help="train.gradient_checkpointing in every contender")
+    ap.add_argument("--contenders", default="", help="comma-separated 'mode xN malloc' names (default: all)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "sharded_learners.json"))
     a = ap.parse_args()
+    contenders = [c for c in CONTENDERS if not a.contenders or f"{c[0]} x{c[1]} {c[2]}" in a.contenders.split(",")]
     runs = []
     for _ in range(a.rounds):
-        for mode, world, malloc in CONTENDERS:
-            ranks = run(mode, world, malloc, a.model, a.steps)
+        for mode, world, malloc in contenders:
+            ranks = run(mode, world, malloc, a.model, a.steps, a.micro_batch, a.checkpointing)
             runs.extend(ranks)
             print(json.dumps(ranks[0]), flush=True)
     summary = {}
-    for mode, world, malloc in CONTENDERS:
+    for mode, world, malloc in contenders:
         mine = [r for r in runs if (r["mode"], r["world"], r["malloc"]) == (mode, world, malloc)]
         summary[f"{mode} x{world} {malloc}"] = {
             "median_step_s": statistics.median(t for r in mine for t in r["step_s"][1:]),
@@ -140,11 +148,14 @@ def main() -> None:
         }
     ratios = {}
     for malloc in ("product", "returning"):
+        if f"replicated x2 {malloc}" not in summary or f"fsdp x2 {malloc}" not in summary:
+            continue
         base, fsdp = summary[f"replicated x2 {malloc}"], summary[f"fsdp x2 {malloc}"]
         for k in ("train_peak_gb_per_worker", "after_gb_per_worker", "state_gb_per_worker", "median_step_s"):
             ratios[f"fsdp_vs_replicated_x2_{malloc}_{k}"] = fsdp[k] / base[k]
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps({"model": a.model, "steps": a.steps, "runs": runs, "summary": summary,
+    Path(a.out).write_text(json.dumps({"model": a.model, "steps": a.steps, "micro_batch_size": a.micro_batch,
+                                       "gradient_checkpointing": a.checkpointing, "runs": runs, "summary": summary,
                                        "ratios": ratios}, indent=1))
     for name, v in summary.items():
         print(f"{name:28s} step {v['median_step_s']:.2f} s  per worker: peak {v['train_peak_gb_per_worker']:.2f} GB, "

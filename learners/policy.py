@@ -130,8 +130,10 @@ class PolicyLearner(Learner):
 
             from learners.attention import register
 
-            lm = AutoModelForCausalLM.from_pretrained(self.ctx.model_path, dtype=torch.float32,
-                                                      attn_implementation=register())
+            # Frozen: no fp32 master copy needed; with bf16 compute its weights are bf16 (half the
+            # memory), as the Reference actor's are.
+            dtype = torch.bfloat16 if self.tr.bf16 is True else torch.float32
+            lm = AutoModelForCausalLM.from_pretrained(self.ctx.model_path, dtype=dtype, attn_implementation=register())
             lm.config.use_cache = False
             lm.requires_grad_(False)
             ref = PolicyWithValueHead(lm.eval(), with_value_head=False).to(self.device)

@@ -44,6 +44,9 @@ CASES = {
     # a separate critic: its own decoder's layers sharded beside the policy's
     "gae_separate_critic": ("ppo", {"micro_batch_size": 2},
                             {"advantage_estimator": "gae", "critic": "separate", "critic_lr": 1e-4}, "groups"),
+    # activation checkpointing: each layer runs again in the backward pass, gathered again
+    "grpo_checkpointed": ("ppo", {"micro_batch_size": 2, "gradient_checkpointing": True},
+                          {"advantage_estimator": "grpo", "kl_coef": 0.1}, "groups"),
     # one fused pass on rank 0 while rank 1, with no rows, runs an idle one
     "fused_empty_rank": ("ppo", {"micro_batch_size": 8}, {"advantage_estimator": "grpo", "kl_coef": 0.0}, "one_group"),
     # 7 demonstrations in minibatches of 4 and 3, every other row to each rank, one row per pass:
