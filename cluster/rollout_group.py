@@ -80,10 +80,7 @@ class RolloutGroup:
         # scorer actor each finished unit is scored at once (scoring streams behind generation).
         self.pool = GeneratorPool(len(self.generators), self._start_unit,
                                   on_done=None if self.scorer is None else self._score_unit)
-        if with_reference is None:
-            in_learners = cfg.lora.enabled or cfg.train.reference == "learners"
-            with_reference = cfg.ppo.uses_reference and (not in_learners or bool(cfg.ppo.teacher))
-        if with_reference:
+        if with_reference if with_reference is not None else _ppo_needs_reference_actor(cfg):
             self.reference = ray.remote(ReferenceWorker).options(
                 num_cpus=cfg.cluster.cpus_per_reference, num_gpus=cfg.cluster.gpus_per_reference,
                 max_restarts=cfg.cluster.actor_max_restarts,
@@ -338,3 +335,10 @@ def answer_after_restart(call: Any, what: str, timeout_s: float) -> Any:
             if gone or time.time() - t0 > timeout_s:
                 raise RuntimeError(f"{what} died and did not come back: {e}") from e
             time.sleep(0.5)
+
+
+def _ppo_needs_reference_actor(cfg: Config) -> bool:
+    """A PPO KL term whose reference the learners do not compute (LoRA: the adapter disabled;
+    train.reference=learners: their own copy), or a distillation teacher."""
+    in_learners = cfg.lora.enabled or cfg.train.reference == "learners"
+    return cfg.ppo.uses_reference and (not in_learners or bool(cfg.ppo.teacher))
