@@ -100,7 +100,7 @@ class DPOLearner(PolicyLearner):
         super().check_batch(batch)
         if self.hp.uses_reference and batch.ref_logprobs is None and not self.reference_in_learner:
             raise ExperienceError(f"dpo.loss={self.hp.loss} needs ref_logprobs in every batch "
-                                  "(computed by the Reference actor, or in the learner with LoRA)")
+                                  "(computed by the Reference actor, or in the learner with LoRA or train.reference=learners)")
 
     def _sequence_logps(self, part: Experience) -> torch.Tensor:
         """(b,) summed response log-probs of the policy, with gradient."""

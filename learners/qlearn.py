@@ -98,7 +98,7 @@ class QLearner(PolicyLearner):
             raise ExperienceError("the qlearn learner needs scores or token_rewards in every batch")
         if self.hp.uses_reference and batch.ref_logprobs is None and not self.reference_in_learner:
             raise ExperienceError("qlearn.kl_coef > 0 needs ref_logprobs in every batch "
-                                  "(computed by the Reference actor, or in the learner with LoRA)")
+                                  "(computed by the Reference actor, or in the learner with LoRA or train.reference=learners)")
 
     def episodes(self, batch: Experience) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(actions mask, rewards, done) of the global batch: actions stop at the first EOS; a
@@ -136,15 +136,19 @@ class QLearner(PolicyLearner):
                 for p, o in zip(self.trainable, online):
                     p.data = o
             return
-        shards = [local(p) for p in self.trainable]
-        online = [s.clone() for s in shards]
-        self.model.reshard()
-        torch._foreach_copy_(shards, [local(t) for t in self.target_params])
+        with torch.no_grad():
+            shards = [local(p) for p in self.trainable]
+            online = [s.clone() for s in shards]
+            self.model.reshard()
+            for s, t in zip(shards, self.target_params):
+                s.copy_(local(t))
         try:
             yield
         finally:
-            self.model.reshard()
-            torch._foreach_copy_(shards, online)
+            with torch.no_grad():
+                self.model.reshard()
+                for s, o in zip(shards, online):
+                    s.copy_(o)
 
     def idle_passes(self, n: int, *, grad: bool) -> None:
         """A Q update's passes are two (the target network's, then the online one): an idle rank
