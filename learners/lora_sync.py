@@ -25,13 +25,27 @@ SUFFIX_A = "::lora_A"
 SUFFIX_B = "::lora_B"
 
 
+def unsupported_adapters(peft_model: Any) -> list[str]:
+    """Adapted modules whose update is not ``s B A`` on a linear weight (an embedding's adapter,
+    DoRA's magnitudes): factors cannot carry them, so such a policy syncs merged weights."""
+    from peft.tuners.lora import LoraLayer
+
+    adapter = peft_model.active_adapter
+    return [name for name, module in peft_model.get_base_model().named_modules()
+            if isinstance(module, LoraLayer) and (adapter not in module.lora_A
+                                                  or adapter in getattr(module, "lora_magnitude_vector", {}))]
+
+
 @torch.no_grad()
 def adapter_factors(peft_model: Any) -> dict[str, torch.Tensor]:
     """``{<weight>::lora_A: A (r, in), <weight>::lora_B: s B (out, r)}`` of every adapted linear
     layer of a peft model, in checkpoint naming (A before B). Sharded factors stay shards: the
-    packer gathers each."""
+    packer gathers each. Raises on adapters factors cannot carry (``unsupported_adapters``)."""
     from peft.tuners.lora import LoraLayer
 
+    unsupported = unsupported_adapters(peft_model)
+    if unsupported:
+        raise ValueError(f"adapter sync cannot carry the adapters of {unsupported[:3]} (not plain linear LoRA)")
     adapter = peft_model.active_adapter
     out: dict[str, torch.Tensor] = {}
     for name, module in peft_model.get_base_model().named_modules():

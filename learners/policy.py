@@ -171,6 +171,13 @@ class PolicyLearner(Learner):
         """Shards the policy in place; the extra groups' parameters by name, as they are after it."""
         if not self.shardable:
             raise ValueError(f"train.sharding=fsdp is not built for the {self.name} learner yet")
+        if self.lora:
+            from learners.lora_sync import unsupported_adapters
+
+            unsupported = unsupported_adapters(self.model.lm)
+            if unsupported:  # _merged_shards merges s B A shard by shard: linear adapters only
+                raise ValueError(f"train.sharding=fsdp with LoRA adapts linear layers only, not {unsupported[:3]} "
+                                 "(lora.target_modules)")
         names = {id(p): n for n, p in self.model.named_parameters()}
         wanted = [[names[id(p)] for p in g["params"]] for g in extra_param_groups]
         layers = list(decoder_layers(self.model.lm))
@@ -335,10 +342,16 @@ class PolicyLearner(Learner):
         ``adapter`` only the adapters' factors, which the generators merge into their base weights
         (``learners/lora_sync.py``). Sharded: shards, read with ``full_tensor`` on every rank."""
         if adapter and self.lora:
-            from learners.lora_sync import adapter_factors
+            from learners.lora_sync import adapter_factors, unsupported_adapters
 
-            yield adapter_factors(self.model.lm)
-            return
+            unsupported = unsupported_adapters(self.model.lm)
+            if not unsupported:
+                yield adapter_factors(self.model.lm)
+                return
+            if not getattr(self, "_warned_merged_sync", False):  # once per learner
+                log.warning("lora.sync=adapter: the adapters of %s are not plain linear LoRA; syncing merged "
+                            "weights instead", unsupported[:3])
+                self._warned_merged_sync = True
         with self.policy_weights() as sd:
             yield sd
 

@@ -66,3 +66,19 @@ def test_a_malformed_factor_stream_raises(tiny_model_path):
         list(merge_into_base([(name + SUFFIX_A, a)], base))
     with pytest.raises(KeyError, match="no weight"):
         base("model.layers.99.self_attn.q_proj.weight")
+
+
+def test_an_adapter_factors_cannot_carry_syncs_merged_weights(tiny_model_path):
+    """An embedding's adapter is not ``s B A`` on a linear weight: factors alone would leave the
+    generators' embeddings stale, so such a learner sends merged weights (the embedding included)."""
+    from tests.helpers.factories import make_learner
+
+    learner = make_learner(tiny_model_path, lora={"r": 4, "alpha": 8.0, "target_modules": ["q_proj", "embed_tokens"]})
+    with pytest.raises(ValueError, match="model.embed_tokens"):
+        adapter_factors(learner.model.lm)
+    with learner.sync_weights(adapter=True) as weights:
+        names = set(weights)
+    assert "model.embed_tokens.weight" in names and not any(n.endswith((SUFFIX_A, SUFFIX_B)) for n in names)
+    plain = make_learner(tiny_model_path, lora={"r": 4, "alpha": 8.0, "target_modules": ["q_proj"]})
+    with plain.sync_weights(adapter=True) as weights:
+        assert all(n.endswith((SUFFIX_A, SUFFIX_B)) for n in weights)

@@ -271,10 +271,15 @@ def test_a_sharded_reward_model_checkpoint_restores_on_one_rank(runs):
 
 
 def test_a_learner_not_built_for_sharding_says_so(tiny_model_path, monkeypatch):
-    """A learner class that does not declare itself shardable (one of a user's own, say) stops
-    with one line when built with train.sharding=fsdp."""
+    """A learner class that does not declare itself shardable (one of a user's own, say), or a LoRA
+    learner adapting more than linear layers, stops with one line when built with
+    train.sharding=fsdp."""
     from learners.sft import SFTLearner
 
     monkeypatch.setattr(SFTLearner, "shardable", False)
     with pytest.raises(ValueError, match="train.sharding=fsdp is not built for the sft learner yet"):
         make_sft_learner(tiny_model_path, train={"sharding": "fsdp"})
+    # Sharded LoRA weights are merged shard by shard as s B A: an embedding's adapter is refused.
+    with pytest.raises(ValueError, match=r"adapts linear layers only, not \['model.embed_tokens'\]"):
+        make_learner(tiny_model_path, train={"sharding": "fsdp"},
+                     lora={"r": 4, "alpha": 8.0, "target_modules": ["q_proj", "embed_tokens"]})
