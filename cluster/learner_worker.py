@@ -165,14 +165,12 @@ def _pack_weights(learner: Any, spec: LearnerSpec, comm: Any) -> tuple[Any, floa
     """The policy as one flat buffer in the generators' dtype, and the seconds it took. A sharded
     learner's other ranks only take part in gathering each tensor (None: rank 0 packs)."""
     from cluster.weight_sync import pack
-    from learners.sharding import full_tensor
 
     t0 = time.perf_counter()
+    if comm.rank != 0:
+        learner.policy_state_dict(keep=False, adapter=spec.adapter_sync)
+        return None, time.perf_counter() - t0
     with learner.sync_weights(spec.adapter_sync) as weights:
-        if comm.rank != 0:
-            for tensor in weights.values():
-                full_tensor(tensor)
-            return None, time.perf_counter() - t0
         # Every caller hands the buffer on (ray.put copies it; the broadcast is synchronous)
         # before the next pack, so this worker reuses one buffer.
         packed = pack(weights, _sync_dtype(spec), version=learner.version, out=_PACK_BUFFER.get("buffer"))

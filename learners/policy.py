@@ -381,10 +381,11 @@ class PolicyLearner(Learner):
             sd[name] = merged.get(name, v)
         return sd
 
-    def policy_state_dict(self, keep: bool = True) -> dict[str, torch.Tensor]:
-        """A detached copy of ``policy_weights()``, on the CPU (sharded: gathered on every rank).
-        ``keep=False``: a sharded rank's part in the gathers only, holding none of it ({})."""
-        with self.policy_weights() as sd:
+    def policy_state_dict(self, keep: bool = True, adapter: bool = False) -> dict[str, torch.Tensor]:
+        """A detached copy of ``sync_weights(adapter)`` (by default ``policy_weights()``), on the
+        CPU (sharded: gathered on every rank). ``keep=False``: a sharded rank's part in the gathers
+        only, holding none of it ({})."""
+        with self.sync_weights(adapter) as sd:
             if not keep:
                 for v in sd.values():
                     full_tensor(v)

@@ -201,3 +201,18 @@ def make_rm_learner(path: str, *, train: dict | None = None, rm: dict | None = N
     tr = TrainConfig(**{"bf16": False, "micro_batch_size": 8, **(train or {})})
     ctx = LearnerContext(model_path=path, seed=seed, total_steps=total_steps, comm=comm)
     return RewardModelLearner.build(ctx, tr, RewardModelConfig(**(rm or {})))
+
+
+def trained_lora(path: str, targets: Sequence[str], *, r: int = 4, scale: float = 0.05, seed: int = 0) -> Any:
+    """A peft LoRA model on ``path`` whose adapter has moved: random B (peft starts it at 0)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = get_peft_model(lm, LoraConfig(r=r, lora_alpha=2.0 * r, target_modules=list(targets), bias="none"))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * scale)
+    return model

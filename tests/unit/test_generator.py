@@ -177,19 +177,13 @@ def test_an_adapter_sync_serves_what_a_merged_sync_serves(generator, tiny_model_
     """``lora.sync: adapter``: the engine receives LoRA factors only (on q and v, which vLLM fuses
     with k into one layer), merges them into the base weights it reads from the base model folder,
     and serves the log-probs it serves after receiving the merged weights themselves."""
-    from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     from learners.lora_sync import adapter_factors
+    from tests.helpers.factories import trained_lora
 
-    lm = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
-    original = {k: v.clone() for k, v in lm.state_dict().items()}
-    model = get_peft_model(lm, LoraConfig(r=4, lora_alpha=8.0, target_modules=["q_proj", "v_proj"], bias="none"))
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    original = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).state_dict()
+    model = trained_lora(tiny_model_path, ["q_proj", "v_proj"], scale=0.2, seed=1)
     factors = adapter_factors(model)
     probe = generator.encode_prompt("What is 3 + 4? The answer is 7.")
     base_lps = generator.probe_logprobs(probe)

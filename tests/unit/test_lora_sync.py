@@ -6,20 +6,7 @@ import pytest
 import torch
 
 from learners.lora_sync import SUFFIX_A, SUFFIX_B, BaseWeights, adapter_factors, merge_into_base, module_of
-
-
-def _peft(path: str, targets: list[str], r: int = 4):
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model = get_peft_model(lm, LoraConfig(r=r, lora_alpha=2.0 * r, target_modules=targets, bias="none"))
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():  # a trained adapter: B is 0 when peft creates it
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
-    return model
+from tests.helpers.factories import trained_lora as _peft
 
 
 def test_merged_factors_are_peft_merged_weights_and_fused_siblings_follow(tiny_model_path):
