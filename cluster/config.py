@@ -419,6 +419,11 @@ class TrainConfig(Section):
         "the step one worker would on the same global batch. fsdp: every learner (ppo with either critic, sft, "
         "dpo, qlearn, reward_model), full or LoRA, not with train.compile; shared prompts take only the packed "
         "one-pass form under it (a group too long to pack runs its rows in full).")
+    cpu_offload: bool = _f(
+        False, "With train.sharding=fsdp on GPU learners (cluster.gpus_per_learner > 0): each worker keeps its shards "
+        "of the weights, gradients and AdamW state in host memory (FSDP2's CPUOffloadPolicy, pinned) and the optimiser "
+        "steps there; a layer's weights reach the GPU only while it computes. Trades step time for GPU memory: the "
+        "largest models per GPU. The workers' process group then reduces host tensors with gloo beside NCCL.")
     reference: Literal["actor", "learners"] = _f(
         "actor", "Where a KL term's or DPO's frozen reference log-probs come from without LoRA: a Reference actor "
         "holding a full copy of the initial model, or the learner workers, each holding a frozen copy beside the "
@@ -847,6 +852,9 @@ class Config(Section):
             (self.train.sharding == "replicated" or (self.run.algorithm in SHARDED_ALGORITHMS
                                                     and not self.train.compile),
              "train.sharding=fsdp is built for run.algorithm=ppo, sft, dpo, qlearn or reward_model, without train.compile"),
+            (not self.train.cpu_offload or (self.train.sharding == "fsdp" and self.cluster.gpus_per_learner > 0),
+             "train.cpu_offload keeps sharded GPU learners' state in host memory: it needs train.sharding=fsdp and "
+             "cluster.gpus_per_learner > 0 (CPU learners hold everything in host memory already)"),
             (ppo.critic == "shared" or ppo.advantage_estimator == "gae",
              f"ppo.critic=separate is a critic for advantage_estimator=gae; {ppo.advantage_estimator} uses none"),
             (not ppo.critic_init or ppo.critic == "separate", "ppo.critic_init starts a separate critic: set ppo.critic=separate"),

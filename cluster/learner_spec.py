@@ -82,7 +82,9 @@ def learner_spec(cfg: Config, model_path: str, pad_token_id: int, resume_from: s
 
 def worker_scaling(spec: LearnerSpec) -> dict[str, Any]:
     """Ray Train's ``ScalingConfig`` arguments, the process-group backend of the workers (GPU
-    workers reduce with NCCL, CPU workers with gloo: the same learner code either way) and the
+    workers reduce with NCCL, CPU workers with gloo: the same learner code either way; GPU
+    workers whose shards live in host memory, ``train.cpu_offload``, both: NCCL for CUDA tensors,
+    gloo for the host ones, such as the gradient norm over offloaded shards) and the
     environment variables the workers start with."""
     from cluster.role_settings import KEEP_FREED_MEMORY_ENV
 
@@ -91,7 +93,8 @@ def worker_scaling(spec: LearnerSpec) -> dict[str, Any]:
         "scaling": {"num_workers": spec.num_learners, "use_gpu": bool(spec.gpus_per_learner),
                     "resources_per_worker": {"CPU": spec.cpus_per_learner, **spec.resources, **gpus},
                     "placement_strategy": spec.placement_strategy},
-        "backend": "nccl" if spec.gpus_per_learner else "gloo",
+        "backend": ("gloo" if not spec.gpus_per_learner else
+                    "cpu:gloo,cuda:nccl" if getattr(spec.train, "cpu_offload", False) else "nccl"),
         "env_vars": dict(KEEP_FREED_MEMORY_ENV) if spec.keep_freed_memory and not spec.gpus_per_learner else {},
     }
 

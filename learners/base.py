@@ -77,6 +77,7 @@ class TrainParams(Protocol):
     fused_logprobs: bool
     shared_prefix: bool
     sharding: str  # "replicated" or "fsdp" (learners/sharding.py)
+    cpu_offload: bool  # sharded shards and optimiser state in host memory (learners/sharding.py)
     reference: str  # "actor" or "learners": where reference log-probs come from without LoRA
 
 

@@ -139,7 +139,7 @@ class PolicyLearner(Learner):
             ref = PolicyWithValueHead(lm.eval(), with_value_head=False).to(self.device)
             ref.one_call_per_layer = self.sharded
             if self.sharded:
-                shard_policy(ref, list(decoder_layers(lm)))
+                shard_policy(ref, list(decoder_layers(lm)), **self._shard_options())
             self._reference_model = ref
         return self._reference_model
 
@@ -185,7 +185,7 @@ class PolicyLearner(Learner):
         if critic is not None:  # a separate critic's layers are units too; its embeddings join the root's
             critic.one_call = True
             layers += list(critic.layers())
-        shard_policy(self.model, layers)
+        shard_policy(self.model, layers, **self._shard_options())
         # FSDP sets its units up on the first pass through the root, which must be a training pass
         # (one without gradients leaves the root's backward unhooked) and must come before any
         # pass that enters the LM directly (the reference with LoRA off, the sync probe).
@@ -193,6 +193,13 @@ class PolicyLearner(Learner):
         self.model.zero_grad(set_to_none=True)
         params = dict(self.model.named_parameters())
         return [{**g, "params": [params[n] for n in ns]} for g, ns in zip(extra_param_groups, wanted)]
+
+    def _shard_options(self) -> dict[str, Any]:
+        """``shard_policy``'s precision and offload: weights gathered in bf16 where the learner
+        computes bf16 (the fp32 shards stay the master copy), host-memory shards with
+        ``train.cpu_offload``."""
+        return {"param_dtype": torch.bfloat16 if self.tr.bf16 is True else None,
+                "offload": bool(getattr(self.tr, "cpu_offload", False))}
 
     def aligned(self, n: int) -> int:
         """How many passes this rank runs when it has ``n`` of its own: ``n``, or with sharded

@@ -34,16 +34,27 @@ from learners.distributed import Collective
 SHARDINGS: tuple[str, ...] = ("replicated", "fsdp")
 
 
-def shard_policy(root: nn.Module, layers: list[nn.Module]) -> None:
+def shard_policy(root: nn.Module, layers: list[nn.Module], *, param_dtype: torch.dtype | None = None,
+                 offload: bool = False) -> None:
     """FSDP2 units: every module of ``layers``, then ``root`` with what is left (in place).
 
     Gradients are summed over ranks, not averaged (the learners' losses already carry global
-    normalisers), with sum-only collectives: gloo has no pre-multiplied sum."""
-    from torch.distributed.fsdp import fully_shard
+    normalisers), with sum-only collectives: gloo has no pre-multiplied sum.
 
+    ``param_dtype`` (bf16 where the learners compute bf16): the units gather their weights in
+    that dtype (half the bytes of fp32) and compute with them; shards, gradients after the
+    reduce-scatter (summed in fp32) and the optimiser's state stay fp32. ``offload``: the shards,
+    their gradients and the optimiser's state live in host memory (pinned on GPUs); a unit's
+    weights go to the device for its all-gather only. On a CPU device both are where they'd go."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    policies = {
+        "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None),
+        "offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy(),
+    }
     for layer in layers:
-        fully_shard(layer)
-    fully_shard(root)
+        fully_shard(layer, **policies)
+    fully_shard(root, **policies)
     for module in [*layers, root]:
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)

@@ -101,6 +101,11 @@ def test_types_are_checked_and_coerced():
     assert load_config(overrides=["train.sharding=fsdp", "run.algorithm=reward_model", "dpo.pairs=scorer"])
     with pytest.raises(ConfigError, match="train.sharding=fsdp is built for .*, without train.compile"):
         load_config(overrides=["train.sharding=fsdp", "train.compile=true"])
+    # Offloading shards to host memory is for sharded GPU learners: CPU learners are there already.
+    with pytest.raises(ConfigError, match="train.cpu_offload .* needs train.sharding=fsdp and cluster.gpus_per_learner > 0"):
+        load_config(overrides=["train.sharding=fsdp", "train.cpu_offload=true"])
+    with pytest.raises(ConfigError, match="train.cpu_offload .* needs train.sharding=fsdp"):
+        load_config(overrides=["train.cpu_offload=true", "cluster.gpus_per_learner=1"])
     # The learners' own reference is the initial model: a distillation teacher stays in its actor.
     assert load_config(overrides=["train.reference=learners"]).train.reference == "learners"
     with pytest.raises(ConfigError, match="ppo.teacher needs train.reference=actor"):

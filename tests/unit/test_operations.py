@@ -327,6 +327,10 @@ def test_gpu_roles_get_their_devices_and_backends():
     workers = worker_scaling(spec)
     assert workers["backend"] == "nccl" and workers["scaling"]["use_gpu"] is True
     assert workers["scaling"]["resources_per_worker"] == {"CPU": 1.0, "GPU": 1.0}
+    # Offloaded shards are host tensors: their collectives (the gradient norm) go through gloo.
+    offload = Config.model_validate({**GPU_RUN, "train": {**GPU_RUN.get("train", {}), "sharding": "fsdp",
+                                                          "cpu_offload": True}}).validate_run()
+    assert worker_scaling(learner_spec(offload, "/m", 0))["backend"] == "cpu:gloo,cuda:nccl"
     assert generator_config(cfg, "/m").gpu_memory_utilization == 0.45
     assert reference_config(cfg, "/m").device == "cuda"
     nccl = Config.model_validate({**GPU_RUN, "rollout": {**GPU_RUN["rollout"], "weight_transport": "collective",
