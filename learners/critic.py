@@ -60,12 +60,13 @@ class Critic(nn.Module):
 
 
 def build_critic(model_path: str, init_from: str = "", *, lora: Any = None, lora_r: int = 0, seed: int = 0,
-                 gradient_checkpointing: bool = False, pooling: str = "token") -> Critic:
+                 gradient_checkpointing: bool = False, pooling: str = "token", empty: bool = False) -> Critic:
     """The critic from the policy's initial model (``init_from`` empty) or a reward-model folder.
 
     ``lora``: the policy's LoRA settings (None: the critic's decoder trains in full); the critic's
-    own adapter has rank ``lora_r`` (0: the policy's)."""
-    from learners.attention import register
+    own adapter has rank ``lora_r`` (0: the policy's). ``empty``: the initial model's decoder
+    without its weights (``learners.sharding.load_causal_lm``), for a sharded rank that receives
+    them from rank 0."""
 
     if init_from:
         from learners.reward_model import load_reward_model
@@ -73,9 +74,9 @@ def build_critic(model_path: str, init_from: str = "", *, lora: Any = None, lora
         rm = load_reward_model(init_from)
         decoder, score = getattr(rm, rm.base_model_prefix), rm.score.weight.detach()
     else:
-        from transformers import AutoModelForCausalLM
+        from learners.sharding import load_causal_lm
 
-        lm = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation=register())
+        lm = load_causal_lm(model_path, torch.float32, empty=empty)
         decoder, score = lm.get_decoder(), None
     decoder.config.use_cache = False
     head = nn.Linear(decoder.config.hidden_size, 1)

@@ -42,9 +42,13 @@ from learners.sharding import (
     aligned_passes,
     full_tensor,
     idle_inputs,
+    load_causal_lm,
     load_full_weights,
     load_optimizer_shards,
+    receive_weights_from_rank0,
     save_optimizer_shards,
+    shard_group_rank,
+    shard_group_size,
     shard_policy,
     whole,
     zero_loss,
@@ -78,17 +82,17 @@ class PolicyLearner(Learner):
     shardable: ClassVar[bool] = False
 
     def __init__(self, ctx: LearnerContext, train: TrainParams, *, with_value_head: bool) -> None:
-        from transformers import AutoModelForCausalLM
-
         torch.manual_seed(ctx.seed)
         self.ctx, self.tr = ctx, _with_resolved_bf16(train, ctx.device)
         self.comm = ctx.comm or Collective()
         # Sharded (learners/sharding.py): each rank holds 1/N of the weights, gradients and
         # optimiser state, and every pass, weight read and save is a collective of all ranks.
         self.sharded = getattr(train, "sharding", "replicated") == "fsdp"
-        from learners.attention import register
-
-        lm = AutoModelForCausalLM.from_pretrained(ctx.model_path, dtype=torch.float32, attn_implementation=register())
+        # Sharded ranks other than 0 build the model without its weights, rank 0 sends them.
+        self.from_rank0 = self.sharded and shard_group_size() > 1
+        lm = load_causal_lm(ctx.model_path, torch.float32, empty=self.from_rank0 and shard_group_rank() != 0)
+        if self.from_rank0:
+            torch.manual_seed(ctx.seed)  # the ranks' random streams alike whichever way they loaded
         lm.config.use_cache = False
         add_residual_dropout(lm, ctx.dropout)
         lora = ctx.lora
@@ -106,7 +110,9 @@ class PolicyLearner(Learner):
         if train.compile:
             compile_decoder_layers(lm)
         self.device = torch.device(ctx.device)
-        self.model = PolicyWithValueHead(lm, with_value_head=with_value_head).to(self.device)
+        self.model = PolicyWithValueHead(lm, with_value_head=with_value_head)
+        if not any(p.is_meta for p in self.model.parameters()):  # empty ones get their device when sharded
+            self.model.to(self.device)
         # Sharded: each layer's run is a collective every rank must make alike, whatever its rows.
         self.model.one_call_per_layer = self.sharded
         self.version = 0
@@ -126,20 +132,22 @@ class PolicyLearner(Learner):
     def _frozen_reference(self) -> PolicyWithValueHead:
         """The initial model, frozen, beside the policy; sharded like it (every rank builds it)."""
         if self._reference_model is None:
-            from transformers import AutoModelForCausalLM
-
-            from learners.attention import register
-
             # Frozen: no fp32 master copy needed; with bf16 compute its weights are bf16 (half the
             # memory), as the Reference actor's are.
             dtype = torch.bfloat16 if self.tr.bf16 is True else torch.float32
-            lm = AutoModelForCausalLM.from_pretrained(self.ctx.model_path, dtype=dtype, attn_implementation=register())
+            empty = self.from_rank0 and shard_group_rank() != 0
+            lm = load_causal_lm(self.ctx.model_path, dtype, empty=empty)
             lm.config.use_cache = False
             lm.requires_grad_(False)
-            ref = PolicyWithValueHead(lm.eval(), with_value_head=False).to(self.device)
+            ref = PolicyWithValueHead(lm.eval(), with_value_head=False)
+            if not empty:
+                ref.to(self.device)
             ref.one_call_per_layer = self.sharded
             if self.sharded:
+                weights = ref.state_dict() if self.from_rank0 and not empty else {}
                 shard_policy(ref, list(decoder_layers(lm)), **self._shard_options())
+                if self.from_rank0:
+                    receive_weights_from_rank0(ref, weights, self.device)
             self._reference_model = ref
         return self._reference_model
 
@@ -185,7 +193,12 @@ class PolicyLearner(Learner):
         if critic is not None:  # a separate critic's layers are units too; its embeddings join the root's
             critic.one_call = True
             layers += list(critic.layers())
+        # Rank 0's weights, full (the other ranks hold none: ``load_causal_lm(empty=True)``).
+        weights = self.model.state_dict() if self.from_rank0 and shard_group_rank() == 0 else {}
         shard_policy(self.model, layers, **self._shard_options())
+        if self.from_rank0:
+            receive_weights_from_rank0(self.model, weights, self.device)
+            del weights
         # FSDP sets its units up on the first pass through the root, which must be a training pass
         # (one without gradients leaves the root's backward unhooked) and must come before any
         # pass that enters the LM directly (the reference with LoRA off, the sync probe).

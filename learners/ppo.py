@@ -44,7 +44,7 @@ from learners.modeling import autocast, micro_batch_order, shared_weight_casts
 from learners.policy import PolicyLearner
 from learners.policy_losses import policy_loss
 from learners.reward_shaping import overlong_penalty
-from learners.sharding import full_tensor, idle_inputs, load_full_weights, zero_loss
+from learners.sharding import full_tensor, idle_inputs, load_full_weights, shard_group_rank, zero_loss
 
 
 class PPOParams(Protocol):
@@ -128,9 +128,12 @@ class PPOLearner(PolicyLearner):
         if self.separate_critic:
             from learners.critic import build_critic
 
+            empty = self.from_rank0 and shard_group_rank() != 0
             self.model.critic = build_critic(ctx.model_path, hp.critic_init, lora=ctx.lora, lora_r=hp.critic_lora_r,
                                              seed=ctx.seed, gradient_checkpointing=train.gradient_checkpointing,
-                                             pooling=hp.critic_pooling).to(self.device)
+                                             pooling=hp.critic_pooling, empty=empty and not hp.critic_init)
+            if not empty or hp.critic_init:
+                self.model.critic.to(self.device)
             group = {"params": [p for p in self.model.critic.parameters() if p.requires_grad], "lr": hp.critic_lr,
                      "weight_decay": hp.critic_weight_decay}
         self._init_optimizer([group], updates_per_step=train.epochs * train.num_minibatches)

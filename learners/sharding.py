@@ -60,6 +60,58 @@ def shard_policy(root: nn.Module, layers: list[nn.Module], *, param_dtype: torch
         module.set_force_sum_reduction_for_comms(True)
 
 
+def shard_group_size() -> int:
+    """Ranks of the group FSDP shards over (the default process group; 1 without one)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def shard_group_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def load_causal_lm(model_path: str, dtype: torch.dtype, *, empty: bool = False) -> nn.Module:
+    """A transformers causal LM from its folder, or with ``empty`` its architecture alone: the
+    parameters on the meta device (no memory, no file read), the buffers (rotary frequencies)
+    computed as usual. Sharded ranks other than 0 start empty and receive rank 0's weights once
+    sharded (``receive_weights_from_rank0``): at load one full copy per group of ranks, not one
+    per rank (8 ranks of a 7B model on one node: 28 GB of host memory instead of 224 GB)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from learners.attention import register
+
+    if not empty:
+        return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=register())
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=dtype,
+                                              attn_implementation=register())
+    lm.tie_weights()  # the empty context re-creates each assigned parameter, a tied head included
+    return lm
+
+
+def receive_weights_from_rank0(root: nn.Module, weights: Mapping[str, torch.Tensor], device: torch.device) -> None:
+    """After ``shard_policy``: rank 0's full ``weights`` (``root.state_dict()`` taken before
+    sharding; ``{}`` on the other ranks) into every rank's shards, broadcast tensor by tensor
+    (a collective). A rank that built ``root`` empty first gives its shards memory on ``device``,
+    keeping the buffers it computed itself."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if any(p.is_meta for p in root.parameters()):
+        buffers = {n: b.detach().clone() for n, b in root.named_buffers()}
+        root.to_empty(device=device)
+        with torch.no_grad():
+            for n, b in root.named_buffers():
+                b.copy_(buffers[n])
+    set_model_state_dict(root, dict(weights),
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True))
+    root.reshard()
+
+
 def is_sharded(t: torch.Tensor) -> bool:
     from torch.distributed.tensor import DTensor
 

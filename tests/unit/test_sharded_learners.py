@@ -2,9 +2,9 @@
 same global batch — PPO with either critic, GRPO, SFT, DPO, Q-learning (its EMA target network
 too) and the reward model, with LoRA on and off, with the frozen reference sharded beside the
 policy (``train.reference=learners``), with the shards in host memory (``train.cpu_offload``), on 2
-and on 4 ranks; with bf16 weights gathered from fp32 shards they take the replicated bf16 step
-within bf16 rounding — and a sharded run resumes with another number of ranks as if
-uninterrupted.
+and on 4 ranks, every rank but rank 0 receiving the initial weights instead of reading them; with
+bf16 weights gathered from fp32 shards they take the replicated bf16 step within bf16 rounding —
+and a sharded run resumes with another number of ranks as if uninterrupted.
 
 The ranks are real processes in a gloo group (``tests/helpers/ranks.py``): FSDP2 shards the
 parameters into DTensors and gathers / reduce-scatters them in every pass. Shards of unequal size
@@ -179,10 +179,22 @@ def _held(learner, seen: list) -> dict:
             "moments": {v.dtype for v in moments}, "offloaded": offloaded}
 
 
+def _count_model_loads() -> list:
+    """Every read of a causal LM's weights from its folder in this process, from now on."""
+    from transformers import AutoModelForCausalLM
+
+    loads: list = []
+    read = AutoModelForCausalLM.from_pretrained
+    AutoModelForCausalLM.from_pretrained = lambda *a, **k: (loads.append(a[0]), read(*a, **k))[1]
+    return loads
+
+
 def _two_ranks(rank: int, world: int, path: str, batches: dict, resume_from: str, save_to: str) -> dict:
     from learners.distributed import default_collective
 
+    loads = _count_model_loads()
     out = _every_case(rank, world, path, batches, save_to, (*CASES, *MIXED))
+    out["model_loads"] = len(loads)
     learner = _learner(path, "grpo_kl", sharded=True)
     learner.comm = default_collective()
     learner.restore(resume_from)
@@ -258,6 +270,14 @@ def test_sharded_ranks_take_the_replicated_step(runs, case, ranks):
         expected = {2: ([0.0, 2.0], [2.0, 5.0]), 4: ([0.0, 0.0, 0.0, 2.0], [0.0, 2.0, 2.0, 3.0])}[ranks]
         assert sorted(m["learner/local_sequences"] for _, m, _ in (r[case] for r in both)) == (
             expected[0] if case == "fused_empty_rank" else expected[1])
+
+
+def test_only_rank_0_reads_the_initial_model(runs):
+    """Rank 1 builds every learner above (policies, a separate critic, the own reference) without
+    reading the model's weights: its shards come from rank 0 (and its steps equal the replicated
+    ones above, so they came whole)."""
+    _, both, _, _ = runs
+    assert both[0]["model_loads"] >= len(CASES) + len(MIXED) and both[1]["model_loads"] == 0
 
 
 def test_offloaded_shards_take_the_replicated_step_from_host_memory(runs):
