@@ -144,10 +144,7 @@ class PolicyLearner(Learner):
                 ref.to(self.device)
             ref.one_call_per_layer = self.sharded
             if self.sharded:
-                weights = ref.state_dict() if self.from_rank0 and not empty else {}
-                shard_policy(ref, list(decoder_layers(lm)), **self._shard_options())
-                if self.from_rank0:
-                    receive_weights_from_rank0(ref, weights, self.device)
+                self._shard_module(ref, list(decoder_layers(lm)))
             self._reference_model = ref
         return self._reference_model
 
@@ -193,12 +190,7 @@ class PolicyLearner(Learner):
         if critic is not None:  # a separate critic's layers are units too; its embeddings join the root's
             critic.one_call = True
             layers += list(critic.layers())
-        # Rank 0's weights, full (the other ranks hold none: ``load_causal_lm(empty=True)``).
-        weights = self.model.state_dict() if self.from_rank0 and shard_group_rank() == 0 else {}
-        shard_policy(self.model, layers, **self._shard_options())
-        if self.from_rank0:
-            receive_weights_from_rank0(self.model, weights, self.device)
-            del weights
+        self._shard_module(self.model, layers)
         # FSDP sets its units up on the first pass through the root, which must be a training pass
         # (one without gradients leaves the root's backward unhooked) and must come before any
         # pass that enters the LM directly (the reference with LoRA off, the sync probe).
@@ -207,12 +199,16 @@ class PolicyLearner(Learner):
         params = dict(self.model.named_parameters())
         return [{**g, "params": [params[n] for n in ns]} for g, ns in zip(extra_param_groups, wanted)]
 
-    def _shard_options(self) -> dict[str, Any]:
-        """``shard_policy``'s precision and offload: weights gathered in bf16 where the learner
-        computes bf16 (the fp32 shards stay the master copy), host-memory shards with
-        ``train.cpu_offload``."""
-        return {"param_dtype": torch.bfloat16 if self.tr.bf16 is True else None,
-                "offload": bool(getattr(self.tr, "cpu_offload", False))}
+    def _shard_module(self, root: torch.nn.Module, layers: list[torch.nn.Module]) -> None:
+        """``shard_policy`` with this learner's precision and offload: weights gathered in bf16
+        where it computes bf16 (the fp32 shards stay the master copy), host-memory shards with
+        ``train.cpu_offload``; then, over several ranks, rank 0's weights into everyone's shards
+        (the other ranks built ``root`` empty: ``load_causal_lm``)."""
+        weights = root.state_dict() if self.from_rank0 and shard_group_rank() == 0 else {}
+        shard_policy(root, layers, param_dtype=torch.bfloat16 if self.tr.bf16 is True else None,
+                     offload=bool(getattr(self.tr, "cpu_offload", False)))
+        if self.from_rank0:
+            receive_weights_from_rank0(root, weights, self.device)
 
     def aligned(self, n: int) -> int:
         """How many passes this rank runs when it has ``n`` of its own: ``n``, or with sharded

@@ -17,7 +17,11 @@ over ranks, so N sharded ranks take the one-rank step. What sharding adds:
   folder holds full tensors, as transformers and vLLM load it;
 * the optimiser's state is saved by every rank, its own shards only, with
   ``torch.distributed.checkpoint`` (``trainer_state/optimizer/``), which reshards it on load: a
-  sharded run resumes with any number of ranks.
+  sharded run resumes with any number of ranks;
+* only rank 0 reads the initial model; the other ranks build it empty and receive their shards
+  (``load_causal_lm``, ``receive_weights_from_rank0``);
+* bf16 learners gather bf16 weights from fp32 shards, and GPU learners may keep their shards in
+  host memory (``shard_policy``).
 """
 
 from __future__ import annotations
