@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Iterator, Protocol
 
 import torch
 
@@ -346,7 +346,8 @@ class PPOLearner(PolicyLearner):
         with shared_weight_casts(tr.bf16, self.device):
             stats, grad_norms, local_old = self._update(
                 local, old_logprobs[rows], old_values[rows], advantages[rows], returns[rows],
-                fused_out=fused_out, streamed=streamed, on_policy=on_policy, normalisers=normalisers, idle_out=idle_out,
+                fused_out=fused_out, streamed=streamed, normalisers=normalisers, idle_out=idle_out,
+                minibatches=self._minibatches(rows, sorted(i for shard in shards for i in shard), on_policy),
             )
         if streamed:
             old_logprobs = self._gather(local_old, rows, shape)
@@ -412,90 +413,105 @@ class PPOLearner(PolicyLearner):
             })
         return metrics
 
+    def _minibatches(self, rows: list[int], trained: list[int], on_policy: bool) -> Iterator[torch.Tensor]:
+        """This rank's share of every global minibatch of the step, as indices into its own
+        ``rows``: each epoch orders the batch's ``trained`` rows (every rank's) by a shuffle seeded
+        by (seed, version, epoch) only and cuts ``train.num_minibatches`` minibatches, so N ranks
+        train on the minibatches one rank would. On-policy (one epoch, one minibatch): this
+        rank's rows in their own order, the order of a fused pass's outputs."""
+        if on_policy:
+            yield torch.arange(len(rows), device=self.device)
+            return
+        position = {row: i for i, row in enumerate(rows)}
+        trained_rows = torch.tensor(trained, dtype=torch.long, device="cpu")
+        for epoch in range(self.tr.epochs):
+            gen = torch.Generator().manual_seed(self.ctx.seed * 1_000_003 + self.version * 1009 + epoch)
+            order = trained_rows[torch.randperm(len(trained), generator=gen, device="cpu")]
+            for mini in torch.tensor_split(order, self.tr.num_minibatches):
+                mine = [position[row] for row in mini.tolist() if row in position]
+                yield torch.tensor(mine, dtype=torch.long, device=self.device)
+
     def _update(
         self, local: Experience, old_logprobs: torch.Tensor, old_values: torch.Tensor, advantages: torch.Tensor,
-        returns: torch.Tensor, *, fused_out: dict[str, torch.Tensor] | None, streamed: bool, on_policy: bool,
-        normalisers: tuple[float, float] | None = None, idle_out: dict[str, torch.Tensor] | None = None,
+        returns: torch.Tensor, *, fused_out: dict[str, torch.Tensor] | None, streamed: bool,
+        minibatches: Iterator[torch.Tensor], normalisers: tuple[float, float] | None = None,
+        idle_out: dict[str, torch.Tensor] | None = None,
     ) -> tuple[dict[str, float], list[float], torch.Tensor]:
-        """Minibatch epochs over this rank's rows; returns global stats, grad norms and (streamed)
-        the old log-probs the training passes produced. ``normalisers`` (global tokens, sequences)
-        replace the rows' own counts in the losses when rows with no gradient were left out
-        (one minibatch); the statistics stay means over the rows that ran."""
+        """Minibatch epochs over this rank's rows (``minibatches``: its share of each global
+        minibatch); returns global stats, grad norms and (streamed) the old log-probs the training
+        passes produced. ``normalisers`` (global tokens, sequences) replace the rows' own counts
+        in the losses when rows with no gradient were left out (one minibatch); the statistics
+        stay means over the rows that ran."""
         hp, tr, comm = self.hp, self.tr, self.comm
-        n = local.batch_size
         mask = local.response_mask
         totals = {k: torch.zeros((), dtype=torch.float64, device=self.device) for k in _STATS}
         grad_norms: list[float] = []
-        gen = torch.Generator().manual_seed(self.ctx.seed * 1_000_003 + self.version * 1009 + comm.rank)
-        for _epoch in range(tr.epochs):
-            order = (torch.arange(n, device=self.device) if on_policy
-                     else torch.randperm(n, generator=gen, device="cpu").to(self.device))
-            for mini in torch.tensor_split(order, tr.num_minibatches):
-                # Normalisers of the *global* minibatch: every rank's share of it, summed.
-                counts = torch.tensor([float(mask[mini].sum()), float(mask[mini].any(1).sum())], dtype=torch.float64,
-                                      device=self.device)
-                g_tokens, g_seqs = (max(float(c), 1.0) for c in comm.all_reduce_sum(counts))
-                s_tokens = g_tokens  # statistics: means over the tokens that ran
-                if normalisers is not None:
-                    g_tokens, g_seqs = normalisers
-                self.optimizer.zero_grad(set_to_none=True)
-                if fused_out is None and len(mini):
-                    # Micro-batches of similar length, each trimmed to its longest row, with a
-                    # prompt's samples kept together so that they can share its forward pass.
-                    mini = micro_batch_order(local.attention_mask.sum(1), local.group_ids, mini)
-                micros = [mini] if fused_out is not None else [m for m in torch.split(mini, tr.micro_batch_size) if len(m)]
-                idle = self.aligned(len(micros)) - len(micros)  # agreed before any pass: each is a collective
-                for micro in micros:
-                    part = local if fused_out is not None else local.select(micro).trimmed()
-                    width, mmask = part.seq_len, part.response_mask
-                    w_tok = float(mmask.sum()) / g_tokens
-                    s_tok = float(mmask.sum()) / s_tokens
-                    # The policy loss's share of its minibatch: by tokens or by sequences (loss_agg),
-                    # so the sum over micro-batches and ranks is the global minibatch aggregate.
-                    w_agg = w_tok if hp.loss_agg == "token_mean" else float(mmask.any(1).sum()) / g_seqs
-                    out = fused_out if fused_out is not None else self._forward(part, grad=True)
-                    if streamed:
-                        old_logprobs[micro, :width] = out["logprobs"].detach()
-                    is_weights = None
-                    if self.rollout_correction != "none":
-                        is_weights, is_stats = rollout_importance_weights(
-                            old_logprobs[micro, :width], part.rollout_logprobs, mmask, self.rollout_correction,
-                            cap=hp.rollout_is_cap, low=hp.rollout_is_low, high=hp.rollout_is_high,
-                        )
-                        totals["rollout_is/weight_mean"] += float(is_stats["weight_mean"]) * s_tok
-                        totals["rollout_is/corrected_frac"] += float(is_stats["corrected_frac"]) * s_tok
-                    pg_loss, pg_stats = policy_loss(
-                        hp.policy_loss, out["logprobs"], old_logprobs[micro, :width], advantages[micro, :width], mmask,
-                        clip_eps=hp.clip_eps, clip_eps_high=hp.clip_eps_high or None, loss_agg=hp.loss_agg,
-                        loss_agg_constant=self.loss_agg_constant, weights=is_weights,
+        for mini in minibatches:
+            # Normalisers of the *global* minibatch: every rank's share of it, summed.
+            counts = torch.tensor([float(mask[mini].sum()), float(mask[mini].any(1).sum())], dtype=torch.float64,
+                                  device=self.device)
+            g_tokens, g_seqs = (max(float(c), 1.0) for c in comm.all_reduce_sum(counts))
+            s_tokens = g_tokens  # statistics: means over the tokens that ran
+            if normalisers is not None:
+                g_tokens, g_seqs = normalisers
+            self.optimizer.zero_grad(set_to_none=True)
+            if fused_out is None and len(mini):
+                # Micro-batches of similar length, each trimmed to its longest row, with a
+                # prompt's samples kept together so that they can share its forward pass.
+                mini = micro_batch_order(local.attention_mask.sum(1), local.group_ids, mini)
+            micros = [mini] if fused_out is not None else [m for m in torch.split(mini, tr.micro_batch_size) if len(m)]
+            idle = self.aligned(len(micros)) - len(micros)  # agreed before any pass: each is a collective
+            for micro in micros:
+                part = local if fused_out is not None else local.select(micro).trimmed()
+                width, mmask = part.seq_len, part.response_mask
+                w_tok = float(mmask.sum()) / g_tokens
+                s_tok = float(mmask.sum()) / s_tokens
+                # The policy loss's share of its minibatch: by tokens or by sequences (loss_agg),
+                # so the sum over micro-batches and ranks is the global minibatch aggregate.
+                w_agg = w_tok if hp.loss_agg == "token_mean" else float(mmask.any(1).sum()) / g_seqs
+                out = fused_out if fused_out is not None else self._forward(part, grad=True)
+                if streamed:
+                    old_logprobs[micro, :width] = out["logprobs"].detach()
+                is_weights = None
+                if self.rollout_correction != "none":
+                    is_weights, is_stats = rollout_importance_weights(
+                        old_logprobs[micro, :width], part.rollout_logprobs, mmask, self.rollout_correction,
+                        cap=hp.rollout_is_cap, low=hp.rollout_is_low, high=hp.rollout_is_high,
                     )
-                    loss = pg_loss * w_agg
-                    if self.use_critic:
-                        vf_loss, vf_stats = value_loss_clipped(
-                            out["values"], old_values[micro, :width], returns[micro, :width], mmask,
-                            clip_eps=hp.value_clip_eps,
-                        )
-                        loss = loss + hp.vf_coef * vf_loss * w_tok
-                        totals["loss/value"] += float(vf_loss.detach()) * w_tok
-                        totals["value/clip_frac"] += float(vf_stats["vf_clip_frac"]) * w_tok
-                    if hp.entropy_coef:
-                        # Entropy is measured detached; the bonus uses -logprob as its estimator.
-                        loss = loss + hp.entropy_coef * masked_mean(out["logprobs"], mmask) * w_tok
-                    if hp.kl_loss_coef:
-                        kl_term = masked_mean(kl_penalty(out["logprobs"], part.ref_logprobs, "k3"), mmask)
-                        loss = loss + hp.kl_loss_coef * kl_term * w_tok
-                    if not torch.isfinite(loss):
-                        raise FloatingPointError(f"non-finite PPO loss: {float(loss)}")
-                    loss.backward()
-                    totals["loss/policy"] += float(pg_loss.detach()) * w_agg
-                    totals["loss/total"] += float(loss.detach())
-                    totals["policy/entropy"] += float(masked_mean(out["entropy"], mmask)) * s_tok
-                    totals["policy/clip_frac"] += float(pg_stats["clip_frac"]) * s_tok
-                    totals["policy/approx_kl"] += float(pg_stats["approx_kl"]) * s_tok
-                self._pad_passes(idle, idle_out)
-                if normalisers is not None:  # a rank may have run nothing: its gradients are 0
-                    fill_missing_gradients(self.trainable)
-                grad_norms.append(self._optimizer_step())
+                    totals["rollout_is/weight_mean"] += float(is_stats["weight_mean"]) * s_tok
+                    totals["rollout_is/corrected_frac"] += float(is_stats["corrected_frac"]) * s_tok
+                pg_loss, pg_stats = policy_loss(
+                    hp.policy_loss, out["logprobs"], old_logprobs[micro, :width], advantages[micro, :width], mmask,
+                    clip_eps=hp.clip_eps, clip_eps_high=hp.clip_eps_high or None, loss_agg=hp.loss_agg,
+                    loss_agg_constant=self.loss_agg_constant, weights=is_weights,
+                )
+                loss = pg_loss * w_agg
+                if self.use_critic:
+                    vf_loss, vf_stats = value_loss_clipped(
+                        out["values"], old_values[micro, :width], returns[micro, :width], mmask,
+                        clip_eps=hp.value_clip_eps,
+                    )
+                    loss = loss + hp.vf_coef * vf_loss * w_tok
+                    totals["loss/value"] += float(vf_loss.detach()) * w_tok
+                    totals["value/clip_frac"] += float(vf_stats["vf_clip_frac"]) * w_tok
+                if hp.entropy_coef:
+                    # Entropy is measured detached; the bonus uses -logprob as its estimator.
+                    loss = loss + hp.entropy_coef * masked_mean(out["logprobs"], mmask) * w_tok
+                if hp.kl_loss_coef:
+                    kl_term = masked_mean(kl_penalty(out["logprobs"], part.ref_logprobs, "k3"), mmask)
+                    loss = loss + hp.kl_loss_coef * kl_term * w_tok
+                if not torch.isfinite(loss):
+                    raise FloatingPointError(f"non-finite PPO loss: {float(loss)}")
+                loss.backward()
+                totals["loss/policy"] += float(pg_loss.detach()) * w_agg
+                totals["loss/total"] += float(loss.detach())
+                totals["policy/entropy"] += float(masked_mean(out["entropy"], mmask)) * s_tok
+                totals["policy/clip_frac"] += float(pg_stats["clip_frac"]) * s_tok
+                totals["policy/approx_kl"] += float(pg_stats["approx_kl"]) * s_tok
+            self._pad_passes(idle, idle_out)
+            if normalisers is not None or not micros:  # a rank may have run nothing: its gradients are 0
+                fill_missing_gradients(self.trainable)
+            grad_norms.append(self._optimizer_step())
         n_updates = tr.epochs * tr.num_minibatches
         keys = list(_STATS)
         summed = comm.all_reduce_sum(torch.stack([totals[k] for k in keys]))

@@ -177,3 +177,28 @@ def test_two_learners_match_one_with_each_policy_objective(tiny_model_path, poli
     ppo = {"advantage_estimator": "grpo", "policy_loss": policy_loss, "kl_coef": 0.0, "clip_eps": 0.01,
            "clip_eps_high": 0.02, "loss_agg": "seq_mean_token_mean"}
     _compare(tiny_model_path, batch, {"micro_batch_size": 2, "epochs": 2}, ppo)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_minibatch_epochs_cut_the_global_batch(tiny_model_path, world):
+    """Two epochs of two minibatches, the critic and a KL term: every minibatch is cut from the
+    global batch's rows by a shuffle of (seed, version, epoch), each rank training its own rows of
+    it, so N learners take each of the 4 updates one learner takes (each rank used to shuffle its
+    own rows, and the minibatches depended on the number of ranks)."""
+    batch = _batch(tiny_model_path)
+    train = {"micro_batch_size": 2, "epochs": 2, "num_minibatches": 2}
+    ppo = {"advantage_estimator": "gae", "kl_coef": 0.1}
+
+    def every_update(learner, comm):
+        learner.comm = comm
+        grads: list = []
+        learner.on_gradients = lambda params: grads.append(flat_grads(params))
+        return grads, learner.train_step(batch)
+
+    g1, m1 = every_update(make_learner(tiny_model_path, train=train, ppo=ppo), Collective())
+    learners = _learners(tiny_model_path, train, ppo, world)
+    for grads, m in run_ranks(world, lambda rank, comm: every_update(learners[rank], comm)):
+        assert len(grads) == len(g1) == 4
+        for g, ref in zip(grads, g1):
+            torch.testing.assert_close(g, ref, **TOL)
+        assert m["loss/policy"] == pytest.approx(m1["loss/policy"], rel=1e-4, abs=1e-6)

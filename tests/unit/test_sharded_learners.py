@@ -43,6 +43,9 @@ CASES = {
     "grpo_kl": ("ppo", {"micro_batch_size": 2}, {"advantage_estimator": "grpo", "kl_coef": 0.1}, "groups"),
     # the shared value head (trained with the trunk), two epochs: two optimiser steps
     "gae": ("ppo", {"micro_batch_size": 2, "epochs": 2}, {"advantage_estimator": "gae"}, "groups"),
+    # two epochs of two global minibatches (each rank's share of each), the shared critic
+    "gae_minibatches": ("ppo", {"micro_batch_size": 2, "epochs": 2, "num_minibatches": 2},
+                        {"advantage_estimator": "gae", "kl_coef": 0.1}, "groups"),
     # a separate critic: its own decoder's layers sharded beside the policy's
     "gae_separate_critic": ("ppo", {"micro_batch_size": 2},
                             {"advantage_estimator": "gae", "critic": "separate", "critic_lr": 1e-4}, "groups"),
@@ -86,7 +89,7 @@ MIXED = {"grpo_kl_bf16": ("ppo", {"micro_batch_size": 2, "bf16": True}, {"advant
 LORA = {"r": 4, "alpha": 8.0}
 PROBE = [5, 17, 3, 42, 8, 11, 29]  # token ids of a verified-sync probe
 # Over 4 ranks (rows 3, 2, 2 and 0): one case of each pass structure.
-FOUR_RANKS = ("grpo_kl", "gae_separate_critic", "fused_empty_rank", "sft", "dpo_lora", "qlearn", "reward_model",
+FOUR_RANKS = ("grpo_kl", "gae_minibatches", "gae_separate_critic", "fused_empty_rank", "sft", "dpo_lora", "qlearn", "reward_model",
               "grpo_kl_own_reference")
 BUILDERS = {"ppo": lambda path, train, own: make_learner(path, train=train, ppo=own),
             "sft": lambda path, train, own: make_sft_learner(path, train=train),
