@@ -3,9 +3,12 @@ basic_arithmetic, 8 prompts x 4 samples a step): GRPO, GSPO, CISPO and DAPO (cli
 dynamic sampling with refill, overlong shaping), each from the same start with the same seed,
 prompts and steps; held-out greedy accuracy on 128 prompts as the preset reports it, train reward,
 response length and median step time. ``--critic`` adds PPO with the shared value head vs a
-separate critic on the ``make train`` preset (configs/ppo_smollm2.yaml).
+separate critic on the ``make train`` preset (configs/ppo_smollm2.yaml); ``--qlearn`` online
+token-level Q-learning (configs/qlearn_smollm2.yaml) with Q as the raw logits vs calibrated to the
+initial model's log-probabilities (``qlearn.calibration=reference``): the sampled policy's
+reward and response length per step.
 
-    .venv/bin/python benchmarks/objectives.py [--steps 20] [--critic] [--out docs/results/objectives.json]
+    .venv/bin/python benchmarks/objectives.py [--steps 20] [--critic] [--qlearn] [--out docs/results/objectives.json]
 
 Runs go one after another (``rayrlhf train`` each), so no two share the machine's cores.
 """
@@ -32,6 +35,10 @@ OBJECTIVES = {
              "ppo.overlong_buffer=12", "ppo.overlong_penalty=1.0"],
 }
 CRITICS = {"shared": [], "separate": ["ppo.critic=separate"]}
+# Calibrated Q needs the reference in the learners and the shift-invariant CQL term (the floor
+# term would lift tokens that sit far below 0 on the log-probability scale).
+QLEARN = {"raw": [], "calibrated": ["qlearn.calibration=reference", "qlearn.conservative=logsumexp",
+                                    "train.reference=learners"]}
 
 
 def main() -> None:
@@ -40,11 +47,12 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--only", nargs="*", default=list(OBJECTIVES), choices=list(OBJECTIVES))
     ap.add_argument("--critic", action="store_true", help="also PPO shared head vs separate critic (make train preset)")
+    ap.add_argument("--qlearn", action="store_true", help="also online Q-learning, raw vs calibrated Q")
     ap.add_argument("--runs", default=str(ROOT / "runs" / f"objectives-{int(time.time())}"))
     ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "objectives.json"))
     a = ap.parse_args()
     runs, common = Path(a.runs), [f"run.steps={a.steps}", f"run.eval_every={a.eval_every}"]
-    out: dict = {"steps": a.steps, "preset": "grpo_smollm2.yaml", "objectives": {}, "critic": {}}
+    out: dict = {"steps": a.steps, "preset": "grpo_smollm2.yaml", "objectives": {}, "critic": {}, "qlearn": {}}
     for name in a.only:
         out["objectives"][name] = train("grpo_smollm2.yaml", runs / name, common + OBJECTIVES[name])
         Path(a.out).write_text(json.dumps(out, indent=1))  # each result kept as it comes
@@ -52,7 +60,11 @@ def main() -> None:
         for name, sets in CRITICS.items():
             out["critic"][name] = train("ppo_smollm2.yaml", runs / f"critic-{name}", common + sets)
             Path(a.out).write_text(json.dumps(out, indent=1))
-    for part in ("objectives", "critic"):
+    if a.qlearn:
+        for name, sets in QLEARN.items():
+            out["qlearn"][name] = train("qlearn_smollm2.yaml", runs / f"qlearn-{name}", common + sets)
+            Path(a.out).write_text(json.dumps(out, indent=1))
+    for part in ("objectives", "critic", "qlearn"):
         for name, r in out[part].items():
             print(f"{part}/{name}: held-out {r['eval_accuracy']}, median step {r['median_step_s']:.1f} s")
 

@@ -620,6 +620,12 @@ class QLearnConfig(Section):
         "or logsumexp (CQL(H): logsumexp_a Q - Q of the taken token; shift-invariant, so it leaves a pretrained "
         "model's logit level alone).")
     q_floor: float = _f(0.0, "Value the regulariser pushes unseen tokens to: the lowest reward (in reward units).")
+    calibration: Literal["none", "reference"] = _f(
+        "none", "Q values: none (Q = the raw logits, whose per-state level is whatever pretraining left) or "
+        "reference (Q = logits minus the frozen initial model's log sum exp of its logits in the same state: at the "
+        "start Q is that model's log-probabilities, <= 0, on the scale of the rewards; sampling is unchanged, a "
+        "per-state shift leaves the softmax alone). Needs the reference in the learners (train.reference=learners or "
+        "LoRA) and conservative=logsumexp or conservative_weight=0.")
     reward_scale: float = _f(1.0, "Rewards are multiplied by this before the backups (Q values live on the logit "
                              "scale: with a Boltzmann policy, scale and rollout.temperature trade off).", gt=0)
     target_decay: float = _f(0.9, "EMA decay of the target network: each update moves it by (1 - decay) of its gap "
@@ -760,7 +766,8 @@ MOVED_KEYS = {
 # Settings a resumed run may not change: the weights, optimiser state and checkpoints it
 # continues from were made with them.
 IMMUTABLE_ON_RESUME = ("run.algorithm", "model.path", "lora.enabled", "lora.r", "lora.target_modules",
-                       "ppo.advantage_estimator", "ppo.critic", "ppo.critic_init", "ppo.critic_lora_r")
+                       "ppo.advantage_estimator", "ppo.critic", "ppo.critic_init", "ppo.critic_lora_r",
+                       "qlearn.calibration")
 
 
 class Config(Section):
@@ -858,6 +865,13 @@ class Config(Section):
             (ppo.critic == "shared" or ppo.advantage_estimator == "gae",
              f"ppo.critic=separate is a critic for advantage_estimator=gae; {ppo.advantage_estimator} uses none"),
             (not ppo.critic_init or ppo.critic == "separate", "ppo.critic_init starts a separate critic: set ppo.critic=separate"),
+            (self.qlearn.calibration == "none" or (self.train.reference == "learners" or self.lora.enabled),
+             "qlearn.calibration=reference reads the frozen initial model's logits in the learners: set "
+             "train.reference=learners (or use LoRA, whose base model is the reference)"),
+            (self.qlearn.calibration == "none" or self.qlearn.conservative == "logsumexp"
+             or self.qlearn.conservative_weight == 0,
+             "qlearn.calibration=reference puts Q on the log-probability scale, where unseen tokens already sit far "
+             "below 0: the floor term would lift them; use qlearn.conservative=logsumexp (or conservative_weight=0)"),
             (self.train.reference == "actor" or not ppo.teacher,
              "train.reference=learners does not hold a teacher: ppo.teacher needs train.reference=actor"),
             (bool(ppo.teacher) == bool(ppo.distill_coef),

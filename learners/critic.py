@@ -50,7 +50,7 @@ class Critic(nn.Module):
             keep = attention_mask.to(hidden.dtype).unsqueeze(-1)
             hidden = (hidden * keep).cumsum(1) / keep.cumsum(1).clamp(min=1)
         rows, cols, h, _ = _action_states(hidden, input_ids, positions_mask)
-        values = self.head(h.float()).squeeze(-1)
+        values = self.head(h.float()).squeeze(-1).float()  # autocast runs the head in bf16
         return torch.zeros(input_ids.shape, dtype=torch.float32, device=hidden.device).index_put((rows, cols), values)
 
     def trainable_state(self) -> dict[str, torch.Tensor]:

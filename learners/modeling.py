@@ -527,6 +527,39 @@ def sequence_logprobs(
     return out
 
 
+@torch.no_grad()
+def state_logsumexp(
+    lm: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    states_mask: torch.Tensor,
+    *,
+    micro_batch_size: int = 8,
+    chunk: int = 1024,
+    bf16: bool = False,
+) -> torch.Tensor:
+    """(B, L) ``log sum_a exp logits(s_p, a)`` of a plain causal LM at the states in
+    ``states_mask`` (hidden[:, p] is the state after token p), zero elsewhere; in micro-batches of
+    similar length, the LM head in chunks of rows, no gradient. A frozen model's log-normaliser
+    per state: the shift that puts its logits on the log-probability scale (Q calibration)."""
+    out = torch.zeros_like(input_ids, dtype=torch.float32)
+    lengths = attention_mask.sum(1)
+    head = lm.get_output_embeddings()
+    order = micro_batch_order(lengths)
+    for s in range(0, input_ids.shape[0], micro_batch_size):
+        idx = order[s : s + micro_batch_size]
+        width = max(int(lengths[idx].max()), 1)
+        with autocast(bf16, input_ids.device):
+            hidden, _ = decoder_hidden(lm.get_decoder(), input_ids[idx, :width], attention_mask[idx, :width])
+            rows, cols = states_mask[idx, :width].nonzero(as_tuple=True)
+            h = hidden[rows, cols]
+            flat = [torch.logsumexp(head(h[c : c + chunk]).float(), dim=1) for c in range(0, h.shape[0], chunk)]
+        vals = torch.cat(flat) if flat else h.new_zeros(0, dtype=torch.float32)
+        block = torch.zeros(len(idx), width, dtype=torch.float32, device=input_ids.device)
+        out[idx, :width] = block.index_put((rows, cols), vals.float())
+    return out
+
+
 def last_token_hidden(
     decoder: nn.Module,
     input_ids: torch.Tensor,

@@ -35,6 +35,7 @@ from learners.modeling import (
     compile_decoder_layers,
     decoder_layers,
     sequence_logprobs,
+    state_logsumexp,
 )
 from learners.optim import make_scheduler
 from learners.precision import resolve_bf16
@@ -280,6 +281,30 @@ class PolicyLearner(Learner):
         """(B, L) log-probs of the frozen initial model: the LoRA policy with its adapter disabled
         (no second copy of the weights), or with ``train.reference=learners`` the learner's own
         frozen copy. Sharded ranks run aligned passes."""
+        def logprobs(lm, ids, att, pos, groups):
+            return sequence_logprobs(
+                lm, ids, att, pos, temperature=temperature, micro_batch_size=self.tr.micro_batch_size,
+                chunk=self.tr.logprob_chunk, bf16=self.tr.bf16,
+                # Sharded: every row in full, so each pass is one decoder call on every rank.
+                group_ids=groups if self.tr.shared_prefix and not self.sharded else None)
+
+        return self._base_passes(logprobs, input_ids, attention_mask, positions, group_ids)
+
+    @torch.no_grad()
+    def base_state_logsumexp(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                             states: torch.Tensor) -> torch.Tensor:
+        """(B, L) log-normaliser ``log sum_a exp logits(s, a)`` of the frozen initial model at the
+        states in ``states`` (``modeling.state_logsumexp``), from the same model as ``base_logprobs``."""
+        def logsumexp(lm, ids, att, pos, groups):
+            return state_logsumexp(lm, ids, att, pos, micro_batch_size=self.tr.micro_batch_size,
+                                   chunk=self.tr.logprob_chunk, bf16=self.tr.bf16)
+
+        return self._base_passes(logsumexp, input_ids, attention_mask, states, None)
+
+    def _base_passes(self, fn, input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor,
+                     group_ids: torch.Tensor | None) -> torch.Tensor:
+        """``fn(lm, ids, att, positions, group_ids)`` on the frozen initial model, one pass per
+        micro-batch; sharded ranks then run idle passes up to the most any rank runs."""
         if not self.reference_in_learner:
             raise RuntimeError("reference log-probs in the learner: needs LoRA or train.reference=learners "
                                "(else a Reference actor serves them)")
@@ -290,17 +315,10 @@ class PolicyLearner(Learner):
         passes = -(-input_ids.shape[0] // self.tr.micro_batch_size)
         idle = self.aligned(passes) - passes
         with off, whole(root):
-            def logprobs(ids, att, pos, groups):
-                return sequence_logprobs(
-                    root.lm, ids, att, pos, temperature=temperature, micro_batch_size=self.tr.micro_batch_size,
-                    chunk=self.tr.logprob_chunk, bf16=self.tr.bf16,
-                    # Sharded: every row in full, so each pass is one decoder call on every rank.
-                    group_ids=groups if self.tr.shared_prefix and not self.sharded else None)
-
-            out = (logprobs(input_ids, attention_mask, positions, group_ids) if passes
+            out = (fn(root.lm, input_ids, attention_mask, positions, group_ids) if passes
                    else torch.zeros(input_ids.shape, device=self.device))
             for _ in range(idle):
-                logprobs(*idle_inputs(self.device), None)
+                fn(root.lm, *idle_inputs(self.device), None)
         return out
 
     # -- weights out -----------------------------------------------------------------------------

@@ -134,3 +134,21 @@ def test_the_critic_is_clipped_on_its_own_norm(tiny_model_path):
         steps[-1] = [a - p.detach() for a, p in zip(steps[-1], learner.model.lm.parameters())]
     for a, b in zip(*steps):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_bf16_learners_train_the_separate_critic_in_float32_values(tiny_model_path):
+    """Under bf16 autocast the critic's head runs in bf16; its values (and the loss) stay float32,
+    as the shared head's do, and close to the fp32 learner's (the make-train preset on a CPU with
+    native bf16 crashed here)."""
+    batch = _batch(tiny_model_path)
+    metrics = {}
+    for bf16 in (False, True):
+        learner = make_learner(tiny_model_path, train={"bf16": bf16}, ppo={**GAE, "critic": "separate"})
+        ids, att, rm = batch.input_ids, batch.attention_mask, batch.response_mask
+        from learners.modeling import autocast
+
+        with torch.no_grad(), autocast(bf16, ids.device):
+            values = learner.model.critic(ids, att, rm)
+        assert values.dtype == torch.float32
+        metrics[bf16] = learner.train_step(batch)
+    assert metrics[True]["loss/value"] == pytest.approx(metrics[False]["loss/value"], rel=0.05)
