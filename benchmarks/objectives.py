@@ -47,7 +47,8 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--only", nargs="*", default=list(OBJECTIVES), choices=list(OBJECTIVES))
     ap.add_argument("--critic", action="store_true", help="also PPO shared head vs separate critic (make train preset)")
-    ap.add_argument("--qlearn", action="store_true", help="also online Q-learning, raw vs calibrated Q")
+    ap.add_argument("--qlearn", nargs="*", choices=list(QLEARN), default=None,
+                    help="also online Q-learning: raw vs calibrated Q (no names: both)")
     ap.add_argument("--runs", default=str(ROOT / "runs" / f"objectives-{int(time.time())}"))
     ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "objectives.json"))
     a = ap.parse_args()
@@ -60,8 +61,9 @@ def main() -> None:
         for name, sets in CRITICS.items():
             out["critic"][name] = train("ppo_smollm2.yaml", runs / f"critic-{name}", common + sets)
             Path(a.out).write_text(json.dumps(out, indent=1))
-    if a.qlearn:
-        for name, sets in QLEARN.items():
+    if a.qlearn is not None:
+        for name in a.qlearn or list(QLEARN):
+            sets = QLEARN[name]
             out["qlearn"][name] = train("qlearn_smollm2.yaml", runs / f"qlearn-{name}", common + sets)
             Path(a.out).write_text(json.dumps(out, indent=1))
     for part in ("objectives", "critic", "qlearn"):

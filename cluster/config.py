@@ -621,11 +621,12 @@ class QLearnConfig(Section):
         "model's logit level alone).")
     q_floor: float = _f(0.0, "Value the regulariser pushes unseen tokens to: the lowest reward (in reward units).")
     calibration: Literal["none", "reference"] = _f(
-        "none", "Q values: none (Q = the raw logits, whose per-state level is whatever pretraining left) or "
-        "reference (Q = logits minus the frozen initial model's log sum exp of its logits in the same state: at the "
-        "start Q is that model's log-probabilities, <= 0, on the scale of the rewards; sampling is unchanged, a "
-        "per-state shift leaves the softmax alone). Needs the reference in the learners (train.reference=learners or "
-        "LoRA) and conservative=logsumexp or conservative_weight=0.")
+        "none", "Q values: none (Q = the raw logits, whose per-state level is whatever pretraining left; max backups) "
+        "or reference (soft Q-learning with the initial model as prior: Q = logits - the frozen initial model's "
+        "logits, the policy pi_ref exp(Q) / Z = softmax(logits), so sampling is unchanged; backups read the soft value "
+        "logsumexp(logits) - logsumexp(logits_ref); Q = 0 at the start, reward_scale is the inverse KL coefficient). "
+        "Needs the reference in the learners (train.reference=learners or LoRA) and conservative=logsumexp or "
+        "conservative_weight=0.")
     reward_scale: float = _f(1.0, "Rewards are multiplied by this before the backups (Q values live on the logit "
                              "scale: with a Boltzmann policy, scale and rollout.temperature trade off).", gt=0)
     target_decay: float = _f(0.9, "EMA decay of the target network: each update moves it by (1 - decay) of its gap "
@@ -870,8 +871,8 @@ class Config(Section):
              "train.reference=learners (or use LoRA, whose base model is the reference)"),
             (self.qlearn.calibration == "none" or self.qlearn.conservative == "logsumexp"
              or self.qlearn.conservative_weight == 0,
-             "qlearn.calibration=reference puts Q on the log-probability scale, where unseen tokens already sit far "
-             "below 0: the floor term would lift them; use qlearn.conservative=logsumexp (or conservative_weight=0)"),
+             "qlearn.calibration=reference measures Q against the reference's logits, which the floor term would "
+             "need for every token of the vocabulary: use qlearn.conservative=logsumexp (or conservative_weight=0)"),
             (self.train.reference == "actor" or not ppo.teacher,
              "train.reference=learners does not hold a teacher: ppo.teacher needs train.reference=actor"),
             (bool(ppo.teacher) == bool(ppo.distill_coef),

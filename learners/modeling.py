@@ -460,14 +460,17 @@ def q_heads_at_positions(
 
 @torch.no_grad()
 def max_q_after_positions(
-    hidden: torch.Tensor, positions_mask: torch.Tensor, lm_head: nn.Module, *, chunk: int = 1024
+    hidden: torch.Tensor, positions_mask: torch.Tensor, lm_head: nn.Module, *, chunk: int = 1024,
+    soft: bool = False,
 ) -> torch.Tensor:
     """(B, L) ``max_a Q(s_{t+1}, a)``: the maximum logit at the position *of* each masked token t
-    (the state after action t), chunked; zero outside ``positions_mask``. No gradient (targets)."""
+    (the state after action t), chunked; zero outside ``positions_mask``. No gradient (targets).
+    ``soft``: ``log sum_a exp Q(s_{t+1}, a)`` instead (the soft value of a Boltzmann policy)."""
     b, length = positions_mask.shape
     rows, cols = positions_mask.nonzero(as_tuple=True)
     h = hidden[rows, cols]
-    flat = [lm_head(h[s : s + chunk]).float().max(1).values for s in range(0, h.shape[0], chunk)]
+    reduce = (lambda x: torch.logsumexp(x, dim=1)) if soft else (lambda x: x.max(1).values)
+    flat = [reduce(lm_head(h[s : s + chunk]).float()) for s in range(0, h.shape[0], chunk)]
     vals = torch.cat(flat) if flat else h.new_zeros(0, dtype=torch.float32)
     return torch.zeros(b, length, dtype=torch.float32, device=hidden.device).index_put((rows, cols), vals)
 
@@ -528,35 +531,41 @@ def sequence_logprobs(
 
 
 @torch.no_grad()
-def state_logsumexp(
+def reference_logit_terms(
     lm: nn.Module,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     states_mask: torch.Tensor,
+    actions_mask: torch.Tensor,
     *,
     micro_batch_size: int = 8,
     chunk: int = 1024,
     bf16: bool = False,
-) -> torch.Tensor:
-    """(B, L) ``log sum_a exp logits(s_p, a)`` of a plain causal LM at the states in
-    ``states_mask`` (hidden[:, p] is the state after token p), zero elsewhere; in micro-batches of
-    similar length, the LM head in chunks of rows, no gradient. A frozen model's log-normaliser
-    per state: the shift that puts its logits on the log-probability scale (Q calibration)."""
-    out = torch.zeros_like(input_ids, dtype=torch.float32)
+) -> dict[str, torch.Tensor]:
+    """A frozen model's logits where calibrated Q reads them, no gradient, (B, L) float32 each,
+    zero elsewhere: ``logsumexp`` = ``log sum_a exp logits(s_p, a)`` at ``states_mask`` (hidden[:,
+    p] is the state after token p) and ``taken`` = the logit of token t in the state before it at
+    ``actions_mask``. In micro-batches of similar length, the LM head in chunks of rows."""
+    out = {k: torch.zeros_like(input_ids, dtype=torch.float32) for k in ("logsumexp", "taken")}
     lengths = attention_mask.sum(1)
     head = lm.get_output_embeddings()
     order = micro_batch_order(lengths)
     for s in range(0, input_ids.shape[0], micro_batch_size):
         idx = order[s : s + micro_batch_size]
         width = max(int(lengths[idx].max()), 1)
+        ids = input_ids[idx, :width]
         with autocast(bf16, input_ids.device):
-            hidden, _ = decoder_hidden(lm.get_decoder(), input_ids[idx, :width], attention_mask[idx, :width])
+            hidden, _ = decoder_hidden(lm.get_decoder(), ids, attention_mask[idx, :width])
             rows, cols = states_mask[idx, :width].nonzero(as_tuple=True)
             h = hidden[rows, cols]
-            flat = [torch.logsumexp(head(h[c : c + chunk]).float(), dim=1) for c in range(0, h.shape[0], chunk)]
-        vals = torch.cat(flat) if flat else h.new_zeros(0, dtype=torch.float32)
-        block = torch.zeros(len(idx), width, dtype=torch.float32, device=input_ids.device)
-        out[idx, :width] = block.index_put((rows, cols), vals.float())
+            lse = [torch.logsumexp(head(h[c : c + chunk]).float(), dim=1) for c in range(0, h.shape[0], chunk)]
+            a_rows, a_cols, a_h, labels = _action_states(hidden, ids, actions_mask[idx, :width])
+            taken = [head(a_h[c : c + chunk]).float().gather(1, labels[c : c + chunk, None]).squeeze(1)
+                     for c in range(0, a_h.shape[0], chunk)]
+        for key, (r, c, vals) in {"logsumexp": (rows, cols, lse), "taken": (a_rows, a_cols, taken)}.items():
+            flat = torch.cat(vals) if vals else hidden.new_zeros(0, dtype=torch.float32)
+            block = torch.zeros(len(idx), width, dtype=torch.float32, device=input_ids.device)
+            out[key][idx, :width] = block.index_put((r, c), flat.float())
     return out
 
 

@@ -35,7 +35,7 @@ from learners.modeling import (
     compile_decoder_layers,
     decoder_layers,
     sequence_logprobs,
-    state_logsumexp,
+    reference_logit_terms,
 )
 from learners.optim import make_scheduler
 from learners.precision import resolve_bf16
@@ -291,15 +291,17 @@ class PolicyLearner(Learner):
         return self._base_passes(logprobs, input_ids, attention_mask, positions, group_ids)
 
     @torch.no_grad()
-    def base_state_logsumexp(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                             states: torch.Tensor) -> torch.Tensor:
-        """(B, L) log-normaliser ``log sum_a exp logits(s, a)`` of the frozen initial model at the
-        states in ``states`` (``modeling.state_logsumexp``), from the same model as ``base_logprobs``."""
-        def logsumexp(lm, ids, att, pos, groups):
-            return state_logsumexp(lm, ids, att, pos, micro_batch_size=self.tr.micro_batch_size,
-                                   chunk=self.tr.logprob_chunk, bf16=self.tr.bf16)
+    def base_logit_terms(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, states: torch.Tensor,
+                         actions: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The frozen initial model's log-normaliser at ``states`` and its logit of each taken
+        token at ``actions`` (``modeling.reference_logit_terms``), from the same model as
+        ``base_logprobs``."""
+        def terms(lm, ids, att, pos, groups):
+            acts = actions if ids is input_ids else pos  # an idle pass: its own two-token row
+            return reference_logit_terms(lm, ids, att, pos, acts, micro_batch_size=self.tr.micro_batch_size,
+                                         chunk=self.tr.logprob_chunk, bf16=self.tr.bf16)
 
-        return self._base_passes(logsumexp, input_ids, attention_mask, states, None)
+        return self._base_passes(terms, input_ids, attention_mask, states, None)
 
     def _base_passes(self, fn, input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor,
                      group_ids: torch.Tensor | None) -> torch.Tensor:
@@ -315,8 +317,7 @@ class PolicyLearner(Learner):
         passes = -(-input_ids.shape[0] // self.tr.micro_batch_size)
         idle = self.aligned(passes) - passes
         with off, whole(root):
-            out = (fn(root.lm, input_ids, attention_mask, positions, group_ids) if passes
-                   else torch.zeros(input_ids.shape, device=self.device))
+            out = fn(root.lm, input_ids, attention_mask, positions, group_ids)  # no rows: empty (0, L) results
             for _ in range(idle):
                 fn(root.lm, *idle_inputs(self.device), None)
         return out

@@ -14,15 +14,18 @@ action dimensions to tokens:
   or, as an option, CQL's logsumexp term (``cql_penalty``), all reduced chunk by chunk over the
   vocabulary (``learners.modeling.q_heads_at_positions``);
 * optionally a k3 KL anchor of the Boltzmann policy to the reference model, as in PPO;
-* optionally Q calibrated to the reward scale (``calibration=reference``): a language model's
-  logits are a Q function only up to a per-state shift (Rafailov et al. 2024, "From r to Q*",
-  sec. 4: the softmax policy ignores it), and a pretrained model's shift is whatever pretraining
-  left (chosen tokens at logits of 20-40). Backups that read it as value make "continue" worth
-  tens of reward units and "stop" worth the reward. Calibrated, ``Q(s, a) = logits(s, a) - b(s)``
-  with ``b(s) = log sum_a exp logits_ref(s, a)`` of the frozen initial model, fixed per state: at
-  the start Q is the initial model's log-probability (<= 0, about 0 for the likely tokens), so a
-  terminal reward and the value of going on start on one scale; the Boltzmann policy, hence
-  what vLLM samples, is unchanged.
+* optionally Q measured against the reference model (``calibration=reference``): soft
+  Q-learning with the initial model as prior. A language model's logits are a Q function only up
+  to a per-state shift the softmax ignores (Rafailov et al. 2024, "From r to Q*", sec. 4), and a
+  pretrained model's level is whatever pretraining left (chosen tokens at logits of 20-40); read
+  as value, it makes "go on" worth tens of reward units and "stop" worth the reward, and the
+  logits' prior is lost once every sampled token is pulled to one target. Calibrated,
+  ``Q(s, a) = logits(s, a) - logits_ref(s, a)`` and the policy is ``pi_ref exp(Q) / Z``, the
+  optimum of KL-regularised rewards (Haarnoja et al. 2017; Fox et al. 2016), which is exactly
+  ``softmax(logits)``: vLLM samples it unchanged. The backup reads the soft value
+  ``V(s) = log sum_a pi_ref(a|s) exp Q(s, a) = logsumexp logits(s) - logsumexp logits_ref(s)``.
+  At the start Q = V = 0 everywhere: only rewards move it, and ``reward_scale`` is the inverse of
+  the KL coefficient.
 
 One ``train_step`` is ``train.epochs`` x ``train.num_minibatches`` updates on the global batch
 (sequences sampled from the replay buffer); each loss is normalised by the global action count of
@@ -103,7 +106,7 @@ class QLearner(PolicyLearner):
         self.target_updates = 0
         if hp.calibration != "none" and hp.conservative == "floor" and hp.conservative_weight:
             raise ValueError("qlearn.calibration=reference needs conservative=logsumexp or conservative_weight=0 "
-                             "(the floor term would lift the calibrated Q of unseen tokens)")
+                             "(the floor term would need the reference's logit of every token)")
 
     # -- batch preparation -----------------------------------------------------------------------
     def check_batch(self, batch: Experience) -> None:
@@ -198,26 +201,29 @@ class QLearner(PolicyLearner):
                                  temperature=self.temperature)
         return batch.replace(ref_logprobs=ref)
 
-    def _calibration(self, batch: Experience, mask: torch.Tensor) -> torch.Tensor | None:
-        """(B, L) ``b(s)`` of every state a Q value is read in (``calibration=reference``): the
-        frozen initial model's log sum exp of its logits at hidden[:, p], for the state of each
-        action (p = t - 1) and each bootstrap state (p = t); None uncalibrated."""
+    def _calibration(self, batch: Experience, mask: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        """``calibration=reference``: the frozen initial model's logit of each action
+        (``taken``) and log-normaliser of every state the backups and statistics read
+        (``logsumexp``: the state of each action, p = t - 1, and each bootstrap state, p = t);
+        None uncalibrated."""
         if self.hp.calibration == "none":
             return None
         before = torch.cat([mask[:, 1:], torch.zeros_like(mask[:, :1])], dim=1)
         states = before | bootstrap_positions(mask)
-        return self.base_state_logsumexp(batch.input_ids, batch.attention_mask, states)
+        return self.base_logit_terms(batch.input_ids, batch.attention_mask, states, mask)
 
     # -- the update ------------------------------------------------------------------------------
     def _micro(self, batch: Experience, idx: torch.Tensor, mask: torch.Tensor, rewards: torch.Tensor,
-               done: torch.Tensor, n_actions: int, grad: bool, shift: torch.Tensor | None = None) -> torch.Tensor:
+               done: torch.Tensor, n_actions: int, grad: bool, ref: dict | None = None) -> torch.Tensor:
         """Forward (online and target) and backward of rows ``idx``; returns their ``_SUMS``.
-        ``shift``: the calibration's (B, L) ``b(s)`` (``_calibration``), or None."""
+        ``ref``: the calibration's reference terms (``_calibration``), or None."""
         hp = self.hp
         part = batch.select(idx).replace(response_mask=mask[idx]).trimmed()
         m, r = part.response_mask, rewards[idx, : part.seq_len]
-        after = torch.zeros_like(r) if shift is None else shift[idx, : part.seq_len]
-        before = torch.cat([torch.zeros_like(after[:, :1]), after[:, :-1]], dim=1)  # b(s_t) of action t
+        zero = torch.zeros_like(r)
+        ref = {k: v[idx, : part.seq_len] for k, v in ref.items()} if ref is not None else {"logsumexp": zero, "taken": zero}
+        after = ref["logsumexp"]  # at bootstrap positions t: the state after action t
+        before = torch.cat([torch.zeros_like(after[:, :1]), after[:, :-1]], dim=1)  # the state of action t
         head = self.model.lm.get_output_embeddings()
         chunk = self.tr.logprob_chunk
         was_training = self.model.training
@@ -226,7 +232,7 @@ class QLearner(PolicyLearner):
             with torch.no_grad(), self.target_network(), autocast(self.tr.bf16, self.device):
                 boot = bootstrap_positions(m)
                 next_max = self.model(run=lambda: max_q_after_positions(
-                    self._hidden(part), boot, head, chunk=chunk)) - after * boot
+                    self._hidden(part), boot, head, chunk=chunk, soft=hp.calibration != "none")) - after * boot
         finally:
             self.model.train(was_training)
         targets = q_learning_targets(r, next_max, m, done[idx], gamma=hp.gamma, n_step=hp.n_step,
@@ -239,7 +245,7 @@ class QLearner(PolicyLearner):
                 self._hidden(part), part.input_ids, m, head, floor=floor, temperature=self.temperature,
                 chunk=chunk, terms=terms))
         mf = m.float()
-        q = out["q"] - before * mf  # calibrated (shift 0 without calibration)
+        q = out["q"] - ref["taken"]  # calibrated: minus the reference's logit (0 without calibration)
         td = (td_loss(q, targets) * mf).sum() / n_actions
         if hp.conservative == "logsumexp":
             penalty = cql_penalty(out["logsumexp"], out["q"])
@@ -279,7 +285,7 @@ class QLearner(PolicyLearner):
         if not bool(mask.any()):
             return {"learner/empty_batch": 1.0, "learner/sequences": float(batch.batch_size)}
         batch = self._with_reference(batch)
-        shift = self._calibration(batch, mask)
+        ref = self._calibration(batch, mask)
         self.model.train()
         self.model.rows_shared = self.model.rows_total = 0
         totals = torch.zeros(len(_SUMS), dtype=torch.float64, device=self.device)
@@ -290,7 +296,7 @@ class QLearner(PolicyLearner):
             actions += n_actions
             self.optimizer.zero_grad(set_to_none=True)
             for micro in self.rank_passes(torch.split(mine, tr.micro_batch_size), grad=True):
-                totals += self._micro(batch, micro, mask, rewards, done, n_actions, grad=True, shift=shift)
+                totals += self._micro(batch, micro, mask, rewards, done, n_actions, grad=True, ref=ref)
             grad_norms.append(self._optimizer_step())
             self.updates += 1
             self._update_target()
@@ -324,12 +330,12 @@ class QLearner(PolicyLearner):
         batch = self._with_reference(self.on_device(batch))
         mask, rewards, done = self.episodes(batch)
         n = max(int(mask.sum()), 1)
-        shift = self._calibration(batch, mask)
+        ref = self._calibration(batch, mask)
         self.model.eval()
         totals = torch.zeros(len(_SUMS), dtype=torch.float64, device=self.device)
         mine = torch.arange(batch.batch_size, device=self.device)[self.comm.rank :: self.comm.world]
         for micro in self.rank_passes(torch.split(mine, self.tr.micro_batch_size), grad=False):
-            totals += self._micro(batch, micro, mask, rewards, done, n, grad=False, shift=shift)
+            totals += self._micro(batch, micro, mask, rewards, done, n, grad=False, ref=ref)
         summed = self.comm.all_reduce_sum(totals)
         return {f"eval/{k}": float(v) / n for k, v in zip(_SUMS, summed)} | {"eval/tokens": float(mask.sum())}
 
