@@ -37,8 +37,9 @@ OBJECTIVES = {
 CRITICS = {"shared": [], "separate": ["ppo.critic=separate"]}
 # Calibrated Q needs the reference in the learners and the shift-invariant CQL term (the floor
 # term would lift tokens that sit far below 0 on the log-probability scale).
-QLEARN = {"raw": [], "calibrated": ["qlearn.calibration=reference", "qlearn.conservative=logsumexp",
-                                    "train.reference=learners"]}
+CALIBRATED = ["qlearn.calibration=reference", "qlearn.conservative=logsumexp", "train.reference=learners"]
+# reward_scale is the inverse KL coefficient of calibrated Q: 5 keeps the policy nearer the prior than 20.
+QLEARN = {"raw": [], "calibrated": CALIBRATED, "calibrated_scale5": CALIBRATED + ["qlearn.reward_scale=5"]}
 
 
 def main() -> None:

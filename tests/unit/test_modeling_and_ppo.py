@@ -226,7 +226,8 @@ def test_zero_advantage_rows_skip_their_passes_with_the_same_step(tiny_model_pat
         # The log-prob gap is measured on the rows that ran: the on-policy 0, or the stale 0.3.
         assert abs(m_s["logprob_gap/max_abs"] - (0.3 if batch is stale else 0.0)) < 1e-5
         if batch is stale:
-            torch.testing.assert_close(m_s["rollout_is/weight_mean"], m_f["rollout_is/weight_mean"])
+            # Float32 log-probs of rows batched differently: equal to rounding (a few 1e-7 with AVX-512).
+            torch.testing.assert_close(m_s["rollout_is/weight_mean"], m_f["rollout_is/weight_mean"], atol=1e-6, rtol=1e-5)
 
 
 def test_zero_advantage_rows_are_not_skipped_where_they_carry_a_gradient(tiny_model_path):
