@@ -556,16 +556,11 @@ def reference_logit_terms(
         ids = input_ids[idx, :width]
         with autocast(bf16, input_ids.device):
             hidden, _ = decoder_hidden(lm.get_decoder(), ids, attention_mask[idx, :width])
-            rows, cols = states_mask[idx, :width].nonzero(as_tuple=True)
-            h = hidden[rows, cols]
-            lse = [torch.logsumexp(head(h[c : c + chunk]).float(), dim=1) for c in range(0, h.shape[0], chunk)]
-            a_rows, a_cols, a_h, labels = _action_states(hidden, ids, actions_mask[idx, :width])
-            taken = [head(a_h[c : c + chunk]).float().gather(1, labels[c : c + chunk, None]).squeeze(1)
-                     for c in range(0, a_h.shape[0], chunk)]
-        for key, (r, c, vals) in {"logsumexp": (rows, cols, lse), "taken": (a_rows, a_cols, taken)}.items():
-            flat = torch.cat(vals) if vals else hidden.new_zeros(0, dtype=torch.float32)
-            block = torch.zeros(len(idx), width, dtype=torch.float32, device=input_ids.device)
-            out[key][idx, :width] = block.index_put((r, c), flat.float())
+            # The soft value's reduction and the Q heads' taken logit, over the frozen model.
+            out["logsumexp"][idx, :width] = max_q_after_positions(hidden, states_mask[idx, :width], head,
+                                                                  chunk=chunk, soft=True)
+            out["taken"][idx, :width] = q_heads_at_positions(hidden, ids, actions_mask[idx, :width], head,
+                                                             chunk=chunk, terms=())["q"]
     return out
 
 
