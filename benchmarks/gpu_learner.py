@@ -72,7 +72,7 @@ def parse_case(case: str) -> dict:
     shape, _, layers = name.partition("@")
     batch = dict(BATCHES["fit" if "ckpt" in flags else "speed"])
     return {"case": case, "shape": shape, "layers": int(layers) if layers else None,
-            "offload": "offload" in flags, "batch": batch}
+            "offload": "offload" in flags, "unpinned": "unpinned" in flags, "batch": batch}
 
 
 def model_folder(spec: dict, device: str, root: Path) -> tuple[Path, int, float]:
@@ -126,6 +126,8 @@ def build_learner(folder: Path, spec: dict, device: str):
     from learners.ppo import PPOLearner
 
     gpu = device.startswith("cuda")
+    if spec["unpinned"]:
+        _unpinned_offload()
     backend = ("cpu:gloo,cuda:nccl" if spec["offload"] else "nccl") if gpu else "gloo"
     torch.distributed.init_process_group(backend, init_method="tcp://127.0.0.1:29517", rank=0, world_size=1)
     b = spec["batch"]
@@ -135,6 +137,15 @@ def build_learner(folder: Path, spec: dict, device: str):
     ctx = LearnerContext(model_path=str(folder), comm=default_collective(), device=device,
                          max_new_tokens=b["response"])
     return PPOLearner.build(ctx, train, hp)
+
+
+def _unpinned_offload() -> None:
+    """FSDP2's offload policy with ordinary (pageable) host memory: the CUDA host allocator rounds
+    each pinned block up to a power of two, up to twice the shards' bytes."""
+    import torch.distributed.fsdp as fsdp
+
+    pinned = fsdp.CPUOffloadPolicy
+    fsdp.CPUOffloadPolicy = lambda pin_memory=True: pinned(pin_memory=False)
 
 
 def probe_weight(learner):
@@ -244,14 +255,12 @@ def main() -> int:
         return 0
     t0, results = time.perf_counter(), []
     for case in args.cases.split(","):
-        if time.perf_counter() - t0 > args.budget_s:
-            results.append({**parse_case(case), "skipped": "budget"})
-            continue
-        results.append(supervise(case, args))
-        r = results[-1]
+        over = time.perf_counter() - t0 > args.budget_s
+        r = {**parse_case(case), "skipped": "budget", "wall_s": 0.0} if over else supervise(case, args)
+        results.append(r)
         print(f"{case}: trained={r.get('trained')} params={r.get('params')} step_s={r.get('step_s')} "
               f"gpu_peak={r.get('gpu_peak_allocated_gb')} host_peak={r.get('host_peak_rss_gb')} "
-              f"wall={r['wall_s']:.0f}s error={r.get('error')}", flush=True)
+              f"wall={r['wall_s']:.0f}s error={r.get('error') or r.get('skipped')}", flush=True)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"host_total_gb": _meminfo_gb("MemTotal"), "results": results}, indent=1) + "\n")
         # Each case's folder is only needed by it: free the disk for the next.

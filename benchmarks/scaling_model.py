@@ -151,6 +151,35 @@ def learner_memory_rows(measured_file: Path) -> list[dict]:
     return rows
 
 
+def gpu_learner_rows(measured_file: Path) -> list[dict]:
+    """The model's GPU learner against ``benchmarks/gpu_learner.py``'s H100 measurements (one
+    sharded rank): its learn phase (6 N FLOPs per token at ``MFU_TRAIN``) beside the measured step,
+    the MFU the step reached counting the passes it ran (the learner's old-policy forward, 2 N;
+    the recomputed forward under activation checkpointing, 2 N), and its state bytes
+    (``STATE_BYTES_PER_PARAM`` on the GPU, or in host memory with ``train.cpu_offload``) beside the
+    GPU's and the process's peaks. Activations are left out of the model, as above."""
+    from benchmarks.gpu_learner import SHAPES
+
+    rows = []
+    for r in json.loads(measured_file.read_text())["results"] if measured_file.exists() else []:
+        if not r.get("trained"):
+            continue
+        shape = {**SHAPES[r["shape"]], **({"num_hidden_layers": r["layers"]} if r.get("layers") else {})}
+        n, tokens, step = r["params"], r["tokens_per_step"], statistics.median(r["step_s"][1:])
+        embed = shape["vocab_size"] * shape["hidden_size"] * (1 if shape["tie_word_embeddings"] else 2)
+        gathered = 4 * (embed + 2 * (n - embed) / shape["num_hidden_layers"])
+        state = STATE_BYTES_PER_PARAM * n
+        passes = 6 + 2 + (2 if r["batch"]["ckpt"] else 0)
+        rows.append({"case": r["case"], "params_b": n / 1e9, "tokens_per_step": tokens, "offload": r["offload"],
+                     "predicted_learn_s": 6 * n * tokens / (H100_BF16_FLOPS * MFU_TRAIN), "measured_step_s": step,
+                     "measured_mfu": passes * n * tokens / (step * H100_BF16_FLOPS),
+                     "predicted_gpu_state_gb": (gathered if r["offload"] else state + gathered) / 1e9,
+                     "measured_gpu_peak_gb": r["gpu_peak_allocated_gb"],
+                     "predicted_host_state_gb": state / 1e9 if r["offload"] else 0.0,
+                     "measured_host_peak_gb": r["host_peak_rss_gb"]})
+    return rows
+
+
 def calibrate(measured: dict, a: Arch, w: Workload) -> dict[str, float]:
     """Effective rates of this CPU from the measured phases, and the model's step against them."""
     tokens = w.completions * (w.prompt_tokens + w.response_tokens)
@@ -235,6 +264,7 @@ def main() -> int:
                         "DECODE_ITER_OVERHEAD_S": DECODE_ITER_OVERHEAD_S},
         "projections": rows,
         "learner_memory": learner_memory_rows(ROOT / "docs" / "results" / "sharded_learners.json"),
+        "gpu_learner_check": gpu_learner_rows(ROOT / "docs" / "results" / "gpu_learner.json"),
     }
     Path(args.out).write_text(json.dumps(out, indent=1))
     print(f"CPU calibration: training at {cpu['train_flops_per_s'] / 1e9:.0f} GFLOP/s effective, "
@@ -258,7 +288,18 @@ def main() -> int:
         print(f"| {r['model']} | {r['learner_gpus']} ({r['link']}) | {r['replicated_gb']:.1f} | {r['sharded_gb']:.1f} | "
               f"{'yes' if r['replicated_fits_h100'] else 'no'} / {'yes' if r['sharded_fits_h100'] else 'no'} | "
               f"{r['pass_traffic_s']:.3g} | {r['pass_compute_s']:.3g} |")
+    print_gpu_check(out["gpu_learner_check"])
     return 0
+
+
+def print_gpu_check(rows: list[dict]) -> None:
+    print("\n| H100 case | params | tokens | learn s, model | step s, measured | MFU reached | GPU GB, model (state) "
+          "| GPU GB, peak | host GB, model (state) | host GB, peak |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['case']} | {r['params_b']:.2f}B | {r['tokens_per_step']} | {r['predicted_learn_s']:.2f} | "
+              f"{r['measured_step_s']:.2f} | {r['measured_mfu']:.0%} | {r['predicted_gpu_state_gb']:.1f} | "
+              f"{r['measured_gpu_peak_gb']:.1f} | {r['predicted_host_state_gb']:.1f} | {r['measured_host_peak_gb']:.1f} |")
 
 
 if __name__ == "__main__":
