@@ -462,7 +462,12 @@ class PPOConfig(Section):
     entropy_coef: float = _f(0.0, "Weight of the entropy bonus (0: entropy is only measured).")
     kl_coef: float = _f(0.05, "beta: KL-to-reference penalty folded into the per-token reward.", ge=0)
     kl_estimator: Literal["k1", "k2", "k3", "abs"] = _f("k1", "Estimator of the reward KL penalty.")
-    kl_loss_coef: float = _f(0.0, "Weight of an extra k3 KL-to-reference loss term (0: off).", ge=0)
+    kl_loss_coef: float = _f(0.0, "Weight of an extra KL-to-reference loss term (0: off).", ge=0)
+    kl_loss_estimator: Literal["k3", "full"] = _f(
+        "k3", "The KL loss term's KL: k3, sampled at the response tokens, or full, the exact KL over the whole "
+        "vocabulary at every response position (the PaLM-style trainer's; computed a chunk of rows at a time, "
+        "train.logprob_chunk). full reads the frozen initial model's hidden states and LM head in the learners: it "
+        "needs train.reference=learners or LoRA, and costs one more reference pass and LM-head product per step.")
     gamma: float = _f(1.0, "Discount factor of the return.", ge=0, le=1)
     lam: float = _f(0.95, "GAE lambda.", ge=0, le=1)
     whiten_advantages: bool = _f(True, "Whiten GAE advantages over the batch's response tokens.")
@@ -873,6 +878,10 @@ class Config(Section):
              or self.qlearn.conservative_weight == 0,
              "qlearn.calibration=reference measures Q against the reference's logits, which the floor term would "
              "need for every token of the vocabulary: use qlearn.conservative=logsumexp (or conservative_weight=0)"),
+            (ppo.kl_loss_estimator == "k3" or (ppo.kl_loss_coef > 0 and not ppo.teacher
+                                                 and (self.train.reference == "learners" or self.lora.enabled)),
+             "ppo.kl_loss_estimator=full is the KL loss term's (set ppo.kl_loss_coef > 0) to the frozen initial model "
+             "held in the learners: set train.reference=learners (or use LoRA), without ppo.teacher"),
             (self.train.reference == "actor" or not ppo.teacher,
              "train.reference=learners does not hold a teacher: ppo.teacher needs train.reference=actor"),
             (bool(ppo.teacher) == bool(ppo.distill_coef),

@@ -243,6 +243,29 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: str = "k1") -> Tens
     raise ValueError(f"Unknown KL estimator kind {kind!r}; expected one of {KL_KINDS}")
 
 
+def full_kl(logits: Tensor, ref_logits: Tensor, temperature: float = 1.0) -> Tensor:
+    """Exact per-position KL(pi || ref) over the whole vocabulary, not a sampled estimate.
+
+    ``KL = sum_v pi(v) (log pi(v) - log ref(v))`` with ``pi = softmax(logits / T)`` and
+    ``ref = softmax(ref_logits / T)`` (the reward-shaping KL of Ziegler et al., "Fine-Tuning
+    Language Models from Human Preferences", 2019, eq. 2, taken in expectation over the next token
+    instead of at the sampled one; PaLM-rlhf-style trainers use it this way). Its gradient
+    reaches ``logits`` only (the reference is frozen): ``dKL/dz_v = pi(v) (log pi(v) - log ref(v)
+    - KL) / T``. Computed in float32; ``>= 0`` up to rounding, exactly 0 where the rows agree.
+
+    Args:
+        logits: ``(N, V)`` the policy's logits at N positions.
+        ref_logits: ``(N, V)`` the reference's logits at the same positions (no gradient).
+        temperature: the sampling temperature both distributions are taken at.
+
+    Returns:
+        ``(N,)`` float32.
+    """
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    logq = torch.log_softmax(ref_logits.detach().float() / temperature, dim=-1)
+    return (logp.exp() * (logp - logq)).sum(-1)
+
+
 def policy_loss_clipped(
     logprobs: Tensor,
     old_logprobs: Tensor,

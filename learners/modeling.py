@@ -17,7 +17,7 @@ from torch import nn
 
 from learners.attention import ATTENTION
 from learners.logprob_kernel import fused_head_logprobs
-from learners.losses import entropy_from_logits, logprobs_from_logits
+from learners.losses import entropy_from_logits, full_kl, logprobs_from_logits
 
 
 def autocast(bf16: bool, device: torch.device | str = "cpu"):
@@ -125,6 +125,8 @@ class PolicyWithValueHead(nn.Module):
         group_ids: torch.Tensor | None = None,
         fused: bool = False,
         run: Callable[[], Any] | None = None,
+        ref_states: torch.Tensor | None = None,
+        ref_head: torch.Tensor | None = None,
     ) -> Any:
         """Per-token log-probs (and values / entropy) at ``positions_mask``.
 
@@ -140,6 +142,10 @@ class PolicyWithValueHead(nn.Module):
             dict with ``logprobs`` (B, L) float32, optionally ``values`` (B, L) float32 and
             ``entropy`` (B, L) float32 (detached), zero outside ``positions_mask``.
 
+        ``ref_states`` (B, L, H) and ``ref_head`` (V, H): the frozen reference's last hidden states
+        over the same rows and its LM head's weight; the output then has ``kl_full`` (B, L), the
+        exact KL(policy || reference) over the vocabulary at each position (``full_kl_at_positions``).
+
         ``run``: instead, a learner's own computation over the modules (Q-values, a reward head),
         returned as it is. Run inside ``forward`` so that sharded weights are gathered around it
         and its gradients reduced after it, as for any pass (FSDP hooks the module's forward).
@@ -153,6 +159,10 @@ class PolicyWithValueHead(nn.Module):
             self.value_head if with_values and critic is None else None,
             temperature=temperature, chunk=chunk, with_entropy=with_entropy, fused=fused,
         )
+        if ref_states is not None:
+            out["kl_full"] = full_kl_at_positions(hidden, ref_states, input_ids, positions_mask,
+                                                  self.lm.get_output_embeddings(), ref_head,
+                                                  temperature=temperature, chunk=chunk)
         if with_values and critic is not None:  # a separate critic (learners/critic.py) values the states
             out["values"] = critic(input_ids, attention_mask, positions_mask, group_ids)
         return out
@@ -388,6 +398,50 @@ def heads_at_positions(
         v = value_head(h.float() if value_head.weight.dtype == torch.float32 else h).squeeze(-1).float()
         out["values"] = torch.zeros_like(logprobs).index_put((rows, cols), v)
     return out
+
+
+def full_kl_at_positions(
+    hidden: torch.Tensor,
+    ref_hidden: torch.Tensor,
+    input_ids: torch.Tensor,
+    positions_mask: torch.Tensor,
+    lm_head: nn.Module,
+    ref_weight: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk: int = 1024,
+) -> torch.Tensor:
+    """(B, L) ``losses.full_kl`` of the policy (``lm_head`` over ``hidden``) from the reference
+    (``ref_weight`` over ``ref_hidden``, frozen) at the positions of ``positions_mask``, zero
+    elsewhere; hidden[:, t-1] predicts token t in both. One chunk of vocabulary-sized rows at a
+    time (never a (B, L, V) tensor); gradient through ``hidden`` and ``lm_head`` only."""
+    b, length = input_ids.shape
+    rows, cols, h, _ = _action_states(hidden, input_ids, positions_mask)
+    h_ref = ref_hidden[rows, cols - 1].detach()
+    w_ref = ref_weight.detach()
+    parts = []
+    for start in range(0, h.shape[0], chunk):
+        ref_logits = torch.nn.functional.linear(h_ref[start : start + chunk].to(w_ref.dtype), w_ref)
+        parts.append(full_kl(lm_head(h[start : start + chunk]), ref_logits, temperature))
+    flat = torch.cat(parts) if parts else h.new_zeros(0, dtype=torch.float32)
+    return torch.zeros(b, length, dtype=torch.float32, device=hidden.device).index_put((rows, cols), flat)
+
+
+@torch.no_grad()
+def reference_states(lm: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
+                     micro_batch_size: int = 8, bf16: bool = False) -> torch.Tensor:
+    """(B, L, H) a frozen model's last hidden states, no gradient, in micro-batches of similar
+    length (zero beyond each row's length): what ``full_kl_at_positions`` reads as ``ref_hidden``."""
+    lengths = attention_mask.sum(1)
+    out = None
+    for idx in torch.split(micro_batch_order(lengths), micro_batch_size):
+        width = max(int(lengths[idx].max()), 1)
+        with autocast(bf16, input_ids.device):
+            hidden, _ = decoder_hidden(lm.get_decoder(), input_ids[idx, :width], attention_mask[idx, :width])
+        if out is None:
+            out = hidden.new_zeros(*input_ids.shape, hidden.shape[-1])
+        out[idx, :width] = hidden
+    return out if out is not None else torch.zeros(*input_ids.shape, lm.config.hidden_size, device=input_ids.device)
 
 
 def _plain_head(h: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor, temperature: float, chunk: int,

@@ -36,6 +36,7 @@ from learners.modeling import (
     decoder_layers,
     sequence_logprobs,
     reference_logit_terms,
+    reference_states,
 )
 from learners.optim import make_scheduler
 from learners.precision import resolve_bf16
@@ -123,6 +124,8 @@ class PolicyLearner(Learner):
         # train.reference=learners without LoRA: a frozen copy of the initial model, built at its
         # first use (``base_logprobs``).
         self._reference_model = None
+        # Its LM head's weight, whole, for the exact KL over the vocabulary (``base_head_weight``).
+        self._base_head = None
 
     @property
     def reference_in_learner(self) -> bool:
@@ -302,6 +305,31 @@ class PolicyLearner(Learner):
                                          chunk=self.tr.logprob_chunk, bf16=self.tr.bf16)
 
         return self._base_passes(terms, input_ids, attention_mask, states, None)
+
+    @torch.no_grad()
+    def base_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """(B, L, H) the frozen initial model's last hidden states (``modeling.reference_states``),
+        from the same model as ``base_logprobs``: with its LM head weight (``base_head_weight``)
+        they give its whole next-token distribution wherever the policy's is needed."""
+        def states(lm, ids, att, pos, groups):
+            return reference_states(lm, ids, att, micro_batch_size=self.tr.micro_batch_size, bf16=self.tr.bf16)
+
+        return self._base_passes(states, input_ids, attention_mask, attention_mask, None)
+
+    @torch.no_grad()
+    def base_head_weight(self) -> torch.Tensor:
+        """(V, H) the frozen initial model's LM head weight, whole: the LoRA policy's base head (it
+        never trains), or the frozen copy's. Sharded ranks gather it once (a collective) and keep
+        their copy; unsharded, it is the frozen tensor itself."""
+        if self._base_head is None:
+            if not self.reference_in_learner:
+                raise RuntimeError("the reference's LM head in the learner: needs LoRA or train.reference=learners")
+            root = self.model if self.lora else self._frozen_reference()
+            off = self.model.lm.disable_adapter() if self.lora else contextlib.nullcontext()
+            with off, whole(root):
+                weight = root.lm.get_output_embeddings().weight.detach()
+                self._base_head = weight.clone() if self.sharded else weight
+        return self._base_head
 
     def _base_passes(self, fn, input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor,
                      group_ids: torch.Tensor | None) -> torch.Tensor:

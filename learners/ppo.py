@@ -58,6 +58,7 @@ class PPOParams(Protocol):
     kl_coef: float
     kl_estimator: str
     kl_loss_coef: float
+    kl_loss_estimator: str  # "k3" (sampled) or "full" (exact, over the vocabulary)
     gamma: float
     lam: float
     whiten_advantages: bool
@@ -96,7 +97,7 @@ class PPOParams(Protocol):
 # Metrics accumulated over micro-batches; every rank reports all of them (zeros where it had no
 # rows) so that one all-reduce turns them into global values.
 _STATS = ("loss/policy", "loss/value", "loss/total", "policy/entropy", "policy/clip_frac", "policy/approx_kl",
-          "value/clip_frac", "rollout_is/weight_mean", "rollout_is/corrected_frac")
+          "value/clip_frac", "rollout_is/weight_mean", "rollout_is/corrected_frac", "kl/loss_term")
 
 
 # Statistics of the policy on the rows that ran a pass (absent when none did).
@@ -144,17 +145,34 @@ class PPOLearner(PolicyLearner):
             self.clip_groups = [[p for p in self.trainable if id(p) not in critic], critic_params]
 
     # -- forward helpers -------------------------------------------------------------------------
-    def _forward(self, exp: Experience, *, grad: bool) -> dict[str, torch.Tensor]:
+    def _forward(self, exp: Experience, *, grad: bool, ref_states: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         return self._pass(exp.input_ids, exp.attention_mask, exp.response_mask,
-                          exp.group_ids if self.tr.shared_prefix else None, grad=grad)
+                          exp.group_ids if self.tr.shared_prefix else None, grad=grad, ref_states=ref_states)
 
     def _pass(self, ids: torch.Tensor, att: torch.Tensor, positions: torch.Tensor, group_ids: torch.Tensor | None,
-              *, grad: bool) -> dict[str, torch.Tensor]:
+              *, grad: bool, ref_states: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """The policy's pass; with ``ref_states`` (the frozen model's hidden states over the same
+        rows) also the exact KL to it over the vocabulary (``kl_full``)."""
+        ref = {"ref_states": ref_states, "ref_head": self.base_head_weight()} if ref_states is not None else {}
         with torch.set_grad_enabled(grad), autocast(self.tr.bf16, self.device):
             return self.model(
                 ids, att, positions, temperature=self.temperature, chunk=self.tr.logprob_chunk,
                 with_values=self.use_critic, with_entropy=True, group_ids=group_ids, fused=self.tr.fused_logprobs,
+                **ref,
             )
+
+    @property
+    def full_kl_loss(self) -> bool:
+        """Whether the KL loss term is the exact KL over the vocabulary (``ppo.kl_loss_estimator``)."""
+        return bool(self.hp.kl_loss_coef) and getattr(self.hp, "kl_loss_estimator", "k3") == "full"
+
+    def _local_ref_states(self, local: Experience) -> torch.Tensor | None:
+        """This rank's rows' frozen-model hidden states when the KL loss is the full one (sharded
+        ranks without rows still run the aligned passes); else None."""
+        if not self.full_kl_loss:
+            return None
+        self.base_head_weight()  # gathered before any pass, at the same point on every rank
+        return self.base_states(local.input_ids, local.attention_mask)
 
     def idle_outputs(self) -> dict[str, torch.Tensor]:
         return self._pass(*idle_inputs(self.device), None, grad=torch.is_grad_enabled())
@@ -318,9 +336,10 @@ class PPOLearner(PolicyLearner):
         streamed = on_policy and not fused and not self.use_critic and kl_coef == 0
         fused_out: dict[str, torch.Tensor] | None = None
         idle_out = None  # a sharded rank without rows: the pass it runs beside the others' fused pass
+        ref_states = self._local_ref_states(local)
         if fused:
             any_rows = self.aligned(int(bool(rows)))  # agreed before the pass: it is a collective
-            fused_out = self._forward(local, grad=True) if rows else None
+            fused_out = self._forward(local, grad=True, ref_states=ref_states) if rows else None
             if self.sharded and any_rows and not rows:
                 idle_out = self._pass(*idle_inputs(self.device), None, grad=True)
             lp = fused_out["logprobs"].detach() if fused_out else empty
@@ -347,7 +366,7 @@ class PPOLearner(PolicyLearner):
             stats, grad_norms, local_old = self._update(
                 local, old_logprobs[rows], old_values[rows], advantages[rows], returns[rows],
                 fused_out=fused_out, streamed=streamed, normalisers=normalisers, idle_out=idle_out,
-                minibatches=self._minibatches(rows, sorted(i for shard in shards for i in shard), on_policy),
+                ref_states=ref_states, minibatches=self._minibatches(rows, sorted(i for shard in shards for i in shard), on_policy),
             )
         if streamed:
             old_logprobs = self._gather(local_old, rows, shape)
@@ -435,7 +454,7 @@ class PPOLearner(PolicyLearner):
         self, local: Experience, old_logprobs: torch.Tensor, old_values: torch.Tensor, advantages: torch.Tensor,
         returns: torch.Tensor, *, fused_out: dict[str, torch.Tensor] | None, streamed: bool,
         minibatches: Iterator[torch.Tensor], normalisers: tuple[float, float] | None = None,
-        idle_out: dict[str, torch.Tensor] | None = None,
+        idle_out: dict[str, torch.Tensor] | None = None, ref_states: torch.Tensor | None = None,
     ) -> tuple[dict[str, float], list[float], torch.Tensor]:
         """Minibatch epochs over this rank's rows (``minibatches``: its share of each global
         minibatch); returns global stats, grad norms and (streamed) the old log-probs the training
@@ -469,7 +488,8 @@ class PPOLearner(PolicyLearner):
                 # The policy loss's share of its minibatch: by tokens or by sequences (loss_agg),
                 # so the sum over micro-batches and ranks is the global minibatch aggregate.
                 w_agg = w_tok if hp.loss_agg == "token_mean" else float(mmask.any(1).sum()) / g_seqs
-                out = fused_out if fused_out is not None else self._forward(part, grad=True)
+                refs = None if ref_states is None else ref_states[micro, :width]
+                out = fused_out if fused_out is not None else self._forward(part, grad=True, ref_states=refs)
                 if streamed:
                     old_logprobs[micro, :width] = out["logprobs"].detach()
                 is_weights = None
@@ -498,7 +518,10 @@ class PPOLearner(PolicyLearner):
                     # Entropy is measured detached; the bonus uses -logprob as its estimator.
                     loss = loss + hp.entropy_coef * masked_mean(out["logprobs"], mmask) * w_tok
                 if hp.kl_loss_coef:
-                    kl_term = masked_mean(kl_penalty(out["logprobs"], part.ref_logprobs, "k3"), mmask)
+                    per_token = out["kl_full"] if ref_states is not None else kl_penalty(
+                        out["logprobs"], part.ref_logprobs, "k3")
+                    kl_term = masked_mean(per_token, mmask)
+                    totals["kl/loss_term"] += float(kl_term.detach()) * s_tok
                     loss = loss + hp.kl_loss_coef * kl_term * w_tok
                 if not torch.isfinite(loss):
                     raise FloatingPointError(f"non-finite PPO loss: {float(loss)}")
@@ -519,6 +542,8 @@ class PPOLearner(PolicyLearner):
         if not self.use_critic:
             stats.pop("loss/value")
             stats.pop("value/clip_frac")
+        if not hp.kl_loss_coef:
+            stats.pop("kl/loss_term")
         if self.rollout_correction == "none":
             stats.pop("rollout_is/weight_mean")
             stats.pop("rollout_is/corrected_frac")

@@ -179,6 +179,35 @@ def test_two_learners_match_one_with_each_policy_objective(tiny_model_path, poli
     _compare(tiny_model_path, batch, {"micro_batch_size": 2, "epochs": 2}, ppo)
 
 
+def _moved_reference(learner):
+    """The learner's frozen copy, moved off the initial weights by the same seeded noise on every
+    learner, so that the KL term has a gradient in the first update (one the ranks compare
+    before Adam turns rounding into sign flips)."""
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in learner._frozen_reference().parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    return learner
+
+
+@pytest.mark.parametrize("micro_batch_size", [2, 8])  # streamed old log-probs; one fused pass
+def test_two_learners_match_one_with_the_full_kl_loss(tiny_model_path, micro_batch_size):
+    """The exact KL over the vocabulary as the KL loss, to the learners' own frozen copy: each rank
+    runs the copy over its own rows, and the ranks' terms add up to the one-learner gradient."""
+    batch = _batch(tiny_model_path, ref_shift=None)
+    train = {"micro_batch_size": micro_batch_size, "reference": "learners"}
+    ppo = {"advantage_estimator": "grpo", "kl_coef": 0.0, "kl_loss_coef": 0.7, "kl_loss_estimator": "full"}
+    one = _moved_reference(make_learner(tiny_model_path, train=train, ppo=ppo))
+    g1, m1 = _step(one, batch, Collective())
+    # Loaded here, not at first use in two threads at once (see _learners).
+    learners = [_moved_reference(learner) for learner in _learners(tiny_model_path, train, ppo, 2)]
+    for g, m in run_ranks(2, lambda rank, comm: _step(learners[rank], batch, comm)):
+        torch.testing.assert_close(g, g1, **TOL)
+        assert m["kl/loss_term"] == pytest.approx(m1["kl/loss_term"], rel=1e-4, abs=1e-7)
+    assert m1["kl/loss_term"] > 1e-3
+    assert m1["learner/fused_old_pass" if micro_batch_size == 8 else "learner/streamed_old_pass"] == 1.0
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_minibatch_epochs_cut_the_global_batch(tiny_model_path, world):
     """Two epochs of two minibatches, the critic and a KL term: every minibatch is cut from the

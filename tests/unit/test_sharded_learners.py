@@ -78,6 +78,14 @@ CASES = {
     # runs it on each rank's own rows (over 4 ranks one has none: an idle reference pass)
     "grpo_kl_own_reference": ("ppo", {"micro_batch_size": 2, "reference": "learners"},
                               {"advantage_estimator": "grpo", "kl_coef": 0.1}, "groups_no_ref"),
+    # the exact KL loss over the vocabulary: the frozen model's hidden states and its LM head
+    # (gathered once from its shards) beside the policy's, two epochs (the second's KL moves)
+    "grpo_full_kl_own_reference": ("ppo", {"micro_batch_size": 2, "reference": "learners", "epochs": 2},
+                                   {"advantage_estimator": "grpo", "kl_coef": 0.0, "kl_loss_coef": 0.5,
+                                    "kl_loss_estimator": "full"}, "groups_no_ref"),
+    "grpo_full_kl_lora": ("ppo_lora", {"micro_batch_size": 2, "epochs": 2},
+                          {"advantage_estimator": "grpo", "kl_coef": 0.0, "kl_loss_coef": 0.5,
+                           "kl_loss_estimator": "full"}, "groups_no_ref"),
     "dpo_own_reference": ("dpo", {"micro_batch_size": 2, "reference": "learners"}, {"beta": 0.5}, "pairs_no_ref"),
     # a reward model: the trunk and the reward head, one pair per pass (2 passes; 1 and an idle one)
     "reward_model": ("reward_model", {"micro_batch_size": 2}, {}, "pairs"),
