@@ -24,19 +24,18 @@ def steps_logged(run_dir: Path) -> int:
 
 
 def run_actor_pid(proc: subprocess.Popen, class_name: str) -> int:
-    """The process of the run's own actor of that class (the run's Ray job: its driver is ``proc``)."""
-    import ray
-    from ray.util.state import list_actors, list_jobs
+    """The process of the run's own actor of that class (the run's Ray job: its driver is ``proc``).
+    Read from the GCS tables of this process's cluster (Ray's own ``ray._private.state``, which
+    ``ray.nodes()`` reads too): the state API (``ray.util.state``) needs a dashboard, which the
+    shared test cluster does not run."""
+    from ray._private.state import state
 
-    # This process's cluster, named: another Ray instance on the machine would make it ambiguous.
-    address = ray.get_runtime_context().gcs_address
-    jobs = [j.job_id for j in list_jobs(address=address)
-            if j.driver_info is not None and int(j.driver_info.pid) == proc.pid]
+    jobs = [j["JobID"] for j in state.job_table() if int(j["DriverPid"]) == proc.pid and not j["IsDead"]]
     assert len(jobs) == 1, jobs
-    actors = list_actors(address=address, filters=[("class_name", "=", class_name), ("state", "=", "ALIVE"),
-                                                   ("job_id", "=", jobs[0])])
+    actors = [a for a in state.actor_table(None).values()
+              if a["ActorClassName"] == class_name and a["State"] == "ALIVE" and a["JobID"] == jobs[0]]
     assert len(actors) == 1, actors
-    return int(actors[0].pid)
+    return int(actors[0]["Pid"])
 
 
 def kill_inside(proc: subprocess.Popen, class_name: str, method: str) -> bool:
