@@ -752,7 +752,9 @@ class ClusterConfig(Section):
                "the run: the update takes precedence over other work on its cores, also over an asynchronous "
                "run's overlapping generation.")
     dashboard_host: str = _f("127.0.0.1", "Interface of a locally started Ray Dashboard.")
-    include_dashboard: bool = _f(True, "Start the Ray Dashboard (bound to dashboard_host) with a local cluster.")
+    include_dashboard: bool = _f(True, "Start the Ray Dashboard (bound to dashboard_host) with a local cluster. Keep it on: "
+                                 "besides the pages, it serves the state API through which Ray Train's placement-group "
+                                 "cleaner watches each run's controller (without it, each run leaves that cleaner running).")
     temp_dir: str = _f("", "Ray session folder of a locally started cluster (default: Ray's).")
 
 

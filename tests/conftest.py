@@ -53,12 +53,13 @@ def tiny_model_path() -> str:
 
 @pytest.fixture(scope="session")
 def ray_cluster(tiny_model_path):
-    """A local head node; yields its addresses and connects this process. No dashboard: no test
-    on this cluster reads it, and its head process and modules cost about 7% of a core while the
-    suite runs (the job-submission smoke test starts a cluster of its own, with one)."""
+    """A local head node with a dashboard; yields its addresses and connects this process. No test
+    reads the dashboard, but Ray Train's placement-group cleaner watches its controller through
+    the state API, which the dashboard serves: without it every run's cleaner polls in vain and
+    outlives the run (a detached actor)."""
     import ray
 
-    port = _free_port()
+    port, dash = _free_port(), _free_port()
     temp = _SESSION_TMP
     env = dict(os.environ)
     bindir = str(Path(sys.executable).parent)
@@ -68,12 +69,12 @@ def ray_cluster(tiny_model_path):
     ray_bin = str(Path(bindir) / "ray")
     cmd = [
         ray_bin, "start", "--head", f"--port={port}", "--num-cpus=8",
-        "--include-dashboard=false",
+        "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
         f"--temp-dir={temp}", "--disable-usage-stats",
     ]
     subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=120)
     address = f"127.0.0.1:{port}"
-    info = {"address": address, "env": env}
+    info = {"address": address, "dashboard": f"http://127.0.0.1:{dash}", "env": env}
     try:
         ray.init(address=address, log_to_driver=True)
         yield info
