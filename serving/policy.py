@@ -255,6 +255,10 @@ class PolicyServer(LLMServer):
             await asyncio.to_thread(_reload_replicas, broadcast, handle, folder, str(given))
         return JSONResponse({"model_path": str(given), "seconds": round(time.perf_counter() - t0, 3)})
 
+    def current_model_path(self) -> str:
+        """The checkpoint this replica serves (``_reload_replicas`` routes one call of it first)."""
+        return self.model_path
+
     def set_model_path(self, folder: str) -> None:
         """The checkpoint this replica serves now (called on every replica by ``reload``)."""
         self.model_path = folder
@@ -270,7 +274,14 @@ def _tool_turn(message: Any) -> bool:
 
 def _reload_replicas(broadcast: Any, handle: Any, folder: str, shown: str) -> None:
     """pause (in-flight requests finish) -> reload weights -> reset prefix cache -> resume, per
-    replica; ``shown``: the path as the client gave it, what ``/v1/admin/served`` reports."""
+    replica; ``shown``: the path as the client gave it, what ``/v1/admin/served`` reports.
+
+    First one ordinary call through the handle: routing it builds the handle's request router on
+    the router's own event loop. ``broadcast`` reads that router from this thread, and when it
+    would be the first to build it (the replica list arrived before the router's config) the build
+    needs an event loop this thread does not have ("no running event loop": a reload failing now
+    and then)."""
+    handle.current_model_path.remote().result()
     broadcast(handle, "pause", kwargs={"mode": "wait", "clear_cache": True})
     try:
         broadcast(handle, "collective_rpc", kwargs={"method": "reload_weights", "kwargs": {"weights_path": folder}})

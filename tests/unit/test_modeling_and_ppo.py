@@ -182,9 +182,9 @@ def _count_rows(learner):
     ran = []
     forward = learner._forward
 
-    def counting(exp, *, grad):
+    def counting(exp, *, grad, **kwargs):
         ran.append(exp.batch_size if grad else 0)
-        return forward(exp, grad=grad)
+        return forward(exp, grad=grad, **kwargs)
 
     learner._forward = counting
     return ran
