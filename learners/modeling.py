@@ -10,7 +10,7 @@ each sequence.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -432,16 +432,23 @@ def reference_states(lm: nn.Module, input_ids: torch.Tensor, attention_mask: tor
                      micro_batch_size: int = 8, bf16: bool = False) -> torch.Tensor:
     """(B, L, H) a frozen model's last hidden states, no gradient, in micro-batches of similar
     length (zero beyond each row's length): what ``full_kl_at_positions`` reads as ``ref_hidden``."""
+    out = torch.zeros(*input_ids.shape, lm.config.hidden_size, device=input_ids.device)
+    for idx, width, hidden in frozen_passes(lm, input_ids, attention_mask, micro_batch_size, bf16):
+        out = out.to(hidden.dtype) if out.dtype != hidden.dtype else out
+        out[idx, :width] = hidden
+    return out
+
+
+def frozen_passes(lm: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, micro_batch_size: int,
+                  bf16: bool) -> Iterator[tuple[torch.Tensor, int, torch.Tensor]]:
+    """(rows, width, hidden (rows, width, H)) of a frozen model's decoder over micro-batches of
+    similar length, each trimmed to its longest row; the consumer runs under the same autocast."""
     lengths = attention_mask.sum(1)
-    out = None
     for idx in torch.split(micro_batch_order(lengths), micro_batch_size):
         width = max(int(lengths[idx].max()), 1)
         with autocast(bf16, input_ids.device):
             hidden, _ = decoder_hidden(lm.get_decoder(), input_ids[idx, :width], attention_mask[idx, :width])
-        if out is None:
-            out = hidden.new_zeros(*input_ids.shape, hidden.shape[-1])
-        out[idx, :width] = hidden
-    return out if out is not None else torch.zeros(*input_ids.shape, lm.config.hidden_size, device=input_ids.device)
+            yield idx, width, hidden
 
 
 def _plain_head(h: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor, temperature: float, chunk: int,
@@ -601,20 +608,13 @@ def reference_logit_terms(
     p] is the state after token p) and ``taken`` = the logit of token t in the state before it at
     ``actions_mask``. In micro-batches of similar length, the LM head in chunks of rows."""
     out = {k: torch.zeros_like(input_ids, dtype=torch.float32) for k in ("logsumexp", "taken")}
-    lengths = attention_mask.sum(1)
     head = lm.get_output_embeddings()
-    order = micro_batch_order(lengths)
-    for s in range(0, input_ids.shape[0], micro_batch_size):
-        idx = order[s : s + micro_batch_size]
-        width = max(int(lengths[idx].max()), 1)
-        ids = input_ids[idx, :width]
-        with autocast(bf16, input_ids.device):
-            hidden, _ = decoder_hidden(lm.get_decoder(), ids, attention_mask[idx, :width])
-            # The soft value's reduction and the Q heads' taken logit, over the frozen model.
-            out["logsumexp"][idx, :width] = max_q_after_positions(hidden, states_mask[idx, :width], head,
-                                                                  chunk=chunk, soft=True)
-            out["taken"][idx, :width] = q_heads_at_positions(hidden, ids, actions_mask[idx, :width], head,
-                                                             chunk=chunk, terms=())["q"]
+    for idx, width, hidden in frozen_passes(lm, input_ids, attention_mask, micro_batch_size, bf16):
+        # The soft value's reduction and the Q heads' taken logit, over the frozen model.
+        out["logsumexp"][idx, :width] = max_q_after_positions(hidden, states_mask[idx, :width], head,
+                                                              chunk=chunk, soft=True)
+        out["taken"][idx, :width] = q_heads_at_positions(hidden, input_ids[idx, :width], actions_mask[idx, :width],
+                                                         head, chunk=chunk, terms=())["q"]
     return out
 
 
