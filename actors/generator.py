@@ -161,7 +161,10 @@ class Generator:
         configure_vllm_env(kv_cache_gib, threads, first_core, compile_cpu=compile and gpu_memory_utilization <= 0)
         from vllm import LLM  # heavy import at the edge: only generator processes pay it
 
+        from actors.start_up import freeze_imports
         from learners.precision import resolve_engine_dtype
+
+        freeze_imports()  # the engine build's full collections skip the imported heap
 
         dtype = resolve_engine_dtype(dtype, uses_gpu=gpu_memory_utilization > 0)
         if gpu_memory_utilization <= 0:  # episodes seed each turn's sampler (see generate_episodes)

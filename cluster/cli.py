@@ -19,6 +19,7 @@ import logging
 import sys
 from pathlib import Path
 
+from actors.start_up import lighter_gc
 from cluster.config import ConfigError, UserError
 from cluster.config_help import config_help, config_schema
 from cluster.config_loading import check_resume_compatible, load_config, read_yaml
@@ -35,6 +36,7 @@ def _resume_config(run_dir: str, config: str | None, overrides: list[str]):
 
 
 def main(argv: list[str] | None = None) -> int:
+    lighter_gc()  # before the driver's heavy imports (actors/start_up.py)
     parser = argparse.ArgumentParser(prog="rayrlhf", description="RL post-training of language models on Ray.")
     sub = parser.add_subparsers(dest="command", required=True)
     tr = sub.add_parser("train", help="run a training job (starts or joins a Ray cluster)")

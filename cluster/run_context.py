@@ -27,6 +27,7 @@ from typing import Any, Iterator
 
 import yaml
 
+from actors.start_up import SETUP_HOOK
 from cluster.config import Config, UserError
 from cluster.metrics import RunLog
 
@@ -181,6 +182,7 @@ class RunContext:
             "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false",
             "OMP_NUM_THREADS": str(cfg.cluster.threads or os.cpu_count() or 1),
         }
+        runtime_env = job_runtime_env(env_vars, lighter_gc=cfg.cluster.lighter_gc)
         address = cfg.cluster.address or os.environ.get("RAY_ADDRESS", "")
         if not address:
             address = running_local_cluster(cfg.cluster.temp_dir or None) or ""
@@ -188,12 +190,12 @@ class RunContext:
                 self.join_reason = (f"joined the cluster `ray start` left at {address}; "
                                     "cluster.address=local starts a run's own instead")
         if address and address != "local":
-            self.dashboard_url = ray.init(address=address, runtime_env={"env_vars": env_vars}, log_to_driver=True).dashboard_url
+            self.dashboard_url = ray.init(address=address, runtime_env=runtime_env, log_to_driver=True).dashboard_url
             return
         kwargs: dict[str, Any] = dict(
             address="local", num_cpus=cfg.cluster.num_cpus or max(os.cpu_count() or 1, math.ceil(needed_cpus)),
             include_dashboard=cfg.cluster.include_dashboard, dashboard_host=cfg.cluster.dashboard_host,
-            runtime_env={"env_vars": env_vars},
+            runtime_env=runtime_env,
         )
         if cfg.cluster.temp_dir:
             kwargs["_temp_dir"] = cfg.cluster.temp_dir
@@ -379,6 +381,19 @@ def greedy_accuracy(rollout: Any, rows: list[dict]) -> dict[str, float]:
         "eval/mean_score": sum(scores) / max(len(scores), 1),
         "eval/n": float(len(scores)),
     }
+
+
+def job_runtime_env(env_vars: dict[str, str], lighter_gc: bool = True) -> dict[str, Any]:
+    """The job's runtime environment: ``env_vars`` for every worker, and (``cluster.lighter_gc``)
+    the setup hook that makes each worker's start-up imports cheaper (``actors/start_up.py``)
+    unless the job already has a hook of its own (``ray job submit --runtime-env-json``: Ray
+    refuses a second one)."""
+    from ray._private import ray_constants
+
+    env: dict[str, Any] = {"env_vars": dict(env_vars)}
+    if lighter_gc and not os.environ.get(ray_constants.WORKER_PROCESS_SETUP_HOOK_ENV_VAR):
+        env["worker_process_setup_hook"] = SETUP_HOOK
+    return env
 
 
 def running_local_cluster(temp_dir: str | None = None) -> str | None:

@@ -19,6 +19,9 @@ from pathlib import Path
 
 import pytest
 
+from actors.start_up import lighter_gc
+
+lighter_gc()  # this process imports torch, vLLM and transformers too (actors/start_up.py)
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAYRLHF_CACHE", str(ROOT / ".cache" / "rayrlhf"))
@@ -59,6 +62,8 @@ def ray_cluster(tiny_model_path):
     outlives the run (a detached actor)."""
     import ray
 
+    from cluster.run_context import job_runtime_env
+
     port, dash = _free_port(), _free_port()
     temp = _SESSION_TMP
     env = dict(os.environ)
@@ -76,7 +81,8 @@ def ray_cluster(tiny_model_path):
     address = f"127.0.0.1:{port}"
     info = {"address": address, "dashboard": f"http://127.0.0.1:{dash}", "env": env}
     try:
-        ray.init(address=address, log_to_driver=True)
+        # The job's setup hook, as `rayrlhf train` sets it (cluster/run_context.py: job_runtime_env).
+        ray.init(address=address, log_to_driver=True, runtime_env=job_runtime_env({}))
         yield info
     finally:
         ray.shutdown()
@@ -110,7 +116,7 @@ def _stop_cluster(temp: str, port: int) -> None:
             p.terminate()
         except psutil.Error:
             pass
-    _, alive = psutil.wait_procs(list(procs.values()), timeout=15)
+    _, alive = psutil.wait_procs(list(procs.values()), timeout=5)
     for p in alive:
         try:
             p.kill()

@@ -29,9 +29,10 @@ def crashed_copy(run_dir: Path, after_step: int, dest: Path) -> Path:
 
 
 def assert_same_run(resumed: Path, straight: Path, keys: tuple[str, ...], ids_key: str | None, final: str,
-                    atol: float = 1e-5) -> None:
+                    atol: float = 1e-5, weight_atol: float | None = None) -> None:
     """The resumed run logged the same steps, drew the same units in the same order, logged the same
-    ``keys`` (rewards or losses) and ended with the same weights as the uninterrupted one."""
+    ``keys`` (rewards or losses) within ``atol`` and ended with the same weights (within
+    ``weight_atol``, default ``atol``) as the uninterrupted one."""
     got, want = rows(resumed), rows(straight)
     assert [r["step"] for r in got] == [r["step"] for r in want]
     if ids_key:
@@ -45,4 +46,5 @@ def assert_same_run(resumed: Path, straight: Path, keys: tuple[str, ...], ids_ke
     b = load_model_weights(Path(straight) / "checkpoints" / final)
     assert a.keys() == b.keys()
     for k in a:
-        torch.testing.assert_close(a[k], b[k], atol=atol, rtol=1e-4, msg=k)
+        torch.testing.assert_close(a[k], b[k], atol=atol if weight_atol is None else weight_atol, rtol=1e-4,
+                                   msg=lambda m, k=k: f"{k}: {m}")

@@ -78,11 +78,18 @@ def test_every_stage_leaves_a_loadable_checkpoint_and_resume_continues_the_right
 
 
 def test_the_resumed_staged_run_equals_the_uninterrupted_one(staged, uninterrupted):
+    """Same steps, same units, same losses (1e-5); weights within 1e-4 = 0.1 lr for the DPO stages.
+    (A resumed learner process's forward pass can differ from the uninterrupted one's in the last
+    bits (a loss 4 ulps apart was seen once), and AdamW's early steps turn such a difference into
+    up to a few hundredths of lr on weights whose gradient is near zero: 3e-5 after the DPO stages
+    was seen once. A lost or repeated step, lost optimiser state or another pair moves weights
+    by about lr = 1e-3.)"""
     run, _ = staged
-    for stage, ids, final in (("00-sft", "data/example_ids", "step_00008"),
-                              ("01-self-reward", "data/pair_ids", "step_00002"),
-                              ("02-spin", "data/pair_ids", "step_00001")):
-        assert_same_run(run / "stages" / stage, uninterrupted / "stages" / stage, ("loss/total",), ids, final)
+    for stage, ids, final, weight_atol in (("00-sft", "data/example_ids", "step_00008", 1e-5),
+                                           ("01-self-reward", "data/pair_ids", "step_00002", 1e-4),
+                                           ("02-spin", "data/pair_ids", "step_00001", 1e-4)):
+        assert_same_run(run / "stages" / stage, uninterrupted / "stages" / stage, ("loss/total",), ids, final,
+                        weight_atol=weight_atol)
     # The self-rewarding iteration made the same pairs (judged by the same model), and SPIN drew
     # prompts the self-rewarding iteration had not (a new iteration, new prompts).
     for stage in ("01-self-reward", "02-spin"):
