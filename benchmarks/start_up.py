@@ -43,6 +43,8 @@ def start_head(temp: Path) -> tuple[dict, str]:
 
 
 def first_step(env: dict, address: str, mode: str, run_dir: Path) -> dict:
+    from benchmarks.streaming_prompts import first_step_logged
+
     args = [str(Path(sys.executable).parent / "rayrlhf"), "train", str(ROOT / "configs" / "ppo_tiny.yaml"),
             "--run-dir", str(run_dir)]
     for o in (f"cluster.address={address}", f"cluster.lighter_gc={MODES[mode]}", "run.steps=2", "run.plot=false",
@@ -53,10 +55,8 @@ def first_step(env: dict, address: str, mode: str, run_dir: Path) -> dict:
     proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     first, metrics = None, run_dir / "metrics.jsonl"
     while proc.poll() is None:
-        if first is None and metrics.is_file():
-            rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-            if any(r.get("step", 0) >= 1 for r in rows):
-                first = time.perf_counter() - t0
+        if first is None and first_step_logged(metrics):
+            first = time.perf_counter() - t0
         time.sleep(0.1)
     if proc.returncode != 0:
         raise RuntimeError(f"{mode}: rayrlhf train exited {proc.returncode} ({run_dir / 'train.log'})")

@@ -43,6 +43,14 @@ def write_prompts(path: Path, rows: int) -> None:
                                     "answer": [str(i % 997 + i // 997) for i in ids]}))
 
 
+def first_step_logged(metrics: Path) -> bool:
+    """Whether a run's ``metrics.jsonl`` holds its first step's row yet."""
+    if not metrics.is_file():
+        return False
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    return any(r.get("step", 0) >= 1 for r in rows)
+
+
 def first_step(data: Path, mode: str, run_dir: Path) -> dict:
     args = [str(ROOT / ".venv" / "bin" / "rayrlhf"), "train", str(ROOT / "configs" / "ppo_tiny.yaml"),
             "--run-dir", str(run_dir)]
@@ -59,10 +67,8 @@ def first_step(data: Path, mode: str, run_dir: Path) -> dict:
             peak = max(peak, ps.memory_info().rss)
         except psutil.Error:
             pass
-        if first is None and metrics.is_file():
-            rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-            if any(r.get("step", 0) >= 1 for r in rows):
-                first = time.perf_counter() - t0
+        if first is None and first_step_logged(metrics):
+            first = time.perf_counter() - t0
         time.sleep(0.2)
     if proc.returncode != 0:
         raise RuntimeError(f"{mode}: rayrlhf train exited {proc.returncode} ({run_dir / 'train.log'})")
