@@ -38,9 +38,9 @@ def run_actor_pid(proc: subprocess.Popen, class_name: str) -> int:
     return int(actors[0]["Pid"])
 
 
-def kill_inside(proc: subprocess.Popen, class_name: str, method: str) -> bool:
+def kill_inside(proc: subprocess.Popen, class_name: str, method: str | None) -> bool:
     """SIGKILLs the run's actor (waiting for it to exist), inside a call of ``method`` if one
-    starts within three minutes."""
+    starts within three minutes; ``method`` None: at once (True)."""
     def alive() -> int | None:
         assert proc.poll() is None, proc.communicate()[0][-3000:]
         try:
@@ -49,6 +49,9 @@ def kill_inside(proc: subprocess.Popen, class_name: str, method: str) -> bool:
             return None
 
     actor = psutil.Process(wait_for(alive, timeout=300))
+    if method is None:
+        actor.send_signal(signal.SIGKILL)
+        return True
     deadline = time.time() + 180
     while time.time() < deadline and f"{class_name}.{method}" not in " ".join(actor.cmdline()):
         time.sleep(0.002)
@@ -60,7 +63,7 @@ def kill_inside(proc: subprocess.Popen, class_name: str, method: str) -> bool:
 def kill_during_run(proc: subprocess.Popen, run_dir: Path, kills: list,
                     after_kill: Any = None) -> tuple[list[tuple[bool, int]], str]:
     """For each (ready, class_name, method) in turn: waits for ``ready()`` with the run still going,
-    then SIGKILLs the run's actor inside a call of ``method`` (then calls ``after_kill()``, if
+    then SIGKILLs the run's actor inside a call of ``method`` (None: at once) (then calls ``after_kill()``, if
     given). Returns, for each kill, whether it landed inside such a call and the steps logged
     then; and the finished run's output."""
     landed = []

@@ -27,7 +27,9 @@ from tests.helpers.kills import finish, kill_during_run, run_actor_pid, steps_lo
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.ray
 
-STEPS, PROMPTS = 6, 32
+# 8 steps: the last of the four kills in one run (the learner's, after step 5) still lands with
+# steps to go.
+STEPS, PROMPTS = 8, 32
 # Longer generations than the preset's, so that a kill lands inside a generate call; a scorer
 # that takes 0.3 s a call (the preset's reward), so that one lands inside a score call.
 RUN = ["--set", f"run.steps={STEPS}", "--set", "run.save_every=2", "--set", "run.eval_every=0",
@@ -79,56 +81,42 @@ def _same_as(run_dir: Path, reference: Path) -> None:
         torch.testing.assert_close(got[k], want[k], atol=1e-5, rtol=1e-4, msg=k)
 
 
-def test_killed_generator_scorer_and_reference_are_restarted_and_their_work_redone(ray_cluster, uninterrupted,
-                                                                                  tmp_path):
+def test_killed_roles_and_learner_are_restarted_and_the_run_ends_as_the_uninterrupted_one(ray_cluster,
+                                                                                         uninterrupted, tmp_path):
     """In one run, each killed inside a call: a generator in ``generate`` (prompts in flight), the
-    scorer in ``score``, the reference in ``annotate``. Ray restarts each; the generator's unit is
-    issued again with the same seed and the learners' current weights, the scorer's and the
-    reference's records are scored and annotated again: the run ends as the uninterrupted one."""
-    run_dir = tmp_path / "role-kills"
+    scorer in ``score``, the reference in ``annotate``; then a Ray Train learner worker. Ray
+    restarts each role; the generator's unit is issued again with the same seed and the learners'
+    current weights, the scorer's and the reference's records are scored and annotated again; Ray
+    Train restarts the learner group, which restores this run's last checkpoint and replays the
+    steps after it: the run ends as the uninterrupted one, every batch in the weights once."""
+    run_dir = tmp_path / "kills"
     kills, out = kill_during_run(_launch(ray_cluster, run_dir), run_dir, [
         (lambda: steps_logged(run_dir) >= 2, "GeneratorWorker", "generate"),
         (lambda: steps_logged(run_dir) >= 3, "ScorerWorker", "score"),
-        (lambda: steps_logged(run_dir) >= 4, "ReferenceWorker", "annotate")])
+        (lambda: steps_logged(run_dir) >= 4, "ReferenceWorker", "annotate"),
+        (lambda: steps_logged(run_dir) >= 5, "RayTrainWorker", None)])
     assert all(inside for inside, _ in kills) and kills[-1][1] < STEPS, kills
     summary = _check_exactly_once(run_dir)
-    assert summary["restarts"] == {"generator": 1, "scorer": 1, "reference": 1}, summary
+    assert summary["restarts"] == {"generator": 1, "scorer": 1, "reference": 1, "learner": 1}, summary
     assert summary["prompts"]["reissued"] >= 1, summary  # the generator's unit was sent again
     reissued = [r for r in valid_records(read_ledger(run_dir)) if r["event"] == "reissued"]
     assert all(r["step"] > kills[0][1] for r in reissued)
     assert "generator 0 died" in out and "restarted in" in out
     assert "the scorer died" in out and "the reference died" in out and "its records done again" in out
+    # The learner group restored a checkpoint of this run (every 2 steps) and replayed the steps after it.
+    restart = next(r for r in read_ledger(run_dir) if r["event"] == "restart" and "restored" in r["detail"])
+    restored_step = int(restart["detail"]["restored"].rsplit("_", 1)[1])
+    assert "checkpoints/step_" in restart["detail"]["restored"] and restored_step >= 4
+    assert restart["detail"]["replayed"] == list(range(restored_step + 1, restart["step"]))
+    assert "learner workers restarted" in out
     _same_as(run_dir, uninterrupted)
     # The console: rayrlhf's own lines only (progress, messages); the libraries' output is in train.log.
     lines = [line for line in out.splitlines() if line.strip()]
-    assert sum("step " in line and "/6" in line for line in lines) == STEPS
+    assert sum("step " in line and f"/{STEPS}" in line for line in lines) == STEPS
     assert all(is_own_line(line) for line in lines), [line for line in lines if not is_own_line(line)][:10]
     assert not any("Warning" in line or "WARNING" in line for line in lines)
     log = (run_dir / "train.log").read_text()
-    assert "generator 0 died" in log and "step 6/6" in log
-
-
-def test_a_killed_learner_is_restarted_from_its_checkpoint_and_replays(ray_cluster, uninterrupted, tmp_path):
-    run_dir = tmp_path / "learner-kill"
-    proc = _launch(ray_cluster, run_dir)
-    try:
-        wait_for(lambda: steps_logged(run_dir) >= 3 or proc.poll() is not None, timeout=300)
-        assert proc.poll() is None, proc.communicate()[0][-3000:]
-        os.kill(run_actor_pid(proc, "RayTrainWorker"), signal.SIGKILL)
-        out = finish(proc)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    summary = _check_exactly_once(run_dir)
-    assert summary["restarts"] == {"learner": 1}, summary
-    restart = next(r for r in read_ledger(run_dir) if r["event"] == "restart")
-    # Restored from a checkpoint of this run (every 2 steps) and replayed the steps after it.
-    assert "checkpoints/step_" in restart["detail"]["restored"]
-    restored_step = int(restart["detail"]["restored"].rsplit("_", 1)[1])
-    assert restart["detail"]["replayed"] == list(range(restored_step + 1, restart["step"]))
-    assert "learner workers restarted" in out
-    # It ends as the uninterrupted run: every batch in the weights once, in order.
-    _same_as(run_dir, uninterrupted)
+    assert "generator 0 died" in log and f"step {STEPS}/{STEPS}" in log
 
 
 def test_a_stopped_job_resumes_and_each_prompt_is_trained_once(ray_cluster, tmp_path):

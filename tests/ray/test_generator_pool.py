@@ -7,6 +7,7 @@ tests/ray/test_multinode.py (2 generators), tests/ray/test_failures.py (a genera
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import pytest
@@ -23,12 +24,18 @@ class _Replica:
 
     def __init__(self, delay: float, die_on_call: int = -1, raise_on_call: int = -1, die_once: str = "") -> None:
         self.delay, self.die_on_call, self.raise_on_call, self.calls = delay, die_on_call, raise_on_call, 0
-        self.die_once = die_once  # a marker file: the first call of any incarnation dies mid-unit, once
+        # A marker file: the first call of any incarnation dies mid-unit once, when the file
+        # ``<die_once>.go`` appears (the test decides when), leaving the marker behind.
+        self.die_once = die_once
+
+    def ping(self) -> int:
+        return os.getpid()
 
     def generate(self, rows, group_ids, greedy, seed):
         self.calls += 1
         if self.die_once and not os.path.exists(self.die_once):
-            time.sleep(self.delay)
+            while not os.path.exists(self.die_once + ".go"):
+                time.sleep(0.01)
             open(self.die_once, "w").close()
             os._exit(1)
         if self.calls == self.die_on_call:
@@ -101,25 +108,54 @@ def test_a_death_the_caller_already_recovered_from_is_not_a_new_one(ray_cluster,
     # In async mode a weight sync can find a generator dead and restart it (``revive``) while
     # the pool still has a unit running on the dead process; that unit's failure must re-queue
     # the unit without taking the restarted generator out of the rotation again (it would be
-    # restarted, and counted against rollout.max_restarts, twice).
-    doomed = _Replica.options(max_restarts=1).remote(0.5, die_once=str(tmp_path / "died"))
+    # restarted, and counted against rollout.max_restarts, twice). The order of events is forced:
+    # the pool's dispatcher is held in ``on_done`` (the survivor's first unit) while replica 0
+    # dies, Ray restarts it and the caller revives it; only then does the pool see the death.
+    marker = str(tmp_path / "died")
+    doomed = _Replica.options(max_restarts=1).remote(0.05, die_once=marker)
     survivor = _Replica.remote(0.05)
-    pool = _pool([doomed, survivor])
+    entered, release = threading.Event(), threading.Event()
+
+    def hold_first(unit):
+        if not entered.is_set():
+            entered.set()
+            release.wait(timeout=120)
+        return unit.index
+
+    pool = _pool([doomed, survivor], on_done=hold_first)
     try:
         batch = pool.submit(_units(4))
-        deadline = time.time() + 30
-        while 0 not in pool.running():
-            assert time.time() < deadline, "the pool never started a unit on replica 0"
-            time.sleep(0.01)
-        pool.revive(0)  # the caller's recovery, seen before the pool notices the death
+        assert entered.wait(timeout=60), "the survivor never finished a unit"
+        assert 0 in pool.running()  # replica 0's unit is in flight, the dispatcher held
+        open(marker + ".go", "w").close()  # replica 0's process dies now
+        _answered_after_restart(doomed, marker)
+        pool.revive(0)  # the caller's recovery, before the pool has seen the death
+        release.set()
         died = []
         while not batch.done:
             died += pool.wait(batch)
         assert [g for g, _, _ in died] == [0] and isinstance(died[0][2], ray.exceptions.RayActorError)
         assert pool.down() == set()  # nothing left to restart
         assert all(u.result for u in batch.units) and sum(pool.units_run()) == 4
+        assert batch.units[died[0][1].index].failures[0][0] == 0
     finally:
+        release.set()
         pool.close()
+
+
+def _answered_after_restart(replica, marker: str, timeout: float = 60) -> None:
+    """Waits until ``replica`` died (its marker written) and its restarted process answers."""
+    deadline = time.time() + timeout
+    while not os.path.exists(marker):
+        assert time.time() < deadline, "replica 0 never died"
+        time.sleep(0.01)
+    while True:
+        try:
+            ray.get(replica.ping.remote(), timeout=30)
+            return
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            assert time.time() < deadline, "replica 0 was not restarted"
+            time.sleep(0.05)
 
 
 def test_an_error_a_replica_raises_reaches_the_caller_and_the_pool_goes_on(ray_cluster):

@@ -2,7 +2,11 @@
 two under real-time scheduling, cluster.realtime_learners): the same losses and gradient norm,
 both ranks' weights identical after the step, and equal to the one worker's, for each estimator
 family (a critic, group baselines, a whole-batch baseline). With the critic the two workers are
-sharded (train.sharding=fsdp)."""
+sharded (train.sharding=fsdp). The one worker is the same learner built as a Ray Train worker
+builds it (cluster/learner_worker.py), run in this process: a one-worker group would only add a
+Ray Train start per case."""
+
+import dataclasses
 
 import pytest
 import ray
@@ -34,6 +38,29 @@ def _learn(cfg, model_path, batch_ref, storage):
     return info, result, start, end, after["rank_spread"]
 
 
+def _learn_here(cfg, model_path, batch):
+    """One worker's step in this process: the learner ``learner_loop`` builds from the same spec,
+    on the worker's thread count, with the single-process collective."""
+    from learners.base import get_learner
+    from learners.distributed import default_collective
+
+    spec = learner_spec(cfg, model_path, pad_token_id=0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(spec.threads or threads)
+    try:
+        ctx = dataclasses.replace(spec.context, comm=default_collective(), device="cpu")
+        learner = get_learner(spec.algorithm).build(ctx, spec.train, spec.algo)
+
+        def flat():
+            return torch.cat([p.detach().reshape(-1).to(torch.float64) for p in learner.trainable]).float()
+
+        start = flat()
+        metrics = learner.train_step(batch)
+        return metrics, start, flat()
+    finally:
+        torch.set_num_threads(threads)
+
+
 # gae: a critic and a KL term, every row runs. grpo without KL: the row whose score is its group's
 # mean (row 3: 0.5 in group 10's 1, 0, 0.5) has advantage 0 and no gradient; the two workers skip
 # it (ppo.skip_zero_advantage) while the one worker runs it, and the step is the same.
@@ -60,6 +87,10 @@ def test_two_ray_train_workers_match_one(ray_cluster, tiny_model_path, tmp_path,
             # The two-worker update runs under real-time scheduling: the same maths, only sooner.
             f"cluster.realtime_learners={n == 2}", f"train.sharding={sharding}",
         ])
+        if n == 1:
+            out[1], start, end = _learn_here(cfg, tiny_model_path, ray.get(ref))
+            weights[1] = (start, end)
+            continue
         info, result, start, end, spread = _learn(cfg, tiny_model_path, ref, tmp_path / f"n{n}{sharding}")
         assert info["world"] == n
         assert spread == 0.0  # every rank holds the same weights after the step (sharded: no copies)

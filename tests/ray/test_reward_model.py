@@ -32,8 +32,8 @@ def reward_model_run(ray_cluster, tmp_path_factory):
     prefs.write_text("".join(json.dumps(p) + "\n" for p in answer_pairs(train_set.rows, seed=0)))
     cfg = load_config(overrides=[
         "run.algorithm=reward_model", "run.name=rm", f"model.path={resolve_model('smollm2-135m')}",
-        f"data.preference_file={prefs}", "data.eval_size=48", "dpo.pairs_per_step=16", "run.steps=20",
-        "run.eval_every=10", "run.plot=false", "train.lr=5e-5", "reward_model.head_lr=1e-3", "train.micro_batch_size=16",
+        f"data.preference_file={prefs}", "data.eval_size=48", "dpo.pairs_per_step=16", "run.steps=12",
+        "run.eval_every=6", "run.plot=false", "train.lr=5e-5", "reward_model.head_lr=1e-3", "train.micro_batch_size=16",
         "reward_model.center_coef=0.01",
         "train.lr_schedule=constant", "model.max_prompt_tokens=96", "model.max_new_tokens=24",
     ])
@@ -46,8 +46,10 @@ def test_reward_model_training_raises_held_out_pairwise_accuracy(reward_model_ru
     run_dir, final = reward_model_run
     rows = _rows(run_dir)
     evals = {r["step"]: r["eval/accuracy"] for r in rows if "eval/accuracy" in r}
-    assert sorted(evals) == [0, 10, 20]
-    assert evals[20] >= evals[0] + 0.15 and evals[20] >= 0.8, evals
+    assert sorted(evals) == [0, 6, 12]
+    # Measured on the CI machine: 0.646 at the start, 0.854 after 12 steps (0.875 after 20); the
+    # bounds leave room for another CPU's float order.
+    assert evals[12] >= evals[0] + 0.12 and evals[12] >= 0.78, evals
     # Each pair's two rows ran their shared prompt once (train.shared_prefix, on by default).
     assert all(r["learner/prefix_shared_frac"] == 1.0 for r in rows if r["step"] > 0)
     config = json.loads((final / "config.json").read_text())

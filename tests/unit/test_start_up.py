@@ -1,5 +1,6 @@
-"""Role processes start with a lighter cyclic GC (actors/start_up.py), set as the job's Ray
-setup hook unless the job brings its own."""
+"""A run's start-up costs: role processes start with a lighter cyclic GC (actors/start_up.py), set
+as the job's Ray setup hook unless the job brings its own; the learner group starts no Ray Data
+actor it does not use."""
 
 import subprocess
 import sys
@@ -51,3 +52,21 @@ def test_the_hook_is_importable_by_its_name():
     from ray._common.utils import load_class  # what Ray imports the hook with
 
     assert load_class(SETUP_HOOK).__name__ == "lighter_gc"
+
+
+def test_the_learner_group_starts_ray_datas_manager_only_for_datasets():
+    from ray.train import ScalingConfig
+    from ray.train.v2._internal.callbacks import DatasetsCallback
+    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+
+    from cluster.learner_group import trainer_class
+
+    def loop(config):
+        pass
+
+    def kinds(**datasets):
+        trainer = trainer_class()(loop, scaling_config=ScalingConfig(num_workers=1), datasets=datasets or None)
+        return {type(c) for c in trainer._create_default_callbacks()}
+
+    assert DatasetsCallback not in kinds() and PlacementGroupCleanerCallback in kinds()
+    assert DatasetsCallback in kinds(train=lambda: None)  # a run that passes datasets keeps it
