@@ -9,8 +9,6 @@ Also: a run whose roles cannot be placed ends at once with a message naming what
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +20,7 @@ from cluster.console import is_own_line
 from cluster.ledger import read_ledger, summarize, valid_records
 from learners.base import load_model_weights
 from tests.conftest import wait_for
-from tests.helpers.kills import finish, kill_during_run, run_actor_pid, steps_logged
+from tests.helpers.kills import finish, kill_during_run, steps_logged
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.ray
