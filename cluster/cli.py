@@ -110,7 +110,6 @@ def _train(args: argparse.Namespace) -> int:
     from cluster import console
 
     con = console.active = console.Console(verbose=args.verbose).install()
-    connected_before = _ray_connected()  # a caller's own connection (cli.main in a process) is kept
     try:
         if args.resume:
             if args.run_dir:
@@ -136,25 +135,9 @@ def _train(args: argparse.Namespace) -> int:
         print(text + f"rayrlhf: the run failed: {e!r}{where}", file=con.real_stderr, flush=True)
         return 130 if isinstance(e, KeyboardInterrupt) else 1
     finally:
-        if not connected_before:
-            _disconnect_ray()
         con.close()
         console.active = None
     return 0
-
-
-def _ray_connected() -> bool:
-    ray = sys.modules.get("ray")
-    return ray is not None and ray.is_initialized()
-
-
-def _disconnect_ray() -> None:
-    """Leaves the Ray cluster the run connected to while the quiet console is still installed: Ray
-    holds back repeated worker and raylet lines (its log deduplication) and prints them when the
-    driver disconnects, which would otherwise happen at exit, past the console's filter (a learner
-    worker's death message reached the terminal that way). A joined cluster keeps running."""
-    if _ray_connected():
-        sys.modules["ray"].shutdown()
 
 
 if __name__ == "__main__":

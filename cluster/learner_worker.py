@@ -32,20 +32,14 @@ def learner_loop(config: dict[str, Any]) -> None:
     of another epoch: an item put before a restart is never taken for one meant after it. Every
     reply carries the epoch, so the driver never takes a reply or a second ``ready`` for the
     answer to the item it waits on."""
-    import torch
-
     from cluster.workers import peak_rss_gb
-    from learners.base import get_learner
     from learners.distributed import default_collective
 
     spec: LearnerSpec = config["spec"]
     channel = config["channel"]
     comm = default_collective()
     rank = comm.rank
-    # Ray sets OMP_NUM_THREADS to the reserved CPUs; learners run in their own phase and may use the node.
-    torch.set_num_threads(spec.threads or os.cpu_count() or 1)
-    ctx = dataclasses.replace(spec.context, comm=comm, device=learner_device(spec))
-    learner = get_learner(spec.algorithm).build(ctx, spec.train, spec.algo)
+    learner = build_learner(spec, comm)
     if spec.resume_from:
         learner.restore(spec.resume_from)
     nodes = _all_nodes(comm.world)
@@ -83,6 +77,25 @@ def learner_loop(config: dict[str, Any]) -> None:
             # A compact subset: Ray Train logs every report, the full set goes to the run's JSONL.
             # The driver marks which steps report (``report_gap_s``), the same for every rank.
             ray.train.report({k: round(reply["metrics"][k], 6) for k in _REPORTED if k in reply["metrics"]})
+
+
+def build_learner(spec: LearnerSpec, comm: Any) -> Any:
+    """This rank's learner, on its thread count and device, with ``comm`` between the ranks."""
+    import torch
+
+    from learners.base import get_learner
+
+    # Ray sets OMP_NUM_THREADS to the reserved CPUs; learners run in their own phase and may use the node.
+    torch.set_num_threads(spec.threads or os.cpu_count() or 1)
+    ctx = dataclasses.replace(spec.context, comm=comm, device=learner_device(spec))
+    return get_learner(spec.algorithm).build(ctx, spec.train, spec.algo)
+
+
+def trainable_flat(learner: Any) -> Any:
+    """An unsharded learner's trainable weights as one flat float64 vector."""
+    import torch
+
+    return torch.cat([p.detach().reshape(-1).to(torch.float64) for p in learner.trainable])
 
 
 def learner_device(spec: LearnerSpec) -> str:
@@ -153,7 +166,7 @@ def _weights_digest(learner: Any, comm: Any) -> dict | None:
     if any(is_sharded(p) for p in learner.trainable):  # shards differ by design: compare the whole
         flat = torch.cat([p.full_tensor().detach().reshape(-1).to(torch.float64) for p in learner.trainable])
         return None if comm.rank else {"rank_spread": 0.0, "trainable": [ray.put(flat.float().cpu())]}
-    flat = torch.cat([p.detach().reshape(-1).to(torch.float64) for p in learner.trainable])
+    flat = trainable_flat(learner)
     high = comm.all_reduce_max(flat.clone())
     low = -comm.all_reduce_max(-flat)
     if comm.rank != 0:

@@ -148,7 +148,7 @@ class RunContext:
         self.final_checkpoint: Path | None = None
         self._last_version = int(self.run_state["version"])
         self.times: dict[str, float] = {}
-        self.started_cluster = False
+        self.started_cluster = self.connected = False
         self.join_reason = ""
         self.dashboard_url = ""
 
@@ -164,6 +164,7 @@ class RunContext:
         requests = role_requests(cfg)
         if not ray.is_initialized():
             self._init_ray(sum(r.count * r.cpus for r in requests))
+            self.connected = True  # this run made the connection: ``close`` leaves it
         check_fits(requests, cluster_node_cpus(), cluster_resources())
         self._announce_cluster()
         if cfg.cluster.metrics_export:
@@ -217,10 +218,14 @@ class RunContext:
               + (" (started for this run)" if self.started_cluster else ""), flush=True)
 
     def close(self) -> None:
+        """Closes the run's log; leaves the cluster if this run connected (a caller's own
+        connection is kept; a joined cluster keeps running, one started for the run stops). Ray
+        prints the repeated worker and raylet lines it held back (its log deduplication) when the
+        driver disconnects: here, still through ``rayrlhf train``'s quiet console, not at exit."""
         import ray
 
         self.runlog.close()
-        if self.started_cluster:
+        if self.connected:
             ray.shutdown()
 
     # -- the loop --------------------------------------------------------------------------------

@@ -63,8 +63,8 @@ def kill_inside(proc: subprocess.Popen, class_name: str, method: str | None) -> 
 def kill_during_run(proc: subprocess.Popen, run_dir: Path, kills: list,
                     after_kill: Any = None) -> tuple[list[tuple[bool, int]], str]:
     """For each (ready, class_name, method) in turn: waits for ``ready()`` with the run still going,
-    then SIGKILLs the run's actor inside a call of ``method`` (None: at once) (then calls ``after_kill()``, if
-    given). Returns, for each kill, whether it landed inside such a call and the steps logged
+    then SIGKILLs the run's actor inside a call of ``method`` (at once when None), then calls
+    ``after_kill()`` if given. Returns, for each kill, whether it landed inside such a call and the steps logged
     then; and the finished run's output."""
     landed = []
     try:

@@ -6,8 +6,6 @@ sharded (train.sharding=fsdp). The one worker is the same learner built as a Ray
 builds it (cluster/learner_worker.py), run in this process: a one-worker group would only add a
 Ray Train start per case."""
 
-import dataclasses
-
 import pytest
 import ray
 import torch
@@ -39,24 +37,17 @@ def _learn(cfg, model_path, batch_ref, storage):
 
 
 def _learn_here(cfg, model_path, batch):
-    """One worker's step in this process: the learner ``learner_loop`` builds from the same spec,
-    on the worker's thread count, with the single-process collective."""
-    from learners.base import get_learner
+    """One worker's step in this process: the learner ``learner_loop`` builds from the same spec
+    (``build_learner``: the worker's thread count), with the single-process collective."""
+    from cluster.learner_worker import build_learner, trainable_flat
     from learners.distributed import default_collective
 
-    spec = learner_spec(cfg, model_path, pad_token_id=0)
     threads = torch.get_num_threads()
-    torch.set_num_threads(spec.threads or threads)
     try:
-        ctx = dataclasses.replace(spec.context, comm=default_collective(), device="cpu")
-        learner = get_learner(spec.algorithm).build(ctx, spec.train, spec.algo)
-
-        def flat():
-            return torch.cat([p.detach().reshape(-1).to(torch.float64) for p in learner.trainable]).float()
-
-        start = flat()
+        learner = build_learner(learner_spec(cfg, model_path, pad_token_id=0), default_collective())
+        start = trainable_flat(learner).float()
         metrics = learner.train_step(batch)
-        return metrics, start, flat()
+        return metrics, start, trainable_flat(learner).float()
     finally:
         torch.set_num_threads(threads)
 
