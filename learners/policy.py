@@ -299,12 +299,11 @@ class PolicyLearner(Learner):
         """The frozen initial model's log-normaliser at ``states`` and its logit of each taken
         token at ``actions`` (``modeling.reference_logit_terms``), from the same model as
         ``base_logprobs``."""
-        def terms(lm, ids, att, pos, groups):
-            acts = actions if ids is input_ids else pos  # an idle pass: its own two-token row
+        def terms(lm, ids, att, pos, groups, acts):
             return reference_logit_terms(lm, ids, att, pos, acts, micro_batch_size=self.tr.micro_batch_size,
                                          chunk=self.tr.logprob_chunk, bf16=self.tr.bf16)
 
-        return self._base_passes(terms, input_ids, attention_mask, states, None)
+        return self._base_passes(terms, input_ids, attention_mask, states, None, actions)
 
     @torch.no_grad()
     def base_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -332,9 +331,10 @@ class PolicyLearner(Learner):
         return self._base_head
 
     def _base_passes(self, fn, input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor,
-                     group_ids: torch.Tensor | None) -> torch.Tensor:
-        """``fn(lm, ids, att, positions, group_ids)`` on the frozen initial model, one pass per
-        micro-batch; sharded ranks then run idle passes up to the most any rank runs."""
+                     group_ids: torch.Tensor | None, *masks: torch.Tensor) -> torch.Tensor:
+        """``fn(lm, ids, att, positions, group_ids, *masks)`` on the frozen initial model, one pass
+        per micro-batch; sharded ranks then run idle passes up to the most any rank runs (on a
+        two-token row, its positions standing in for every mask)."""
         if not self.reference_in_learner:
             raise RuntimeError("reference log-probs in the learner: needs LoRA or train.reference=learners "
                                "(else a Reference actor serves them)")
@@ -345,9 +345,10 @@ class PolicyLearner(Learner):
         passes = -(-input_ids.shape[0] // self.tr.micro_batch_size)
         idle = self.aligned(passes) - passes
         with off, whole(root):
-            out = fn(root.lm, input_ids, attention_mask, positions, group_ids)  # no rows: empty (0, L) results
+            out = fn(root.lm, input_ids, attention_mask, positions, group_ids, *masks)  # no rows: empty results
             for _ in range(idle):
-                fn(root.lm, *idle_inputs(self.device), None)
+                ids, att, pos = idle_inputs(self.device)
+                fn(root.lm, ids, att, pos, None, *(pos for _ in masks))
         return out
 
     # -- weights out -----------------------------------------------------------------------------
