@@ -37,19 +37,25 @@ def test_builders_refuse_unknown_settings():
         build_policy_app({"model_path": "/nonexistent"})
 
 
-def test_a_server_started_on_its_own_cluster_runs_rays_workers_at_the_daemons_priority(monkeypatch):
+def test_a_server_started_on_its_own_cluster_runs_rays_workers_at_the_daemons_priority_and_a_slower_control_loop(
+        monkeypatch):
     """`rayrlhf serve` on a local cluster: Ray's worker niceness (15 by default) is set to 0 so the
-    engine is not preempted by Ray's own daemons; a value the user set is kept."""
+    engine is not preempted by Ray's own daemons, and Serve's control loop runs every second, not
+    every 0.1 s; values the user set are kept."""
     import os
 
     from serving.common import use_server_cluster_env
 
-    monkeypatch.delenv("RAY_worker_niceness", raising=False)
+    for name in ("RAY_worker_niceness", "RAY_SERVE_CONTROL_LOOP_INTERVAL_S"):
+        monkeypatch.delenv(name, raising=False)
     use_server_cluster_env()
     assert os.environ["RAY_worker_niceness"] == "0"
+    assert os.environ["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "1"
     monkeypatch.setenv("RAY_worker_niceness", "5")
+    monkeypatch.setenv("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.5")
     use_server_cluster_env()
     assert os.environ["RAY_worker_niceness"] == "5"
+    assert os.environ["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.5"
 
 
 def test_engine_metrics_through_ray_are_off_unless_asked_for(tiny_model_path):
