@@ -1,9 +1,9 @@
 """Multi-turn agents on the real stack (vLLM generators running episodes, the environment's
 reward through the scorer, Ray Train learners): a task whose one reward, given after the second
 turn, depends only on the first reply, so that credit has to cross the environment's
-observation. GRPO learns it while a generator is killed mid-episode (token-level Q-learning
-learns it too: tests/ray/test_qlearning.py); an agent program on the real openai client trains
-through the rollout endpoint."""
+observation. GRPO learns it while a generator is killed mid-episode, PPO with its critic learns
+it (token-level Q-learning learns it too: tests/ray/test_qlearning.py); an agent program on the
+real openai client trains through the rollout endpoint."""
 
 from __future__ import annotations
 
@@ -73,6 +73,20 @@ def test_grpo_learns_across_turns_and_a_generator_killed_mid_episode_loses_nothi
     assert all("value/mean" not in r and r["reward/n"] == PROMPTS * SAMPLES for r in got)  # GRPO: no critic
     # The samples of a prompt share its forward pass in the learner (identical prefixes found).
     assert all(r["learner/prefix_shared_frac"] == 1.0 for r in got), [r["learner/prefix_shared_frac"] for r in got]
+
+
+def test_ppo_with_its_critic_learns_across_turns(ray_cluster, tmp_path):
+    """PPO with the critic (the tiny preset's estimator): GAE runs over the model's own tokens,
+    the observation between the turns skipped (``tests/unit/test_advantages.py:
+    test_gae_hand_interior_mask_is_skipped``), so the value of the reward given after the second
+    reply reaches the first reply's tokens that earned it, and the critic learns that value."""
+    run_dir = tmp_path / "ppo"
+    train(load_config(ROOT / "configs" / "ppo_tiny.yaml", [*ENV, "run.steps=12"]), run_dir=run_dir)
+    got = [r for r in rows(run_dir) if r["step"] > 0]
+    assert all(r["episode/turns_mean"] == 2.0 for r in got)
+    rewards, values = [r["reward/mean"] for r in got], [r["value/mean"] for r in got]
+    assert _mean(rewards[-3:]) > _mean(rewards[:2]) + 0.5, rewards
+    assert _mean(values[-3:]) > _mean(values[:2]) + 0.3, values
 
 
 def test_an_agent_program_with_the_openai_client_trains_through_the_rollout_endpoint(ray_cluster, tmp_path):
