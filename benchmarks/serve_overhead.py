@@ -88,29 +88,20 @@ def policy_url() -> str:
 
 
 def one_round(name: str, model: str, texts: list[str], args: argparse.Namespace) -> dict:
-    env, saved, proc = CONTENDERS[name], dict(os.environ), None
+    env, saved = CONTENDERS[name], dict(os.environ)
+    os.environ.update(env or {})
     try:
-        if env is None:
-            proc, url = st.start_vllm(model, args, 18001), "http://127.0.0.1:18001"
-        else:
-            os.environ.update(env)
-            st.start_rayrlhf(model, args, 18002)
-            st.wait_up("http://127.0.0.1:18002")
-            url = policy_url()
-        st.wait_up(url)
-        asyncio.run(st.load(url, "policy", texts[:32], 32, args.max_tokens))
-        time.sleep(3)  # start-up's stragglers (the engine's first metrics, Serve's telemetry actor)
-        before = cpu_seconds()
-        run = asyncio.run(st.load(url, "policy", texts, 32, args.max_tokens))
-        spent = by_process(before, cpu_seconds())
+        with st.server(env is None, model, args, 18001 if env is None else 18002):
+            st.wait_up("http://127.0.0.1:18001" if env is None else "http://127.0.0.1:18002")
+            url = "http://127.0.0.1:18001" if env is None else policy_url()
+            asyncio.run(st.load(url, "policy", texts[:32], 32, args.max_tokens))
+            time.sleep(3)  # start-up's stragglers (the engine's first metrics, Serve's telemetry actor)
+            before = cpu_seconds()
+            run = asyncio.run(st.load(url, "policy", texts, 32, args.max_tokens))
+            spent = by_process(before, cpu_seconds())
     finally:
         os.environ.clear()
         os.environ.update(saved)
-        if proc is not None:
-            proc.terminate()
-            proc.wait(60)
-        else:
-            st._stop_rayrlhf()
     return {"contender": name, "url": url, **{k: run[k] for k in ("tokens_per_s", "wall_s", "errors")},
             "cpu_s_all": round(sum(spent.values()), 2), "cpu_s": spent}
 

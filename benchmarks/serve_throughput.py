@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -178,12 +180,20 @@ def alone(model: str, texts: list[str], args: argparse.Namespace, urls: dict, re
 
 def _alone_start(name: str, model: str, texts: list[str], args: argparse.Namespace, url: str, results: dict,
                  levels: list[int]) -> None:
-    proc = start_vllm(model, args, 18001) if name == "vllm_openai_server" else None
-    try:
-        if proc is None:
-            start_rayrlhf(model, args, 18002)
+    with server(name == "vllm_openai_server", model, args, int(url.rsplit(":", 1)[1])):
         _warm_up(url, texts, args)
         _rounds(name, url, texts, args, results, args.rounds_per_start, levels)
+
+
+@contextlib.contextmanager
+def server(bare: bool, model: str, args: argparse.Namespace, port: int) -> Iterator[None]:
+    """The bare vLLM server (``bare``) or rayrlhf's policy server on ``port`` for the block's
+    length, stopped after it."""
+    proc = start_vllm(model, args, port) if bare else None
+    try:
+        if proc is None:
+            start_rayrlhf(model, args, port)
+        yield
     finally:
         if proc is not None:
             proc.terminate()
