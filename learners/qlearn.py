@@ -213,6 +213,25 @@ class QLearner(PolicyLearner):
         return self.base_logit_terms(batch.input_ids, batch.attention_mask, states, mask)
 
     # -- the update ------------------------------------------------------------------------------
+    def _targets(self, part: Experience, r: torch.Tensor, done: torch.Tensor, after: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(targets, bootstrap values) of ``part``'s actions from the target network, without
+        dropout; ``after``: the reference's log-normaliser at each bootstrap state (0 uncalibrated)."""
+        hp, m = self.hp, part.response_mask
+        head = self.model.lm.get_output_embeddings()
+        was_training = self.model.training
+        self.model.eval()  # targets without dropout noise
+        try:
+            with torch.no_grad(), self.target_network(), autocast(self.tr.bf16, self.device):
+                boot = bootstrap_positions(m)
+                next_max = self.model(run=lambda: max_q_after_positions(
+                    self._hidden(part), boot, head, chunk=self.tr.logprob_chunk, soft=hp.calibration != "none")) - after * boot
+        finally:
+            self.model.train(was_training)
+        targets = q_learning_targets(r, next_max, m, done, gamma=hp.gamma, n_step=hp.n_step,
+                                     mc_lower_bound=hp.mc_lower_bound)
+        return targets, next_max
+
     def _micro(self, batch: Experience, idx: torch.Tensor, mask: torch.Tensor, rewards: torch.Tensor,
                done: torch.Tensor, n_actions: int, grad: bool, ref: dict | None = None) -> torch.Tensor:
         """Forward (online and target) and backward of rows ``idx``; returns their ``_SUMS``.
@@ -222,28 +241,15 @@ class QLearner(PolicyLearner):
         m, r = part.response_mask, rewards[idx, : part.seq_len]
         zero = torch.zeros_like(r)
         ref = {k: v[idx, : part.seq_len] for k, v in ref.items()} if ref is not None else {"logsumexp": zero, "taken": zero}
-        after = ref["logsumexp"]  # at bootstrap positions t: the state after action t
-        before = torch.cat([torch.zeros_like(after[:, :1]), after[:, :-1]], dim=1)  # the state of action t
-        head = self.model.lm.get_output_embeddings()
-        chunk = self.tr.logprob_chunk
-        was_training = self.model.training
-        self.model.eval()  # targets without dropout noise
-        try:
-            with torch.no_grad(), self.target_network(), autocast(self.tr.bf16, self.device):
-                boot = bootstrap_positions(m)
-                next_max = self.model(run=lambda: max_q_after_positions(
-                    self._hidden(part), boot, head, chunk=chunk, soft=hp.calibration != "none")) - after * boot
-        finally:
-            self.model.train(was_training)
-        targets = q_learning_targets(r, next_max, m, done[idx], gamma=hp.gamma, n_step=hp.n_step,
-                                     mc_lower_bound=hp.mc_lower_bound)
+        targets, next_max = self._targets(part, r, done[idx], ref["logsumexp"])
         floor = hp.q_floor * hp.reward_scale
         terms = ("logsumexp" if hp.conservative == "logsumexp" else "sq_dev_sum",
                  *(("logprobs",) if hp.uses_reference else ()))
+        head = self.model.lm.get_output_embeddings()
         with torch.set_grad_enabled(grad), autocast(self.tr.bf16, self.device):
             out = self.model(run=lambda: q_heads_at_positions(
                 self._hidden(part), part.input_ids, m, head, floor=floor, temperature=self.temperature,
-                chunk=chunk, terms=terms))
+                chunk=self.tr.logprob_chunk, terms=terms))
         mf = m.float()
         q = out["q"] - ref["taken"]  # calibrated: minus the reference's logit (0 without calibration)
         td = (td_loss(q, targets) * mf).sum() / n_actions
@@ -260,19 +266,28 @@ class QLearner(PolicyLearner):
             raise FloatingPointError(f"non-finite Q-learning loss: td {float(td)}, conservative {float(cons)}, kl {float(kl)}")
         if grad:
             loss.backward()
-        with torch.no_grad():
-            q = q.detach()
-            unseen = (out["q_mean"] * self.vocab_size - out["q"]) / (self.vocab_size - 1) - before * mf
-            raised = 0.0  # actions whose target the Monte-Carlo bound lifted
-            if hp.mc_lower_bound:
-                plain = q_learning_targets(r, next_max, m, done[idx], gamma=hp.gamma, n_step=hp.n_step)
-                raised = float(((targets > plain) & m).sum())
-            n = float(n_actions)
-            return torch.tensor([
-                float(td) * n, float(cons) * n, float(kl) * n, float((q * mf).sum()), float((targets * mf).sum()),
-                float((unseen * mf).sum()), float(((out["q_max"] - before) * mf).sum()), float(((q - targets).abs() * mf).sum()),
-                raised, float(kl) * n,
-            ], dtype=torch.float64, device=self.device)
+        return self._sums(out, q, targets, next_max, r, done[idx], ref["logsumexp"], m, (td, cons, kl), n_actions)
+
+    @torch.no_grad()
+    def _sums(self, out: dict, q: torch.Tensor, targets: torch.Tensor, next_max: torch.Tensor, r: torch.Tensor,
+              done: torch.Tensor, after: torch.Tensor, m: torch.Tensor, losses: tuple, n_actions: int) -> torch.Tensor:
+        """One micro-batch's ``_SUMS``: losses times the action count, Q statistics summed over actions
+        (``after`` shifted one token gives the reference's log-normaliser of each action's state)."""
+        hp, mf = self.hp, m.float()
+        td, cons, kl = (float(x) for x in losses)
+        before = torch.cat([torch.zeros_like(after[:, :1]), after[:, :-1]], dim=1)
+        q = q.detach()
+        unseen = (out["q_mean"] * self.vocab_size - out["q"]) / (self.vocab_size - 1) - before * mf
+        raised = 0.0  # actions whose target the Monte-Carlo bound lifted
+        if hp.mc_lower_bound:
+            plain = q_learning_targets(r, next_max, m, done, gamma=hp.gamma, n_step=hp.n_step)
+            raised = float(((targets > plain) & m).sum())
+        n = float(n_actions)
+        return torch.tensor([
+            td * n, cons * n, kl * n, float((q * mf).sum()), float((targets * mf).sum()),
+            float((unseen * mf).sum()), float(((out["q_max"] - before) * mf).sum()), float(((q - targets).abs() * mf).sum()),
+            raised, kl * n,
+        ], dtype=torch.float64, device=self.device)
 
     def train_step(self, batch: Experience) -> dict[str, float]:
         """``train.epochs`` x ``train.num_minibatches`` Q updates on the global batch."""
