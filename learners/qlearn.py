@@ -52,6 +52,7 @@ from learners.td_losses import conservative_penalty, cql_penalty, td_loss
 from learners.modeling import autocast, max_q_after_positions, q_heads_at_positions
 from learners.optim import ema_update_
 from learners.policy import PolicyLearner
+from learners.reward_shaping import centered_returns
 from learners.sharding import full_tensor, load_shard_, local
 
 TARGET_DIR = "target"
@@ -69,6 +70,7 @@ class QLearnParams(Protocol):
     q_floor: float
     calibration: str
     reward_scale: float
+    reward_baseline: str
     target_decay: float
     target_start_step: int
     target_update_every: int
@@ -133,6 +135,10 @@ class QLearner(PolicyLearner):
         else:
             rewards = token_rewards_from_scores(batch.scores, mask)
         return mask, rewards * self.hp.reward_scale, done
+
+    def backup_rewards(self, rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The rewards the backups read: ``episodes``' rewards, centered with ``reward_baseline=batch_mean``."""
+        return centered_returns(rewards, mask) if self.hp.reward_baseline == "batch_mean" else rewards
 
     # -- networks --------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -300,7 +306,7 @@ class QLearner(PolicyLearner):
         if not bool(mask.any()):
             return {"learner/empty_batch": 1.0, "learner/sequences": float(batch.batch_size)}
         batch = self._with_reference(batch)
-        ref = self._calibration(batch, mask)
+        ref, backups = self._calibration(batch, mask), self.backup_rewards(rewards, mask)
         self.model.train()
         self.model.rows_shared = self.model.rows_total = 0
         totals = torch.zeros(len(_SUMS), dtype=torch.float64, device=self.device)
@@ -311,7 +317,7 @@ class QLearner(PolicyLearner):
             actions += n_actions
             self.optimizer.zero_grad(set_to_none=True)
             for micro in self.rank_passes(torch.split(mine, tr.micro_batch_size), grad=True):
-                totals += self._micro(batch, micro, mask, rewards, done, n_actions, grad=True, ref=ref)
+                totals += self._micro(batch, micro, mask, backups, done, n_actions, grad=True, ref=ref)
             grad_norms.append(self._optimizer_step())
             self.updates += 1
             self._update_target()
@@ -350,7 +356,7 @@ class QLearner(PolicyLearner):
         totals = torch.zeros(len(_SUMS), dtype=torch.float64, device=self.device)
         mine = torch.arange(batch.batch_size, device=self.device)[self.comm.rank :: self.comm.world]
         for micro in self.rank_passes(torch.split(mine, self.tr.micro_batch_size), grad=False):
-            totals += self._micro(batch, micro, mask, rewards, done, n, grad=False, ref=ref)
+            totals += self._micro(batch, micro, mask, self.backup_rewards(rewards, mask), done, n, grad=False, ref=ref)
         summed = self.comm.all_reduce_sum(totals)
         return {f"eval/{k}": float(v) / n for k, v in zip(_SUMS, summed)} | {"eval/tokens": float(mask.sum())}
 
