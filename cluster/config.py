@@ -634,10 +634,12 @@ class QLearnConfig(Section):
         "conservative_weight=0.")
     reward_scale: float = _f(1.0, "Rewards are multiplied by this before the backups (Q values live on the logit "
                              "scale: with a Boltzmann policy, scale and rollout.temperature trade off).", gt=0)
-    reward_baseline: Literal["none", "batch_mean"] = _f(
-        "none", "batch_mean: the global batch's mean return taken off each sequence's terminal reward before the "
-        "backups (reward centering): for undiscounted episodes the optimal policy is unchanged, and failed sequences "
-        "get targets below 0 instead of the 0 a calibrated Q starts at, so they lose probability as solved ones gain it.")
+    reward_baseline: Literal["none", "batch_mean", "group_mean"] = _f(
+        "none", "A mean return taken off each sequence's terminal reward before the backups (reward centering): "
+        "batch_mean, the global batch's; group_mean, that of the batch's sequences of the same prompt (GRPO's group "
+        "baseline: a prompt whose sequences are all in the batch only when buffer_capacity <= batch_sequences). For "
+        "undiscounted episodes the optimal policy is unchanged, and failed sequences get targets below 0 instead of "
+        "the 0 a calibrated Q starts at, so they lose probability as solved ones gain it.")
     target_decay: float = _f(0.9, "EMA decay of the target network: each update moves it by (1 - decay) of its gap "
                              "to the online network.", ge=0, le=1)
     target_start_step: int = _f(0, "Optimiser updates during which the target copies the online network before the "

@@ -136,9 +136,13 @@ class QLearner(PolicyLearner):
             rewards = token_rewards_from_scores(batch.scores, mask)
         return mask, rewards * self.hp.reward_scale, done
 
-    def backup_rewards(self, rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """The rewards the backups read: ``episodes``' rewards, centered with ``reward_baseline=batch_mean``."""
-        return centered_returns(rewards, mask) if self.hp.reward_baseline == "batch_mean" else rewards
+    def backup_rewards(self, rewards: torch.Tensor, mask: torch.Tensor, batch_groups: torch.Tensor) -> torch.Tensor:
+        """The rewards the backups read: ``episodes``' rewards, centered over the batch
+        (``reward_baseline=batch_mean``) or over the rows of each group id (``group_mean``)."""
+        if self.hp.reward_baseline == "none":
+            return rewards
+        groups = batch_groups if self.hp.reward_baseline == "group_mean" else None
+        return centered_returns(rewards, mask, groups)
 
     # -- networks --------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -306,7 +310,7 @@ class QLearner(PolicyLearner):
         if not bool(mask.any()):
             return {"learner/empty_batch": 1.0, "learner/sequences": float(batch.batch_size)}
         batch = self._with_reference(batch)
-        ref, backups = self._calibration(batch, mask), self.backup_rewards(rewards, mask)
+        ref, backups = self._calibration(batch, mask), self.backup_rewards(rewards, mask, batch.group_ids)
         self.model.train()
         self.model.rows_shared = self.model.rows_total = 0
         totals = torch.zeros(len(_SUMS), dtype=torch.float64, device=self.device)
@@ -356,7 +360,7 @@ class QLearner(PolicyLearner):
         totals = torch.zeros(len(_SUMS), dtype=torch.float64, device=self.device)
         mine = torch.arange(batch.batch_size, device=self.device)[self.comm.rank :: self.comm.world]
         for micro in self.rank_passes(torch.split(mine, self.tr.micro_batch_size), grad=False):
-            totals += self._micro(batch, micro, mask, self.backup_rewards(rewards, mask), done, n, grad=False, ref=ref)
+            totals += self._micro(batch, micro, mask, self.backup_rewards(rewards, mask, batch.group_ids), done, n, grad=False, ref=ref)
         summed = self.comm.all_reduce_sum(totals)
         return {f"eval/{k}": float(v) / n for k, v in zip(_SUMS, summed)} | {"eval/tokens": float(mask.sum())}
 

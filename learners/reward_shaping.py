@@ -25,28 +25,39 @@ def overlong_penalty(lengths: Tensor, max_tokens: int, buffer: int, penalty: flo
     return -penalty * over.clamp(max=1.0)
 
 
-def centered_returns(rewards: Tensor, mask: Tensor) -> Tensor:
-    """Per-token rewards ``(B, T)`` with the batch's mean return subtracted at each sequence's last
-    action (reward centering, Naik, Wan, Tomar & Sutton 2024, "Reward Centering"):
+def centered_returns(rewards: Tensor, mask: Tensor, group_ids: Tensor | None = None) -> Tensor:
+    """Per-token rewards ``(B, T)`` with a mean return subtracted at each sequence's last action
+    (reward centering, Naik, Wan, Tomar & Sutton 2024, "Reward Centering"):
 
-        r'_t = r_t - (1/B) sum_b sum_u r_{b,u}     at t = the last action of its sequence
-        r'_t = r_t                                 elsewhere
+        r'_t = r_t - c_b      at t = the last action of sequence b;   r'_t = r_t elsewhere
 
-    For undiscounted episodes that all end, one constant taken off every terminal reward is
-    potential-based shaping (Ng, Harada & Russell 1999, with the potential c on every non-terminal
-    state): every Q and V move by -c and the (soft) optimal policy is unchanged. What changes is
-    learning from a start of Q = 0: a failed sequence's actions get a target below 0 instead of
-    none at all, so they lose probability as a solved one's gain it. Rows with no action add no
-    return but count in the mean's B only if they have actions. Returns float32 or wider."""
+    with ``c_b`` the mean return of the batch's sequences (``group_ids`` None) or of the sequences
+    that share b's group id (its prompt: GRPO's group baseline, Shao et al. 2024, without the
+    division by the standard deviation).
+
+    For undiscounted episodes that all end, a constant off every terminal reward of a prompt's
+    episodes is potential-based shaping (Ng, Harada & Russell 1999, with the potential c on every
+    non-terminal state of that prompt's tree): every Q and V there move by -c and the (soft)
+    optimal policy is unchanged. What changes is learning from a start of Q = 0: a failed
+    sequence's actions get a target below 0 instead of none at all, so they lose probability as a
+    solved one's gain it; a group whose sequences all earned the same gets no signal. Rows with no
+    action are left as they are and count in no mean. Returns float32 or wider."""
     valid = mask.bool()
     rows = valid.any(dim=1)
-    if not bool(rows.any()):
-        return rewards.clone()
-    returns = torch.where(valid, rewards, torch.zeros_like(rewards)).sum(dim=1)
-    mean = returns[rows].mean()
-    T = valid.shape[1]
-    last = (T - 1 - torch.argmax(valid.flip(1).long(), dim=1)).clamp(min=0)
     out = rewards.to(torch.promote_types(rewards.dtype, torch.float32)).clone()
+    if not bool(rows.any()):
+        return out
+    returns = torch.where(valid, out, torch.zeros_like(out)).sum(dim=1)
+    if group_ids is None:
+        means = returns[rows].mean().expand(returns.shape)
+    else:
+        _, inverse = torch.unique(group_ids, return_inverse=True)
+        n = torch.zeros(int(inverse.max()) + 1, dtype=out.dtype, device=out.device)
+        total = torch.zeros_like(n)
+        n.index_add_(0, inverse, rows.to(out.dtype))
+        total.index_add_(0, inverse, torch.where(rows, returns, torch.zeros_like(returns)))
+        means = (total / n.clamp(min=1))[inverse]
+    last = (valid.shape[1] - 1 - torch.argmax(valid.flip(1).long(), dim=1)).clamp(min=0)
     idx = torch.nonzero(rows).squeeze(1)
-    out[idx, last[idx]] -= mean.to(out.dtype)
+    out[idx, last[idx]] -= means[idx]
     return out

@@ -1,6 +1,6 @@
-"""Reward centering for Q-learning (``qlearn.reward_baseline=batch_mean``,
+"""Reward centering for Q-learning (``qlearn.reward_baseline=batch_mean | group_mean``,
 ``learners.reward_shaping.centered_returns``): the batch's mean return comes off each sequence's
-terminal reward. By hand and against a naive loop; the soft-optimal policy of a token tree is the
+terminal reward (or the mean of its group's). By hand and against a naive loop; the soft-optimal policy of a token tree is the
 same with and without it (the claim that makes it safe); the learner's targets are the centered
 returns and a failed sequence's actions fall below the prior's Q of 0."""
 
@@ -39,6 +39,27 @@ def test_centered_returns_match_a_naive_loop():
     torch.testing.assert_close(got, want)
     # The returns now average 0 over the rows with actions.
     assert float(torch.where(m, got, 0.0).sum(1)[rows].mean()) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_group_centered_returns_by_hand_and_against_a_naive_loop():
+    # Groups 7 (rows 0, 1: returns 1, 0) and 3 (rows 2, 3: 0, 1); row 4 alone in group 9.
+    r = torch.tensor([[0, 0, 1.0], [0, 0, 0], [0, 0, 0], [0, 0, 1.0], [0, 0.5, 0]])
+    m = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 1]]).bool()
+    want = torch.tensor([[0, 0, 0.5], [0, -0.5, 0], [-0.5, 0, 0], [0, 0, 0.5], [0, 0.5, -0.5]])
+    torch.testing.assert_close(centered_returns(r, m, torch.tensor([7, 7, 3, 3, 9])), want)
+    g = torch.Generator().manual_seed(5)
+    r = torch.randn(10, 7, generator=g, dtype=torch.float64)
+    m = torch.rand(10, 7, generator=g) < 0.6
+    m[3] = False
+    groups = torch.randint(0, 4, (10,), generator=g)
+    want = r.clone()
+    for b in range(10):
+        if not m[b].any():
+            continue
+        mates = [k for k in range(10) if groups[k] == groups[b] and m[k].any()]
+        mean = sum(float(r[k][m[k]].sum()) for k in mates) / len(mates)
+        want[b, max(t for t in range(7) if m[b, t])] -= mean
+    torch.testing.assert_close(centered_returns(r, m, groups), want)
 
 
 def _soft_optimal_policy(rewards: dict, prior: torch.Tensor, vocab: int, depth: int) -> dict:
@@ -110,3 +131,8 @@ def test_the_calibrated_learner_backs_up_centered_returns(tiny_model_path):
     assert solved == pytest.approx(2 / 3, abs=0.1) and all(f == pytest.approx(-1 / 3, abs=0.1) for f in failed)
     solved, *failed = results["none"][1]
     assert solved == pytest.approx(1.0, abs=0.1) and all(f == pytest.approx(0.0, abs=0.1) for f in failed)
+    # Per prompt: rows 0 and 1 share one (returns 1, 0: targets 1/2 on 3 actions, -1/2 on 2), row 2
+    # is alone (its own mean: 0 on 3 actions).
+    q = make_q_learner(tiny_model_path, train=train, qlearn={**hp, "reward_baseline": "group_mean"})
+    grouped = q.evaluate(batch.replace(group_ids=torch.tensor([4, 4, 9])))
+    assert grouped["eval/q/target"] == pytest.approx((3 / 2 - 2 / 2) / 8, abs=1e-5)
