@@ -120,7 +120,9 @@ class RunContext:
         self.cfg = cfg
         self.t_start = time.time()
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-        self.dir = Path(run_dir) if run_dir else Path(cfg.run.output_dir) / f"{cfg.run.name}-{stamp}"
+        # Absolute: Ray Train's workers run in a folder of their own, so a relative path (a
+        # checkpoint to resume from, say) would name nothing there.
+        self.dir = (Path(run_dir) if run_dir else Path(cfg.run.output_dir) / f"{cfg.run.name}-{stamp}").absolute()
         self.resume_from: Path | None = None
         self.run_state: dict[str, Any] = {"step": 0, "sampler": {"consumed": 0}, "version": 0}
         if resume:

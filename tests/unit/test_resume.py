@@ -156,6 +156,26 @@ def test_resume_needs_a_complete_checkpoint(tmp_path):
     assert latest_checkpoint(tmp_path / "run") is None  # a crash mid-save is not resumed from
 
 
+def test_a_run_directory_named_relative_to_the_working_folder_resumes_from_an_absolute_checkpoint(tmp_path, monkeypatch):
+    """`rayrlhf train --resume runs/x`: the learners (Ray Train workers, in a folder of their own)
+    load the checkpoint, so the run context hands them an absolute path."""
+    import json
+    import random
+
+    from cluster.config_loading import load_config
+    from cluster.run_context import RUN_STATE_FILE
+
+    state = tmp_path / "runs" / "x" / "checkpoints" / "step_00002" / "trainer_state"
+    state.mkdir(parents=True)
+    rng = random.getstate()
+    (state / RUN_STATE_FILE).write_text(json.dumps({"step": 2, "sampler": {"consumed": 8}, "version": 2,
+                                                    "python_rng": [rng[0], list(rng[1]), rng[2]]}))
+    monkeypatch.chdir(tmp_path)
+    ctx = RunContext(load_config(overrides=["run.steps=4"]), "runs/x", resume=True)
+    assert ctx.dir == tmp_path / "runs" / "x"
+    assert ctx.resume_from == state.parent and ctx.resume_from.is_absolute()
+
+
 def test_registry_finds_the_ppo_learner():
     from learners.ppo import PPOLearner
 
