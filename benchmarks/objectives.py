@@ -4,9 +4,10 @@ dynamic sampling with refill, overlong shaping), each from the same start with t
 prompts and steps; held-out greedy accuracy on 128 prompts as the preset reports it, train reward,
 response length and median step time. ``--critic`` adds PPO with the shared value head vs a
 separate critic on the ``make train`` preset (configs/ppo_smollm2.yaml); ``--qlearn`` online
-token-level Q-learning (configs/qlearn_smollm2.yaml) with Q as the raw logits vs calibrated to the
-initial model's log-probabilities (``qlearn.calibration=reference``): the sampled policy's
-reward and response length per step.
+token-level Q-learning (configs/qlearn_smollm2.yaml) with Q as the raw logits (the earlier preset),
+calibrated to the initial model (``qlearn.calibration=reference``) and calibrated with each
+prompt's mean return taken off (``qlearn.reward_baseline=group_mean``, the preset): the sampled
+policy's reward and response length per step.
 
     .venv/bin/python benchmarks/objectives.py [--steps 20] [--critic] [--qlearn] [--out docs/results/objectives.json]
 
@@ -35,11 +36,15 @@ OBJECTIVES = {
              "ppo.overlong_buffer=12", "ppo.overlong_penalty=1.0"],
 }
 CRITICS = {"shared": [], "separate": ["ppo.critic=separate"]}
-# Calibrated Q needs the reference in the learners and the shift-invariant CQL term (the floor
-# term would lift tokens that sit far below 0 on the log-probability scale).
-CALIBRATED = ["qlearn.calibration=reference", "qlearn.conservative=logsumexp", "train.reference=learners"]
-# reward_scale is the inverse KL coefficient of calibrated Q: 5 keeps the policy nearer the prior than 20.
-QLEARN = {"raw": [], "calibrated": CALIBRATED, "calibrated_scale5": CALIBRATED + ["qlearn.reward_scale=5"]}
+# The Q-learning preset is calibrated, centered Q; "raw" is the earlier preset (the logits as Q,
+# the floor term, one-step backups, lr 2e-6, a 1024-sequence buffer); "calibrated" and
+# "calibrated_scale5" are the first calibrated trials (soft one-step backups, no centering).
+RAW = ["qlearn.calibration=none", "qlearn.conservative=floor", "train.reference=actor", "train.lr=2e-6",
+       "qlearn.n_step=1", "qlearn.reward_baseline=none", "qlearn.buffer_capacity=1024"]
+CALIBRATED = ["qlearn.calibration=reference", "qlearn.conservative=logsumexp", "train.reference=learners",
+              "train.lr=2e-6", "qlearn.n_step=1", "qlearn.reward_baseline=none", "qlearn.buffer_capacity=1024"]
+QLEARN = {"raw": RAW, "calibrated": CALIBRATED, "calibrated_scale5": CALIBRATED + ["qlearn.reward_scale=5"],
+          "centered": []}
 
 
 def main() -> None:
