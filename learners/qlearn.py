@@ -355,12 +355,12 @@ class QLearner(PolicyLearner):
         batch = self._with_reference(self.on_device(batch))
         mask, rewards, done = self.episodes(batch)
         n = max(int(mask.sum()), 1)
-        ref = self._calibration(batch, mask)
+        ref, backups = self._calibration(batch, mask), self.backup_rewards(rewards, mask, batch.group_ids)
         self.model.eval()
         totals = torch.zeros(len(_SUMS), dtype=torch.float64, device=self.device)
         mine = torch.arange(batch.batch_size, device=self.device)[self.comm.rank :: self.comm.world]
         for micro in self.rank_passes(torch.split(mine, self.tr.micro_batch_size), grad=False):
-            totals += self._micro(batch, micro, mask, self.backup_rewards(rewards, mask, batch.group_ids), done, n, grad=False, ref=ref)
+            totals += self._micro(batch, micro, mask, backups, done, n, grad=False, ref=ref)
         summed = self.comm.all_reduce_sum(totals)
         return {f"eval/{k}": float(v) / n for k, v in zip(_SUMS, summed)} | {"eval/tokens": float(mask.sum())}
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from learners.advantages import token_rewards_from_scores
+
 
 def overlong_penalty(lengths: Tensor, max_tokens: int, buffer: int, penalty: float = 1.0) -> Tensor:
     """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13): 0 up to ``max_tokens - buffer``
@@ -57,7 +59,4 @@ def centered_returns(rewards: Tensor, mask: Tensor, group_ids: Tensor | None = N
         n.index_add_(0, inverse, rows.to(out.dtype))
         total.index_add_(0, inverse, torch.where(rows, returns, torch.zeros_like(returns)))
         means = (total / n.clamp(min=1))[inverse]
-    last = (valid.shape[1] - 1 - torch.argmax(valid.flip(1).long(), dim=1)).clamp(min=0)
-    idx = torch.nonzero(rows).squeeze(1)
-    out[idx, last[idx]] -= means[idx]
-    return out
+    return out - token_rewards_from_scores(means, valid)
