@@ -26,10 +26,13 @@ def _mix(seed: int, step: int) -> int:
 
 
 class ReplayBuffer:
-    def __init__(self, capacity: int, seed: int = 0) -> None:
+    def __init__(self, capacity: int, seed: int = 0, whole_groups: bool = False) -> None:
+        """``whole_groups``: a sample is whole groups of rows (one prompt's samples, by
+        ``group_id``) rather than single rows, for a per-group baseline (``qlearn.reward_baseline
+        = group_mean``) that must see every sample of a prompt."""
         if capacity < 1:
             raise ValueError(f"replay buffer capacity must be >= 1, got {capacity}")
-        self.capacity, self.seed = capacity, seed
+        self.capacity, self.seed, self.whole_groups = capacity, seed, whole_groups
         self._rows: list[Transition] = []
         self.added = self.evicted = 0
 
@@ -48,7 +51,9 @@ class ReplayBuffer:
 
     def sample(self, n: int, step: int) -> list[Transition]:
         """``n`` rows drawn uniformly, without replacement when ``n <= len(self)`` and with
-        replacement otherwise; the same (contents, seed, step) always gives the same rows."""
+        replacement otherwise; with ``whole_groups``, the rows of randomly ordered groups, as many
+        as fit in ``n`` rows (at least one group), none twice. The same (contents, seed, step)
+        always gives the same rows."""
         return [self._rows[i] for i in self.sample_indices(n, step)]
 
     def sample_indices(self, n: int, step: int) -> list[int]:
@@ -58,10 +63,27 @@ class ReplayBuffer:
         if n < 0:
             raise ValueError(f"sample size must be >= 0, got {n}")
         g = torch.Generator().manual_seed(_mix(self.seed, step))
+        if self.whole_groups:
+            return self._whole_groups(n, g)
         size = len(self._rows)
         if n <= size:
             return torch.randperm(size, generator=g)[:n].tolist()
         return torch.randint(size, (n,), generator=g).tolist()
+
+    def _whole_groups(self, n: int, g: torch.Generator) -> list[int]:
+        """Every row of randomly ordered groups (``group_id``), as many groups as fit in ``n``
+        rows (at least one), each at most once: a baseline per group sees all of its rows."""
+        if not n:
+            return []
+        groups: dict[int, list[int]] = {}
+        for i, t in enumerate(self._rows):
+            groups.setdefault(t.group_id, []).append(i)
+        members = list(groups.values())
+        picked: list[int] = []
+        for k in torch.randperm(len(members), generator=g).tolist():
+            if not picked or len(picked) + len(members[k]) <= n:
+                picked += members[k]
+        return picked
 
     def stats(self) -> dict[str, Any]:
         """Size and traffic counters, and the mean behaviour version of the stored rows (compare

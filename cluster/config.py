@@ -637,7 +637,7 @@ class QLearnConfig(Section):
     reward_baseline: Literal["none", "batch_mean", "group_mean"] = _f(
         "none", "A mean return taken off each sequence's terminal reward before the backups (reward centering): "
         "batch_mean, the global batch's; group_mean, that of the batch's sequences of the same prompt (GRPO's group "
-        "baseline: a prompt whose sequences are all in the batch only when buffer_capacity <= batch_sequences). For "
+        "baseline; the replay buffer then samples whole prompts, as many as fit in batch_sequences). For "
         "undiscounted episodes the optimal policy is unchanged, and failed sequences get targets below 0 instead of "
         "the 0 a calibrated Q starts at, so they lose probability as solved ones gain it.")
     target_decay: float = _f(0.9, "EMA decay of the target network: each update moves it by (1 - decay) of its gap "

@@ -73,8 +73,10 @@ class Roles:
     def start_replay(self, capacity: int, export_dir: str | None) -> Any:
         from cluster.workers import ReplayWorker
 
+        # A per-prompt baseline needs each prompt's samples whole in a batch.
+        whole_groups = self.cfg.qlearn.reward_baseline == "group_mean"
         self.replay = ray.remote(ReplayWorker).options(num_cpus=0).remote(capacity, self.cfg.run.seed, self.pad_id,
-                                                                          export_dir)
+                                                                          export_dir, whole_groups)
         return self.replay
 
     def ready(self, what: str) -> dict:

@@ -279,10 +279,11 @@ class ReplayWorker:
     run refills from); sampled batches leave by reference to the learners. The driver only sees
     counts."""
 
-    def __init__(self, capacity: int, seed: int, pad_token_id: int, export_dir: str | None = None) -> None:
+    def __init__(self, capacity: int, seed: int, pad_token_id: int, export_dir: str | None = None,
+                 whole_groups: bool = False) -> None:
         from actors.replay import ReplayBuffer
 
-        self.buffer = ReplayBuffer(capacity, seed)
+        self.buffer = ReplayBuffer(capacity, seed, whole_groups)
         self.pad_token_id = pad_token_id
         self.export_dir = export_dir
 

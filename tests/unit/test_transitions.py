@@ -1,6 +1,6 @@
 """Offline Q-learning transitions: Experience -> Parquet -> Experience keeps tokens, masks,
 per-token rewards, done and versions; every unusable row is counted by reason; the replay buffer
-evicts FIFO and samples deterministically per (seed, step)."""
+evicts FIFO and samples deterministically per (seed, step), rows or whole groups."""
 
 import math
 
@@ -199,6 +199,44 @@ def test_replay_buffer_sampling_is_deterministic():
     with pytest.raises(ValueError, match="empty replay buffer"):
         ReplayBuffer(capacity=3).sample(1, step=0)
     assert ReplayBuffer(capacity=3).stats()["mean_behaviour_version"] is None
+
+
+def test_replay_buffer_samples_whole_groups_for_a_group_baseline():
+    """whole_groups (qlearn.reward_baseline=group_mean): a batch holds every row of each group it
+    touches, as many groups as fit in n rows (at least one, none twice), deterministically per
+    (seed, step); a buffer larger than the batch no longer splits a prompt's samples."""
+    def filled(seed=0, sizes=(4, 4, 3, 4, 1, 4)):
+        buf = ReplayBuffer(capacity=100, seed=seed, whole_groups=True)
+        buf.add([_t(0, g) for g, k in enumerate(sizes) for _ in range(k)])
+        return buf
+
+    def groups(rows):
+        out = {}
+        for t in rows:
+            out[t.group_id] = out.get(t.group_id, 0) + 1
+        return out
+
+    sizes = dict(enumerate((4, 4, 3, 4, 1, 4)))
+    buf = filled()
+    for step in range(30):
+        rows = buf.sample(9, step)
+        got = groups(rows)
+        assert all(got[g] == sizes[g] for g in got), got  # every touched group whole, once
+        assert len(rows) <= 9
+        assert all(len(rows) + k > 9 for g, k in sizes.items() if g not in got)  # none of the rest fits
+    assert [t.group_id for t in buf.sample(9, 3)] == [t.group_id for t in filled().sample(9, 3)]
+    assert any(groups(buf.sample(9, 3)) != groups(buf.sample(9, s)) for s in range(4, 10))
+    assert len(buf.sample(2, 0)) in (1, 3, 4)  # at least one group, even one larger than n
+    assert groups(buf.sample(100, 0)) == sizes  # n beyond the buffer: every row once, no duplicates
+    assert buf.sample(0, 0) == []
+    with pytest.raises(ValueError, match="empty replay buffer"):
+        ReplayBuffer(capacity=3, whole_groups=True).sample(1, step=0)
+    from cluster.workers import ReplayWorker  # the actor Q-learning samples from passes it on
+
+    worker = ReplayWorker(capacity=100, seed=0, pad_token_id=0, whole_groups=True)
+    worker.add_rows(filled().sample(100, 0))
+    assert worker.sample(9, step=3).group_ids.tolist() == [t.group_id for t in worker.buffer.sample(9, 3)]
+    assert all(groups(worker.buffer.sample(9, s))[g] == sizes[g] for s in range(5) for g in groups(worker.buffer.sample(9, s)))
 
 
 def test_replay_worker_refills_the_exported_steps_up_to_the_checkpoint(tmp_path):
