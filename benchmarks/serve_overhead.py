@@ -15,7 +15,9 @@ Contenders (``--order``, comma-separated, repeated as given): ``bare``; ``policy
 ``rayrlhf serve policy`` starts it: ``serving.common.SERVER_CLUSTER_ENV``); ``default_loop``
 (Serve's control loop at its default 0.1 s); ``export_1s`` (Serve's metrics export every 1 s
 instead of 0.1 s); ``direct`` (Ray Serve's experimental direct ingress, the replica answering
-HTTP on its own port without the proxy hop).
+HTTP on its own port without the proxy hop); ``passive`` and ``bare_passive`` (OpenMP threads that
+sleep at a barrier, ``OMP_WAIT_POLICY=PASSIVE``, instead of spinning for the core another process
+wants); ``spin_short`` (libgomp spins 10,000 rounds before sleeping, ``GOMP_SPINCOUNT``).
 
     .venv/bin/python benchmarks/serve_overhead.py [--order bare,policy,default_loop,...]
 """
@@ -36,13 +38,18 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import serve_throughput as st  # noqa: E402
 
-#: Environment each policy-server contender adds to ``SERVER_CLUSTER_ENV`` before its cluster starts.
-CONTENDERS: dict[str, dict[str, str] | None] = {
-    "bare": None,
-    "policy": {},
-    "default_loop": {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.1"},
-    "export_1s": {"RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000"},
-    "direct": {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"},
+#: Each contender: (the bare vLLM server?, environment added before it starts: for the policy
+#: server on top of ``SERVER_CLUSTER_ENV``, inherited by its cluster's processes and the engine).
+PASSIVE = {"OMP_WAIT_POLICY": "PASSIVE"}  # OpenMP threads sleep at a barrier instead of spinning
+CONTENDERS: dict[str, tuple[bool, dict[str, str]]] = {
+    "bare": (True, {}),
+    "policy": (False, {}),
+    "default_loop": (False, {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.1"}),
+    "export_1s": (False, {"RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000"}),
+    "direct": (False, {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"}),
+    "passive": (False, PASSIVE),
+    "bare_passive": (True, PASSIVE),
+    "spin_short": (False, {"GOMP_SPINCOUNT": "10000"}),
 }
 #: Where a direct-ingress replica listens (Ray's default range starts at 30000).
 DIRECT_PORTS = range(30000, 30010)
@@ -88,12 +95,12 @@ def policy_url() -> str:
 
 
 def one_round(name: str, model: str, texts: list[str], args: argparse.Namespace) -> dict:
-    env, saved = CONTENDERS[name], dict(os.environ)
-    os.environ.update(env or {})
+    (bare, env), saved = CONTENDERS[name], dict(os.environ)
+    os.environ.update(env)
     try:
-        with st.server(env is None, model, args, 18001 if env is None else 18002):
-            st.wait_up("http://127.0.0.1:18001" if env is None else "http://127.0.0.1:18002")
-            url = "http://127.0.0.1:18001" if env is None else policy_url()
+        with st.server(bare, model, args, 18001 if bare else 18002):
+            st.wait_up("http://127.0.0.1:18001" if bare else "http://127.0.0.1:18002")
+            url = "http://127.0.0.1:18001" if bare else policy_url()
             asyncio.run(st.load(url, "policy", texts[:32], 32, args.max_tokens))
             time.sleep(3)  # start-up's stragglers (the engine's first metrics, Serve's telemetry actor)
             before = cpu_seconds()

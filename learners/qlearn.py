@@ -211,16 +211,19 @@ class QLearner(PolicyLearner):
                                  temperature=self.temperature)
         return batch.replace(ref_logprobs=ref)
 
-    def _calibration(self, batch: Experience, mask: torch.Tensor) -> dict[str, torch.Tensor] | None:
+    def _calibration(self, batch: Experience, mask: torch.Tensor, rows: torch.Tensor) -> dict[str, torch.Tensor] | None:
         """``calibration=reference``: the frozen initial model's logit of each action
         (``taken``) and log-normaliser of every state the backups and statistics read
         (``logsumexp``: the state of each action, p = t - 1, and each bootstrap state, p = t);
-        None uncalibrated."""
+        None uncalibrated. Computed for ``rows`` only (the rows this rank trains on; 0 elsewhere),
+        so N ranks share the reference passes instead of each running them all."""
         if self.hp.calibration == "none":
             return None
         before = torch.cat([mask[:, 1:], torch.zeros_like(mask[:, :1])], dim=1)
         states = before | bootstrap_positions(mask)
-        return self.base_logit_terms(batch.input_ids, batch.attention_mask, states, mask)
+        terms = self.base_logit_terms(batch.input_ids[rows], batch.attention_mask[rows], states[rows], mask[rows])
+        return {k: torch.zeros((batch.batch_size, *v.shape[1:]), dtype=v.dtype, device=v.device).index_copy_(0, rows, v)
+                for k, v in terms.items()}
 
     # -- the update ------------------------------------------------------------------------------
     def _targets(self, part: Experience, r: torch.Tensor, done: torch.Tensor, after: torch.Tensor
@@ -310,13 +313,15 @@ class QLearner(PolicyLearner):
         if not bool(mask.any()):
             return {"learner/empty_batch": 1.0, "learner/sequences": float(batch.batch_size)}
         batch = self._with_reference(batch)
-        ref, backups = self._calibration(batch, mask), self.backup_rewards(rewards, mask, batch.group_ids)
+        plan = list(self.global_minibatches(torch.arange(batch.batch_size, device=self.device)))
+        mine_all = torch.unique(torch.cat([mine for _, mine in plan]))
+        ref, backups = self._calibration(batch, mask, mine_all), self.backup_rewards(rewards, mask, batch.group_ids)
         self.model.train()
         self.model.rows_shared = self.model.rows_total = 0
         totals = torch.zeros(len(_SUMS), dtype=torch.float64, device=self.device)
         grad_norms: list[float] = []
         actions = 0
-        for mini, mine in self.global_minibatches(torch.arange(batch.batch_size, device=self.device)):
+        for mini, mine in plan:
             n_actions = max(int(mask[mini].sum()), 1)
             actions += n_actions
             self.optimizer.zero_grad(set_to_none=True)
@@ -355,10 +360,10 @@ class QLearner(PolicyLearner):
         batch = self._with_reference(self.on_device(batch))
         mask, rewards, done = self.episodes(batch)
         n = max(int(mask.sum()), 1)
-        ref, backups = self._calibration(batch, mask), self.backup_rewards(rewards, mask, batch.group_ids)
+        mine = torch.arange(batch.batch_size, device=self.device)[self.comm.rank :: self.comm.world]
+        ref, backups = self._calibration(batch, mask, mine), self.backup_rewards(rewards, mask, batch.group_ids)
         self.model.eval()
         totals = torch.zeros(len(_SUMS), dtype=torch.float64, device=self.device)
-        mine = torch.arange(batch.batch_size, device=self.device)[self.comm.rank :: self.comm.world]
         for micro in self.rank_passes(torch.split(mine, self.tr.micro_batch_size), grad=False):
             totals += self._micro(batch, micro, mask, backups, done, n, grad=False, ref=ref)
         summed = self.comm.all_reduce_sum(totals)

@@ -103,13 +103,18 @@ def test_two_learners_take_the_one_learner_calibrated_step(tiny_model_path):
     hp = {**CALIBRATED, "n_step": 2}
     g1, m1 = step_with_grads(make_q_learner(tiny_model_path, qlearn=hp, train={**OWN_REFERENCE, "micro_batch_size": 8}), batch)
     learners = [make_q_learner(tiny_model_path, qlearn=hp, train={**OWN_REFERENCE, "micro_batch_size": 1}) for _ in range(2)]
-    for learner in learners:  # loaded here: two threads in from_pretrained at once share its meta-device context
+    seen: list[list[int]] = [[], []]  # rows of each rank's reference passes
+    for rank, learner in enumerate(learners):  # loaded here: two threads in from_pretrained at once share its meta-device context
         learner._frozen_reference()
+        terms = learner.base_logit_terms
+        learner.base_logit_terms = lambda ids, *a, _t=terms, _s=seen[rank]: _s.append(ids.shape[0]) or _t(ids, *a)
     for g, m in run_ranks(2, lambda rank, comm: step_with_grads(learners[rank], batch, comm)):
         torch.testing.assert_close(g["g"], g1["g"], atol=2e-6, rtol=1e-4)
         for key in ("loss/td", "loss/conservative", "q/taken", "q/target"):
             assert m[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-7), key
     assert g1["g"].abs().sum() > 0
+    # Each rank ran the reference over its own rows only: together, the batch once.
+    assert all(seen) and sum(n for rank in seen for n in rank) == batch.batch_size
 
 
 def test_the_config_refuses_calibration_it_cannot_run():
