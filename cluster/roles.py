@@ -70,11 +70,9 @@ class Roles:
         learners = self.learners
         self.rollout.weights_source = lambda: learners.current_weights()["weights"][0]
 
-    def start_replay(self, capacity: int, export_dir: str | None) -> Any:
+    def start_replay(self, capacity: int, export_dir: str | None, whole_groups: bool = False) -> Any:
         from cluster.workers import ReplayWorker
 
-        # A per-prompt baseline needs each prompt's samples whole in a batch.
-        whole_groups = self.cfg.qlearn.reward_baseline == "group_mean"
         self.replay = ray.remote(ReplayWorker).options(num_cpus=0).remote(capacity, self.cfg.run.seed, self.pad_id,
                                                                           export_dir, whole_groups)
         return self.replay

@@ -146,7 +146,7 @@ class OnlineSteps(QSteps):
                                                              ctx.run_state["sampler"]))
         self.train_set, self.ledger = train_set, roles.ledger
         export_dir = str(ctx.dir / "data" / "transitions")
-        replay = roles.start_replay(cfg.qlearn.buffer_capacity, export_dir)
+        replay = roles.start_replay(cfg.qlearn.buffer_capacity, export_dir, whole_prompts(cfg))
         self.source = f"online, acting {cfg.qlearn.acting}"
         if roles.resume:
             filled = ray.get(replay.refill.remote(export_dir, ctx.start_step))
@@ -201,7 +201,7 @@ class OfflineSteps(QSteps):
     def __init__(self, ctx: RunContext, roles: Roles, transitions: dict, eval_set: Any) -> None:
         # The offline loop consumes no prompts; the sampler only carries the checkpoint format.
         super().__init__(ctx, roles, eval_set, PromptSampler(1, 1, ctx.cfg.run.seed, **ctx.run_state["sampler"]))
-        replay = roles.start_replay(max(len(transitions["train"]), 1), None)
+        replay = roles.start_replay(max(len(transitions["train"]), 1), None, whole_prompts(ctx.cfg))
         ray.get(replay.add_rows.remote(transitions["train"]))
         held = transitions["held_out"]
         if held:  # reference log-probs once (the KL anchor's term is part of the held-out loss)
@@ -225,6 +225,11 @@ class OfflineSteps(QSteps):
                **self.roles.record_restarts(step)}
         return StepOutcome(row, saved=result.get("saved"), version=result["version"],
                            weights=result["weights"][0] if eval_now else None)
+
+
+def whole_prompts(cfg: Config) -> bool:
+    """Whether the replay samples whole prompts: a per-prompt baseline sees each prompt's samples."""
+    return cfg.qlearn.reward_baseline == "group_mean"
 
 
 def _replay_metrics(added: dict, stats: dict) -> dict[str, float]:

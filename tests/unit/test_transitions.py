@@ -274,3 +274,11 @@ def test_offline_split_holds_out_whole_prompts():
     assert len(held) == 8 and len(train) == 32  # two whole prompts
     assert not {t.group_id for t in train} & {t.group_id for t in held}
     assert split_by_group(rows, 6, seed=0)[1] == held  # seeded
+
+
+def test_the_q_recipe_samples_whole_prompts_exactly_for_a_per_prompt_baseline():
+    from cluster.config import Config
+    from cluster.recipes.qlearn import whole_prompts
+
+    assert whole_prompts(Config.model_validate({"qlearn": {"reward_baseline": "group_mean"}}))
+    assert not any(whole_prompts(Config.model_validate({"qlearn": {"reward_baseline": b}})) for b in ("none", "batch_mean"))
