@@ -31,6 +31,7 @@ class EngineLoop:
         # would let it take the lock back at once, step after step).
         self._waiting = 0
         self._count = threading.Lock()
+        self.closed = False
 
     @property
     def generating(self) -> bool:
@@ -122,6 +123,12 @@ class EngineLoop:
                     self._handed.popleft().fail(e)
             raise
 
+    def close(self, shutdown: Callable[[], Any]) -> None:
+        """Runs ``shutdown`` (the engine's) between two steps, once; every later turn is an error."""
+        with self.turn():
+            self.closed = True
+            shutdown()
+
     @contextmanager
     def turn(self):
         """The engine lock, taken between two steps of a running loop."""
@@ -133,6 +140,8 @@ class EngineLoop:
             with self._count:
                 self._waiting -= 1
         try:
+            if self.closed:
+                raise RuntimeError("this vLLM engine was closed (Generator.close); build a new Generator")
             yield
         finally:
             self._engine.release()

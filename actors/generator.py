@@ -208,6 +208,17 @@ class Generator:
         log.info("vLLM engine ready in %.1fs (%s, %s, %s)", self.startup_s, model_path, dtype,
                  "compiled" if compile else "eager")
 
+    def close(self) -> None:
+        """Shuts the engine down now (idempotent): its memory and vLLM's parallel state go with it.
+
+        vLLM keeps one parallel state per process, which a new engine reuses and an engine's
+        shutdown tears down. An engine merely dropped shuts down whenever the garbage collector
+        reaches it, possibly under an engine built since (which then fails: 'pipeline model
+        parallel group is not initialized'): in a process that builds engines one after another
+        (a notebook, a test module), close each before building the next."""
+        if not self.loop.closed:
+            self.loop.close(self.llm.llm_engine.engine_core.shutdown)
+
     @classmethod
     def from_config(cls, cfg: GeneratorConfig) -> "Generator":
         episode = cfg.episode_limits.max_tokens if cfg.episode_limits is not None else 0

@@ -21,7 +21,9 @@ from tests.helpers import agents
 def generator(tiny_model_path):
     from actors.generator import Generator
 
-    return Generator(tiny_model_path, dtype="float32", max_model_len=256, seed=0)
+    gen = Generator(tiny_model_path, dtype="float32", max_model_len=256, seed=0)
+    yield gen
+    gen.close()  # before the next module builds its engine (Generator.close)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,9 @@ import torch
 def generator(tiny_model_path):
     from actors.generator import Generator
 
-    return Generator(tiny_model_path, dtype="float32", max_model_len=96, seed=0)
+    gen = Generator(tiny_model_path, dtype="float32", max_model_len=96, seed=0)
+    yield gen
+    gen.close()  # before the next module builds its engine (Generator.close)
 
 
 def test_generate_builds_a_valid_record_and_counts_skips(generator):
