@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from actors.transitions import Transition
+from learners.experience import rows_by_group
 
 
 def _mix(seed: int, step: int) -> int:
@@ -75,10 +76,7 @@ class ReplayBuffer:
         rows (at least one), each at most once: a baseline per group sees all of its rows."""
         if not n:
             return []
-        groups: dict[int, list[int]] = {}
-        for i, t in enumerate(self._rows):
-            groups.setdefault(t.group_id, []).append(i)
-        members = list(groups.values())
+        members = rows_by_group(t.group_id for t in self._rows)
         picked: list[int] = []
         for k in torch.randperm(len(members), generator=g).tolist():
             if not picked or len(picked) + len(members[k]) <= n:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -23,6 +23,15 @@ _TOKEN_FIELDS = ("rollout_logprobs", "ref_logprobs", "values", "token_rewards", 
 
 class ExperienceError(ValueError):
     """An experience record whose fields do not fit together."""
+
+
+def rows_by_group(group_ids: Iterable[int]) -> list[list[int]]:
+    """The row indices of each group (all samples of one prompt), groups in order of first
+    appearance, rows in order: ``[7, 3, 7, 5, 3] -> [[0, 2], [1, 4], [3]]``."""
+    groups: dict[int, list[int]] = {}
+    for i, g in enumerate(group_ids):
+        groups.setdefault(int(g), []).append(i)
+    return list(groups.values())
 
 
 @dataclass
@@ -193,10 +202,8 @@ class Experience:
         and counts across ranks, see ``learners/distributed.py``)."""
         if world == 1:
             return list(range(self.batch_size))
-        groups: dict[int, list[int]] = {}
-        for i, g in enumerate(self.group_ids.tolist()):
-            groups.setdefault(g, []).append(i)
-        return [i for k, members in enumerate(groups.values()) if k % world == rank for i in members]
+        groups = rows_by_group(self.group_ids.tolist())
+        return [i for k, members in enumerate(groups) if k % world == rank for i in members]
 
     def fields(self) -> dict[str, Any]:
         """Every field by name (what ``Experience(**fields)`` rebuilds, e.g. after ``torch.save``)."""

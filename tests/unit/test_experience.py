@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from learners.experience import Experience, ExperienceError
+from learners.experience import Experience, ExperienceError, rows_by_group
 
 
 def make(b=2, length=5, resp_start=2, nresp=(3, 2)):
@@ -59,6 +59,11 @@ def test_select_and_concat_keep_rows_aligned():
     sub = both.select([2, 0])
     assert sub.completions == ["c0", "c0"] and sub.input_ids.shape == (2, 8)
     assert torch.equal(sub.input_ids[1, :5], a.input_ids[0])
+
+
+def test_rows_by_group_keeps_first_appearance_order():
+    assert rows_by_group([7, 3, 7, 5, 3]) == [[0, 2], [1, 4], [3]]
+    assert rows_by_group(torch.tensor([2, 2]).tolist()) == [[0, 1]] and rows_by_group([]) == []
 
 
 def test_shard_rows_deal_whole_groups_round_robin_without_padding():
