@@ -75,6 +75,10 @@ class RunConfig(Section):
     steps: int = _f(20, "Number of iterations (for ppo: generate, score, reference, learn, sync).", ge=1)
     eval_every: int = _f(10, "Evaluate greedy accuracy on the held-out split every K steps and after the last (0: never).", ge=0)
     eval_before_train: bool = _f(True, "With eval_every > 0, also evaluate the starting policy once before step 1 (logged as step 0; not on resume).")
+    eval_sampled: bool = _f(False, "Each evaluation also samples rollout.samples_per_prompt replies per held-out prompt at "
+                            "rollout.temperature (the same seed every time) and logs their mean reward and accuracy "
+                            "(eval/sampled_reward, eval/sampled_accuracy): what the sampled policy earns on prompts it "
+                            "never trains on, beside the greedy accuracy.")
     save_every: int = _f(0, "Save a resumable checkpoint every K steps (0: only at the end).", ge=0)
     keep_last: int = _f(3, "Periodic checkpoints kept (older ones are deleted; 0: keep all).", ge=0)
     save_final: bool = _f(True, "Save a checkpoint at the end of the run.")

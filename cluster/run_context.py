@@ -376,18 +376,37 @@ class RunContext:
         return RunResult(self.dir, self.runlog.rows, self.final_checkpoint, seconds)
 
 
-def greedy_accuracy(rollout: Any, rows: list[dict]) -> dict[str, float]:
-    """Greedy accuracy on held-out prompts (score >= 1 counts as solved)."""
+def greedy_accuracy(rollout: Any, rows: list[dict], sampled_seed: int | None = None) -> dict[str, float]:
+    """Greedy accuracy on held-out prompts (score >= 1 counts as solved); with ``sampled_seed``,
+    also the mean reward and accuracy of the rollout's samples (``rollout.samples_per_prompt``
+    per prompt at its temperature, seeded: every evaluation draws the same random numbers, so
+    two evaluations differ by the policy, not by the draw)."""
     if not rows:
         return {}
-    exp_refs, _ = rollout.generate_checked(rows, list(range(len(rows))), greedy=True)
+    ids = list(range(len(rows)))
+    scores = _scores(rollout, rollout.generate_checked(rows, ids, greedy=True)[0])
+    row = {"eval/accuracy": _solved(scores), "eval/mean_score": sum(scores) / max(len(scores), 1),
+           "eval/n": float(len(scores))}
+    if sampled_seed is not None:
+        sampled = _scores(rollout, rollout.generate_checked(rows, ids, seed=sampled_seed)[0])
+        row.update({"eval/sampled_reward": sum(sampled) / max(len(sampled), 1),
+                    "eval/sampled_accuracy": _solved(sampled), "eval/sampled_n": float(len(sampled))})
+    return row
+
+
+def eval_seed(cfg: Config) -> int | None:
+    """The seed of ``greedy_accuracy``'s sampled evaluation (``run.eval_sampled``): step 0's, which
+    no training step samples with."""
+    return sampling_seed(cfg.run.seed, 0) if cfg.run.eval_sampled else None
+
+
+def _scores(rollout: Any, exp_refs: list) -> list[float]:
     _, score_stats = rollout.score_checked(exp_refs)
-    scores = [x for s in score_stats for x in s["scores"]]
-    return {
-        "eval/accuracy": sum(1.0 for x in scores if x >= 1.0) / max(len(scores), 1),
-        "eval/mean_score": sum(scores) / max(len(scores), 1),
-        "eval/n": float(len(scores)),
-    }
+    return [x for s in score_stats for x in s["scores"]]
+
+
+def _solved(scores: list[float]) -> float:
+    return sum(1.0 for x in scores if x >= 1.0) / max(len(scores), 1)
 
 
 def job_runtime_env(env_vars: dict[str, str], lighter_gc: bool = True) -> dict[str, Any]:

@@ -86,12 +86,14 @@ def test_offline_q_learning_on_transitions_a_ppo_run_exported(ray_cluster, tiny_
     exported, _ = read_transitions(folder)
     cfg = load_config(ROOT / "configs" / "qlearn_tiny.yaml", [
         f"data.transition_file={folder}", "run.steps=6", "run.eval_every=3", "qlearn.batch_sequences=32",
-        "qlearn.eval_transitions=16", "qlearn.kl_coef=0.01", "run.save_every=3"])
+        "qlearn.eval_transitions=16", "qlearn.kl_coef=0.01", "run.save_every=3", "run.eval_sampled=true"])
     train(cfg, run_dir=tmp_path / "offline")
     # Stopped after step 3 and resumed: the same replay batches, TD losses and weights.
     stopped = crashed_copy(tmp_path / "offline", 3, tmp_path / "stopped")
     assert cli.main(["train", "--resume", str(stopped)]) == 0
-    assert_same_run(stopped, tmp_path / "offline", ("loss/td", "eval/loss/td"), None, "step_00006")
+    # The sampled evaluation is seeded: the resumed run's equals the uninterrupted one's.
+    assert_same_run(stopped, tmp_path / "offline", ("loss/td", "eval/loss/td", "eval/sampled_reward"), None,
+                    "step_00006")
     # The ledger of its units, replay draws of transitions: every draw trained once, and the
     # resumed run drew the same transitions at each step as the uninterrupted one.
     drawn = {}
@@ -111,6 +113,8 @@ def test_offline_q_learning_on_transitions_a_ppo_run_exported(ray_cluster, tiny_
     assert rows[0]["data/transitions"] == train_rows == 96 - 16
     assert 0.0 <= rows[0]["data/behaviour_mean_reward"] <= 1.0
     assert all(0.0 <= r["eval/mean_score"] <= 1.0 and r["eval/n"] == 16 for r in evals)
+    assert all(r["eval/sampled_n"] == 16 * cfg.rollout.samples_per_prompt for r in evals)
+    assert all(0.0 <= r["eval/sampled_accuracy"] <= 1.0 and 0.0 <= r["eval/sampled_reward"] <= 1.0 for r in evals)
     assert all("eval/loss/td" in r for r in evals)
     trained = rows[1:]
     assert all(r["skipped_at_load"] == {"length_mismatch": 1, "nan_reward": 1, "empty_response": 1} for r in trained)
