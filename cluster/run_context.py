@@ -376,11 +376,11 @@ class RunContext:
         return RunResult(self.dir, self.runlog.rows, self.final_checkpoint, seconds)
 
 
-def greedy_accuracy(rollout: Any, rows: list[dict], sampled_seed: int | None = None) -> dict[str, float]:
-    """Greedy accuracy on held-out prompts (score >= 1 counts as solved); with ``sampled_seed``,
-    also the mean reward and accuracy of the rollout's samples (``rollout.samples_per_prompt``
-    per prompt at its temperature, seeded: every evaluation draws the same random numbers, so
-    two evaluations differ by the policy, not by the draw)."""
+def held_out_eval(rollout: Any, rows: list[dict], sampled_seed: int | None = None) -> dict[str, float]:
+    """The policy on held-out prompts: greedy accuracy (score >= 1 counts as solved); with
+    ``sampled_seed``, also the mean reward and accuracy of the rollout's samples
+    (``rollout.samples_per_prompt`` per prompt at its temperature, seeded: every evaluation draws
+    the same random numbers, so two evaluations differ by the policy, not by the draw)."""
     if not rows:
         return {}
     ids = list(range(len(rows)))
@@ -395,7 +395,7 @@ def greedy_accuracy(rollout: Any, rows: list[dict], sampled_seed: int | None = N
 
 
 def eval_seed(cfg: Config) -> int | None:
-    """The seed of ``greedy_accuracy``'s sampled evaluation (``run.eval_sampled``): step 0's, which
+    """The seed of ``held_out_eval``'s sampled evaluation (``run.eval_sampled``): step 0's, which
     no training step samples with."""
     return sampling_seed(cfg.run.seed, 0) if cfg.run.eval_sampled else None
 

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import ray
 
 from cluster.roles import Roles
-from cluster.run_context import PromptSampler, RunContext, eval_seed, greedy_accuracy
+from cluster.run_context import PromptSampler, RunContext, eval_seed, held_out_eval
 from cluster.step_loop import StepOutcome
 from learners.experience import Experience
 
@@ -66,7 +66,8 @@ class FixedDataSteps:
         if self.rollout is not None and data.eval_prompts:
             if weights is not None:
                 self.rollout.sync_weights(weights)
-            row.update(greedy_accuracy(self.rollout, data.eval_prompts, eval_seed(self.ctx.cfg)))  # eval/accuracy: the task's, greedy
+            # eval/accuracy: the task's, greedy
+            row.update(held_out_eval(self.rollout, data.eval_prompts, eval_seed(self.ctx.cfg)))
         return row
 
     def step(self, step: int) -> StepOutcome:

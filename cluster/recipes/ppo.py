@@ -38,7 +38,7 @@ from cluster.ledger import issue_records, outcome_records
 from cluster.metrics import step_metrics
 from cluster.recipes.dynamic_sampling import Refill, informative_uids, select_groups
 from cluster.roles import Roles
-from cluster.run_context import RunContext, RunResult, eval_seed, greedy_accuracy, sampling_seed
+from cluster.run_context import RunContext, RunResult, eval_seed, held_out_eval, sampling_seed
 from cluster.streaming_data import make_sampler
 from cluster.step_loop import StepOutcome, run_steps
 from cluster.transports import make_transport
@@ -133,7 +133,7 @@ class PPOSteps:
             self._restore_ahead(Path(roles.resume) / "trainer_state" / AHEAD_FILE)
 
     def evaluate(self, step: int, weights: Any) -> dict[str, float]:
-        return greedy_accuracy(self.rollout, self.eval_set.rows, eval_seed(self.cfg))  # the generators hold the current weights
+        return held_out_eval(self.rollout, self.eval_set.rows, eval_seed(self.cfg))  # the generators hold the current weights
 
     def position(self) -> "SamplerPosition":
         return self._position  # the prompts of batches started ahead are not in it

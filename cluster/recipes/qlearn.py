@@ -36,7 +36,7 @@ from cluster.data_sources import load_task_prompts
 from cluster.ledger import issue_records, outcome_records
 from cluster.metrics import step_metrics
 from cluster.roles import Roles
-from cluster.run_context import PromptSampler, RunContext, RunResult, eval_seed, greedy_accuracy, sampling_seed
+from cluster.run_context import PromptSampler, RunContext, RunResult, eval_seed, held_out_eval, sampling_seed
 from cluster.streaming_data import make_sampler
 from cluster.step_loop import StepOutcome, run_steps
 
@@ -127,7 +127,7 @@ class QSteps:
             row.update(self.learners.evaluate(step, [self.held_ref]))
         if weights is not None:
             self.rollout.sync_weights(weights)
-        row.update(greedy_accuracy(self.rollout, self.eval_set.rows, eval_seed(self.cfg)))
+        row.update(held_out_eval(self.rollout, self.eval_set.rows, eval_seed(self.cfg)))
         return row
 
     def learn(self, step: int, sync: bool) -> tuple[dict, dict]:

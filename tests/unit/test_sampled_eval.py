@@ -7,7 +7,7 @@ records what it was asked and scores each reply as a fixed function of (prompt, 
 import pytest
 
 from cluster.config import Config
-from cluster.run_context import eval_seed, greedy_accuracy, sampling_seed
+from cluster.run_context import eval_seed, held_out_eval, sampling_seed
 
 
 class Rollout:
@@ -36,7 +36,7 @@ class Rollout:
 
 def test_sampled_evaluation_scores_every_sample_with_the_fixed_seed():
     rollout, rows = Rollout(), [{"x": x} for x in range(6)]
-    row = greedy_accuracy(rollout, rows, sampled_seed=77)
+    row = held_out_eval(rollout, rows, sampled_seed=77)
     assert rollout.calls == [(True, None), (False, 77)]
     assert row["eval/accuracy"] == pytest.approx(3 / 6) and row["eval/n"] == 6
     # 12 samples, solved where (x + k) % 3 == 0: (0,0) (2,1) (3,0) (5,1)
@@ -48,7 +48,7 @@ def test_sampled_evaluation_scores_every_sample_with_the_fixed_seed():
 
 def test_without_the_option_only_greedy_runs():
     rollout = Rollout()
-    row = greedy_accuracy(rollout, [{"x": 1}, {"x": 2}])
+    row = held_out_eval(rollout, [{"x": 1}, {"x": 2}])
     assert rollout.calls == [(True, None)] and not any(k.startswith("eval/sampled") for k in row)
 
 
