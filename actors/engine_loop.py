@@ -124,7 +124,10 @@ class EngineLoop:
             raise
 
     def close(self, shutdown: Callable[[], Any]) -> None:
-        """Runs ``shutdown`` (the engine's) between two steps, once; every later turn is an error."""
+        """Runs ``shutdown`` (the engine's) between two steps, once (a later close does nothing);
+        every later turn is an error."""
+        if self.closed:
+            return
         with self.turn():
             self.closed = True
             shutdown()

@@ -216,8 +216,7 @@ class Generator:
         reaches it, possibly under an engine built since (which then fails: 'pipeline model
         parallel group is not initialized'): in a process that builds engines one after another
         (a notebook, a test module), close each before building the next."""
-        if not self.loop.closed:
-            self.loop.close(self.llm.llm_engine.engine_core.shutdown)
+        self.loop.close(self.llm.llm_engine.engine_core.shutdown)
 
     @classmethod
     def from_config(cls, cfg: GeneratorConfig) -> "Generator":
