@@ -380,17 +380,20 @@ def held_out_eval(rollout: Any, rows: list[dict], sampled_seed: int | None = Non
     """The policy on held-out prompts: greedy accuracy (score >= 1 counts as solved); with
     ``sampled_seed``, also the mean reward and accuracy of the rollout's samples
     (``rollout.samples_per_prompt`` per prompt at its temperature, seeded: every evaluation draws
-    the same random numbers, so two evaluations differ by the policy, not by the draw)."""
+    the same random numbers, so two evaluations differ by the policy, not by the draw). Both
+    generations are queued at once, so a generator done with its greedy units starts sampling."""
     if not rows:
         return {}
     ids = list(range(len(rows)))
-    scores = _scores(rollout, rollout.generate_checked(rows, ids, greedy=True)[0])
+    greedy = rollout.submit(rows, ids, greedy=True)
+    sampled = rollout.submit(rows, ids, seed=sampled_seed) if sampled_seed is not None else None
+    scores = _scores(rollout, rollout.collect(greedy)[0])
     row = {"eval/accuracy": _solved(scores), "eval/mean_score": sum(scores) / max(len(scores), 1),
            "eval/n": float(len(scores))}
-    if sampled_seed is not None:
-        sampled = _scores(rollout, rollout.generate_checked(rows, ids, seed=sampled_seed)[0])
-        row.update({"eval/sampled_reward": sum(sampled) / max(len(sampled), 1),
-                    "eval/sampled_accuracy": _solved(sampled), "eval/sampled_n": float(len(sampled))})
+    if sampled is not None:
+        samples = _scores(rollout, rollout.collect(sampled)[0])
+        row.update({"eval/sampled_reward": sum(samples) / max(len(samples), 1),
+                    "eval/sampled_accuracy": _solved(samples), "eval/sampled_n": float(len(samples))})
     return row
 
 

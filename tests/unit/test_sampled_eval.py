@@ -15,14 +15,20 @@ class Rollout:
 
     def __init__(self) -> None:
         self.calls: list[tuple[bool, int | None]] = []
+        self.events: list[str] = []
 
-    def generate_checked(self, rows, group_ids, greedy=False, seed=None, on_reissue=None):
+    def submit(self, rows, group_ids, greedy=False, seed=None):
         self.calls.append((greedy, seed))
+        self.events.append("submit")
         n = 1 if greedy else self.samples_per_prompt
         # Two work units, as a pool of generators returns them.
         half = len(rows) // 2
         units = [(greedy, seed, rows[:half]), (greedy, seed, rows[half:])]
-        return [(u, n) for u in units], [{} for _ in units]
+        return {"units": [(u, n) for u in units]}
+
+    def collect(self, pending, on_reissue=None):
+        self.events.append("collect")
+        return pending["units"], [{} for _ in pending["units"]]
 
     def score_checked(self, exp_refs):
         stats = []
@@ -38,6 +44,7 @@ def test_sampled_evaluation_scores_every_sample_with_the_fixed_seed():
     rollout, rows = Rollout(), [{"x": x} for x in range(6)]
     row = held_out_eval(rollout, rows, sampled_seed=77)
     assert rollout.calls == [(True, None), (False, 77)]
+    assert rollout.events == ["submit", "submit", "collect", "collect"]  # both queued before waiting
     assert row["eval/accuracy"] == pytest.approx(3 / 6) and row["eval/n"] == 6
     # 12 samples, solved where (x + k) % 3 == 0: (0,0) (2,1) (3,0) (5,1)
     solved = [(x, k) for x in range(6) for k in range(2) if (x + k) % 3 == 0]
