@@ -60,6 +60,20 @@ def tiny_model_path() -> str:
     return str(build_tiny(Path(os.environ["RAYRLHF_CACHE"])))
 
 
+@pytest.fixture(scope="module")
+def generator(tiny_model_path, request):
+    """One in-process vLLM engine of the tiny model per test module that asks for it (context
+    length: the module's ``ENGINE_MAX_MODEL_LEN``, default 256), closed at the module's end:
+    vLLM keeps one parallel state per process and an engine collected later would tear down the
+    next module's (``Generator.close``)."""
+    from actors.generator import Generator
+
+    max_len = getattr(request.module, "ENGINE_MAX_MODEL_LEN", 256)
+    gen = Generator(tiny_model_path, dtype="float32", max_model_len=max_len, seed=0)
+    yield gen
+    gen.close()
+
+
 @pytest.fixture(scope="session")
 def ray_cluster(tiny_model_path):
     """A local head node with a dashboard; yields its addresses and connects this process. No test

@@ -18,15 +18,6 @@ from tests.helpers import agents
 
 
 @pytest.fixture(scope="module")
-def generator(tiny_model_path):
-    from actors.generator import Generator
-
-    gen = Generator(tiny_model_path, dtype="float32", max_model_len=256, seed=0)
-    yield gen
-    gen.close()  # before the next module builds its engine (Generator.close)
-
-
-@pytest.fixture(scope="module")
 def endpoint():
     ep = AgentEndpoint()
     yield ep

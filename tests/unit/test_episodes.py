@@ -16,15 +16,6 @@ from actors.tools import CALCULATOR
 from tests.helpers.environments import Unreliable
 
 
-@pytest.fixture(scope="module")
-def generator(tiny_model_path):
-    from actors.generator import Generator
-
-    gen = Generator(tiny_model_path, dtype="float32", max_model_len=256, seed=0)
-    yield gen
-    gen.close()  # before the next module builds its engine (Generator.close)
-
-
 class Scripted:
     """Three turns; observation k is 'Turn k: go on.'; reward 1 at the end."""
 

@@ -7,13 +7,7 @@ import pytest
 import torch
 
 
-@pytest.fixture(scope="module")
-def generator(tiny_model_path):
-    from actors.generator import Generator
-
-    gen = Generator(tiny_model_path, dtype="float32", max_model_len=96, seed=0)
-    yield gen
-    gen.close()  # before the next module builds its engine (Generator.close)
+ENGINE_MAX_MODEL_LEN = 96  # the `generator` fixture's engine (tests/conftest.py)
 
 
 def test_generate_builds_a_valid_record_and_counts_skips(generator):
