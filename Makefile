@@ -6,7 +6,7 @@ VENV ?= .venv
 STAMP := $(VENV)/.rayrlhf-installed
 EXTRA ?= cpu
 
-.PHONY: setup train test test-fast clean-cache trl-env trl-vllm-env bench-trl bench-trl-dpo
+.PHONY: setup train test test-fast clean-cache trl-env trl-vllm-env bench-trl bench-trl-vllm bench-trl-dpo
 
 setup: $(STAMP)
 
@@ -52,6 +52,10 @@ $(TRL_VLLM_STAMP):
 
 bench-trl: $(STAMP) $(TRL_STAMP)
 	$(VENV)/bin/python benchmarks/vs_trl.py $(ARGS)
+
+# TRL at its strongest setting on this CPU: its vLLM colocate mode (docs/benchmarks.md).
+bench-trl-vllm: $(STAMP) $(TRL_VLLM_STAMP)
+	$(VENV)/bin/python benchmarks/vs_trl.py --trl-generation vllm_colocate --trl-python .venv-trl-vllm/bin/python $(ARGS)
 
 bench-trl-dpo: $(STAMP) $(TRL_STAMP)
 	$(VENV)/bin/python benchmarks/vs_trl_dpo.py $(ARGS)
