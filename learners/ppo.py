@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Iterator, Protocol
+from typing import Any, Iterator, NamedTuple, Protocol
 
 import torch
 
@@ -103,6 +103,26 @@ _STATS = ("loss/policy", "loss/value", "loss/total", "policy/entropy", "policy/c
 # Statistics of the policy on the rows that ran a pass (absent when none did).
 _MEASURED_ON_RUN_ROWS = ("policy/entropy", "policy/clip_frac", "policy/approx_kl", "rollout_is/weight_mean",
                          "rollout_is/corrected_frac", "logprob_gap/mean_abs", "logprob_gap/max_abs", "logprob_gap/kl_k3")
+
+
+class _Shares(NamedTuple):
+    """A micro-batch's weights in its global minibatch's aggregates: ``tok`` its share of the
+    loss normaliser's tokens, ``agg`` of the policy loss's aggregate (tokens or sequences, by
+    ``loss_agg``), ``stat`` of the tokens that ran (the statistics' means)."""
+
+    tok: float
+    agg: float
+    stat: float
+
+
+class _Fixed(NamedTuple):
+    """What an update holds fixed for a micro-batch's rows: the old policy's log-probs and
+    values (before this step's first update), the advantages and the returns."""
+
+    old_logprobs: torch.Tensor
+    old_values: torch.Tensor
+    advantages: torch.Tensor
+    returns: torch.Tensor
 
 
 class PPOLearner(PolicyLearner):
@@ -483,71 +503,82 @@ class PPOLearner(PolicyLearner):
             for micro in micros:
                 part = local if fused_out is not None else local.select(micro).trimmed()
                 width, mmask = part.seq_len, part.response_mask
-                w_tok = float(mmask.sum()) / g_tokens
-                s_tok = float(mmask.sum()) / s_tokens
-                # The policy loss's share of its minibatch: by tokens or by sequences (loss_agg),
-                # so the sum over micro-batches and ranks is the global minibatch aggregate.
-                w_agg = w_tok if hp.loss_agg == "token_mean" else float(mmask.any(1).sum()) / g_seqs
                 refs = None if ref_states is None else ref_states[micro, :width]
                 out = fused_out if fused_out is not None else self._forward(part, grad=True, ref_states=refs)
                 if streamed:
                     old_logprobs[micro, :width] = out["logprobs"].detach()
-                is_weights = None
-                if self.rollout_correction != "none":
-                    is_weights, is_stats = rollout_importance_weights(
-                        old_logprobs[micro, :width], part.rollout_logprobs, mmask, self.rollout_correction,
-                        cap=hp.rollout_is_cap, low=hp.rollout_is_low, high=hp.rollout_is_high,
-                    )
-                    totals["rollout_is/weight_mean"] += float(is_stats["weight_mean"]) * s_tok
-                    totals["rollout_is/corrected_frac"] += float(is_stats["corrected_frac"]) * s_tok
-                pg_loss, pg_stats = policy_loss(
-                    hp.policy_loss, out["logprobs"], old_logprobs[micro, :width], advantages[micro, :width], mmask,
-                    clip_eps=hp.clip_eps, clip_eps_high=hp.clip_eps_high or None, loss_agg=hp.loss_agg,
-                    loss_agg_constant=self.loss_agg_constant, weights=is_weights,
-                )
-                loss = pg_loss * w_agg
-                if self.use_critic:
-                    vf_loss, vf_stats = value_loss_clipped(
-                        out["values"], old_values[micro, :width], returns[micro, :width], mmask,
-                        clip_eps=hp.value_clip_eps,
-                    )
-                    loss = loss + hp.vf_coef * vf_loss * w_tok
-                    totals["loss/value"] += float(vf_loss.detach()) * w_tok
-                    totals["value/clip_frac"] += float(vf_stats["vf_clip_frac"]) * w_tok
-                if hp.entropy_coef:
-                    # Entropy is measured detached; the bonus uses -logprob as its estimator.
-                    loss = loss + hp.entropy_coef * masked_mean(out["logprobs"], mmask) * w_tok
-                if hp.kl_loss_coef:
-                    per_token = out["kl_full"] if ref_states is not None else kl_penalty(
-                        out["logprobs"], part.ref_logprobs, "k3")
-                    kl_term = masked_mean(per_token, mmask)
-                    totals["kl/loss_term"] += float(kl_term.detach()) * s_tok
-                    loss = loss + hp.kl_loss_coef * kl_term * w_tok
-                if not torch.isfinite(loss):
-                    raise FloatingPointError(f"non-finite PPO loss: {float(loss)}")
+                shares = _Shares(tok=float(mmask.sum()) / g_tokens, stat=float(mmask.sum()) / s_tokens,
+                                 # The policy loss's share of its minibatch: by tokens or by sequences
+                                 # (loss_agg), so the sum over micro-batches and ranks is the global
+                                 # minibatch aggregate.
+                                 agg=float(mmask.sum()) / g_tokens if hp.loss_agg == "token_mean"
+                                 else float(mmask.any(1).sum()) / g_seqs)
+                fixed = _Fixed(old_logprobs[micro, :width], old_values[micro, :width], advantages[micro, :width],
+                               returns[micro, :width])
+                loss = self._micro_loss(out, part, fixed, shares, totals, full_kl=ref_states is not None)
                 loss.backward()
-                totals["loss/policy"] += float(pg_loss.detach()) * w_agg
-                totals["loss/total"] += float(loss.detach())
-                totals["policy/entropy"] += float(masked_mean(out["entropy"], mmask)) * s_tok
-                totals["policy/clip_frac"] += float(pg_stats["clip_frac"]) * s_tok
-                totals["policy/approx_kl"] += float(pg_stats["approx_kl"]) * s_tok
             self._pad_passes(idle, idle_out)
             if normalisers is not None or not micros:  # a rank may have run nothing: its gradients are 0
                 fill_missing_gradients(self.trainable)
             grad_norms.append(self._optimizer_step())
-        n_updates = tr.epochs * tr.num_minibatches
+        return self._global_stats(totals), grad_norms, old_logprobs
+
+    def _micro_loss(self, out: dict[str, torch.Tensor], part: Experience, fixed: "_Fixed", shares: "_Shares",
+                    totals: dict[str, torch.Tensor], full_kl: bool) -> torch.Tensor:
+        """One micro-batch's weighted loss (policy, value, entropy bonus and KL terms), its
+        statistics added to ``totals``. ``full_kl``: the KL term is the full-vocabulary one the
+        forward pass computed against the reference's states."""
+        hp, mmask = self.hp, part.response_mask
+        is_weights = None
+        if self.rollout_correction != "none":
+            is_weights, is_stats = rollout_importance_weights(
+                fixed.old_logprobs, part.rollout_logprobs, mmask, self.rollout_correction,
+                cap=hp.rollout_is_cap, low=hp.rollout_is_low, high=hp.rollout_is_high,
+            )
+            totals["rollout_is/weight_mean"] += float(is_stats["weight_mean"]) * shares.stat
+            totals["rollout_is/corrected_frac"] += float(is_stats["corrected_frac"]) * shares.stat
+        pg_loss, pg_stats = policy_loss(
+            hp.policy_loss, out["logprobs"], fixed.old_logprobs, fixed.advantages, mmask,
+            clip_eps=hp.clip_eps, clip_eps_high=hp.clip_eps_high or None, loss_agg=hp.loss_agg,
+            loss_agg_constant=self.loss_agg_constant, weights=is_weights,
+        )
+        loss = pg_loss * shares.agg
+        if self.use_critic:
+            vf_loss, vf_stats = value_loss_clipped(out["values"], fixed.old_values, fixed.returns, mmask,
+                                                   clip_eps=hp.value_clip_eps)
+            loss = loss + hp.vf_coef * vf_loss * shares.tok
+            totals["loss/value"] += float(vf_loss.detach()) * shares.tok
+            totals["value/clip_frac"] += float(vf_stats["vf_clip_frac"]) * shares.tok
+        if hp.entropy_coef:
+            # Entropy is measured detached; the bonus uses -logprob as its estimator.
+            loss = loss + hp.entropy_coef * masked_mean(out["logprobs"], mmask) * shares.tok
+        if hp.kl_loss_coef:
+            per_token = out["kl_full"] if full_kl else kl_penalty(out["logprobs"], part.ref_logprobs, "k3")
+            kl_term = masked_mean(per_token, mmask)
+            totals["kl/loss_term"] += float(kl_term.detach()) * shares.stat
+            loss = loss + hp.kl_loss_coef * kl_term * shares.tok
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"non-finite PPO loss: {float(loss)}")
+        totals["loss/policy"] += float(pg_loss.detach()) * shares.agg
+        totals["loss/total"] += float(loss.detach())
+        totals["policy/entropy"] += float(masked_mean(out["entropy"], mmask)) * shares.stat
+        totals["policy/clip_frac"] += float(pg_stats["clip_frac"]) * shares.stat
+        totals["policy/approx_kl"] += float(pg_stats["approx_kl"]) * shares.stat
+        return loss
+
+    def _global_stats(self, totals: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Every rank's statistics summed, as means per update; the keys of terms this run has
+        not (value, KL loss, rollout correction) left out."""
+        n_updates = self.tr.epochs * self.tr.num_minibatches
         keys = list(_STATS)
-        summed = comm.all_reduce_sum(torch.stack([totals[k] for k in keys]))
+        summed = self.comm.all_reduce_sum(torch.stack([totals[k] for k in keys]))
         stats = {k: float(v) / n_updates for k, v in zip(keys, summed)}
-        if not self.use_critic:
-            stats.pop("loss/value")
-            stats.pop("value/clip_frac")
-        if not hp.kl_loss_coef:
-            stats.pop("kl/loss_term")
-        if self.rollout_correction == "none":
-            stats.pop("rollout_is/weight_mean")
-            stats.pop("rollout_is/corrected_frac")
-        return stats, grad_norms, old_logprobs
+        unused = (["loss/value", "value/clip_frac"] if not self.use_critic else []) \
+            + (["kl/loss_term"] if not self.hp.kl_loss_coef else []) \
+            + (["rollout_is/weight_mean", "rollout_is/corrected_frac"] if self.rollout_correction == "none" else [])
+        for k in unused:
+            stats.pop(k)
+        return stats
 
     # -- checkpoints -----------------------------------------------------------------------------
     def algorithm_state(self) -> dict[str, Any]:
