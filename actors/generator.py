@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Iterable, NamedTuple
 
@@ -27,6 +28,8 @@ from actors.environments import EnvSpec, EpisodeLimits
 from learners.experience import Experience
 
 log = logging.getLogger("rayrlhf.generator")
+#: This process's in-process engines not yet closed (see Generator.close).
+_OPEN_ENGINES: "weakref.WeakSet[Generator]" = weakref.WeakSet()
 
 
 def configure_vllm_env(kv_cache_gib: float, threads: int = 0, first_core: int = 0, compile_cpu: bool = False) -> None:
@@ -165,6 +168,7 @@ class Generator:
         from learners.precision import resolve_engine_dtype
 
         freeze_imports()  # the engine build's full collections skip the imported heap
+        warn_if_engine_open()
 
         dtype = resolve_engine_dtype(dtype, uses_gpu=gpu_memory_utilization > 0)
         if gpu_memory_utilization <= 0:  # episodes seed each turn's sampler (see generate_episodes)
@@ -205,6 +209,7 @@ class Generator:
         self.compiled = bool(compile)
         self.lora_base = lora_base
         self._base_weights = None  # opened at the first adapter sync
+        _OPEN_ENGINES.add(self)
         log.info("vLLM engine ready in %.1fs (%s, %s, %s)", self.startup_s, model_path, dtype,
                  "compiled" if compile else "eager")
 
@@ -217,6 +222,7 @@ class Generator:
         parallel group is not initialized'): in a process that builds engines one after another
         (a notebook, a test module), close each before building the next."""
         self.loop.close(self.llm.llm_engine.engine_core.shutdown)
+        _OPEN_ENGINES.discard(self)
 
     @classmethod
     def from_config(cls, cfg: GeneratorConfig) -> "Generator":
@@ -473,6 +479,15 @@ class Generator:
         self.inflight_loads += int(self.loop.generating)
         self.version = int(version)
         self.llm.llm_engine.set_weight_version(str(self.version))
+
+
+def warn_if_engine_open() -> None:
+    """Logs a warning when this process still holds an open engine: the two share vLLM's
+    parallel state, and closing or collecting the old one breaks the new one."""
+    if len(_OPEN_ENGINES):
+        log.warning("%d vLLM engine(s) of this process still open: they share vLLM's parallel state, so closing "
+                    "or dropping one breaks a new one; call Generator.close() on an engine before building the "
+                    "next", len(_OPEN_ENGINES))
 
 
 class Sampled(NamedTuple):

@@ -12,15 +12,24 @@ import gc
 import pytest
 
 
-def test_a_closed_engine_leaves_the_next_engine_working(tiny_model_path):
+def test_a_closed_engine_leaves_the_next_engine_working(tiny_model_path, caplog):
     from vllm.distributed.parallel_state import model_parallel_is_initialized
 
-    from actors.generator import Generator
+    from actors.generator import Generator, warn_if_engine_open
 
     first = Generator(tiny_model_path, dtype="float32", max_model_len=64, seed=0)
     assert first.generate(["Count: 1 2"], max_new_tokens=4, temperature=0.0).batch_size == 1
     assert model_parallel_is_initialized()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="rayrlhf.generator"):
+        warn_if_engine_open()  # what building a second engine now would log
+    ours = [r.getMessage() for r in caplog.records if r.name == "rayrlhf.generator" and r.levelname == "WARNING"]
+    assert len(ours) == 1 and ours[0].startswith("1 vLLM engine(s) of this process still open")
     first.close()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="rayrlhf.generator"):
+        warn_if_engine_open()
+    assert not [r for r in caplog.records if r.name == "rayrlhf.generator" and r.levelname == "WARNING"]  # closed: safe
     assert not model_parallel_is_initialized()  # released now, not whenever the engine is collected
     first.close()  # a second close does nothing
     with pytest.raises(RuntimeError, match="closed"):
