@@ -36,4 +36,6 @@ def use_reload_weights() -> None:
     VLLMGeneration.sync_weights = sync_weights
 
 
-WEIGHT_SYNC = "vllm reload_weights (benchmarks/trl_colocate_sync.py)"
+def sync_record() -> dict:
+    """What a TRL script writes to its results about the syncs: how, and each one's seconds."""
+    return {"weight_sync": "vllm reload_weights (benchmarks/trl_colocate_sync.py)", "weight_sync_s": SYNC_SECONDS}

@@ -19,6 +19,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from trl_colocate_sync import sync_record, use_reload_weights  # noqa: E402  (benchmarks/ is on sys.path)
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -55,10 +57,7 @@ def main() -> int:
     )
     completions_per_step = s["prompts_per_step"] * s["samples_per_prompt"]
     colocate = args.generation == "vllm_colocate"
-    sync_seconds = None
     if colocate:
-        from trl_colocate_sync import SYNC_SECONDS as sync_seconds, use_reload_weights
-
         use_reload_weights()
     config = GRPOConfig(
         output_dir=str(Path(args.out).with_suffix("")) + "_trainer",
@@ -125,8 +124,7 @@ def main() -> int:
         tok.save_pretrained(args.save)
     out = {
         "tool": "trl", "version": __import__("trl").__version__, "generation": args.generation,
-        "weight_sync": "vllm reload_weights (benchmarks/trl_colocate_sync.py)" if colocate else None,
-        "weight_sync_s": sync_seconds,
+        **(sync_record() if colocate else {}),
         "threads": torch.get_num_threads(), "train_wall_s": wall, "steps": timer.rows,
     }
     Path(args.out).write_text(json.dumps(out, indent=1, default=float))

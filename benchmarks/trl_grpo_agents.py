@@ -38,6 +38,8 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from trl_colocate_sync import sync_record, use_reload_weights  # noqa: E402  (benchmarks/ is on sys.path)
+
 # generate(list of prompt ids, rooms) -> per prompt (sampled ids, their log-probs or None)
 Generate = Callable[[list[list[int]], list[int]], list[tuple[list[int], list[float] | None]]]
 
@@ -287,10 +289,7 @@ def main() -> int:
                       + (f" turns {extra['turns_mean']:.2f} rollout {extra['rollout_s']:.1f}s" if extra else ""),
                       flush=True)
 
-    sync_seconds = None
     if args.vllm == "colocate":
-        from trl_colocate_sync import SYNC_SECONDS as sync_seconds, use_reload_weights
-
         use_reload_weights()
     timer = StepTimes()
     trainer = GRPOTrainer(model=model, processing_class=tok, args=config, train_dataset=dataset,
@@ -305,8 +304,7 @@ def main() -> int:
     out = {
         "tool": "trl", "version": __import__("trl").__version__, "mode": args.mode,
         "generation": f"vllm_{args.vllm}" if args.vllm else "generate",
-        "weight_sync": "vllm reload_weights (benchmarks/trl_colocate_sync.py)" if args.vllm == "colocate" else None,
-        "weight_sync_s": sync_seconds,
+        **(sync_record() if args.vllm == "colocate" else {}),
         "threads": torch.get_num_threads(), "train_wall_s": wall, "steps": timer.rows,
     }
     Path(args.out).write_text(json.dumps(out, indent=1, default=float))
