@@ -619,7 +619,9 @@ class QLearnConfig(Section):
     """Token-level Q-learning (the LM's logits are Q values); read by ``learners/qlearn.py``."""
 
     gamma: float = _f(1.0, "Discount factor of the Bellman backups (per token).", ge=0, le=1)
-    n_step: int = _f(1, "Rewards summed before bootstrapping from the target network (1: one-step TD).", ge=1)
+    n_step: int = _f(1, "Rewards summed before bootstrapping from the target network (1: one-step TD). At least "
+                     "a step's longest finished episode: Monte-Carlo targets, and that step skips the target "
+                     "network's pass (learner/target_pass 0).", ge=1)
     mc_lower_bound: bool = _f(True, "Bound each target below by the observed (Monte-Carlo) return of its sequence "
                               "(Q-Transformer): sparse terminal rewards reach early tokens at once.")
     conservative_weight: float = _f(1.0, "alpha: weight of the conservative regulariser that pushes the Q of tokens "

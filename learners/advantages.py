@@ -464,6 +464,22 @@ def bootstrap_positions(mask: Tensor) -> Tensor:
     return valid | before
 
 
+def reads_bootstrap(mask: Tensor, done: Tensor, n_step: int) -> bool:
+    """Whether ``q_learning_targets(..., mask, done, n_step=n_step)`` reads ``next_max_q`` at all.
+
+    An action's n-step window bootstraps unless it reaches the last action of a finished episode;
+    the first action's window is the longest, so no action bootstraps when every row is ``done``
+    and holds at most ``n_step`` actions (e.g. Monte-Carlo targets over whole episodes: the
+    target network's pass can be skipped). Rows without actions read nothing.
+
+    Args:
+        mask: ``(B, T)`` actions; done: ``(B,)`` bool; n_step: as in ``q_learning_targets``.
+    """
+    counts = mask.detach().bool().sum(1)
+    acting = counts > 0
+    return bool((acting & ((counts > n_step) | ~done.detach().bool())).any())
+
+
 def q_learning_targets(
     rewards: Tensor,
     next_max_q: Tensor,

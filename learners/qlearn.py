@@ -44,7 +44,8 @@ from typing import Any, Iterator, Protocol
 
 import torch
 
-from learners.advantages import bootstrap_positions, episode_mask, q_learning_targets, token_rewards_from_scores
+from learners.advantages import (bootstrap_positions, episode_mask, q_learning_targets, reads_bootstrap,
+                                 token_rewards_from_scores)
 from learners.base import LearnerContext, TrainParams
 from learners.experience import Experience, ExperienceError
 from learners.losses import kl_penalty
@@ -106,6 +107,9 @@ class QLearner(PolicyLearner):
         self.target_params = [p.detach().clone() for p in self.trainable]
         self.updates = 0
         self.target_updates = 0
+        # Whether this step's targets read the target network (``reads_bootstrap``): decided on the
+        # global batch, so every rank runs the same passes (sharded ranks must).
+        self.reads_target = True
         if hp.calibration != "none" and hp.conservative == "floor" and hp.conservative_weight:
             raise ValueError("qlearn.calibration=reference needs conservative=logsumexp or conservative_weight=0 "
                              "(the floor term would need the reference's logit of every token)")
@@ -180,7 +184,7 @@ class QLearner(PolicyLearner):
         """A Q update's passes are two (the target network's, then the online one): an idle rank
         runs both. (The build's first pass comes before the target network exists.)"""
         for _ in range(n):
-            if getattr(self, "target_params", None) is not None:
+            if getattr(self, "target_params", None) is not None and self.reads_target:
                 with torch.no_grad(), self.target_network():
                     self.idle_outputs()
             super().idle_passes(1, grad=grad)
@@ -231,6 +235,10 @@ class QLearner(PolicyLearner):
         """(targets, bootstrap values) of ``part``'s actions from the target network, without
         dropout; ``after``: the reference's log-normaliser at each bootstrap state (0 uncalibrated)."""
         hp, m = self.hp, part.response_mask
+        if not self.reads_target:  # every window ends its episode: Monte-Carlo targets, no pass
+            next_max = torch.zeros(m.shape, dtype=torch.float32, device=m.device)
+            return q_learning_targets(r, next_max, m, done, gamma=hp.gamma, n_step=hp.n_step,
+                                      mc_lower_bound=hp.mc_lower_bound), next_max
         head = self.model.lm.get_output_embeddings()
         was_training = self.model.training
         self.model.eval()  # targets without dropout noise
@@ -312,6 +320,7 @@ class QLearner(PolicyLearner):
         mask, rewards, done = self.episodes(batch)
         if not bool(mask.any()):
             return {"learner/empty_batch": 1.0, "learner/sequences": float(batch.batch_size)}
+        self.reads_target = reads_bootstrap(mask, done, self.hp.n_step)
         batch = self._with_reference(batch)
         plan = list(self.global_minibatches(torch.arange(batch.batch_size, device=self.device)))
         mine_all = torch.unique(torch.cat([mine for _, mine in plan]))
@@ -340,6 +349,7 @@ class QLearner(PolicyLearner):
             "learner/lr": lr,
             "learner/updates": float(self.updates),
             "learner/target_updates": float(self.target_updates),
+            "learner/target_pass": float(self.reads_target),
             "learner/trainable_fraction": self.trainable_fraction,
             "learner/prefix_shared_frac": self.model.rows_shared / max(self.model.rows_total, 1),
             "learner/tokens": float(mask.sum()),
@@ -359,6 +369,7 @@ class QLearner(PolicyLearner):
         self.check_batch(batch)
         batch = self._with_reference(self.on_device(batch))
         mask, rewards, done = self.episodes(batch)
+        self.reads_target = reads_bootstrap(mask, done, self.hp.n_step)
         n = max(int(mask.sum()), 1)
         mine = torch.arange(batch.batch_size, device=self.device)[self.comm.rank :: self.comm.world]
         ref, backups = self._calibration(batch, mask, mine), self.backup_rewards(rewards, mask, batch.group_ids)

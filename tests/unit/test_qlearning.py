@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from learners.advantages import discounted_returns, episode_mask, q_learning_targets, token_rewards_from_scores
+from learners.advantages import (discounted_returns, episode_mask, q_learning_targets, reads_bootstrap,
+                                 token_rewards_from_scores)
 from learners.experience import ExperienceError
 from learners.td_losses import conservative_penalty, cql_penalty, td_loss
 from learners.modeling import max_q_after_positions, q_heads_at_positions
@@ -92,6 +93,46 @@ def test_mc_lower_bound_never_lets_a_target_fall_below_the_observed_return():
     assert bool((bounded[mask] >= returns[mask] - 1e-6).all())
     assert bool((plain[mask] < returns[mask] - 1e-3).any())  # without it they do fall below
     assert bool((bounded >= plain - 1e-6).all())
+
+
+@pytest.mark.parametrize("n", [1, 3, 5, 6, 7])
+def test_targets_read_the_target_network_exactly_when_reads_bootstrap_says_so(n):
+    # A three-turn row of 6 actions (observations between the turns), a row of 3, an empty row.
+    mask = torch.zeros(3, 10, dtype=torch.bool)
+    mask[0, [1, 2, 4, 5, 8, 9]] = True
+    mask[1, 3:6] = True
+    g = torch.Generator().manual_seed(n)
+    rewards = torch.randn(3, 10, generator=g)
+    for done in ([True, True, True], [True, False, True], [True, True, False]):
+        done = torch.tensor(done)
+        without = q_learning_targets(rewards, torch.zeros(3, 10), mask, done, n_step=n, mc_lower_bound=True)
+        other = 5 + torch.rand(3, 10, generator=g)  # above every return: the bound never hides it
+        with_it = q_learning_targets(rewards, other, mask, done, n_step=n, mc_lower_bound=True)
+        assert reads_bootstrap(mask, done, n) == (not torch.equal(without, with_it)), done
+    # Monte-Carlo over whole finished episodes (n at least the longest one) reads nothing.
+    assert reads_bootstrap(mask, torch.tensor([True, True, False]), n) == (n < 6)
+
+
+@pytest.mark.parametrize("n_step", [1, 3])
+def test_the_target_network_pass_is_skipped_only_where_no_target_reads_it(tiny_model_path, monkeypatch, n_step):
+    """``_mdp_batch``'s episodes are 2-3 actions long: with n_step 3 every window ends its episode,
+    the learner runs no target pass and takes the step of a learner that runs it; with 1 it runs it."""
+    import learners.qlearn as qlearn
+
+    passes = []
+    real = qlearn.max_q_after_positions
+    monkeypatch.setattr(qlearn, "max_q_after_positions", lambda *a, **k: passes.append(1) or real(*a, **k))
+    hp = {"n_step": n_step, "target_start_step": 0}
+    g_skip, m_skip = step_with_grads(make_q_learner(tiny_model_path, qlearn=hp), _mdp_batch())
+    skipped_passes = len(passes)
+    monkeypatch.setattr(qlearn, "reads_bootstrap", lambda *a, **k: True)
+    g_full, m_full = step_with_grads(make_q_learner(tiny_model_path, qlearn=hp), _mdp_batch())
+    assert len(passes) > skipped_passes
+    assert (skipped_passes == 0) == (n_step == 3)
+    assert m_skip["learner/target_pass"] == float(n_step == 1) and m_full["learner/target_pass"] == 1.0
+    if n_step == 3:
+        torch.testing.assert_close(g_skip["g"], g_full["g"], atol=0, rtol=0)
+        assert m_skip["q/target"] == m_full["q/target"]
 
 
 def test_episode_ends_at_the_first_eos_and_the_score_lands_on_the_last_action():
