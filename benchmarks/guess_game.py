@@ -1,0 +1,102 @@
+"""The guessing game learnt two ways, side by side: multi-turn GRPO (``configs/grpo_guess_smollm2.yaml``)
+and token-level Q-learning across turns (``configs/qlearn_guess_smollm2.yaml``; ``--qlearn-set``
+tries a variant of it), each preset as shipped, with the same seeds, steps and held-out games. Each evaluation plays the 64 held-out games
+greedily and 4 times each sampled at the rollout temperature with one seed at every evaluation
+(``run.eval_sampled``): the sampled win rate on 256 episodes is the measure of a policy that acts by
+sampling, as both train.
+
+    .venv/bin/python benchmarks/guess_game.py [--seeds 0 1] [--steps 20] [--qlearn-set KEY=VALUE ...] [--out docs/results/guess_game.json]
+    .venv/bin/python benchmarks/guess_game.py --collect grpo:0:runs/a qlearn:0:runs/b ...
+
+``--collect`` reads finished runs instead (``ALGORITHM:SEED:RUN_DIR``, e.g. runs started by hand
+with the same settings); each run's saved config must equal the preset's with this benchmark's
+changes, or it is refused. Runs go one after another, so no two share the machine's cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.preset_runs import summary, train  # noqa: E402
+
+PRESETS = {"grpo": "grpo_guess_smollm2.yaml", "qlearn": "qlearn_guess_smollm2.yaml"}
+
+
+def changes(algorithm: str, seed: int, a: argparse.Namespace) -> list[str]:
+    """This benchmark's changes to a preset: seed, length, sampled evaluation, and ``--qlearn-set``'s."""
+    extra = a.qlearn_set if algorithm == "qlearn" else []
+    return [f"run.seed={seed}", f"run.steps={a.steps}", f"run.eval_every={a.eval_every}", "run.eval_sampled=true", *extra]
+
+
+def sampled_evals(run_dir: Path) -> dict:
+    """Step -> the held-out evaluation's greedy and sampled win rates."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: {"greedy": r["eval/accuracy"], "sampled": r["eval/sampled_reward"], "sampled_n": r["eval/sampled_n"]}
+            for r in rows if "eval/sampled_reward" in r}
+
+
+def check_settings(algorithm: str, run_dir: Path, seed: int, a: argparse.Namespace) -> None:
+    """Refuses a collected run whose settings are not the preset's with this benchmark's changes."""
+    from cluster.config_loading import load_config, read_yaml
+
+    want = load_config(ROOT / "configs" / PRESETS[algorithm], changes(algorithm, seed, a)).model_dump()
+    got = read_yaml(run_dir / "config.yaml")
+    diff = [f"{section}.{key}" for section, fields in want.items() if isinstance(fields, dict)
+            for key, value in fields.items()
+            if key not in ("output_dir", "name") and got.get(section, {}).get(key) != value]
+    if diff:
+        raise SystemExit(f"{run_dir}: settings differ from {PRESETS[algorithm]} + {changes(algorithm, seed, a)}: {diff}")
+
+
+def result(algorithm: str, run_dir: Path, seed: int, a: argparse.Namespace, seconds: float | None) -> dict:
+    evals = sampled_evals(run_dir)
+    first, last = evals[min(evals)], evals[max(evals)]
+    return {"algorithm": algorithm, "seed": seed, "preset": PRESETS[algorithm], "changes": changes(algorithm, seed, a),
+            "seconds": seconds, **summary(run_dir), "evals": evals,
+            "sampled_gain": last["sampled"] - first["sampled"], "greedy_gain": last["greedy"] - first["greedy"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--eval-every", type=int, default=10)
+    ap.add_argument("--only", nargs="+", choices=list(PRESETS), default=list(PRESETS))
+    ap.add_argument("--qlearn-set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="changes to the Q-learning preset (a variant under trial)")
+    ap.add_argument("--collect", nargs="*", default=None, metavar="ALGORITHM:SEED:RUN_DIR")
+    ap.add_argument("--runs", default=str(ROOT / "runs" / f"guess-game-{int(time.time())}"))
+    ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "guess_game.json"))
+    a = ap.parse_args()
+    out: dict = {"steps": a.steps, "eval_every": a.eval_every, "runs": []}
+    if a.collect is not None:
+        for item in a.collect:
+            algorithm, seed, run_dir = item.split(":", 2)
+            check_settings(algorithm, Path(run_dir), int(seed), a)
+            out["runs"].append(result(algorithm, Path(run_dir), int(seed), a, None))
+    else:
+        for seed in a.seeds:
+            for algorithm in a.only:
+                run_dir = Path(a.runs) / f"{algorithm}-seed{seed}"
+                t0 = time.perf_counter()
+                train(PRESETS[algorithm], run_dir, changes(algorithm, seed, a))
+                out["runs"].append(result(algorithm, run_dir, seed, a, time.perf_counter() - t0))
+                Path(a.out).write_text(json.dumps(out, indent=1))  # each result kept as it comes
+    Path(a.out).write_text(json.dumps(out, indent=1))
+    for r in out["runs"]:
+        e = r["evals"]
+        print(f"{r['algorithm']} seed {r['seed']}: sampled win rate "
+              + " -> ".join(f"{v['sampled']:.3f}" for _, v in sorted(e.items()))
+              + f" ({r['sampled_gain']:+.3f}); greedy " + " -> ".join(f"{v['greedy']:.3f}" for _, v in sorted(e.items()))
+              + f"; median step {r['median_step_s']:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
