@@ -35,13 +35,6 @@ def changes(algorithm: str, seed: int, a: argparse.Namespace) -> list[str]:
     return [f"run.seed={seed}", f"run.steps={a.steps}", f"run.eval_every={a.eval_every}", "run.eval_sampled=true", *extra]
 
 
-def sampled_evals(run_dir: Path) -> dict:
-    """Step -> the held-out evaluation's greedy and sampled win rates."""
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: {"greedy": r["eval/accuracy"], "sampled": r["eval/sampled_reward"], "sampled_n": r["eval/sampled_n"]}
-            for r in rows if "eval/sampled_reward" in r}
-
-
 def check_settings(algorithm: str, run_dir: Path, seed: int, a: argparse.Namespace) -> None:
     """Refuses a collected run whose settings are not the preset's with this benchmark's changes."""
     from cluster.config_loading import load_config, read_yaml
@@ -55,12 +48,12 @@ def check_settings(algorithm: str, run_dir: Path, seed: int, a: argparse.Namespa
         raise SystemExit(f"{run_dir}: settings differ from {PRESETS[algorithm]} + {changes(algorithm, seed, a)}: {diff}")
 
 
-def result(algorithm: str, run_dir: Path, seed: int, a: argparse.Namespace, seconds: float | None) -> dict:
-    evals = sampled_evals(run_dir)
-    first, last = evals[min(evals)], evals[max(evals)]
+def result(algorithm: str, seed: int, a: argparse.Namespace, figures: dict) -> dict:
+    """A run's record: ``preset_runs``' figures (``train``'s or ``summary``'s) and the win rates' changes."""
+    greedy, sampled = figures["eval_accuracy"], figures["eval_sampled_reward"]
+    first, last = min(sampled), max(sampled)
     return {"algorithm": algorithm, "seed": seed, "preset": PRESETS[algorithm], "changes": changes(algorithm, seed, a),
-            "seconds": seconds, **summary(run_dir), "evals": evals,
-            "sampled_gain": last["sampled"] - first["sampled"], "greedy_gain": last["greedy"] - first["greedy"]}
+            **figures, "sampled_gain": sampled[last] - sampled[first], "greedy_gain": greedy[last] - greedy[first]}
 
 
 def main() -> None:
@@ -80,21 +73,18 @@ def main() -> None:
         for item in a.collect:
             algorithm, seed, run_dir = item.split(":", 2)
             check_settings(algorithm, Path(run_dir), int(seed), a)
-            out["runs"].append(result(algorithm, Path(run_dir), int(seed), a, None))
+            out["runs"].append(result(algorithm, int(seed), a, summary(Path(run_dir))))
     else:
         for seed in a.seeds:
             for algorithm in a.only:
-                run_dir = Path(a.runs) / f"{algorithm}-seed{seed}"
-                t0 = time.perf_counter()
-                train(PRESETS[algorithm], run_dir, changes(algorithm, seed, a))
-                out["runs"].append(result(algorithm, run_dir, seed, a, time.perf_counter() - t0))
+                figures = train(PRESETS[algorithm], Path(a.runs) / f"{algorithm}-seed{seed}", changes(algorithm, seed, a))
+                out["runs"].append(result(algorithm, seed, a, figures))
                 Path(a.out).write_text(json.dumps(out, indent=1))  # each result kept as it comes
     Path(a.out).write_text(json.dumps(out, indent=1))
     for r in out["runs"]:
-        e = r["evals"]
         print(f"{r['algorithm']} seed {r['seed']}: sampled win rate "
-              + " -> ".join(f"{v['sampled']:.3f}" for _, v in sorted(e.items()))
-              + f" ({r['sampled_gain']:+.3f}); greedy " + " -> ".join(f"{v['greedy']:.3f}" for _, v in sorted(e.items()))
+              + " -> ".join(f"{v:.3f}" for _, v in sorted(r["eval_sampled_reward"].items()))
+              + f" ({r['sampled_gain']:+.3f}); greedy " + " -> ".join(f"{v:.3f}" for _, v in sorted(r["eval_accuracy"].items()))
               + f"; median step {r['median_step_s']:.1f} s")
 
 

@@ -232,26 +232,30 @@ class QLearner(PolicyLearner):
     # -- the update ------------------------------------------------------------------------------
     def _targets(self, part: Experience, r: torch.Tensor, done: torch.Tensor, after: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(targets, bootstrap values) of ``part``'s actions from the target network, without
-        dropout; ``after``: the reference's log-normaliser at each bootstrap state (0 uncalibrated)."""
+        """(targets, bootstrap values) of ``part``'s actions; ``after``: the reference's
+        log-normaliser at each bootstrap state (0 uncalibrated)."""
         hp, m = self.hp, part.response_mask
-        if not self.reads_target:  # every window ends its episode: Monte-Carlo targets, no pass
+        if self.reads_target:
+            next_max = self._bootstrap_values(part, after)
+        else:  # every window ends its episode (Monte-Carlo targets): no pass
             next_max = torch.zeros(m.shape, dtype=torch.float32, device=m.device)
-            return q_learning_targets(r, next_max, m, done, gamma=hp.gamma, n_step=hp.n_step,
-                                      mc_lower_bound=hp.mc_lower_bound), next_max
+        targets = q_learning_targets(r, next_max, m, done, gamma=hp.gamma, n_step=hp.n_step,
+                                     mc_lower_bound=hp.mc_lower_bound)
+        return targets, next_max
+
+    def _bootstrap_values(self, part: Experience, after: torch.Tensor) -> torch.Tensor:
+        """The target network's (soft) max Q after each of ``part``'s actions, without dropout."""
         head = self.model.lm.get_output_embeddings()
         was_training = self.model.training
         self.model.eval()  # targets without dropout noise
         try:
             with torch.no_grad(), self.target_network(), autocast(self.tr.bf16, self.device):
-                boot = bootstrap_positions(m)
-                next_max = self.model(run=lambda: max_q_after_positions(
-                    self._hidden(part), boot, head, chunk=self.tr.logprob_chunk, soft=hp.calibration != "none")) - after * boot
+                boot = bootstrap_positions(part.response_mask)
+                return self.model(run=lambda: max_q_after_positions(
+                    self._hidden(part), boot, head, chunk=self.tr.logprob_chunk,
+                    soft=self.hp.calibration != "none")) - after * boot
         finally:
             self.model.train(was_training)
-        targets = q_learning_targets(r, next_max, m, done, gamma=hp.gamma, n_step=hp.n_step,
-                                     mc_lower_bound=hp.mc_lower_bound)
-        return targets, next_max
 
     def _micro(self, batch: Experience, idx: torch.Tensor, mask: torch.Tensor, rewards: torch.Tensor,
                done: torch.Tensor, n_actions: int, grad: bool, ref: dict | None = None) -> torch.Tensor:
