@@ -646,6 +646,11 @@ class QLearnConfig(Section):
         "baseline; the replay buffer then samples whole prompts, as many as fit in batch_sequences). For "
         "undiscounted episodes the optimal policy is unchanged, and failed sequences get targets below 0 instead of "
         "the 0 a calibrated Q starts at, so they lose probability as solved ones gain it.")
+    value_grad: float = _f(
+        1.0, "Share of each TD error's gradient that moves its state's value, the common level of the state's logits "
+        "(logsumexp), which sampling ignores: 1, plain Q-learning (the taken token's logit regressed to its target); "
+        "0, only the policy's log-prob of the token moves (advantage learning: the target less the state's current "
+        "value, the TD error's gradient times 1 - p for the token, 0 for one the policy is sure of).", ge=0, le=1)
     target_decay: float = _f(0.9, "EMA decay of the target network: each update moves it by (1 - decay) of its gap "
                              "to the online network.", ge=0, le=1)
     target_start_step: int = _f(0, "Optimiser updates during which the target copies the online network before the "

@@ -49,7 +49,7 @@ from learners.advantages import (bootstrap_positions, episode_mask, q_learning_t
 from learners.base import LearnerContext, TrainParams
 from learners.experience import Experience, ExperienceError
 from learners.losses import kl_penalty
-from learners.td_losses import conservative_penalty, cql_penalty, td_loss
+from learners.td_losses import conservative_penalty, cql_penalty, td_loss, value_graded
 from learners.modeling import autocast, max_q_after_positions, q_heads_at_positions
 from learners.optim import ema_update_
 from learners.policy import PolicyLearner
@@ -72,6 +72,7 @@ class QLearnParams(Protocol):
     calibration: str
     reward_scale: float
     reward_baseline: str
+    value_grad: float
     target_decay: float
     target_start_step: int
     target_update_every: int
@@ -269,7 +270,8 @@ class QLearner(PolicyLearner):
         targets, next_max = self._targets(part, r, done[idx], ref["logsumexp"])
         floor = hp.q_floor * hp.reward_scale
         terms = ("logsumexp" if hp.conservative == "logsumexp" else "sq_dev_sum",
-                 *(("logprobs",) if hp.uses_reference else ()))
+                 *(("logprobs",) if hp.uses_reference else ()),
+                 *(("logsumexp",) if hp.value_grad < 1 and hp.conservative != "logsumexp" else ()))
         head = self.model.lm.get_output_embeddings()
         with torch.set_grad_enabled(grad), autocast(self.tr.bf16, self.device):
             out = self.model(run=lambda: q_heads_at_positions(
@@ -277,7 +279,7 @@ class QLearner(PolicyLearner):
                 chunk=self.tr.logprob_chunk, terms=terms))
         mf = m.float()
         q = out["q"] - ref["taken"]  # calibrated: minus the reference's logit (0 without calibration)
-        td = (td_loss(q, targets) * mf).sum() / n_actions
+        td = (td_loss(value_graded(q, out.get("logsumexp"), hp.value_grad), targets) * mf).sum() / n_actions
         if hp.conservative == "logsumexp":
             penalty = cql_penalty(out["logsumexp"], out["q"])
         else:

@@ -57,3 +57,28 @@ def cql_penalty(logsumexp_q: Tensor, q_taken: Tensor) -> Tensor:
         ``(B, T)`` penalties (>= 0); the caller masks, weights and normalises them.
     """
     return logsumexp_q - q_taken
+
+
+def value_graded(q_taken: Tensor, logsumexp_q: Tensor | None, weight: float) -> Tensor:
+    """``q_taken`` with its values unchanged and the state-value part of its gradient scaled by ``weight``.
+
+    A state's logits are Q up to a common level: ``Q(s, a) = log softmax(Q(s, .))[a] + V(s)`` with
+    ``V(s) = log sum_a exp Q(s, a)`` (the dueling decomposition, Wang et al. 2016, with the soft
+    value). The gradient of ``Q(s, a)`` in the logits, ``e_a``, splits into ``e_a - p`` (the
+    policy's log-prob of ``a``) and ``p`` (``V``, a shift the softmax ignores). ``weight`` 1 keeps
+    plain Q-learning; 0 leaves the level to the forward values only, so a squared TD error on the
+    result regresses ``log p(a|s)`` on the target less the state's current value (advantage
+    learning; at a level of 0 the gradient of Zhu et al. 2023's APA), and a token the policy is sure
+    of (``p`` near 1) gets none. Values, and so targets and statistics, are the same for every weight.
+
+    Args:
+        q_taken: ``(B, T)`` Q of the taken tokens (calibrated: less a constant, the reference's logit).
+        logsumexp_q: ``(B, T)`` ``log sum_a exp Q(s_t, a)`` of the same logits, with gradient; only
+            read when ``weight < 1``.
+        weight: in [0, 1].
+    """
+    if weight >= 1:
+        return q_taken
+    if logsumexp_q is None:
+        raise ValueError("value_graded needs the states' logsumexp when weight < 1")
+    return q_taken - (1 - weight) * (logsumexp_q - logsumexp_q.detach())
