@@ -231,6 +231,15 @@ class QLearner(PolicyLearner):
                 for k, v in terms.items()}
 
     # -- the update ------------------------------------------------------------------------------
+    def _prepare(self, batch: Experience) -> tuple[Experience, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(the batch on this device, its actions mask, rewards, done), checked; decides for this
+        batch's passes whether the targets read the target network (``reads_target``)."""
+        self.check_batch(batch)
+        batch = self.on_device(batch)
+        mask, rewards, done = self.episodes(batch)
+        self.reads_target = reads_bootstrap(mask, done, self.hp.n_step)
+        return batch, mask, rewards, done
+
     def _targets(self, part: Experience, r: torch.Tensor, done: torch.Tensor, after: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """(targets, bootstrap values) of ``part``'s actions; ``after``: the reference's
@@ -321,12 +330,9 @@ class QLearner(PolicyLearner):
         tr, comm = self.tr, self.comm
         t0 = time.perf_counter()
         lr = float(self.optimizer.param_groups[0]["lr"])
-        self.check_batch(batch)
-        batch = self.on_device(batch)
-        mask, rewards, done = self.episodes(batch)
+        batch, mask, rewards, done = self._prepare(batch)
         if not bool(mask.any()):
             return {"learner/empty_batch": 1.0, "learner/sequences": float(batch.batch_size)}
-        self.reads_target = reads_bootstrap(mask, done, self.hp.n_step)
         batch = self._with_reference(batch)
         plan = list(self.global_minibatches(torch.arange(batch.batch_size, device=self.device)))
         mine_all = torch.unique(torch.cat([mine for _, mine in plan]))
@@ -372,10 +378,8 @@ class QLearner(PolicyLearner):
     @torch.no_grad()
     def evaluate(self, batch: Experience) -> dict[str, float]:
         """TD loss and Q statistics of held-out transitions (no update), under ``eval/``."""
-        self.check_batch(batch)
-        batch = self._with_reference(self.on_device(batch))
-        mask, rewards, done = self.episodes(batch)
-        self.reads_target = reads_bootstrap(mask, done, self.hp.n_step)
+        batch, mask, rewards, done = self._prepare(batch)
+        batch = self._with_reference(batch)
         n = max(int(mask.sum()), 1)
         mine = torch.arange(batch.batch_size, device=self.device)[self.comm.rank :: self.comm.world]
         ref, backups = self._calibration(batch, mask, mine), self.backup_rewards(rewards, mask, batch.group_ids)
