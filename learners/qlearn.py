@@ -278,9 +278,9 @@ class QLearner(PolicyLearner):
         ref = {k: v[idx, : part.seq_len] for k, v in ref.items()} if ref is not None else {"logsumexp": zero, "taken": zero}
         targets, next_max = self._targets(part, r, done[idx], ref["logsumexp"])
         floor = hp.q_floor * hp.reward_scale
-        terms = ("logsumexp" if hp.conservative == "logsumexp" else "sq_dev_sum",
-                 *(("logprobs",) if hp.uses_reference else ()),
-                 *(("logsumexp",) if hp.value_grad < 1 and hp.conservative != "logsumexp" else ()))
+        terms = (*(("logsumexp",) if hp.conservative == "logsumexp" or hp.value_grad < 1 else ()),
+                 *(("sq_dev_sum",) if hp.conservative == "floor" else ()),
+                 *(("logprobs",) if hp.uses_reference else ()))
         head = self.model.lm.get_output_embeddings()
         with torch.set_grad_enabled(grad), autocast(self.tr.bf16, self.device):
             out = self.model(run=lambda: q_heads_at_positions(

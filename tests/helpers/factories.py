@@ -144,6 +144,12 @@ def transitions_batch(prompt: Sequence[int], episodes: Sequence[tuple[Sequence[i
     ).validate()
 
 
+
+def mdp_batch() -> Experience:
+    """The unit tests' small token MDP: prompt 5 6 7; tokens A=10, B=11, C=12, EOS=2 (the tiny
+    model's eos_token_id); episodes A C EOS (reward 1 at the end), A EOS (0.3), B EOS (0.1, 0.5)."""
+    return transitions_batch([5, 6, 7], [([10, 12, 2], [0, 0, 1.0]), ([10, 2], [0, 0.3]), ([11, 2], [0.1, 0.5])])
+
 def make_sft_learner(path: str, *, train: dict | None = None, lora: dict | None = None, seed: int = 0,
                      total_steps: int = 10):
     """An SFT learner on the tiny model; ``train``/``lora`` override config fields."""

@@ -11,15 +11,10 @@ from cluster.config import ConfigError
 from cluster.config_loading import load_config
 from learners.modeling import reference_logit_terms
 from tests.helpers.collective import run_ranks
-from tests.helpers.factories import make_q_learner, ragged_batch, step_with_grads, tiny_lm, transitions_batch
+from tests.helpers.factories import make_q_learner, mdp_batch, ragged_batch, step_with_grads, tiny_lm
 
 CALIBRATED = {"calibration": "reference", "conservative": "logsumexp"}
 OWN_REFERENCE = {"reference": "learners", "shared_prefix": False}
-
-
-def _mdp_batch():
-    # Prompt 5 6 7; tokens A=10, B=11, C=12, EOS=2 (the tiny model's eos_token_id).
-    return transitions_batch([5, 6, 7], [([10, 12, 2], [0, 0, 1.0]), ([10, 2], [0, 0.3]), ([11, 2], [0.1, 0.5])])
 
 
 def _full_logits(lm, ids, att) -> torch.Tensor:
@@ -62,7 +57,7 @@ def test_calibrated_q_and_its_targets_by_hand(tiny_model_path):
     y = r + logsumexp(target logits) - logsumexp(reference logits) of the next state."""
     q = make_q_learner(tiny_model_path, train={"lr": 1e-3, **OWN_REFERENCE},
                        qlearn={**CALIBRATED, "n_step": 1, "mc_lower_bound": False, "target_decay": 0.5})
-    batch = _mdp_batch()
+    batch = mdp_batch()
     ref_logits = _full_logits(tiny_lm(tiny_model_path), batch.input_ids, batch.attention_mask)
     _, rewards, _ = q.episodes(batch)
     start = q.evaluate(batch)
@@ -83,7 +78,7 @@ def test_calibrated_q_and_its_targets_by_hand(tiny_model_path):
 def test_calibrated_q_reaches_the_soft_bellman_fixed_point(tiny_model_path):
     """Gamma 0.9, one-step backups, no regulariser: after training, Q(s_t, a_t) = r_t + 0.9 V(s_{t+1})
     with Q and V measured against the reference, and Q = r at the last actions, from full passes."""
-    batch = _mdp_batch()
+    batch = mdp_batch()
     q = make_q_learner(tiny_model_path, train={"lr": 1e-3, **OWN_REFERENCE},
                        qlearn={**CALIBRATED, "gamma": 0.9, "mc_lower_bound": False, "conservative_weight": 0.0})
     for _ in range(400):
@@ -99,7 +94,7 @@ def test_calibrated_q_reaches_the_soft_bellman_fixed_point(tiny_model_path):
 
 
 def test_two_learners_take_the_one_learner_calibrated_step(tiny_model_path):
-    batch = _mdp_batch()
+    batch = mdp_batch()
     hp = {**CALIBRATED, "n_step": 2}
     g1, m1 = step_with_grads(make_q_learner(tiny_model_path, qlearn=hp, train={**OWN_REFERENCE, "micro_batch_size": 8}), batch)
     learners = [make_q_learner(tiny_model_path, qlearn=hp, train={**OWN_REFERENCE, "micro_batch_size": 1}) for _ in range(2)]

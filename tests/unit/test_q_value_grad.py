@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from learners.td_losses import value_graded
-from tests.helpers.factories import flat_grads, make_q_learner, step_with_grads, tiny_lm, transitions_batch
+from tests.helpers.factories import flat_grads, make_q_learner, mdp_batch, step_with_grads, tiny_lm
 
 
 def _taken(logits: torch.Tensor, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,18 +48,13 @@ def test_below_one_it_needs_the_logsumexp():
         value_graded(q, None, 0.5)
 
 
-def _mdp_batch():
-    # Prompt 5 6 7; tokens A=10, B=11, C=12, EOS=2 (the tiny model's eos_token_id).
-    return transitions_batch([5, 6, 7], [([10, 12, 2], [0, 0, 1.0]), ([10, 2], [0, 0.3]), ([11, 2], [0.1, 0.5])])
-
-
 @pytest.mark.parametrize("weight", [0.0, 1.0])
 def test_the_learners_gradient_is_the_td_gradient_taken_by_hand(tiny_model_path, weight):
     """Monte-Carlo targets (n_step 3 covers every episode), no regulariser: the learner's gradient is
     that of 1/2 (log p(a|s) + level - return-to-go)^2 over the actions, the level detached at 0."""
     hp = {"value_grad": weight, "conservative_weight": 0.0, "n_step": 3, "mc_lower_bound": False}
     learner = make_q_learner(tiny_model_path, train={"epochs": 1, "num_minibatches": 1}, qlearn=hp)
-    batch = _mdp_batch()
+    batch = mdp_batch()
     mask, rewards, _ = learner.episodes(batch)
     got, metrics = step_with_grads(learner, batch)
 

@@ -19,6 +19,7 @@ from tests.helpers.factories import (
     step_with_grads,
     grouped_batch,
     make_q_learner,
+    mdp_batch,
     ragged_batch,
     tiny_lm,
     transitions_batch,
@@ -115,7 +116,7 @@ def test_targets_read_the_target_network_exactly_when_reads_bootstrap_says_so(n)
 
 @pytest.mark.parametrize("n_step", [1, 3])
 def test_the_target_network_pass_is_skipped_only_where_no_target_reads_it(tiny_model_path, monkeypatch, n_step):
-    """``_mdp_batch``'s episodes are 2-3 actions long: with n_step 3 every window ends its episode,
+    """``mdp_batch``'s episodes are 2-3 actions long: with n_step 3 every window ends its episode,
     the learner runs no target pass and takes the step of a learner that runs it; with 1 it runs it."""
     import learners.qlearn as qlearn
 
@@ -123,10 +124,10 @@ def test_the_target_network_pass_is_skipped_only_where_no_target_reads_it(tiny_m
     real = qlearn.max_q_after_positions
     monkeypatch.setattr(qlearn, "max_q_after_positions", lambda *a, **k: passes.append(1) or real(*a, **k))
     hp = {"n_step": n_step, "target_start_step": 0}
-    g_skip, m_skip = step_with_grads(make_q_learner(tiny_model_path, qlearn=hp), _mdp_batch())
+    g_skip, m_skip = step_with_grads(make_q_learner(tiny_model_path, qlearn=hp), mdp_batch())
     skipped_passes = len(passes)
     monkeypatch.setattr(qlearn, "reads_bootstrap", lambda *a, **k: True)
-    g_full, m_full = step_with_grads(make_q_learner(tiny_model_path, qlearn=hp), _mdp_batch())
+    g_full, m_full = step_with_grads(make_q_learner(tiny_model_path, qlearn=hp), mdp_batch())
     assert len(passes) > skipped_passes
     assert (skipped_passes == 0) == (n_step == 3)
     assert m_skip["learner/target_pass"] == float(n_step == 1) and m_full["learner/target_pass"] == 1.0
@@ -208,15 +209,10 @@ def test_ema_moves_by_exactly_one_minus_decay_of_the_gap():
     torch.testing.assert_close(t[0] - before, 0.25 * gap)
 
 
-def _mdp_batch():
-    # Prompt 5 6 7; tokens A=10, B=11, C=12, EOS=2 (the tiny model's eos_token_id).
-    return transitions_batch([5, 6, 7], [([10, 12, 2], [0, 0, 1.0]), ([10, 2], [0, 0.3]), ([11, 2], [0.1, 0.5])])
-
-
 def test_learner_target_follows_the_online_network_by_ema_and_resumes(tiny_model_path, tmp_path):
     hp = {"target_decay": 0.8, "target_start_step": 1, "target_update_every": 2}
     a = make_q_learner(tiny_model_path, train={"lr": 1e-3}, qlearn=hp)
-    batch = _mdp_batch()
+    batch = mdp_batch()
     a.train_step(batch)  # update 1 <= start step: the target copies the online weights
     for t, p in zip(a.target_params, a.trainable):
         torch.testing.assert_close(t, p.detach(), atol=0, rtol=0)
@@ -245,7 +241,7 @@ def test_learner_target_follows_the_online_network_by_ema_and_resumes(tiny_model
 def test_lora_target_is_an_ema_of_the_adapter_only(tiny_model_path):
     q = make_q_learner(tiny_model_path, lora={"r": 4, "target_modules": ["q_proj", "v_proj"]})
     assert q.target_names and all("lora_" in n for n in q.target_names)
-    m = q.train_step(_mdp_batch())
+    m = q.train_step(mdp_batch())
     assert math.isfinite(m["loss/td"]) and q.target_updates == 1
 
 
@@ -295,7 +291,7 @@ def test_a_batch_without_rewards_is_refused(tiny_model_path):
 
 
 # -- convergence on token MDPs with closed-form optimal values ------------------------------------------
-# States: s0 = the prompt; sA = prompt + A; sAC; sB. Rewards as in _mdp_batch. With the conservative term
+# States: s0 = the prompt; sA = prompt + A; sAC; sB. Rewards as in mdp_batch. With the conservative term
 # the Q of tokens outside the data sinks to the floor 0 <= every reward, so max_a Q = the best data action:
 #   Q(sAC, EOS) = 1, Q(sA, C) = g, Q(sA, EOS) = 0.3, Q(s0, A) = g * max(g, 0.3), Q(sB, EOS) = 0.5,
 #   Q(s0, B) = 0.1 + 0.5 g.
@@ -322,7 +318,7 @@ def _train(path, batch, steps, **hp):
 def converged(tiny_model_path):
     """The MDP solved with gamma 0.9 and 1.0 (one-step backups) and, for comparison, without the
     conservative term."""
-    batch = _mdp_batch()
+    batch = mdp_batch()
     runs = {g: _train(tiny_model_path, batch, 300, gamma=g) for g in (0.9, 1.0)}
     runs["no_conservative"] = _train(tiny_model_path, batch, 300, gamma=0.9, conservative_weight=0.0)
     return batch, {k: _q_table(q, batch) for k, (q, _) in runs.items()}, {k: m for k, (_, m) in runs.items()}
@@ -367,7 +363,7 @@ def test_the_conservative_term_lowers_q_of_unseen_actions(converged):
 def test_the_logsumexp_term_lowers_the_best_unseen_token_relative_to_the_data(tiny_model_path):
     """CQL(H) is shift-invariant: it does not pull Q to a floor, it widens the gap between the data's
     actions and the best token the data never took."""
-    batch = _mdp_batch()
+    batch = mdp_batch()
     unseen = torch.ones(512, dtype=torch.bool)
     unseen[[10, 11]] = False
     gap = {}
