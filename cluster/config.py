@@ -651,6 +651,14 @@ class QLearnConfig(Section):
         "(logsumexp), which sampling ignores: 1, plain Q-learning (the taken token's logit regressed to its target); "
         "0, only the policy's log-prob of the token moves (advantage learning: the target less the state's current "
         "value, the TD error's gradient times 1 - p for the token, 0 for one the policy is sure of).", ge=0, le=1)
+    state_value: Literal["model", "reference"] = _f(
+        "model", "With calibration=reference, the state value V(s) each TD error reads (Q(s,a) = log p(a|s) - log "
+        "p_ref(a|s) + V(s)): model, the online logits' soft value (logsumexp(logits) - logsumexp(logits_ref), soft "
+        "Q-learning); reference, the initial model's, 0: the log-ratio is regressed on the target itself (APA, Zhu "
+        "et al. 2023; with reward_baseline the group's mean return is the baseline). At value_grad 0 no TD error "
+        "trains the model's V, yet each update moves it, so its TD errors carry an untrained offset per state; "
+        "reference removes it. Bootstraps then read 0 too (no target-network pass): use n_step of at least an "
+        "episode. Needs value_grad 0.")
     target_decay: float = _f(0.9, "EMA decay of the target network: each update moves it by (1 - decay) of its gap "
                              "to the online network.", ge=0, le=1)
     target_start_step: int = _f(0, "Optimiser updates during which the target copies the online network before the "
@@ -903,6 +911,10 @@ class Config(Section):
              or self.qlearn.conservative_weight == 0,
              "qlearn.calibration=reference measures Q against the reference's logits, which the floor term would "
              "need for every token of the vocabulary: use qlearn.conservative=logsumexp (or conservative_weight=0)"),
+            (self.qlearn.state_value == "model" or (self.qlearn.calibration == "reference"
+                                                    and self.qlearn.value_grad == 0),
+             "qlearn.state_value=reference reads each state's value as the calibration's reference (0) and trains "
+             "the log-prob alone: set qlearn.calibration=reference and qlearn.value_grad=0"),
             (ppo.kl_loss_estimator == "k3" or (ppo.kl_loss_coef > 0 and not ppo.teacher
                                                  and (self.train.reference == "learners" or self.lora.enabled)),
              "ppo.kl_loss_estimator=full is the KL loss term's (set ppo.kl_loss_coef > 0) to the frozen initial model "

@@ -49,7 +49,7 @@ from learners.advantages import (bootstrap_positions, episode_mask, q_learning_t
 from learners.base import LearnerContext, TrainParams
 from learners.experience import Experience, ExperienceError
 from learners.losses import kl_penalty
-from learners.td_losses import conservative_penalty, cql_penalty, td_loss, value_graded
+from learners.td_losses import conservative_penalty, cql_penalty, reference_valued, td_loss, value_graded
 from learners.modeling import autocast, max_q_after_positions, q_heads_at_positions
 from learners.optim import ema_update_
 from learners.policy import PolicyLearner
@@ -73,6 +73,7 @@ class QLearnParams(Protocol):
     reward_scale: float
     reward_baseline: str
     value_grad: float
+    state_value: str
     target_decay: float
     target_start_step: int
     target_update_every: int
@@ -114,6 +115,8 @@ class QLearner(PolicyLearner):
         if hp.calibration != "none" and hp.conservative == "floor" and hp.conservative_weight:
             raise ValueError("qlearn.calibration=reference needs conservative=logsumexp or conservative_weight=0 "
                              "(the floor term would need the reference's logit of every token)")
+        if hp.state_value == "reference" and (hp.calibration == "none" or hp.value_grad != 0):
+            raise ValueError("qlearn.state_value=reference needs calibration=reference and value_grad=0")
 
     # -- batch preparation -----------------------------------------------------------------------
     def check_batch(self, batch: Experience) -> None:
@@ -237,7 +240,7 @@ class QLearner(PolicyLearner):
         self.check_batch(batch)
         batch = self.on_device(batch)
         mask, rewards, done = self.episodes(batch)
-        self.reads_target = reads_bootstrap(mask, done, self.hp.n_step)
+        self.reads_target = self.hp.state_value == "model" and reads_bootstrap(mask, done, self.hp.n_step)
         return batch, mask, rewards, done
 
     def _targets(self, part: Experience, r: torch.Tensor, done: torch.Tensor, after: torch.Tensor
@@ -247,7 +250,7 @@ class QLearner(PolicyLearner):
         hp, m = self.hp, part.response_mask
         if self.reads_target:
             next_max = self._bootstrap_values(part, after)
-        else:  # every window ends its episode (Monte-Carlo targets): no pass
+        else:  # every window ends its episode (Monte-Carlo targets), or V is the reference's 0: no pass
             next_max = torch.zeros(m.shape, dtype=torch.float32, device=m.device)
         targets = q_learning_targets(r, next_max, m, done, gamma=hp.gamma, n_step=hp.n_step,
                                      mc_lower_bound=hp.mc_lower_bound)
@@ -288,7 +291,11 @@ class QLearner(PolicyLearner):
                 chunk=self.tr.logprob_chunk, terms=terms))
         mf = m.float()
         q = out["q"] - ref["taken"]  # calibrated: minus the reference's logit (0 without calibration)
-        td = (td_loss(value_graded(q, out.get("logsumexp"), hp.value_grad), targets) * mf).sum() / n_actions
+        if hp.state_value == "reference":  # V(s) the reference's: the log-ratio, its gradient the log-prob's
+            q = reference_valued(q, out["logsumexp"], _action_states(ref["logsumexp"]))
+        else:
+            q = value_graded(q, out.get("logsumexp"), hp.value_grad)
+        td = (td_loss(q, targets) * mf).sum() / n_actions
         if hp.conservative == "logsumexp":
             penalty = cql_penalty(out["logsumexp"], out["q"])
         else:
@@ -311,7 +318,7 @@ class QLearner(PolicyLearner):
         (``after`` shifted one token gives the reference's log-normaliser of each action's state)."""
         hp, mf = self.hp, m.float()
         td, cons, kl = (float(x) for x in losses)
-        before = torch.cat([torch.zeros_like(after[:, :1]), after[:, :-1]], dim=1)
+        before = _action_states(after)
         q = q.detach()
         unseen = (out["q_mean"] * self.vocab_size - out["q"]) / (self.vocab_size - 1) - before * mf
         raised = 0.0  # actions whose target the Monte-Carlo bound lifted
@@ -419,3 +426,9 @@ class QLearner(PolicyLearner):
             raise ValueError(f"target network in {folder} does not fit this learner (missing {missing[:3]})")
         for n, t in zip(self.target_names, self.target_params):
             load_shard_(t, saved[n])
+
+
+def _action_states(after: torch.Tensor) -> torch.Tensor:
+    """A per-state term read at bootstrap positions (after each action, ``p = t``) moved to each
+    action's own state (``p = t - 1``)."""
+    return torch.cat([torch.zeros_like(after[:, :1]), after[:, :-1]], dim=1)

@@ -82,3 +82,25 @@ def value_graded(q_taken: Tensor, logsumexp_q: Tensor | None, weight: float) -> 
     if logsumexp_q is None:
         raise ValueError("value_graded needs the states' logsumexp when weight < 1")
     return q_taken - (1 - weight) * (logsumexp_q - logsumexp_q.detach())
+
+
+def reference_valued(q_taken: Tensor, logsumexp_q: Tensor, ref_logsumexp: Tensor) -> Tensor:
+    """Calibrated Q of the taken tokens with each state's value read as the reference's, 0:
+    ``log p(a|s) - log p_ref(a|s)``.
+
+    A calibrated Q is ``Q(s, a) = log p(a|s) - log p_ref(a|s) + V(s)`` with the soft value
+    ``V(s) = logsumexp(logits) - logsumexp(logits_ref)``. With ``value_graded`` at 0 no TD error
+    trains ``V``, yet every update moves it (the logits share their weights), so each state's TD
+    error carries an untrained offset that the log-prob then makes up for. Reading ``V`` as the
+    reference's (0) instead makes the squared TD error regress the log-ratio on the target itself:
+    with targets centered by their group's mean return (``reward_baseline``), the advantage-induced
+    policy alignment loss of Zhu et al. 2023 (APA), ``(log pi/pi_ref - A / lambda)^2`` with
+    ``1 / lambda`` the ``reward_scale``, over every token of a multi-turn episode. The gradient is
+    the log-prob's alone, ``e_a - p``, as at ``value_graded`` 0; only the value differs.
+
+    Args:
+        q_taken: ``(B, T)`` calibrated Q of the taken tokens (the logit less the reference's logit).
+        logsumexp_q: ``(B, T)`` ``logsumexp`` of the online logits of the same states, with gradient.
+        ref_logsumexp: ``(B, T)`` the reference's ``logsumexp`` of the same states.
+    """
+    return q_taken - logsumexp_q + ref_logsumexp
