@@ -244,9 +244,9 @@ class QLearner(PolicyLearner):
         return batch, mask, rewards, done
 
     def _targets(self, part: Experience, r: torch.Tensor, done: torch.Tensor, after: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(targets, bootstrap values) of ``part``'s actions; ``after``: the reference's
-        log-normaliser at each bootstrap state (0 uncalibrated)."""
+                 ) -> tuple[torch.Tensor, float]:
+        """(targets of ``part``'s actions, how many of them the Monte-Carlo bound lifted); ``after``:
+        the reference's log-normaliser at each bootstrap state (0 uncalibrated)."""
         hp, m = self.hp, part.response_mask
         if self.reads_target:
             next_max = self._bootstrap_values(part, after)
@@ -254,7 +254,11 @@ class QLearner(PolicyLearner):
             next_max = torch.zeros(m.shape, dtype=torch.float32, device=m.device)
         targets = q_learning_targets(r, next_max, m, done, gamma=hp.gamma, n_step=hp.n_step,
                                      mc_lower_bound=hp.mc_lower_bound)
-        return targets, next_max
+        raised = 0.0
+        if hp.mc_lower_bound:
+            plain = q_learning_targets(r, next_max, m, done, gamma=hp.gamma, n_step=hp.n_step)
+            raised = float(((targets > plain) & m).sum())
+        return targets, raised
 
     def _bootstrap_values(self, part: Experience, after: torch.Tensor) -> torch.Tensor:
         """The target network's (soft) max Q after each of ``part``'s actions, without dropout."""
@@ -279,7 +283,7 @@ class QLearner(PolicyLearner):
         m, r = part.response_mask, rewards[idx, : part.seq_len]
         zero = torch.zeros_like(r)
         ref = {k: v[idx, : part.seq_len] for k, v in ref.items()} if ref is not None else {"logsumexp": zero, "taken": zero}
-        targets, next_max = self._targets(part, r, done[idx], ref["logsumexp"])
+        targets, raised = self._targets(part, r, done[idx], ref["logsumexp"])
         floor = hp.q_floor * hp.reward_scale
         terms = (*(("logsumexp",) if hp.conservative == "logsumexp" or hp.value_grad < 1 else ()),
                  *(("sq_dev_sum",) if hp.conservative == "floor" else ()),
@@ -309,22 +313,20 @@ class QLearner(PolicyLearner):
             raise FloatingPointError(f"non-finite Q-learning loss: td {float(td)}, conservative {float(cons)}, kl {float(kl)}")
         if grad:
             loss.backward()
-        return self._sums(out, q, targets, next_max, r, done[idx], ref["logsumexp"], m, (td, cons, kl), n_actions)
+        return self._sums(out, q, targets, ref["logsumexp"], m, (td, cons, kl, raised), n_actions)
 
     @torch.no_grad()
-    def _sums(self, out: dict, q: torch.Tensor, targets: torch.Tensor, next_max: torch.Tensor, r: torch.Tensor,
-              done: torch.Tensor, after: torch.Tensor, m: torch.Tensor, losses: tuple, n_actions: int) -> torch.Tensor:
+    def _sums(self, out: dict, q: torch.Tensor, targets: torch.Tensor, after: torch.Tensor, m: torch.Tensor,
+              counts: tuple, n_actions: int) -> torch.Tensor:
         """One micro-batch's ``_SUMS``: losses times the action count, Q statistics summed over actions
-        (``after`` shifted one token gives the reference's log-normaliser of each action's state)."""
-        hp, mf = self.hp, m.float()
-        td, cons, kl = (float(x) for x in losses)
+        (``after`` shifted one token gives the reference's log-normaliser of each action's state);
+        ``counts``: the TD, conservative and KL losses and the actions whose target the Monte-Carlo
+        bound lifted."""
+        mf = m.float()
+        td, cons, kl, raised = (float(x) for x in counts)
         before = _action_states(after)
         q = q.detach()
         unseen = (out["q_mean"] * self.vocab_size - out["q"]) / (self.vocab_size - 1) - before * mf
-        raised = 0.0  # actions whose target the Monte-Carlo bound lifted
-        if hp.mc_lower_bound:
-            plain = q_learning_targets(r, next_max, m, done, gamma=hp.gamma, n_step=hp.n_step)
-            raised = float(((targets > plain) & m).sum())
         n = float(n_actions)
         return torch.tensor([
             td * n, cons * n, kl * n, float((q * mf).sum()), float((targets * mf).sum()),
