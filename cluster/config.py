@@ -876,7 +876,7 @@ class Config(Section):
             (not (self.cluster.realtime_learners and self.cluster.gpus_per_learner),
              "cluster.realtime_learners is for CPU learners (their OpenMP threads share cores with Ray's processes); "
              "a GPU learner's threads mostly wait for the GPU, and real-time waiting threads would starve the node"),
-        ] + self._env_checks(algo) + self._data_and_shaping_checks()
+        ] + self._env_checks(algo) + self._data_and_shaping_checks() + self._qlearn_value_checks()
         for ok, msg in checks:
             if not ok:
                 raise ConfigError(msg)
@@ -885,6 +885,22 @@ class Config(Section):
         except ValueError as e:
             raise ConfigError(str(e)) from None
         return self
+
+    def _qlearn_value_checks(self) -> list[tuple[bool, str]]:
+        """What a calibrated Q (``qlearn.calibration``, ``state_value``) needs of the rest of the config."""
+        return [
+            (self.qlearn.calibration == "none" or (self.train.reference == "learners" or self.lora.enabled),
+             "qlearn.calibration=reference reads the frozen initial model's logits in the learners: set "
+             "train.reference=learners (or use LoRA, whose base model is the reference)"),
+            (self.qlearn.calibration == "none" or self.qlearn.conservative == "logsumexp"
+             or self.qlearn.conservative_weight == 0,
+             "qlearn.calibration=reference measures Q against the reference's logits, which the floor term would "
+             "need for every token of the vocabulary: use qlearn.conservative=logsumexp (or conservative_weight=0)"),
+            (self.qlearn.state_value == "model" or (self.qlearn.calibration == "reference"
+                                                    and self.qlearn.value_grad == 0),
+             "qlearn.state_value=reference reads each state's value as the calibration's reference (0) and trains "
+             "the log-prob alone: set qlearn.calibration=reference and qlearn.value_grad=0"),
+        ]
 
     def _data_and_shaping_checks(self) -> list[tuple[bool, str]]:
         ppo, rollout, reward = self.ppo, self.rollout, self.reward
@@ -904,17 +920,6 @@ class Config(Section):
             (ppo.critic == "shared" or ppo.advantage_estimator == "gae",
              f"ppo.critic=separate is a critic for advantage_estimator=gae; {ppo.advantage_estimator} uses none"),
             (not ppo.critic_init or ppo.critic == "separate", "ppo.critic_init starts a separate critic: set ppo.critic=separate"),
-            (self.qlearn.calibration == "none" or (self.train.reference == "learners" or self.lora.enabled),
-             "qlearn.calibration=reference reads the frozen initial model's logits in the learners: set "
-             "train.reference=learners (or use LoRA, whose base model is the reference)"),
-            (self.qlearn.calibration == "none" or self.qlearn.conservative == "logsumexp"
-             or self.qlearn.conservative_weight == 0,
-             "qlearn.calibration=reference measures Q against the reference's logits, which the floor term would "
-             "need for every token of the vocabulary: use qlearn.conservative=logsumexp (or conservative_weight=0)"),
-            (self.qlearn.state_value == "model" or (self.qlearn.calibration == "reference"
-                                                    and self.qlearn.value_grad == 0),
-             "qlearn.state_value=reference reads each state's value as the calibration's reference (0) and trains "
-             "the log-prob alone: set qlearn.calibration=reference and qlearn.value_grad=0"),
             (ppo.kl_loss_estimator == "k3" or (ppo.kl_loss_coef > 0 and not ppo.teacher
                                                  and (self.train.reference == "learners" or self.lora.enabled)),
              "ppo.kl_loss_estimator=full is the KL loss term's (set ppo.kl_loss_coef > 0) to the frozen initial model "
