@@ -222,3 +222,7 @@ def trained_lora(path: str, targets: Sequence[str], *, r: int = 4, scale: float 
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * scale)
     return model
+
+def taken_logits(logits: torch.Tensor, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each taken action's logit, each state's logsumexp) of ``(B, T, V)`` logits."""
+    return logits.gather(2, actions[..., None]).squeeze(2), torch.logsumexp(logits, 2)

@@ -16,15 +16,11 @@ import torch.nn.functional as F
 from cluster.config import ConfigError
 from cluster.config_loading import load_config
 from learners.td_losses import reference_valued
-from tests.helpers.factories import flat_grads, make_q_learner, mdp_batch, step_with_grads, tiny_lm
+from tests.helpers.factories import flat_grads, make_q_learner, mdp_batch, step_with_grads, taken_logits, tiny_lm
 
 HP = {"calibration": "reference", "conservative": "logsumexp", "conservative_weight": 0.0, "value_grad": 0.0,
       "n_step": 3, "mc_lower_bound": False}
 TRAIN = {"epochs": 1, "num_minibatches": 1, "lr": 1e-2, "reference": "learners", "shared_prefix": False}
-
-
-def _taken(logits: torch.Tensor, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return logits.gather(2, actions[..., None]).squeeze(2), torch.logsumexp(logits, 2)
 
 
 def test_the_value_is_the_log_ratio_and_the_gradient_the_log_probs():
@@ -32,8 +28,8 @@ def test_the_value_is_the_log_ratio_and_the_gradient_the_log_probs():
     logits = torch.randn(2, 3, 7, generator=g).requires_grad_()
     ref = torch.randn(2, 3, 7, generator=g)
     actions = torch.randint(0, 7, (2, 3), generator=g)
-    q, lse = _taken(logits, actions)
-    ref_taken, ref_lse = _taken(ref, actions)
+    q, lse = taken_logits(logits, actions)
+    ref_taken, ref_lse = taken_logits(ref, actions)
     out = reference_valued(q - ref_taken, lse, ref_lse)
     want = (F.log_softmax(logits, 2) - F.log_softmax(ref, 2)).gather(2, actions[..., None]).squeeze(2)
     torch.testing.assert_close(out, want)

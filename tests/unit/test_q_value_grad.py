@@ -9,11 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from learners.td_losses import value_graded
-from tests.helpers.factories import flat_grads, make_q_learner, mdp_batch, step_with_grads, tiny_lm
-
-
-def _taken(logits: torch.Tensor, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return logits.gather(2, actions[..., None]).squeeze(2), torch.logsumexp(logits, 2)
+from tests.helpers.factories import flat_grads, make_q_learner, mdp_batch, step_with_grads, taken_logits, tiny_lm
 
 
 @pytest.mark.parametrize("weight", [0.0, 0.25, 1.0])
@@ -21,7 +17,7 @@ def test_values_are_the_same_and_the_logit_gradient_is_e_a_less_a_share_of_p(wei
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 3, 7, generator=g).requires_grad_()
     actions = torch.randint(0, 7, (2, 3), generator=g)
-    q, lse = _taken(logits, actions)
+    q, lse = taken_logits(logits, actions)
     out = value_graded(q, lse, weight)
     torch.testing.assert_close(out, q, atol=0, rtol=0)
     out.sum().backward()
@@ -32,12 +28,12 @@ def test_values_are_the_same_and_the_logit_gradient_is_e_a_less_a_share_of_p(wei
 def test_at_zero_a_sure_token_and_a_common_shift_get_no_gradient():
     logits = torch.tensor([[[14.0, 0.0, -1.0, 0.5], [0.3, 0.1, -0.2, 0.0]]], requires_grad=True)
     actions = torch.tensor([[0, 2]])
-    value_graded(*_taken(logits, actions), 0.0).sum().backward()
+    value_graded(*taken_logits(logits, actions), 0.0).sum().backward()
     assert logits.grad[0, 0].abs().max() < 1e-5  # p(a) ~ 1: the policy cannot move it
     assert logits.grad[0, 1, 2] == pytest.approx(1 - float(torch.softmax(logits[0, 1].detach(), 0)[2]))
     torch.testing.assert_close(logits.grad.sum(2), torch.zeros(1, 2), atol=1e-6, rtol=0)  # a shift: none
     plain = logits.detach().clone().requires_grad_()
-    value_graded(*_taken(plain, actions), 1.0).sum().backward()
+    value_graded(*taken_logits(plain, actions), 1.0).sum().backward()
     assert plain.grad[0, 0, 0] == 1.0  # plain Q-learning lifts the sure token's level all the same
 
 
