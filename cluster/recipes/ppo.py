@@ -12,10 +12,11 @@ Asynchronous (``rollout.max_staleness = s > 0``): the generation of the next s s
 is started before the learners train on this one, so sampling overlaps learning. A batch is
 then sampled by weights up to s versions older than the learners' (its ``policy_version``);
 one older than that never reaches a loss (counted as ``skipped.stale``), and the importance
-correction from the rollout policy to the old policy is on by default. Weight syncs queue
-behind the generation calls on each generator actor, so an update never lands mid-generation;
-with ``rollout.inflight_updates`` it lands between two decoding steps instead, and a batch counts
-as sampled by its oldest tokens' version.
+correction from the rollout policy to the old policy is on by default. A weight sync waits
+until the batches generating ahead are done, so each batch is sampled by one version whatever
+the timing (what makes an asynchronous run reproducible and its resume exact); with
+``rollout.inflight_updates`` it lands between two decoding steps instead, and a batch counts as
+sampled by its oldest tokens' version.
 With s = 0 this is the synchronous loop above, step for step.
 
 The roles start in ``cluster/roles.py``; the loop around the step (evaluations, checkpoints,
@@ -171,6 +172,8 @@ class PPOSteps:
         self.ledger.record("trained", [{"step": step, "uid": u, "samples": n, "version": result["version"],
                                         "sampled_version": sampled, "learner_version": self.learner_version}
                                        for u, n in kept.items()])
+        if not self.cfg.rollout.inflight_updates:
+            self._finish_ahead()  # sampled by the old weights: a sync between their units would mix versions
         with self.ctx.phase("sync"):
             synced = self._sync(result)
         self._position = SamplerPosition(cur.consumed)
@@ -249,14 +252,24 @@ class PPOSteps:
         if not len(self.queue):
             return
         saved = []
+        self._finish_ahead()
         for cur in self.queue.ahead:
-            exp, gen_stats, score_stats = self._sample_and_score(cur.step, cur)
-            cur.done = (exp, gen_stats, score_stats)
+            exp, gen_stats, score_stats = cur.done
             saved.append({"launched": dataclasses.asdict(dataclasses.replace(cur, pending=None, done=None)),
                           "records": [e.fields() for e in ray.get(exp)], "gen_stats": gen_stats,
                           "score_stats": score_stats})
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(saved, path)
+
+    def _finish_ahead(self) -> None:
+        """Waits for the batches generating ahead (and scores them). Before a sync this keeps every
+        batch sampled by one policy version: the pool hands a generator its next unit when the
+        last one ends, so a sync queued meanwhile would land between two units of the batch, and
+        which units ran on the new weights would depend on timing (a resumed run would then not
+        draw the same samples as the uninterrupted one)."""
+        for cur in self.queue.ahead:
+            if cur.done is None:
+                cur.done = self._sample_and_score(cur.step, cur)
 
     def _restore_ahead(self, path: Path) -> None:
         """The batches a checkpoint kept (``_save_ahead``) go back into the queue, issued again in

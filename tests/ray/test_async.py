@@ -83,6 +83,36 @@ def test_async_ppo_learns_within_the_staleness_bound_in_the_synchronous_prompt_o
     assert len(trained) == STEPS * 32 and len({r["uid"] for r in trained}) == STEPS * 32
 
 
+def _long_generations(tmp_path: Path, inflight: bool, *overrides: str) -> tuple[list[dict], list[dict[int, int]], Path]:
+    """A run whose generations (128 decoding steps) outlast the learners' update several times:
+    the sync after step k is ready while step k+1 still generates. Its rows and each batch's
+    token counts by the policy version that sampled them, and its run folder."""
+    cfg = load_config(ROOT / "configs" / "ppo_tiny.yaml", [
+        *overrides, "rollout.max_staleness=1", f"rollout.inflight_updates={str(inflight).lower()}", "model.max_new_tokens=128",
+        "rollout.prompts_per_step=8", "train.epochs=1", "train.num_minibatches=1", "train.micro_batch_size=8",
+        f"run.steps={STEPS}", f"run.output_dir={tmp_path}", f"run.name=inflight{int(inflight)}", "run.plot=false",
+        "cluster.metrics_export=false"])
+    result = train(cfg)
+    rows = [r for r in result.history if r["step"] > 0]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    return rows, [{int(k): n for k, n in r["generate/tokens_by_version"].items()} for r in rows], result.run_dir
+
+
+def test_without_inflight_updates_a_sync_waits_for_the_batch_generating_ahead(ray_cluster, tmp_path):
+    """Without in-flight updates each batch is sampled by one policy version, the one just behind
+    the learners, even when generation outlasts learning: the sync after step k waits for step
+    k+1's batch (the pool hands a generator its next unit when the last one ends, so a sync sent
+    at once would land between two units of that batch and the samples would depend on timing)."""
+    # 2 generators, a unit per prompt: each generator runs 4 units of a batch one after another.
+    rows, by_version, _ = _long_generations(tmp_path, False, "rollout.num_generators=2", "rollout.unit_prompts=1")
+    assert by_version[0] == {0: rows[0]["generate/tokens"]}
+    assert all(r["rollout/units_by_generator"] and len(r["rollout/units_by_generator"]) == 2 for r in rows)
+    for r, counts in zip(rows[1:], by_version[1:]):
+        assert counts == {r["step"] - 2: r["generate/tokens"]}, (r["step"], counts)
+        assert r["policy/staleness"] == 1
+    assert all(r["sync/probe_gap"] < 1e-5 for r in rows)
+
+
 def test_inflight_weight_updates_land_mid_generation_within_the_staleness_bound(ray_cluster, tmp_path):
     """``rollout.inflight_updates``: the sync after step k lands in the running generation of step
     k+1 (between two decoding steps) instead of waiting for its end. Each token records the
@@ -93,15 +123,7 @@ def test_inflight_weight_updates_land_mid_generation_within_the_staleness_bound(
     inside them. (Whether
     the run learns is the other test's subject: at 128 tokens this toy task collapses, in-flight
     or not.)"""
-    cfg = load_config(ROOT / "configs" / "ppo_tiny.yaml", [
-        "rollout.max_staleness=1", "rollout.inflight_updates=true", "model.max_new_tokens=128",
-        "rollout.prompts_per_step=8", "train.epochs=1", "train.num_minibatches=1", "train.micro_batch_size=8",
-        f"run.steps={STEPS}", f"run.output_dir={tmp_path}", "run.name=inflight", "run.plot=false",
-        "cluster.metrics_export=false"])
-    result = train(cfg)
-    rows = [r for r in result.history if r["step"] > 0]
-    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
-    by_version = [{int(k): n for k, n in r["generate/tokens_by_version"].items()} for r in rows]
+    rows, by_version, run_dir = _long_generations(tmp_path, inflight=True)
     assert by_version[0] == {0: rows[0]["generate/tokens"]}  # nothing was synced during the first
     # Step s trains at learner version s-1 on a batch generated from version s-2 on, into which
     # the sync of version s-1 may land: only those two versions ever sampled a token, and the
@@ -113,7 +135,7 @@ def test_inflight_weight_updates_land_mid_generation_within_the_staleness_bound(
         assert set(counts) <= {s - 2, s - 1} and sum(counts.values()) == r["generate/tokens"], (s, counts)
         assert r["generate/policy_version"] == min(counts)
         assert r["policy/staleness"] == s - 1 - min(counts) and r["learner/stale_batch"] == r["policy/staleness"]
-    trained = [r for r in read_ledger(result.run_dir) if r["event"] == "trained"]
+    trained = [r for r in read_ledger(run_dir) if r["event"] == "trained"]
     assert len(trained) == STEPS * 8 and max(r["learner_version"] - r["sampled_version"] for r in trained) <= 1
     # A load lands between two decoding steps of a running generation: some batch holds tokens of
     # both versions, the newer ones sampled after the sync. (How many of the 5 overlapping
