@@ -104,9 +104,11 @@ class QLearner(PolicyLearner):
         self.eos_token_ids = [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None]
         self.vocab_size = int(self.model.lm.get_output_embeddings().weight.shape[0])
         # The target network: a copy of every trainable tensor (LoRA: the adapters), swapped in
-        # for the target's forward pass; frozen weights are shared with the online network.
-        self.target_names = [n for n, p in self.model.named_parameters() if p.requires_grad]
-        self.target_params = [p.detach().clone() for p in self.trainable]
+        # for the target's forward pass; frozen weights are shared with the online network. None
+        # with state_value=reference, whose bootstraps read the reference's value (0).
+        keeps_target = hp.state_value == "model"
+        self.target_names = [n for n, p in self.model.named_parameters() if p.requires_grad] if keeps_target else []
+        self.target_params = [p.detach().clone() for p in self.trainable] if keeps_target else []
         self.updates = 0
         self.target_updates = 0
         # Whether this step's targets read the target network (``reads_bootstrap``): decided on the
@@ -201,6 +203,8 @@ class QLearner(PolicyLearner):
         """After optimiser update ``self.updates``: a copy until ``target_start_step``, then an EMA
         step every ``target_update_every`` updates."""
         hp = self.hp
+        if not self.target_params:
+            return
         if self.updates <= hp.target_start_step:
             decay = 0.0
         elif (self.updates - hp.target_start_step) % hp.target_update_every == 0:
@@ -410,6 +414,8 @@ class QLearner(PolicyLearner):
     def save_extra(self, folder: Path) -> None:
         from safetensors.torch import save_file
 
+        if not self.target_params:
+            return
         target = {n: full_tensor(t).contiguous().cpu() for n, t in zip(self.target_names, self.target_params)}
         if not self.writes_files:  # sharded: every rank gathered, rank 0 writes
             return
@@ -420,6 +426,8 @@ class QLearner(PolicyLearner):
         from safetensors.torch import load_file
 
         path = folder / TARGET_DIR / TARGET_FILE
+        if not self.target_params:
+            return
         if not path.is_file():
             raise FileNotFoundError(f"{folder} holds no target network ({TARGET_DIR}/{TARGET_FILE})")
         saved = load_file(str(path))

@@ -4,7 +4,7 @@ regressed on the target itself. By hand: the values are the log-ratio, unchanged
 of either model's logits; the gradient is the log-prob's (``e_a - p``); the learner's gradient
 after the model has moved off the reference equals one taken by hand on full forward passes, and
 differs from the soft value's (``state_value=model``), whose untrained level the TD errors carry;
-bootstraps read 0 and run no target pass (and the Monte-Carlo bound lifts the targets it should);
+bootstraps read 0, run no target pass and keep no target copy (and the Monte-Carlo bound lifts the targets it should);
 the config refuses what it cannot run."""
 
 import copy
@@ -83,9 +83,10 @@ def test_bootstraps_read_zero_and_run_no_target_pass(tiny_model_path):
     metrics = learner.train_step(batch)
     mask, rewards, _ = learner.episodes(batch)
     assert metrics["learner/target_pass"] == 0.0
+    assert learner.target_params == [] and metrics["learner/target_updates"] == 0.0  # no copy kept
     assert learner.evaluate(batch)["eval/q/target"] == pytest.approx(float(rewards[mask].mean()), abs=1e-6)
     soft = make_q_learner(tiny_model_path, train=TRAIN, qlearn={**HP, "n_step": 1})
-    assert soft.train_step(batch)["learner/target_pass"] == 1.0
+    assert soft.train_step(batch)["learner/target_pass"] == 1.0 and len(soft.target_params) > 0
     # The Monte-Carlo bound lifts each target to its return-to-go where rewards follow: the first
     # two actions of A C EOS (0 0 1) and the first of A EOS (0 .3) and of B EOS (.1 .5), 4 of 7.
     bounded = make_q_learner(tiny_model_path, train=TRAIN,
