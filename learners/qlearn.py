@@ -425,9 +425,9 @@ class QLearner(PolicyLearner):
     def restore_extra(self, folder: Path) -> None:
         from safetensors.torch import load_file
 
-        path = folder / TARGET_DIR / TARGET_FILE
         if not self.target_params:
             return
+        path = folder / TARGET_DIR / TARGET_FILE
         if not path.is_file():
             raise FileNotFoundError(f"{folder} holds no target network ({TARGET_DIR}/{TARGET_FILE})")
         saved = load_file(str(path))

@@ -172,10 +172,7 @@ class PPOSteps:
         self.ledger.record("trained", [{"step": step, "uid": u, "samples": n, "version": result["version"],
                                         "sampled_version": sampled, "learner_version": self.learner_version}
                                        for u, n in kept.items()])
-        if not self.cfg.rollout.inflight_updates:
-            self._finish_ahead()  # sampled by the old weights: a sync between their units would mix versions
-        with self.ctx.phase("sync"):
-            synced = self._sync(result)
+        synced = self._sync(result)
         self._position = SamplerPosition(cur.consumed)
         row = {"skipped_at_load": dict(self.train_set.skipped), "data/prompt_ids": cur.prompt_ids,
                **step_metrics(gen_stats, score_stats, result["metrics"]),
@@ -309,10 +306,14 @@ class PPOSteps:
                            version=self.learner_version, trained=False)
 
     def _sync(self, result: dict) -> dict[str, Any]:
-        """The new weights into the generators, verified by the probe when configured."""
-        synced = self.transport.sync(result, self.rollout, self.learners)
-        verified = self.rollout.verify_sync(self.probe_ids, synced["probe"], result["version"], self.tolerance) \
-            if self.probe_ids else {}
+        """The new weights into the generators, verified by the probe when configured. Without
+        in-flight updates, once the batches generating ahead are done (``_finish_ahead``)."""
+        if not self.cfg.rollout.inflight_updates:
+            self._finish_ahead()  # its time is the generate phase's, not the sync's
+        with self.ctx.phase("sync"):
+            synced = self.transport.sync(result, self.rollout, self.learners)
+            verified = self.rollout.verify_sync(self.probe_ids, synced["probe"], result["version"], self.tolerance) \
+                if self.probe_ids else {}
         return {"sync/load_s": max(synced["load_s"]), **{k: v for k, v in synced.items() if k.startswith("sync/")},
                 **verified}
 
