@@ -659,6 +659,13 @@ class QLearnConfig(Section):
         "trains the model's V, yet each update moves it, so its TD errors carry an untrained offset per state; "
         "reference removes it. Bootstraps then read 0 too (no target-network pass): use n_step of at least an "
         "episode. Needs value_grad 0.")
+    skip_uniform_groups: bool = _f(
+        False, "With reward_baseline=group_mean: train only on the groups (a prompt's samples in the batch) whose "
+        "centered rewards are not all 0, leaving out those whose samples all earned the same reward (counted, "
+        "learner/uniform_group_rows). Their targets are all 0, so their TD errors carry no reward, only a pull "
+        "toward Q's start (the prior, when calibrated): the rows GRPO's learner skips as zero-advantage and "
+        "DAPO's dynamic sampling drops. The loss is then normalised by the kept rows' actions; a batch with no "
+        "kept row makes no update (learner/empty_batch). Held-out evaluation reads every row.")
     target_decay: float = _f(0.9, "EMA decay of the target network: each update moves it by (1 - decay) of its gap "
                              "to the online network.", ge=0, le=1)
     target_start_step: int = _f(0, "Optimiser updates during which the target copies the online network before the "
@@ -887,7 +894,8 @@ class Config(Section):
         return self
 
     def _qlearn_value_checks(self) -> list[tuple[bool, str]]:
-        """What a calibrated Q (``qlearn.calibration``, ``state_value``) needs of the rest of the config."""
+        """What a calibrated Q (``qlearn.calibration``, ``state_value``) and the group filter
+        (``skip_uniform_groups``) need of the rest of the config."""
         return [
             (self.qlearn.calibration == "none" or (self.train.reference == "learners" or self.lora.enabled),
              "qlearn.calibration=reference reads the frozen initial model's logits in the learners: set "
@@ -900,6 +908,9 @@ class Config(Section):
                                                     and self.qlearn.value_grad == 0),
              "qlearn.state_value=reference reads each state's value as the calibration's reference (0) and trains "
              "the log-prob alone: set qlearn.calibration=reference and qlearn.value_grad=0"),
+            (not self.qlearn.skip_uniform_groups or self.qlearn.reward_baseline == "group_mean",
+             "qlearn.skip_uniform_groups leaves out groups whose centered rewards are all 0, which needs groups: "
+             "set qlearn.reward_baseline=group_mean"),
         ]
 
     def _data_and_shaping_checks(self) -> list[tuple[bool, str]]:

@@ -53,7 +53,7 @@ from learners.td_losses import conservative_penalty, cql_penalty, reference_valu
 from learners.modeling import autocast, max_q_after_positions, q_heads_at_positions
 from learners.optim import ema_update_
 from learners.policy import PolicyLearner
-from learners.reward_shaping import centered_returns
+from learners.reward_shaping import centered_returns, groups_with_signal
 from learners.sharding import full_tensor, load_shard_, local
 
 TARGET_DIR = "target"
@@ -74,6 +74,7 @@ class QLearnParams(Protocol):
     reward_baseline: str
     value_grad: float
     state_value: str
+    skip_uniform_groups: bool
     target_decay: float
     target_start_step: int
     target_update_every: int
@@ -344,12 +345,14 @@ class QLearner(PolicyLearner):
         t0 = time.perf_counter()
         lr = float(self.optimizer.param_groups[0]["lr"])
         batch, mask, rewards, done = self._prepare(batch)
+        backups = self.backup_rewards(rewards, mask, batch.group_ids)
+        batch, (mask, rewards, done, backups), uniform = self._signal_rows(batch, mask, rewards, done, backups)
         if not bool(mask.any()):
-            return {"learner/empty_batch": 1.0, "learner/sequences": float(batch.batch_size)}
+            return {"learner/empty_batch": 1.0, "learner/sequences": float(batch.batch_size), **uniform}
         batch = self._with_reference(batch)
         plan = list(self.global_minibatches(torch.arange(batch.batch_size, device=self.device)))
         mine_all = torch.unique(torch.cat([mine for _, mine in plan]))
-        ref, backups = self._calibration(batch, mask, mine_all), self.backup_rewards(rewards, mask, batch.group_ids)
+        ref = self._calibration(batch, mask, mine_all)
         self.model.train()
         self.model.rows_shared = self.model.rows_total = 0
         totals = torch.zeros(len(_SUMS), dtype=torch.float64, device=self.device)
@@ -385,8 +388,24 @@ class QLearner(PolicyLearner):
             "rewards/sequence_mean": float((rewards.sum(1) / self.hp.reward_scale).mean()),
             "response/length_mean": float(resp.mean()),
             "response/done_frac": float(done.float().mean()),
+            **uniform,
         })
         return metrics
+
+    def _signal_rows(self, batch: Experience, mask: torch.Tensor, rewards: torch.Tensor, done: torch.Tensor,
+                     backups: torch.Tensor) -> tuple[Experience, tuple[torch.Tensor, ...], dict[str, float]]:
+        """``skip_uniform_groups``: the batch and its per-row tensors restricted to the groups
+        whose centered rewards are not all 0 (``groups_with_signal``; whole groups, so the kept rows'
+        centering is unchanged), and the count of rows left out; everything as it is otherwise."""
+        tensors = (mask, rewards, done, backups)
+        if not self.hp.skip_uniform_groups:
+            return batch, tensors, {}
+        keep = groups_with_signal(backups, mask, batch.group_ids)
+        left_out = {"learner/uniform_group_rows": float((~keep).sum())}
+        if bool(keep.all()):
+            return batch, tensors, left_out
+        idx = keep.nonzero(as_tuple=True)[0]
+        return batch.select(idx), tuple(t[idx] for t in tensors), left_out
 
     @torch.no_grad()
     def evaluate(self, batch: Experience) -> dict[str, float]:

@@ -60,3 +60,24 @@ def centered_returns(rewards: Tensor, mask: Tensor, group_ids: Tensor | None = N
         total.index_add_(0, inverse, torch.where(rows, returns, torch.zeros_like(returns)))
         means = (total / n.clamp(min=1))[inverse]
     return out - token_rewards_from_scores(means, valid)
+
+
+def groups_with_signal(centered: Tensor, mask: Tensor, group_ids: Tensor, rtol: float = 1e-6) -> Tensor:
+    """``(B,)`` bool: whether row b's group (the rows sharing its group id) has a centered reward
+    ``centered`` (``centered_returns``' output) other than 0 at some action (``mask``).
+
+    A group whose sequences all earned the same, reward for reward, has every centered reward 0:
+    its Monte-Carlo targets are all 0, so a TD error there carries no reward, only the pull of Q
+    toward its start (the prior, under calibration) — the rows a GRPO learner skips as having zero
+    advantage (DAPO's dynamic sampling filters the same groups, Yu et al. 2025, sec. 3.2). Rewards
+    at other turns count: equal returns earned at different times still give non-zero centered
+    per-token rewards. "0" is within ``rtol`` of the batch's largest centered reward (or of 1) (a mean of equal floats
+    may miss them by an ulp). Rows without actions count for nothing."""
+    valid = mask.bool()
+    scale = float(centered.abs().max()) if centered.numel() else 0.0
+    nonzero = (centered.abs() > rtol * max(scale, 1.0)) & valid
+    row_signal = nonzero.any(dim=1)
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    per_group = torch.zeros(int(inverse.max()) + 1 if inverse.numel() else 0, dtype=torch.long, device=centered.device)
+    per_group.index_add_(0, inverse, row_signal.long())
+    return per_group[inverse] > 0
