@@ -662,9 +662,9 @@ class QLearnConfig(Section):
     skip_uniform_groups: bool = _f(
         False, "With reward_baseline=group_mean: train only on the groups (a prompt's samples in the batch) whose "
         "centered rewards are not all 0, leaving out those whose samples all earned the same reward (counted, "
-        "learner/uniform_group_rows). Their targets are all 0, so their TD errors carry no reward, only a pull "
-        "toward Q's start (the prior, when calibrated): the rows GRPO's learner skips as zero-advantage and "
-        "DAPO's dynamic sampling drops. The loss is then normalised by the kept rows' actions; a batch with no "
+        "learner/uniform_group_rows). Their centered rewards, and with Monte-Carlo targets (n_step of at least an "
+        "episode) their targets, are all 0, so their TD errors carry no reward, only a pull toward Q's start (the "
+        "prior, when calibrated): the rows GRPO's learner skips as zero-advantage and DAPO's dynamic sampling drops. The loss is then normalised by the kept rows' actions; a batch with no "
         "kept row makes no update (learner/empty_batch). Held-out evaluation reads every row.")
     target_decay: float = _f(0.9, "EMA decay of the target network: each update moves it by (1 - decay) of its gap "
                              "to the online network.", ge=0, le=1)

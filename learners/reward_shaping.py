@@ -71,10 +71,10 @@ def groups_with_signal(centered: Tensor, mask: Tensor, group_ids: Tensor, rtol: 
     toward its start (the prior, under calibration) — the rows a GRPO learner skips as having zero
     advantage (DAPO's dynamic sampling filters the same groups, Yu et al. 2025, sec. 3.2). Rewards
     at other turns count: equal returns earned at different times still give non-zero centered
-    per-token rewards. "0" is within ``rtol`` of the batch's largest centered reward (or of 1) (a mean of equal floats
-    may miss them by an ulp). Rows without actions count for nothing."""
+    per-token rewards. "0" is within ``rtol`` of the largest centered reward at an action (or of 1):
+    a mean of equal floats may miss them by an ulp. Rows without actions count for nothing."""
     valid = mask.bool()
-    scale = float(centered.abs().max()) if centered.numel() else 0.0
+    scale = float(centered.abs()[valid].max()) if bool(valid.any()) else 0.0
     nonzero = (centered.abs() > rtol * max(scale, 1.0)) & valid
     row_signal = nonzero.any(dim=1)
     _, inverse = torch.unique(group_ids, return_inverse=True)
