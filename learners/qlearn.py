@@ -400,7 +400,9 @@ class QLearner(PolicyLearner):
         tensors = (mask, rewards, done, backups)
         if not self.hp.skip_uniform_groups:
             return batch, tensors, {}
-        keep = groups_with_signal(backups, mask, batch.group_ids)
+        # Every rank must keep the same rows (sharded passes); a GPU's unordered sums could leave
+        # one rank a centered reward another rounds to 0, so a group any rank keeps is kept.
+        keep = self.comm.all_reduce_max(groups_with_signal(backups, mask, batch.group_ids).float()) > 0
         left_out = {"learner/uniform_group_rows": float((~keep).sum())}
         if bool(keep.all()):
             return batch, tensors, left_out

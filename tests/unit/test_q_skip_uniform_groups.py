@@ -3,13 +3,14 @@ centered rewards are all 0 (every sample earned the same, reward for reward). By
 groups carry a signal (equal returns earned at other turns do; equal floats that a mean misses by
 an ulp do not); the learner's gradient on a batch with such a group equals a plain learner's on
 the batch without it (and differs from the plain learner's on the whole batch); a batch of uniform
-groups alone makes no update; the config refuses the filter without groups."""
+groups alone makes no update; ranks keep a group any of them keeps; the config refuses the filter without groups."""
 
 import pytest
 import torch
 
 from cluster.config import ConfigError
 from cluster.config_loading import load_config
+from learners.distributed import Collective
 from learners.reward_shaping import centered_returns, groups_with_signal
 from tests.helpers.factories import make_q_learner, step_with_grads, transitions_batch
 
@@ -75,6 +76,24 @@ def test_a_batch_of_uniform_groups_makes_no_update(tiny_model_path):
     assert learner.version == 0 and learner.updates == 0
     # Held-out evaluation reads every row, the uniform ones included.
     assert learner.evaluate(_batch([2, 3]))["eval/q/target"] == pytest.approx(0.0, abs=1e-6)
+
+
+class _PeerKeepsAll(Collective):
+    """A single rank whose peers' maximum is 1 everywhere: another rank saw a signal in every row."""
+
+    def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        return torch.ones_like(t)
+
+
+def test_ranks_keep_a_group_any_of_them_keeps(tiny_model_path):
+    """Sharded ranks must pass the same rows: a group another rank keeps (a centered reward it did
+    not round to 0) is kept here too, so the uniform group trains as in a plain learner."""
+    learner = make_q_learner(tiny_model_path, train=TRAIN, qlearn={**HP, "skip_uniform_groups": True},
+                             comm=_PeerKeepsAll())
+    got, metrics = step_with_grads(learner, _batch())
+    want, _ = step_with_grads(make_q_learner(tiny_model_path, train=TRAIN, qlearn=HP), _batch())
+    assert metrics["learner/uniform_group_rows"] == 0.0 and metrics["learner/sequences"] == 6.0
+    torch.testing.assert_close(got["g"], want["g"], atol=1e-6, rtol=1e-5)
 
 
 def test_the_config_refuses_the_filter_without_groups():
