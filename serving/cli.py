@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -30,6 +31,8 @@ def add_parser(sub: Any) -> None:
     po.add_argument("--max-model-len", type=int, default=1024)
     po.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
                     help="engine weights; auto: bfloat16 on GPUs and CPUs with native bf16, float32 elsewhere")
+    po.add_argument("--kv-cache-gib", type=int, default=1,
+                    help="the engine's KV cache on CPU, whole GiB (GPU engines size it from free memory)")
     po.add_argument("--max-tokens", type=int, default=512, help="largest max_tokens a request may ask for")
     po.add_argument("--max-n", type=int, default=8, help="largest n (and best-of-n) a request may ask for")
     po.add_argument("--best-of-n-scorer", default="", metavar="FUNCTION",
@@ -75,6 +78,27 @@ def _reload(ns: argparse.Namespace) -> int:
     return 0 if r.ok else 1
 
 
+def policy_args(ns: argparse.Namespace) -> dict[str, Any]:
+    """``build_policy_app``'s args from ``rayrlhf serve policy``'s flags."""
+    args: dict[str, Any] = {"model_path": ns.model_path, "model_id": ns.model_id, "num_replicas": ns.replicas,
+                            "max_model_len": ns.max_model_len, "dtype": ns.dtype, "kv_cache_gib": ns.kv_cache_gib,
+                            "api_key_env": ns.api_key_env, "limits": {"max_tokens": ns.max_tokens, "max_n": ns.max_n},
+                            "access_log": ns.access_log, "engine_metrics": ns.engine_metrics}
+    if ns.best_of_n_scorer:
+        args["best_of_n_scorer"] = {"function": ns.best_of_n_scorer, **({"model": ns.scorer_model} if ns.scorer_model else {})}
+    return args
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM (a container's, Kubernetes' or a service manager's stop) stops the server as Ctrl-C
+    does: the app deleted, its engines shut down, then the local cluster. By default SIGTERM ends
+    Python at once, leaving the cluster's processes and the engines' worker processes behind."""
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 def run(ns: argparse.Namespace) -> int:
     if ns.app == "reload":
         return _reload(ns)
@@ -84,12 +108,7 @@ def run(ns: argparse.Namespace) -> int:
     if ns.app == "policy":
         from serving.policy import build_policy_app
 
-        args: dict[str, Any] = {"model_path": ns.model_path, "model_id": ns.model_id, "num_replicas": ns.replicas,
-                                "max_model_len": ns.max_model_len, "dtype": ns.dtype, "api_key_env": ns.api_key_env,
-                                "limits": {"max_tokens": ns.max_tokens, "max_n": ns.max_n}, "access_log": ns.access_log,
-                                "engine_metrics": ns.engine_metrics}
-        if ns.best_of_n_scorer:
-            args["best_of_n_scorer"] = {"function": ns.best_of_n_scorer, **({"model": ns.scorer_model} if ns.scorer_model else {})}
+        args = policy_args(ns)
         make, name = (lambda: build_policy_app(args)), "policy"
     else:
         from serving.scorer import build_scorer_app
@@ -108,7 +127,9 @@ def run(ns: argparse.Namespace) -> int:
         print(f"rayrlhf: {e}", file=sys.stderr)
         return 2
     key_note = f"API key from ${ns.api_key_env}" if os.environ.get(ns.api_key_env) else "no API key"
-    print(f"[rayrlhf] {name} server on http://{ns.host}:{ns.port} ({key_note}); Ctrl-C stops it", flush=True)
+    print(f"[rayrlhf] {name} server on http://{ns.host}:{ns.port} ({key_note}); Ctrl-C or SIGTERM stops it",
+          flush=True)
+    stop_on_sigterm()
     try:
         while True:
             time.sleep(3600)

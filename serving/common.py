@@ -186,8 +186,11 @@ def add_error_handlers(app: Any, validation: bool = True) -> None:
 #: then preempts the engine's OpenMP threads. At 0 they share the cores fairly. Serve's controller
 #: runs its control loop every 0.1 s by default, each pass also reading the GCS: every second is
 #: enough for a server (replica health checks and autoscaling decisions act on seconds anyway),
-#: and the engine is preempted ten times less often.
-SERVER_CLUSTER_ENV = {"RAY_worker_niceness": "0", "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "1"}
+#: and the engine is preempted ten times less often. No idle Ray workers are kept warm (Ray keeps
+#: as many as the node has CPUs, and starts one for the first driver): each Python worker wakes
+#: 100 times a second whether it works or not, and a server starts its actors once.
+SERVER_CLUSTER_ENV = {"RAY_worker_niceness": "0", "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "1",
+                      "RAY_num_workers_soft_limit": "0", "RAY_prestart_worker_first_driver": "0"}
 
 
 def use_server_cluster_env() -> None:

@@ -143,6 +143,14 @@ class PolicyServer(LLMServer):
         self._reload_lock = asyncio.Lock()
         await super().__init__(llm_config, **server_kwargs)
 
+    async def _start_engine(self) -> None:
+        """Starts the engine without ``LLMServer``'s usage-telemetry actor: a detached actor that
+        outlives the application and wakes 100 times a second on the engine's cores, for a report
+        rayrlhf does not need (docs/benchmarks.md, policy server)."""
+        if self.engine is None:
+            raise ValueError("Engine is not set")
+        await self.engine.start()
+
     async def __serve_build_asgi_app__(self) -> Any:
         app = await super().__serve_build_asgi_app__()
         app.add_api_route("/v1/best_of_n", self.best_of_n, methods=["POST"])

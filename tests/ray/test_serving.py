@@ -88,6 +88,16 @@ def test_openai_client_completion_chat_and_stream(server):
     assert streamed == chat.choices[0].message.content
 
 
+def test_the_server_leaves_no_usage_telemetry_actor_behind(server):
+    """``ray.serve.llm`` starts a detached telemetry actor with each engine; rayrlhf's server does
+    not (it outlives the application and wakes 100 times a second on the engine's cores)."""
+    import ray
+
+    named = {(a["namespace"], a["name"]) for a in ray.util.list_named_actors(all_namespaces=True)}
+    assert not {n for n in named if "telemetry" in n[1]}, named
+    assert any("SERVE_CONTROLLER" in name for _, name in named)  # the listing does show Serve's actors
+
+
 def test_chat_with_tools_is_answered_through_the_tool_call_parser(server):
     """A request offering tools is served (vLLM's hermes parser reads the reply for calls, the
     format agents train with: tests/unit/test_tools.py); a reply without a call is plain content."""

@@ -37,25 +37,52 @@ def test_builders_refuse_unknown_settings():
         build_policy_app({"model_path": "/nonexistent"})
 
 
-def test_a_server_started_on_its_own_cluster_runs_rays_workers_at_the_daemons_priority_and_a_slower_control_loop(
+def test_a_server_started_on_its_own_cluster_runs_rays_workers_at_the_daemons_priority_keeps_no_idle_workers_and_a_slower_control_loop(
         monkeypatch):
     """`rayrlhf serve` on a local cluster: Ray's worker niceness (15 by default) is set to 0 so the
-    engine is not preempted by Ray's own daemons, and Serve's control loop runs every second, not
-    every 0.1 s; values the user set are kept."""
+    engine is not preempted by Ray's own daemons, no idle Python workers are kept or prestarted
+    (each wakes 100 times a second), and Serve's control loop runs every second, not every 0.1 s;
+    values the user set are kept."""
     import os
 
     from serving.common import use_server_cluster_env
 
-    for name in ("RAY_worker_niceness", "RAY_SERVE_CONTROL_LOOP_INTERVAL_S"):
+    wanted = {"RAY_worker_niceness": "0", "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "1", "RAY_num_workers_soft_limit": "0",
+              "RAY_prestart_worker_first_driver": "0"}
+    for name in wanted:
         monkeypatch.delenv(name, raising=False)
     use_server_cluster_env()
-    assert os.environ["RAY_worker_niceness"] == "0"
-    assert os.environ["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "1"
+    assert {name: os.environ[name] for name in wanted} == wanted
     monkeypatch.setenv("RAY_worker_niceness", "5")
-    monkeypatch.setenv("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.5")
+    monkeypatch.setenv("RAY_num_workers_soft_limit", "2")
     use_server_cluster_env()
     assert os.environ["RAY_worker_niceness"] == "5"
-    assert os.environ["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.5"
+    assert os.environ["RAY_num_workers_soft_limit"] == "2"
+    assert os.environ["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "1"
+
+
+def test_serve_policy_flags_become_the_applications_settings(tiny_model_path):
+    """`rayrlhf serve policy`'s flags become ``build_policy_app``'s settings (the benchmark starts
+    the server this way): the engine's KV cache size and dtype, the limits the replica enforces.
+    (Building the application itself would start Ray: ``ray.serve.llm`` reads the runtime context.)"""
+    import argparse
+
+    from serving.cli import add_parser, policy_args
+    from serving.policy import POLICY_ARGS, llm_config
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="command"))
+    ns = parser.parse_args(["serve", "policy", tiny_model_path, "--kv-cache-gib", "3", "--max-n", "4",
+                            "--max-tokens", "64", "--dtype", "float32"])
+    args = policy_args(ns)
+    assert set(args) <= set(POLICY_ARGS)
+    assert (args["kv_cache_gib"], args["dtype"], args["limits"]) == (3, "float32", {"max_tokens": 64, "max_n": 4})
+    assert "best_of_n_scorer" not in args
+    cfg = llm_config(args["model_path"], kv_cache_gib=args["kv_cache_gib"], dtype=args["dtype"])
+    assert cfg.runtime_env["env_vars"]["VLLM_CPU_KVCACHE_SPACE"] == "3"
+    ns = parser.parse_args(["serve", "policy", tiny_model_path, "--best-of-n-scorer", "reward_model",
+                            "--scorer-model", "/rm"])
+    assert policy_args(ns)["best_of_n_scorer"] == {"function": "reward_model", "model": "/rm"}
 
 
 def test_engine_metrics_through_ray_are_off_unless_asked_for(tiny_model_path):
@@ -65,3 +92,22 @@ def test_engine_metrics_through_ray_are_off_unless_asked_for(tiny_model_path):
 
     assert llm_config(tiny_model_path).log_engine_metrics is False
     assert llm_config(tiny_model_path, engine_metrics=True).log_engine_metrics is True
+
+
+def test_sigterm_stops_a_server_as_ctrl_c_does():
+    """`rayrlhf serve` turns SIGTERM (a container's or a service manager's stop) into Ctrl-C, so the
+    app is deleted and its engines shut down; by default SIGTERM would end Python at once. Run in
+    a process of its own: without the handler SIGTERM ends that process."""
+    import subprocess
+    import sys
+
+    code = ("import os, signal, time\n"
+            "from serving.cli import stop_on_sigterm\n"
+            "stop_on_sigterm()\n"
+            "try:\n"
+            "    os.kill(os.getpid(), signal.SIGTERM)\n"
+            "    time.sleep(30)\n"
+            "except KeyboardInterrupt:\n"
+            "    print('stopped as by Ctrl-C')\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout.strip()) == (0, "stopped as by Ctrl-C"), done.stderr[-2000:]
