@@ -278,6 +278,8 @@ def test_pods_image_env_resources_and_storage(name):
             assert env.get("VLLM_CPU_KVCACHE_SPACE") == (None if gpu else "1"), where
             if doc["kind"] == "RayService":  # the apps' key, from a Secret, on every pod
                 assert env["RAYRLHF_API_KEY"] == {"secretKeyRef": {"name": "rayrlhf-api-key", "key": "api-key"}}
+                if not gpu:  # the engine at the daemons' priority, no idle workers (serving.common)
+                    assert (env["RAY_worker_niceness"], env["RAY_num_workers_soft_limit"]) == ("0", "0"), where
             mounts = {m["name"]: m["mountPath"] for m in ray["volumeMounts"]}
             volumes = {v["name"]: v.get("persistentVolumeClaim", {}).get("claimName") for v in pod["volumes"]}
             assert [n for n, path in mounts.items() if path == RUNS], where
