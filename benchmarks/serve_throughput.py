@@ -158,7 +158,7 @@ def stop(proc: subprocess.Popen) -> None:
     try:
         proc.wait(60)
     except subprocess.TimeoutExpired:
-        print("a server did not stop within 60 s of Ctrl-C: killed", flush=True)
+        print("a server did not stop within 60 s of SIGTERM: killed", flush=True)
         proc.kill()
         proc.wait(30)
 

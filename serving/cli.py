@@ -91,8 +91,9 @@ def policy_args(ns: argparse.Namespace) -> dict[str, Any]:
 
 def stop_on_sigterm() -> None:
     """SIGTERM (a container's, Kubernetes' or a service manager's stop) stops the server as Ctrl-C
-    does: the app deleted, its engines shut down, then the local cluster. By default SIGTERM ends
-    Python at once, leaving the cluster's processes and the engines' worker processes behind."""
+    does: the app deleted (Serve stops each replica and its engine), then the local cluster, exit
+    status 0. The handler ``ray.init`` installs would kill the cluster's processes outright and
+    exit 1 (tried: the process ended by SIGABRT); while the server starts, that one applies."""
     def interrupt(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
 
@@ -129,7 +130,7 @@ def run(ns: argparse.Namespace) -> int:
     key_note = f"API key from ${ns.api_key_env}" if os.environ.get(ns.api_key_env) else "no API key"
     print(f"[rayrlhf] {name} server on http://{ns.host}:{ns.port} ({key_note}); Ctrl-C or SIGTERM stops it",
           flush=True)
-    stop_on_sigterm()
+    stop_on_sigterm()  # after ray.init, which installs its own handler
     try:
         while True:
             time.sleep(3600)

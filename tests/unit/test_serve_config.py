@@ -96,8 +96,9 @@ def test_engine_metrics_through_ray_are_off_unless_asked_for(tiny_model_path):
 
 def test_sigterm_stops_a_server_as_ctrl_c_does():
     """`rayrlhf serve` turns SIGTERM (a container's or a service manager's stop) into Ctrl-C, so the
-    app is deleted and its engines shut down; by default SIGTERM would end Python at once. Run in
-    a process of its own: without the handler SIGTERM ends that process."""
+    app is deleted and its engines shut down before the cluster stops (Ray's driver handler kills
+    the cluster's processes outright). Run in a process of its own: without the handler SIGTERM
+    ends that process."""
     import subprocess
     import sys
 
