@@ -140,14 +140,15 @@ def _warm_up(url: str, texts: list[str], args: argparse.Namespace) -> None:
     import httpx
 
     wait_up(url)
-    for attempt in range(3):
+    for attempt in range(4):
         try:
             asyncio.run(load(url, "policy", texts[:32], 32, args.max_tokens))
             return
         except httpx.TransportError as e:
+            if attempt == 3:
+                raise
             print(f"warm-up: {type(e).__name__}: {e}; retrying", flush=True)
             time.sleep(10)
-    asyncio.run(load(url, "policy", texts[:32], 32, args.max_tokens))
 
 
 def stop(proc: subprocess.Popen) -> None:
