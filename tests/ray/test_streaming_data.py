@@ -32,6 +32,36 @@ def _draw(sampler, steps, positions=None):
     return out
 
 
+def _hold_every_free_cpu(rounds=20):
+    """Placement groups holding every CPU the shared cluster has free. An earlier module's actor
+    may still be releasing its CPU when the first group is made, so each round claims what has
+    come free since, once the cluster's resource view has caught up with the last group."""
+    import time
+
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    groups = []
+    for _ in range(rounds):
+        before = ray.available_resources().get("CPU", 0)
+        free = int(before)
+        if free < 1:
+            time.sleep(1.0)  # a CPU released just now shows in the next view
+            if ray.available_resources().get("CPU", 0) < 1:
+                break
+            continue
+        group = placement_group([{"CPU": 1}] * free)
+        if not ray.wait([group.ready()], timeout=60)[0]:
+            remove_placement_group(group)  # the view counted CPUs something else took meanwhile
+            continue
+        groups.append(group)
+        for _ in range(100):  # the view follows a ready group a moment later
+            if ray.available_resources().get("CPU", 0) <= before - free:
+                break
+            time.sleep(0.1)
+    return groups
+
+
 def test_a_stream_larger_than_a_step_is_read_as_drawn_and_resumes_at_the_exact_row(ray_cluster, tmp_path):
     folder = _parquet_folder(tmp_path)
     train, held = streaming_sets(str(folder), FileKeys(), "", 0, 5, None, 8)
@@ -71,21 +101,13 @@ def test_the_stream_reads_while_the_runs_roles_hold_every_cpu_of_the_cluster(ray
     file readers list the files in a task that asks for a CPU, which would then never start: the
     stream claims none."""
     import threading
-    import time
 
     import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.placement_group import remove_placement_group
 
     folder = _parquet_folder(tmp_path, files=3, rows=4)
-    free = int(ray.available_resources().get("CPU", 0))
-    held = placement_group([{"CPU": 1}] * free) if free else None
+    held = _hold_every_free_cpu()
     try:
-        if held is not None:
-            ray.get(held.ready())
-        for _ in range(600):  # the cluster's resource view follows the placement group a moment later
-            if ray.available_resources().get("CPU", 0) < 1:
-                break
-            time.sleep(0.1)
         assert ray.available_resources().get("CPU", 0) < 1
         train, _ = streaming_sets(str(folder), FileKeys(), "", 0, 0, None, 2)
         out = {}
@@ -94,5 +116,5 @@ def test_the_stream_reads_while_the_runs_roles_hold_every_cpu_of_the_cluster(ray
         reader.join(timeout=300)  # a guard against the hang, not a speed check: it reads in seconds
         assert sorted(out.get("draw", [])) == sorted(f"q{f}-{i}" for f in range(3) for i in range(4))
     finally:
-        if held is not None:
-            remove_placement_group(held)
+        for group in held:
+            remove_placement_group(group)
