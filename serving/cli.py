@@ -18,7 +18,8 @@ import sys
 import time
 from typing import Any
 
-from serving.common import DEFAULT_HOST, DEFAULT_PORT, use_server_cluster_env
+from serving.common import (DEFAULT_HOST, DEFAULT_PORT, direct_ingress_env, free_port, port_is_free,
+                            use_server_cluster_env)
 
 
 def add_parser(sub: Any) -> None:
@@ -38,6 +39,9 @@ def add_parser(sub: Any) -> None:
     po.add_argument("--best-of-n-scorer", default="", metavar="FUNCTION",
                     help="enable /v1/best_of_n ranked by this reward function (a rule, or reward_model with --scorer-model)")
     po.add_argument("--scorer-model", default="", help="reward-model or judge folder of the best-of-n scorer")
+    po.add_argument("--ingress", choices=("auto", "direct", "proxy"), default="auto",
+                    help="direct: the replica answers HTTP on --port itself (one hop fewer per request); proxy: "
+                         "Serve's proxy on --port; auto: direct on the server's own cluster with one replica")
     po.add_argument("--engine-metrics", action="store_true",
                     help="export the engine's metrics through Ray's metrics too (Ray Dashboard; costs throughput)")
     sc = kinds.add_parser("scorer", help="/v1/score over a rule function, reward model or LLM judge")
@@ -100,35 +104,67 @@ def stop_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, interrupt)
 
 
-def run(ns: argparse.Namespace) -> int:
-    if ns.app == "reload":
-        return _reload(ns)
-    import ray
-    from ray import serve
+def choose_ingress(ns: argparse.Namespace, address: str | None) -> str:
+    """'direct' (the replica answers on ``--port``: ``serving.common.direct_ingress_env``) or
+    'proxy' (Serve's proxy on ``--port``). Direct needs the server's own cluster, whose processes
+    start with the setting, and one replica, the one that can listen on the port."""
+    wanted = getattr(ns, "ingress", "proxy")
+    if wanted == "auto":
+        return "direct" if address is None and ns.replicas == 1 else "proxy"
+    if wanted == "direct" and address is not None:
+        raise ValueError("--ingress direct needs the server's own cluster (no --address / RAY_ADDRESS); on a cluster "
+                         "you join, Serve's direct ingress is that cluster's setting (docs/kubernetes.md)")
+    if wanted == "direct" and ns.replicas != 1:
+        raise ValueError(f"--ingress direct serves one replica on --port, not {ns.replicas}; use --ingress proxy")
+    return wanted
 
+
+def _app(ns: argparse.Namespace) -> tuple[Any, str]:
+    """A maker of the application ``ns`` asks for, and its name."""
     if ns.app == "policy":
         from serving.policy import build_policy_app
 
         args = policy_args(ns)
-        make, name = (lambda: build_policy_app(args)), "policy"
-    else:
-        from serving.scorer import build_scorer_app
+        return (lambda: build_policy_app(args)), "policy"
+    from serving.scorer import build_scorer_app
 
-        args = {"scorer": _scorer_args(ns), "num_replicas": ns.replicas, "api_key_env": ns.api_key_env,
-                "limits": {"max_items": ns.max_items}}
-        make, name = (lambda: build_scorer_app(args)), "scorer"
+    args = {"scorer": _scorer_args(ns), "num_replicas": ns.replicas, "api_key_env": ns.api_key_env,
+            "limits": {"max_items": ns.max_items}}
+    return (lambda: build_scorer_app(args)), "scorer"
+
+
+def run(ns: argparse.Namespace) -> int:
+    if ns.app == "reload":
+        return _reload(ns)
     address = ns.address or os.environ.get("RAY_ADDRESS") or None
+    try:
+        ingress = choose_ingress(ns, address)
+    except ValueError as e:
+        print(f"rayrlhf: {e}", file=sys.stderr)
+        return 2
+    proxy_port = ns.port
     if address is None:
+        if not port_is_free(ns.host, ns.port):
+            print(f"rayrlhf: port {ns.port} on {ns.host} is in use; pick another with --port", file=sys.stderr)
+            return 2
         use_server_cluster_env()
+        if ingress == "direct":  # before Ray is imported: Serve reads it at import, in every process
+            proxy_port = free_port(ns.host)
+            os.environ.update(direct_ingress_env(ns.port))
+    import ray
+    from ray import serve
+
+    make, name = _app(ns)
     ray.init(address=address, include_dashboard=False if address is None else None, log_to_driver=True)
-    serve.start(http_options={"host": ns.host, "port": ns.port}, logging_config={"enable_access_log": ns.access_log})
+    serve.start(http_options={"host": ns.host, "port": proxy_port}, logging_config={"enable_access_log": ns.access_log})
     try:
         serve.run(make(), name=name, route_prefix="/", blocking=False)
     except ValueError as e:
         print(f"rayrlhf: {e}", file=sys.stderr)
         return 2
     key_note = f"API key from ${ns.api_key_env}" if os.environ.get(ns.api_key_env) else "no API key"
-    print(f"[rayrlhf] {name} server on http://{ns.host}:{ns.port} ({key_note}); Ctrl-C or SIGTERM stops it",
+    how = f"the replica answers itself; Serve's proxy on port {proxy_port}" if ingress == "direct" else "Serve's proxy"
+    print(f"[rayrlhf] {name} server on http://{ns.host}:{ns.port} ({how}; {key_note}); Ctrl-C or SIGTERM stops it",
           flush=True)
     stop_on_sigterm()  # after ray.init, which installs its own handler
     try:

@@ -200,6 +200,47 @@ def use_server_cluster_env() -> None:
         os.environ.setdefault(name, value)
 
 
+#: Serve's direct ingress (``direct_ingress_env``): the longest a stopping replica keeps answering
+#: for a load balancer to notice (Serve's default 30 s); a server with one replica has none.
+DIRECT_INGRESS_DRAIN_S = 1
+
+
+def direct_ingress_env(port: int) -> dict[str, str]:
+    """Environment of a cluster whose ingress replica answers HTTP itself on ``port`` (Ray Serve's
+    direct ingress): a request is then one hop, client to replica, instead of client to Serve's
+    proxy, proxy to replica, and the replica calling back into the proxy for the body and for the
+    client's disconnect (docs/benchmarks.md, policy server). The port range is that one port
+    (Serve's maximum is exclusive), so it suits one ingress replica per node; the proxy still
+    starts, on a port of its own. A released port is not held back (Serve holds it 150 s for its
+    HAProxy mode, which is not used): a replica that replaces a lost one takes it at once."""
+    return {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
+            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1),
+            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": str(DIRECT_INGRESS_DRAIN_S),
+            "RAY_SERVE_PORT_QUARANTINE_S": "0"}
+
+
+def port_is_free(host: str, port: int) -> bool:
+    """Whether this machine can listen on ``host:port`` now."""
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str = DEFAULT_HOST) -> int:
+    """A port the system has free on ``host`` now."""
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
 def serve_http_options(host: str = DEFAULT_HOST, port: int = DEFAULT_PORT) -> dict[str, Any]:
     """Serve's HTTP options: loopback by default."""
     return {"host": host, "port": port}

@@ -73,7 +73,11 @@ def _client(url: str):
 
 
 def test_openai_client_completion_chat_and_stream(server):
-    client = _client(server)
+    _answers_completion_chat_and_stream(server)
+
+
+def _answers_completion_chat_and_stream(url: str) -> None:
+    client = _client(url)
     assert [m.id for m in client.models.list().data] == ["policy"]
     comp = client.completions.create(model="policy", prompt="The answer is", max_tokens=8, temperature=0)
     assert comp.choices[0].text and comp.usage.completion_tokens >= 1
@@ -111,6 +115,10 @@ def test_chat_with_tools_is_answered_through_the_tool_call_parser(server):
 
 
 def test_best_of_n_returns_the_highest_scoring_sample(server):
+    _best_of_n_returns_the_highest_scoring_sample(server)
+
+
+def _best_of_n_returns_the_highest_scoring_sample(server: str) -> None:
     from actors.rewards import digit_density
 
     # The tiny policy is peaked (p_max ~ 0.99): a high temperature makes the six samples differ.
@@ -150,6 +158,10 @@ def _reference_logprobs(folder: Path, tokens: list[int]) -> list[float]:
 
 
 def test_reload_switches_checkpoints_without_dropping_requests(server, checkpoints):
+    _reload_switches_checkpoints_without_dropping_requests(server, checkpoints)
+
+
+def _reload_switches_checkpoints_without_dropping_requests(server: str, checkpoints: tuple) -> None:
     tokens, before = _served_logprobs(server)
     assert before == pytest.approx(_reference_logprobs(checkpoints[0], tokens), abs=5e-3)
     statuses: list[int] = []
@@ -183,9 +195,16 @@ def test_reload_switches_checkpoints_without_dropping_requests(server, checkpoin
     assert served["model_path"] == str(checkpoints[1])
 
 
-@pytest.mark.parametrize("case", ["no_key", "wrong_key", "bad_json", "max_tokens_neg", "max_tokens_huge", "n_huge",
-                                  "unknown_model", "too_large", "reload_not_a_model"])
+REFUSALS = ["no_key", "wrong_key", "bad_json", "max_tokens_neg", "max_tokens_huge", "n_huge", "unknown_model",
+            "too_large", "reload_not_a_model"]
+
+
+@pytest.mark.parametrize("case", REFUSALS)
 def test_refusals_are_clear_4xx(server, case):
+    _refuses_with_a_clear_4xx(server, case)
+
+
+def _refuses_with_a_clear_4xx(server: str, case: str) -> None:
     headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
     chat = {"model": "policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     path, expect, needle = "/v1/chat/completions", 400, ""
@@ -248,3 +267,62 @@ def test_a_trained_tool_caller_answers_with_tool_calls_and_reads_the_tool_answer
     reply = tok(CALL, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     answer = chat.after_reply([{"role": "tool", "content": f"<tool_response>\n{ANSWER}\n</tool_response>"}], reply_ended=True)
     assert second.usage.prompt_tokens == len(trained_prompt + reply + answer)
+
+
+def _listener(port: int):
+    """The process listening on 127.0.0.1:``port``."""
+    import psutil
+
+    pids = {c.pid for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+    assert len(pids) == 1, pids
+    return psutil.Process(pids.pop())
+
+
+def test_the_server_as_users_start_it_is_answered_by_its_replica_on_its_own_port(checkpoints, tmp_path):
+    """``rayrlhf serve policy`` in a process of its own, on its own cluster, one replica (how users
+    and the benchmark start it): the replica itself listens on ``--port`` (Serve's direct ingress:
+    one hop per request instead of three actor calls through the proxy, which listens on another
+    port), and the API, key, limits, best-of-n and reload hold there as through the proxy. SIGTERM
+    then stops it: exit status 0, the port free, the replica and its engine processes gone."""
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    from serving.common import port_is_free
+    from tests.conftest import _free_port, wait_for
+
+    port = _free_port()
+    url, log = f"http://127.0.0.1:{port}", tmp_path / "server.log"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAYRLHF_TEST_KEY": KEY}
+    cmd = [sys.executable, "-m", "cluster.cli", "serve", "policy", str(checkpoints[0]), "--port", str(port),
+           "--dtype", "float32", "--max-model-len", "640", "--api-key-env", "RAYRLHF_TEST_KEY", "--max-n", "8",
+           "--max-tokens", "96", "--best-of-n-scorer", "actors.rewards:digit_density"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        # Up once it says so (after Serve reports the app running) and answers.
+        wait_for(lambda: proc.poll() is not None or ("[rayrlhf] policy server on" in log.read_text() and _ready(url)),
+                 timeout=300, interval=2)
+        assert proc.poll() is None, log.read_text()[-3000:]
+        replica = _listener(port)
+        assert replica.name().startswith("ray::ServeReplica:policy:PolicyServer"), replica.name()
+        proxy_port = int(re.search(r"Serve's proxy on port (\d+)", log.read_text()).group(1))
+        assert proxy_port != port and _listener(proxy_port).name() == "ray::ProxyActor"
+        engine = replica.children(recursive=True)
+        assert any("VLLM" in p.name() for p in engine), [p.name() for p in engine]
+        _answers_completion_chat_and_stream(url)
+        _best_of_n_returns_the_highest_scoring_sample(url)
+        for case in REFUSALS:
+            _refuses_with_a_clear_4xx(url, case)
+        _reload_switches_checkpoints_without_dropping_requests(url, checkpoints)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=180) == 0, log.read_text()[-3000:]
+        assert port_is_free("127.0.0.1", port)
+        assert not [p for p in [replica, *engine] if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)

@@ -112,3 +112,61 @@ def test_sigterm_stops_a_server_as_ctrl_c_does():
             "    print('stopped as by Ctrl-C')\n")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert (done.returncode, done.stdout.strip()) == (0, "stopped as by Ctrl-C"), done.stderr[-2000:]
+
+
+def _serve_policy(*flags: str):
+    import argparse
+
+    from serving.cli import add_parser
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["serve", "policy", "/model", *flags])
+
+
+def test_a_one_replica_server_on_its_own_cluster_is_answered_by_its_replica_else_by_serves_proxy():
+    """`rayrlhf serve policy` with one replica on its own cluster uses Serve's direct ingress (the
+    replica listens on --port: tests/ray/test_serving.py); several replicas or a cluster it joins
+    (whose processes started without the setting) keep Serve's proxy; asking for direct where it
+    cannot be is a clear error, not a server on another port."""
+    from serving.cli import choose_ingress
+
+    assert choose_ingress(_serve_policy(), None) == "direct"
+    assert choose_ingress(_serve_policy("--replicas", "2"), None) == "proxy"
+    assert choose_ingress(_serve_policy(), "10.0.0.1:6379") == "proxy"
+    assert choose_ingress(_serve_policy("--ingress", "proxy"), None) == "proxy"
+    with pytest.raises(ValueError, match="own cluster"):
+        choose_ingress(_serve_policy("--ingress", "direct"), "10.0.0.1:6379")
+    with pytest.raises(ValueError, match="one replica"):
+        choose_ingress(_serve_policy("--ingress", "direct", "--replicas", "3"), None)
+
+
+def test_direct_ingress_pins_the_replica_to_the_servers_port_and_releases_it_at_once():
+    """The port range Serve allocates from is the one port (its maximum is exclusive), a stopping
+    replica drains for a second rather than Serve's 30 (no load balancer to notice), and a released
+    port is not quarantined, so a replica replacing a lost one can listen on it again."""
+    from serving.common import direct_ingress_env
+
+    env = direct_ingress_env(8123)
+    assert env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
+    assert range(int(env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"]),
+                 int(env["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"])) == range(8123, 8124)
+    assert float(env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"]) <= 1
+    assert env["RAY_SERVE_PORT_QUARANTINE_S"] == "0"
+
+
+def test_serving_on_a_port_in_use_is_one_clear_line(capsys, monkeypatch):
+    """A port another program holds: refused before any cluster starts (the replica would otherwise
+    retry its port for ever, the proxy fail without a word to the user)."""
+    import socket
+
+    from serving.cli import run
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        assert run(_serve_policy("--port", str(port))) == 2
+    err = capsys.readouterr().err
+    assert f"port {port} on 127.0.0.1 is in use" in err and len(err.strip().splitlines()) == 1
