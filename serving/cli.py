@@ -1,9 +1,13 @@
 """``rayrlhf serve ...``: the Serve apps from the command line (on the cluster in RAY_ADDRESS, or a
 local one), bound to 127.0.0.1 unless ``--host`` says otherwise.
 
-    rayrlhf serve policy MODEL_DIR [--best-of-n-scorer FUNCTION] [--replicas N] ...
+    rayrlhf serve policy MODEL_DIR [--best-of-n-scorer FUNCTION] [--replicas N] [--ingress auto|direct|proxy] ...
     rayrlhf serve scorer (--function F | --reward-model DIR | --judge DIR) ...
     rayrlhf serve reload URL CHECKPOINT      a running policy server switches to CHECKPOINT
+
+A policy server with one replica on a cluster of its own is answered by that replica on
+``--port`` (Serve's direct ingress; Serve's proxy listens on a second port); with several replicas
+or on a cluster it joins, by Serve's proxy on ``--port`` (``choose_ingress``).
 
 The API key, when wanted, is read from the environment variable ``--api-key-env`` names
 (default RAYRLHF_API_KEY), never from the command line.
