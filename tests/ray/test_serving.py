@@ -2,7 +2,9 @@
 ``PolicyServer`` (``ray.serve.llm``'s vLLM engine host serving vLLM's OpenAI app with rayrlhf's
 key, limits and routes), serving checkpoints a training run wrote;
 best-of-n; an in-place switch to a newer checkpoint under load; API key and bad requests; a model
-trained to call a tool returns ``tool_calls``, and the tool's answer reaches it as in training."""
+trained to call a tool returns ``tool_calls``, and the tool's answer reaches it as in training.
+The same API, key, limits, best-of-n and reload checks then run against ``rayrlhf serve policy``
+started as users start it, whose replica answers on its port itself (Serve's direct ingress)."""
 
 import json
 import threading
