@@ -169,11 +169,11 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def together(model: str, texts: list[str], args: argparse.Namespace, urls: dict, results: dict) -> None:
-    """Both servers up at once; rounds alternate between them."""
+    """Every contender up at once; rounds alternate between them."""
     procs = []
     try:
         for name, url in urls.items():
-            procs.append(start(name, model, args, int(url.rsplit(":", 1)[1])))
+            procs.append(start(name, model, args, _port(url)))
         for url in urls.values():
             _warm_up(url, texts, args)
         for _ in range(args.starts * args.rounds_per_start):
@@ -197,9 +197,13 @@ def alone(model: str, texts: list[str], args: argparse.Namespace, urls: dict, re
 
 def _alone_start(name: str, model: str, texts: list[str], args: argparse.Namespace, url: str, results: dict,
                  levels: list[int]) -> None:
-    with server(name, model, args, int(url.rsplit(":", 1)[1])):
+    with server(name, model, args, _port(url)):
         _warm_up(url, texts, args)
         _rounds(name, url, texts, args, results, args.rounds_per_start, levels)
+
+
+def _port(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
 
 
 def start(name: str, model: str, args: argparse.Namespace, port: int) -> subprocess.Popen:

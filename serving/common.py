@@ -219,11 +219,17 @@ def direct_ingress_env(port: int) -> dict[str, str]:
             "RAY_SERVE_PORT_QUARANTINE_S": "0"}
 
 
+def _tcp_socket(host: str) -> Any:
+    import socket
+
+    return socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+
+
 def port_is_free(host: str, port: int) -> bool:
     """Whether this machine can listen on ``host:port`` now."""
     import socket
 
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+    with _tcp_socket(host) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
@@ -234,9 +240,7 @@ def port_is_free(host: str, port: int) -> bool:
 
 def free_port(host: str = DEFAULT_HOST) -> int:
     """A port the system has free on ``host`` now."""
-    import socket
-
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+    with _tcp_socket(host) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 

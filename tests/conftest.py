@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -48,9 +47,9 @@ QUIET_CLUSTER_ENV = {"RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0"}
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from serving.common import free_port
+
+    return free_port()
 
 
 @pytest.fixture(scope="session")
