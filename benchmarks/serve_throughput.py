@@ -6,7 +6,9 @@ same model and machine. Each server runs in a process of its own, started as its
 (`rayrlhf serve policy ...`, which starts its own Ray cluster, its one replica answering on the
 server's port itself: Serve's direct ingress) and stopped with SIGTERM; the load client is a plain
 process of neither. `--with-proxy` adds a third contender, rayrlhf's server through Serve's proxy
-(`--ingress proxy`, what a RayService serves through).
+(`--ingress proxy`, what a RayService serves through); `--with-user-thread` another, rayrlhf's
+server with Serve's default of running the deployment's code on a second event loop in a thread
+of its own (rayrlhf's server cluster sets `RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0`).
 
 Every contender gets the same work: the same chat requests (reasoning-gym prompts, chat
 template), `max_tokens` new tokens each with EOS ignored (so every request produces exactly that
@@ -109,12 +111,13 @@ def start_vllm(model_path: str, args: argparse.Namespace, port: int) -> subproce
     return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def start_rayrlhf(model_path: str, args: argparse.Namespace, port: int, ingress: str = "auto") -> subprocess.Popen:
+def start_rayrlhf(model_path: str, args: argparse.Namespace, port: int, ingress: str = "auto",
+                  extra_env: dict | None = None) -> subprocess.Popen:
     """``rayrlhf serve policy`` in a process of its own, as a user starts it (its own local Ray
     cluster with ``serving.common.SERVER_CLUSTER_ENV``; one replica, so the replica itself answers
     on ``port``, unless ``ingress`` is "proxy"): the load client is then no Ray driver, as it is no
     part of the bare vLLM server either."""
-    env = {**os.environ, **engine_env(), "RAYRLHF_BENCH_KEY": KEY}
+    env = {**os.environ, **engine_env(), "RAYRLHF_BENCH_KEY": KEY, **(extra_env or {})}
     cmd = [sys.executable, "-m", "cluster.cli", "serve", "policy", model_path, "--port", str(port),
            "--max-model-len", str(args.max_model_len), "--dtype", args.dtype, "--kv-cache-gib", "2",
            "--api-key-env", "RAYRLHF_BENCH_KEY", "--max-tokens", str(args.max_tokens), "--max-n", "8",
@@ -208,9 +211,12 @@ def _port(url: str) -> int:
 
 def start(name: str, model: str, args: argparse.Namespace, port: int) -> subprocess.Popen:
     """The contender ``name`` on ``port``: the bare vLLM server, rayrlhf's policy server as
-    started by default, or (``..._proxy``) rayrlhf's through Serve's proxy."""
+    started by default, rayrlhf's through Serve's proxy (``..._proxy``), or rayrlhf's with Serve's
+    default second event loop for the deployment's code (``..._user_thread``)."""
     if name == "vllm_openai_server":
         return start_vllm(model, args, port)
+    if name.endswith("_user_thread"):  # a value set for the server's cluster wins over rayrlhf's
+        return start_rayrlhf(model, args, port, extra_env={"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "1"})
     return start_rayrlhf(model, args, port, "proxy" if name.endswith("_proxy") else "auto")
 
 
@@ -246,6 +252,9 @@ def main() -> None:
                     help="alone: each server by itself, A B A B; together: both up, rounds alternating")
     ap.add_argument("--with-proxy", action="store_true",
                     help="a third contender: rayrlhf's policy server through Serve's proxy (--ingress proxy)")
+    ap.add_argument("--with-user-thread", action="store_true",
+                    help="a contender: rayrlhf's policy server with Serve's default second event loop for the "
+                         "deployment's code (RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=1)")
     ap.add_argument("--out", default=None, help="default docs/results/serve_throughput_<layout>.json")
     args = ap.parse_args()
     args.levels = [int(c) for c in args.concurrency.split(",")]
@@ -257,6 +266,8 @@ def main() -> None:
     urls = {"vllm_openai_server": "http://127.0.0.1:18001", "rayrlhf_policy_server": "http://127.0.0.1:18002"}
     if args.with_proxy:
         urls["rayrlhf_policy_server_proxy"] = "http://127.0.0.1:18003"
+    if args.with_user_thread:
+        urls["rayrlhf_policy_server_user_thread"] = "http://127.0.0.1:18004"
     results: dict[str, dict[str, list[dict]]] = {name: {} for name in urls}
     run = together if args.layout == "together" else alone
     run(model, texts, args, urls, results)
@@ -268,8 +279,9 @@ def main() -> None:
     ratio = over_bare("rayrlhf_policy_server")
     out = {"settings": {k: v for k, v in vars(args).items() if k != "levels"}, "model": "SmolLM2-135M-Instruct",
            "cpu_bf16": args.dtype == "bfloat16", "runs": results, "median": med, "ratio_rayrlhf_over_vllm": ratio}
-    if args.with_proxy:
-        out["ratio_rayrlhf_proxy_over_vllm"] = over_bare("rayrlhf_policy_server_proxy")
+    for name in urls:
+        if name.startswith("rayrlhf_policy_server_"):
+            out[f"ratio_{name.removeprefix('rayrlhf_policy_server_')}_over_vllm"] = over_bare(name)
     Path(args.out or ROOT / "docs" / "results" / f"serve_throughput_{args.layout}.json").write_text(json.dumps(out, indent=1))
     print(json.dumps({"median": med, "ratio": ratio}, indent=1))
 

@@ -27,6 +27,17 @@ def overlong_penalty(lengths: Tensor, max_tokens: int, buffer: int, penalty: flo
     return -penalty * over.clamp(max=1.0)
 
 
+def per_group_sum(values: Tensor, group_ids: Tensor) -> Tensor:
+    """``(B,)``: for each row, the sum of ``values`` (``(B,)``) over the rows sharing its group id
+    (any comparable ids, not necessarily 0..G-1). Empty in, empty out."""
+    if group_ids.numel() == 0:
+        return values.clone()
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    sums = torch.zeros(int(inverse.max()) + 1, dtype=values.dtype, device=values.device)
+    sums.index_add_(0, inverse, values)
+    return sums[inverse]
+
+
 def centered_returns(rewards: Tensor, mask: Tensor, group_ids: Tensor | None = None) -> Tensor:
     """Per-token rewards ``(B, T)`` with a mean return subtracted at each sequence's last action
     (reward centering, Naik, Wan, Tomar & Sutton 2024, "Reward Centering"):
@@ -53,12 +64,9 @@ def centered_returns(rewards: Tensor, mask: Tensor, group_ids: Tensor | None = N
     if group_ids is None:
         means = returns[rows].mean().expand(returns.shape)
     else:
-        _, inverse = torch.unique(group_ids, return_inverse=True)
-        n = torch.zeros(int(inverse.max()) + 1, dtype=out.dtype, device=out.device)
-        total = torch.zeros_like(n)
-        n.index_add_(0, inverse, rows.to(out.dtype))
-        total.index_add_(0, inverse, torch.where(rows, returns, torch.zeros_like(returns)))
-        means = (total / n.clamp(min=1))[inverse]
+        n = per_group_sum(rows.to(out.dtype), group_ids)
+        total = per_group_sum(torch.where(rows, returns, torch.zeros_like(returns)), group_ids)
+        means = total / n.clamp(min=1)
     return out - token_rewards_from_scores(means, valid)
 
 
@@ -76,8 +84,4 @@ def groups_with_signal(centered: Tensor, mask: Tensor, group_ids: Tensor, rtol: 
     valid = mask.bool()
     scale = float(centered.abs()[valid].max()) if bool(valid.any()) else 0.0
     nonzero = (centered.abs() > rtol * max(scale, 1.0)) & valid
-    row_signal = nonzero.any(dim=1)
-    _, inverse = torch.unique(group_ids, return_inverse=True)
-    per_group = torch.zeros(int(inverse.max()) + 1 if inverse.numel() else 0, dtype=torch.long, device=centered.device)
-    per_group.index_add_(0, inverse, row_signal.long())
-    return per_group[inverse] > 0
+    return per_group_sum(nonzero.any(dim=1).long(), group_ids) > 0

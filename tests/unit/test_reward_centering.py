@@ -9,7 +9,7 @@ import itertools
 import pytest
 import torch
 
-from learners.reward_shaping import centered_returns
+from learners.reward_shaping import centered_returns, per_group_sum
 from tests.helpers.factories import make_q_learner, transitions_batch
 
 
@@ -21,6 +21,14 @@ def test_centered_returns_by_hand():
     want = torch.tensor([[0.0, 0.0, 0.5, 0.0], [0.0, 0.0, 0.0, -0.5], [0.0, 0.0, 0.0, 0.0]])
     torch.testing.assert_close(centered_returns(r, m), want)
     torch.testing.assert_close(centered_returns(r, torch.zeros_like(m)), r)  # no actions: unchanged
+
+
+def test_per_group_sums_match_a_naive_loop():
+    ids = torch.tensor([7, -2, 7, 40, -2, 7])  # any ids, not 0..G-1
+    values = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+    want = torch.tensor([sum(float(values[j]) for j in range(6) if ids[j] == ids[i]) for i in range(6)])
+    torch.testing.assert_close(per_group_sum(values, ids), want)
+    assert per_group_sum(torch.zeros(0), torch.zeros(0, dtype=torch.long)).shape == (0,)
 
 
 def test_centered_returns_match_a_naive_loop():

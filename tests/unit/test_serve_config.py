@@ -37,18 +37,19 @@ def test_builders_refuse_unknown_settings():
         build_policy_app({"model_path": "/nonexistent"})
 
 
-def test_a_server_started_on_its_own_cluster_runs_rays_workers_at_the_daemons_priority_keeps_no_idle_workers_and_a_slower_control_loop(
+def test_a_server_started_on_its_own_cluster_runs_rays_workers_at_the_daemons_priority_keeps_no_idle_workers_a_slower_control_loop_and_one_event_loop(
         monkeypatch):
     """`rayrlhf serve` on a local cluster: Ray's worker niceness (15 by default) is set to 0 so the
     engine is not preempted by Ray's own daemons, no idle Python workers are kept or prestarted
-    (each wakes 100 times a second), and Serve's control loop runs every second, not every 0.1 s;
-    values the user set are kept."""
+    (each wakes 100 times a second), Serve's control loop runs every second, not every 0.1 s, and
+    a replica runs its deployment's code on its own event loop (no second loop in a thread); values
+    the user set are kept."""
     import os
 
     from serving.common import use_server_cluster_env
 
     wanted = {"RAY_worker_niceness": "0", "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "1", "RAY_num_workers_soft_limit": "0",
-              "RAY_prestart_worker_first_driver": "0"}
+              "RAY_prestart_worker_first_driver": "0", "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
     for name in wanted:
         monkeypatch.delenv(name, raising=False)
     use_server_cluster_env()
