@@ -6,9 +6,10 @@ same model and machine. Each server runs in a process of its own, started as its
 (`rayrlhf serve policy ...`, which starts its own Ray cluster, its one replica answering on the
 server's port itself: Serve's direct ingress) and stopped with SIGTERM; the load client is a plain
 process of neither. `--with-proxy` adds a third contender, rayrlhf's server through Serve's proxy
-(`--ingress proxy`, what a RayService serves through); `--with-user-thread` another, rayrlhf's
-server with Serve's default of running the deployment's code on a second event loop in a thread
-of its own (rayrlhf's server cluster sets `RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0`).
+(`--ingress proxy`, what a RayService serves through); `--with-one-loop` another, rayrlhf's
+server with the deployment's code on the replica's own event loop, where direct ingress's HTTP
+server runs (`RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0`; Serve's default runs it on a second
+loop in a thread of its own).
 
 Every contender gets the same work: the same chat requests (reasoning-gym prompts, chat
 template), `max_tokens` new tokens each with EOS ignored (so every request produces exactly that
@@ -211,12 +212,12 @@ def _port(url: str) -> int:
 
 def start(name: str, model: str, args: argparse.Namespace, port: int) -> subprocess.Popen:
     """The contender ``name`` on ``port``: the bare vLLM server, rayrlhf's policy server as
-    started by default, rayrlhf's through Serve's proxy (``..._proxy``), or rayrlhf's with Serve's
-    default second event loop for the deployment's code (``..._user_thread``)."""
+    started by default, rayrlhf's through Serve's proxy (``..._proxy``), or rayrlhf's with the
+    deployment's code on the replica's own event loop (``..._one_loop``)."""
     if name == "vllm_openai_server":
         return start_vllm(model, args, port)
-    if name.endswith("_user_thread"):  # a value set for the server's cluster wins over rayrlhf's
-        return start_rayrlhf(model, args, port, extra_env={"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "1"})
+    if name.endswith("_one_loop"):
+        return start_rayrlhf(model, args, port, extra_env={"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"})
     return start_rayrlhf(model, args, port, "proxy" if name.endswith("_proxy") else "auto")
 
 
@@ -252,9 +253,9 @@ def main() -> None:
                     help="alone: each server by itself, A B A B; together: both up, rounds alternating")
     ap.add_argument("--with-proxy", action="store_true",
                     help="a third contender: rayrlhf's policy server through Serve's proxy (--ingress proxy)")
-    ap.add_argument("--with-user-thread", action="store_true",
-                    help="a contender: rayrlhf's policy server with Serve's default second event loop for the "
-                         "deployment's code (RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=1)")
+    ap.add_argument("--with-one-loop", action="store_true",
+                    help="a contender: rayrlhf's policy server with the deployment's code on the replica's own "
+                         "event loop (RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0)")
     ap.add_argument("--out", default=None, help="default docs/results/serve_throughput_<layout>.json")
     args = ap.parse_args()
     args.levels = [int(c) for c in args.concurrency.split(",")]
@@ -266,8 +267,8 @@ def main() -> None:
     urls = {"vllm_openai_server": "http://127.0.0.1:18001", "rayrlhf_policy_server": "http://127.0.0.1:18002"}
     if args.with_proxy:
         urls["rayrlhf_policy_server_proxy"] = "http://127.0.0.1:18003"
-    if args.with_user_thread:
-        urls["rayrlhf_policy_server_user_thread"] = "http://127.0.0.1:18004"
+    if args.with_one_loop:
+        urls["rayrlhf_policy_server_one_loop"] = "http://127.0.0.1:18004"
     results: dict[str, dict[str, list[dict]]] = {name: {} for name in urls}
     run = together if args.layout == "together" else alone
     run(model, texts, args, urls, results)
@@ -277,7 +278,8 @@ def main() -> None:
                     for k in ("requests_per_s", "tokens_per_s", "p50_s", "p99_s")} for c in med["vllm_openai_server"]}
 
     ratio = over_bare("rayrlhf_policy_server")
-    out = {"settings": {k: v for k, v in vars(args).items() if k != "levels"}, "model": "SmolLM2-135M-Instruct",
+    out = {"settings": {k: v for k, v in vars(args).items() if k != "levels"}, "engine_env": engine_env(),
+           "model": "SmolLM2-135M-Instruct",
            "cpu_bf16": args.dtype == "bfloat16", "runs": results, "median": med, "ratio_rayrlhf_over_vllm": ratio}
     for name in urls:
         if name.startswith("rayrlhf_policy_server_"):

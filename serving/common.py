@@ -188,16 +188,9 @@ def add_error_handlers(app: Any, validation: bool = True) -> None:
 #: enough for a server (replica health checks and autoscaling decisions act on seconds anyway),
 #: and the engine is preempted ten times less often. No idle Ray workers are kept warm (Ray keeps
 #: as many as the node has CPUs, and starts one for the first driver): each Python worker wakes
-#: 100 times a second whether it works or not, and a server starts its actors once. A replica runs
-#: its deployment's code on the replica's own event loop, not on a second loop in a thread of its
-#: own (Serve's default, so that code blocking its loop cannot stall the replica's health checks):
-#: the HTTP server of direct ingress runs on the replica's loop, so with two loops every request,
-#: and every ASGI message of it, crossed between two threads contending for the GIL with the
-#: engine client's. The policy server's blocking work (a tokenizer's load, a reload) runs in
-#: worker threads (``asyncio.to_thread``); the scorer's models score in a thread too.
+#: 100 times a second whether it works or not, and a server starts its actors once.
 SERVER_CLUSTER_ENV = {"RAY_worker_niceness": "0", "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "1",
-                      "RAY_num_workers_soft_limit": "0", "RAY_prestart_worker_first_driver": "0",
-                      "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
+                      "RAY_num_workers_soft_limit": "0", "RAY_prestart_worker_first_driver": "0"}
 
 
 def use_server_cluster_env() -> None:

@@ -234,6 +234,8 @@ class PPOSteps:
             self.ledger.record("reissued", [{"step": step, "uid": u, "generator": gen, "reason": type(err).__name__}
                                             for u in group])
 
+        # time/generate_s: the wait for the batch; an asynchronous run launched it steps earlier,
+        # so there it is what the learner still waited, not the batch's generation time.
         with self.ctx.phase("generate"):
             exp, gen_stats = self.rollout.collect(cur.pending, on_reissue=reissue)
         with self.ctx.phase("score"):  # the units already finished were scored while the rest generated

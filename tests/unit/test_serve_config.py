@@ -37,19 +37,18 @@ def test_builders_refuse_unknown_settings():
         build_policy_app({"model_path": "/nonexistent"})
 
 
-def test_a_server_started_on_its_own_cluster_runs_rays_workers_at_the_daemons_priority_keeps_no_idle_workers_a_slower_control_loop_and_one_event_loop(
+def test_a_server_started_on_its_own_cluster_runs_rays_workers_at_the_daemons_priority_keeps_no_idle_workers_and_a_slower_control_loop(
         monkeypatch):
     """`rayrlhf serve` on a local cluster: Ray's worker niceness (15 by default) is set to 0 so the
     engine is not preempted by Ray's own daemons, no idle Python workers are kept or prestarted
-    (each wakes 100 times a second), Serve's control loop runs every second, not every 0.1 s, and
-    a replica runs its deployment's code on its own event loop (no second loop in a thread); values
-    the user set are kept."""
+    (each wakes 100 times a second), and Serve's control loop runs every second, not every 0.1 s;
+    values the user set are kept."""
     import os
 
     from serving.common import use_server_cluster_env
 
     wanted = {"RAY_worker_niceness": "0", "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "1", "RAY_num_workers_soft_limit": "0",
-              "RAY_prestart_worker_first_driver": "0", "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
+              "RAY_prestart_worker_first_driver": "0"}
     for name in wanted:
         monkeypatch.delenv(name, raising=False)
     use_server_cluster_env()
@@ -93,6 +92,19 @@ def test_engine_metrics_through_ray_are_off_unless_asked_for(tiny_model_path):
 
     assert llm_config(tiny_model_path).log_engine_metrics is False
     assert llm_config(tiny_model_path, engine_metrics=True).log_engine_metrics is True
+
+
+def test_the_core_binding_set_for_the_server_reaches_its_engine(tiny_model_path, monkeypatch):
+    """``VLLM_CPU_OMP_THREADS_BIND`` set where `rayrlhf serve` starts (e.g. all cores but one, to
+    leave Ray a core: docs/benchmarks.md) goes into the engine replica's environment, with
+    ``threads`` as its OpenMP thread count; unset, vLLM's own choice stands."""
+    from serving.policy import llm_config
+
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in llm_config(tiny_model_path).runtime_env["env_vars"]
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-2")
+    env = llm_config(tiny_model_path, threads=3).runtime_env["env_vars"]
+    assert (env["VLLM_CPU_OMP_THREADS_BIND"], env["OMP_NUM_THREADS"]) == ("0-2", "3")
 
 
 def test_sigterm_stops_a_server_as_ctrl_c_does():
