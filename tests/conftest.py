@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from actors.start_up import lighter_gc
+from serving.common import free_port
 
 lighter_gc()  # this process imports torch, vLLM and transformers too (actors/start_up.py)
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,12 +45,6 @@ os.environ["RAY_AUTH_TOKEN_PATH"] = str(Path(_SESSION_TMP) / "auth_token")
 # files (ray/_private/log_monitor.py), and every 0.5 s above it. A test session leaves hundreds of
 # worker logs there, so the fast glob alone cost ~5% of a core by the end; 0 keeps the 0.5 s one.
 QUIET_CLUSTER_ENV = {"RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0"}
-
-
-def _free_port() -> int:
-    from serving.common import free_port
-
-    return free_port()
 
 
 @pytest.fixture(scope="session")
@@ -83,7 +78,7 @@ def ray_cluster(tiny_model_path):
 
     from cluster.run_context import job_runtime_env
 
-    port, dash = _free_port(), _free_port()
+    port, dash = free_port(), free_port()
     temp = _SESSION_TMP
     env = dict(os.environ)
     bindir = str(Path(sys.executable).parent)
@@ -161,7 +156,7 @@ def serve_url(ray_cluster):
     rather than left running through the rest of the suite."""
     from ray import serve
 
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
