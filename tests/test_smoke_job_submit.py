@@ -83,7 +83,8 @@ def test_ray_job_submit_on_a_cluster_started_as_the_readme_says(tiny_model_path,
     token authentication on, then the real `ray job submit`. During the run Prometheus' endpoint
     serves the project's metrics; the job succeeds and leaves its outputs (TensorBoard events
     included)."""
-    from tests.conftest import _free_port, _stop_cluster
+    from serving.common import free_port
+    from tests.conftest import _stop_cluster
 
     temp = tempfile.mkdtemp(prefix="rrj-", dir="/tmp")
     token = Path(temp) / "auth_token"
@@ -91,7 +92,7 @@ def test_ray_job_submit_on_a_cluster_started_as_the_readme_says(tiny_model_path,
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token),
            "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")}
     env.pop("RAY_ADDRESS", None)
-    port, dash, metrics_port, agent, client = (_free_port() for _ in range(5))
+    port, dash, metrics_port, agent, client = (free_port() for _ in range(5))
     ray_bin = str(Path(sys.executable).parent / "ray")
     # Ports: the README's command plus free ports where Ray's defaults would collide with the
     # session's shared test cluster (the job agent's HTTP port 52365, the client server's 10001).

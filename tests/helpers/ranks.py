@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import tempfile
 import time
 from pathlib import Path
@@ -18,11 +17,7 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from serving.common import free_port
 
 
 def _rank_main(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
@@ -41,7 +36,7 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, fn: Callable, arg
 
 def run_processes(world: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 300.0) -> list[Any]:
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(_rank_main, args=(world, _free_port(), out_dir, fn, args), nprocs=world,
+        ctx = mp.start_processes(_rank_main, args=(world, free_port(), out_dir, fn, args), nprocs=world,
                                  join=False, start_method="spawn")
         deadline = time.monotonic() + timeout_s
         while not ctx.join(timeout=1.0):

@@ -295,9 +295,10 @@ def test_the_server_as_users_start_it_is_answered_by_its_replica_on_its_own_port
     import psutil
 
     from serving.common import port_is_free
-    from tests.conftest import _free_port, wait_for
+    from serving.common import free_port
+    from tests.conftest import wait_for
 
-    port = _free_port()
+    port = free_port()
     url, log = f"http://127.0.0.1:{port}", tmp_path / "server.log"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAYRLHF_TEST_KEY": KEY}
     cmd = [sys.executable, "-m", "cluster.cli", "serve", "policy", str(checkpoints[0]), "--port", str(port),

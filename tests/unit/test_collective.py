@@ -3,21 +3,14 @@ from its own TCPStore beside any default group, a buffer broadcast in buckets.""
 
 from __future__ import annotations
 
-import socket
-
 import numpy as np
 import torch
 import torch.multiprocessing as mp
 
 from cluster.collective import broadcast_buffer, join
+from serving.common import free_port
 
 N = 10_007  # not a multiple of the bucket: the last bucket is short
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, world: int, port: int, out: "mp.Queue") -> None:
@@ -37,7 +30,7 @@ def _rank(rank: int, world: int, port: int, out: "mp.Queue") -> None:
 def test_broadcast_in_buckets_beside_a_default_group():
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, 3, port, out)) for r in range(3)]
     for p in procs:
         p.start()
@@ -58,8 +51,8 @@ def test_the_buffer_must_be_on_the_groups_device_and_the_backend_known():
     with pytest.raises(ValueError, match="buffer is on cpu, the group needs meta"):
         broadcast_buffer(on_gpu, torch.zeros(8), bucket_bytes=4)
     with pytest.raises(ValueError, match="unknown weight-group backend 'mpi'"):
-        join("127.0.0.1", _free_port(), 0, 1, store=torch.distributed.TCPStore(
-            "127.0.0.1", _free_port(), 1, is_master=True, wait_for_workers=False), backend="mpi")
+        join("127.0.0.1", free_port(), 0, 1, store=torch.distributed.TCPStore(
+            "127.0.0.1", free_port(), 1, is_master=True, wait_for_workers=False), backend="mpi")
 
 
 def test_a_receive_buffer_unpacks_like_the_object_store_buffer():
