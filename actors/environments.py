@@ -14,7 +14,8 @@ ids once and keeps the model's own tokens as sampled, so an environment never de
 A single-turn task is the one-step case: reset returns the prompt, the first step scores the
 reply and ends. Built-in (``make_environment``): ``guess_number``, ``feedback`` (try again after a
 wrong answer), ``tool_use`` (calculator / Python before answering), ``http://...`` (an
-environment served over HTTP, ``actors/http_env.py``), or ``module:factory`` for your own.
+OpenEnv server, one WebSocket session per episode, ``actors/openenv.py``), or ``module:factory``
+for your own (an OpenEnv ``Environment`` class runs in-process with the same text mapping).
 """
 
 from __future__ import annotations
@@ -181,6 +182,10 @@ class EnvSpec:
     tools: list[str] = field(default_factory=list)
     max_tool_calls: int = 4
     tool_timeout_s: float = 10.0
+    # OpenEnv servers and classes: ``actors/openenv.py:OpenEnvOptions`` fields, plus action_class
+    # and api_key_env; and the seconds one message may take.
+    openenv: dict[str, Any] = field(default_factory=dict)
+    step_timeout_s: float = 30.0
 
 
 @dataclass
@@ -197,6 +202,18 @@ class EpisodeLimits:
 BUILTIN_ENVIRONMENTS = ("guess_number", "feedback", "tool_use")
 
 
+def openenv_options(spec: EnvSpec) -> Any:
+    """The OpenEnv mapping of ``spec`` (its API key read from the named variable here, in the
+    process that talks to the server)."""
+    import os
+
+    from actors.openenv import OpenEnvOptions
+
+    opts = {k: v for k, v in spec.openenv.items() if k not in ("action_class", "api_key_env")}
+    key_env = spec.openenv.get("api_key_env", "")
+    return OpenEnvOptions(**opts, timeout_s=spec.step_timeout_s, api_key=os.environ.get(key_env, "") if key_env else "")
+
+
 def environment_factory(spec: EnvSpec) -> Callable[[], Any]:
     """A function that makes one fresh environment per episode. Raises ValueError on a bad spec."""
     from actors.tools import resolve_tools
@@ -204,9 +221,11 @@ def environment_factory(spec: EnvSpec) -> Callable[[], Any]:
     if spec.name == "guess_number":
         return lambda: GuessNumber(**spec.args)
     if spec.name.startswith(("http://", "https://")):
-        from actors.http_env import HttpEnvironment
+        from actors.openenv import OpenEnvServer
 
-        return lambda: HttpEnvironment(spec.name, **spec.args)
+        if spec.args:
+            raise ValueError("env.args are an environment constructor's arguments; an OpenEnv server takes env.openenv")
+        return OpenEnvServer(spec.name, openenv_options(spec))
     if spec.name in ("feedback", "tool_use"):
         from actors.scorer import resolve_reward_fn
 
@@ -226,6 +245,10 @@ def environment_factory(spec: EnvSpec) -> Callable[[], Any]:
             factory = getattr(importlib.import_module(module), attr)
         except (ImportError, AttributeError) as e:
             raise ValueError(f"environment {spec.name!r}: {e}") from e
+        from actors.openenv import is_openenv_environment_class, local_factory
+
+        if is_openenv_environment_class(factory):
+            return local_factory(factory, dict(spec.args), openenv_options(spec), spec.openenv.get("action_class", ""))
         return lambda: factory(**spec.args)
     raise ValueError(f"environment {spec.name!r} is neither a built-in ({', '.join(BUILTIN_ENVIRONMENTS)}), "
                      "an http(s):// URL nor 'module:factory'")

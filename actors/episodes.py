@@ -229,8 +229,10 @@ class EpisodeRunner:
     def run(self, loop: Any, rows: list[dict], group_ids: list[int], n: int) -> list[Episode]:
         episodes = [Episode(k * n + j, row, g) for k, (row, g) in enumerate(zip(rows, group_ids)) for j in range(n)]
         self._open = len(episodes)
+        # A reset may first wait for a free session of a remote environment (actors/openenv.py).
+        reset_wait = float(getattr(self.make_env, "reset_wait_s", 0.0))
         for ep in episodes:
-            self._call_env(ep, self._reset, ep)
+            self._call_env(ep, self._reset, ep, extra_s=reset_wait)
         loop.stream(self)
         return episodes
 
@@ -270,9 +272,9 @@ class EpisodeRunner:
         self._expire()
 
     # -- environment calls -----------------------------------------------------------------------
-    def _call_env(self, ep: Episode, fn: Callable, *args: Any) -> None:
+    def _call_env(self, ep: Episode, fn: Callable, *args: Any, extra_s: float = 0.0) -> None:
         with self._cv:
-            self._waiting_env[ep.key] = (time.monotonic() + self.limits.step_timeout_s, ep)
+            self._waiting_env[ep.key] = (time.monotonic() + self.limits.step_timeout_s + extra_s, ep)
         self.pool.submit(self._guarded, ep, fn, *args)
 
     def _guarded(self, ep: Episode, fn: Callable, *args: Any) -> None:
@@ -281,7 +283,7 @@ class EpisodeRunner:
         except Exception as e:  # the environment's failure ends its episode, never the batch
             log.warning("episode %d: environment failed: %s: %s", ep.key, type(e).__name__, e)
             ep.info["error"] = f"{type(e).__name__}: {e}"
-            self._end(ep, "env_error")
+            self._end(ep, "env_timeout" if isinstance(e, TimeoutError) else "env_error")
 
     def _reset(self, ep: Episode) -> None:
         ep.env = self.make_env()

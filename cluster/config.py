@@ -351,6 +351,25 @@ class RolloutConfig(Section):
            "and its unfinished prompts are issued again (0: a lost generator ends the run).", ge=0)
 
 
+class OpenEnvSection(Section):
+    """How the model's text meets an OpenEnv environment (``actors/openenv.py``): a server at
+    ``env.name: http(s)://...`` or an OpenEnv ``Environment`` class at ``env.name: module:Class``."""
+
+    action_field: str = _f("", "Action field that takes the model's reply. Empty: the action schema's one required string "
+                               "field, else the first of message, text, content, action, response, answer, code, command, query.")
+    observation_field: str = _f("", "Observation field read as the environment's message. Empty: its string fields (one as "
+                                    "it is, several as 'name: value' lines).")
+    action_defaults: dict = _f({}, "Values of the action's other fields, sent with every step.")
+    reset_fields: CommaList = _f([], "Keys of the prompt row sent as keyword arguments of reset (e.g. prompt,answer), beside "
+                                     "episode_id.")
+    reset_kwargs: dict = _f({}, "Constant keyword arguments of reset.")
+    action_class: str = _f("", "env.name=module:Class: its action model as 'module:Class' when the class does not declare "
+                               "it (Environment[Action, Observation, State]).")
+    connect_wait_s: float = _f(60.0, "Seconds an episode waits for a session while the server is at capacity "
+                                     "(max_concurrent_envs) or not accepting connections (restarting); then env_error.", gt=0)
+    api_key_env: str = _f("", "Environment variable (on the generators) holding the server's API key, sent as a Bearer token.")
+
+
 class EnvConfig(Section):
     """Multi-turn episodes (``actors/environments.py``): the model acts over several turns and the
     environment answers each; its rewards are the episode's score. Empty ``name``: one reply per
@@ -358,8 +377,9 @@ class EnvConfig(Section):
 
     name: str = _f(
         "", "Environment: guess_number (makes its own prompts), feedback (try again after a wrong answer), "
-            "tool_use (tools before the final answer), an http(s):// URL (an OpenEnv-style server: POST /reset, "
-            "/step), or 'module:factory' returning an object with reset(row) and step(action). Empty: single turn.")
+            "tool_use (tools before the final answer), an http(s):// URL (an OpenEnv server, one WebSocket session per "
+            "episode; see env.openenv), or 'module:factory' returning an object with reset(row) and step(action) (an "
+            "OpenEnv Environment class runs in-process). Empty: single turn.")
     args: dict = _f({}, "Keyword arguments of the environment, e.g. {attempts: 3} for feedback, {high: 16} for guess_number.")
     tools: list[str] = _f(["calculator"], "tool_use: built-in tools (calculator, python) or 'module:attribute' callables.")
     max_turns: int = _f(4, "Model turns per episode at most.", ge=1)
@@ -370,6 +390,7 @@ class EnvConfig(Section):
     step_timeout_s: float = _f(30.0, "Seconds an environment's reset or step may take (then the episode is dropped "
                                      "and counted as env_timeout).", gt=0)
     workers: int = _f(16, "Threads per generator running environment steps and tool calls concurrently.", ge=1)
+    openenv: OpenEnvSection = Field(default_factory=OpenEnvSection, description=OpenEnvSection.__doc__)
 
     def episode_tokens(self, max_prompt_tokens: int, max_new_tokens: int) -> int:
         return self.max_tokens or max_prompt_tokens + self.max_turns * max_new_tokens

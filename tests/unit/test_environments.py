@@ -1,10 +1,6 @@
 """The environment interface and the built-in environments, at the level of text: the guessing
-game, try-again feedback, tool use (tool answers as observations, the final answer verified), an
-environment served over HTTP (a real local server), and the forms a user's step may return."""
-
-import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+game, try-again feedback, tool use (tool answers as observations, the final answer verified), and the forms a user's
+step may return (OpenEnv servers: tests/unit/test_openenv_sessions.py)."""
 
 import pytest
 
@@ -75,48 +71,3 @@ def test_environment_factory_builds_each_kind_and_names_a_bad_one():
     for bad in ("nope", "no_such_module:Env", "actors.tools:missing"):
         with pytest.raises(ValueError, match="environment"):
             environment_factory(EnvSpec(bad))
-
-
-class _CounterEnv(BaseHTTPRequestHandler):
-    """An OpenEnv-style server: episodes by id; the reward is 1 when the reply says 'three'."""
-
-    episodes: dict = {}
-
-    def do_POST(self):  # noqa: N802
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        if self.path == "/reset":
-            self.episodes[body["episode_id"]] = 0
-            out = {"observation": {"prompt": "Count to three.", "metadata": {}}, "reward": None, "done": False}
-        elif self.path == "/step":
-            n = self.episodes[body["episode_id"]] = self.episodes[body["episode_id"]] + 1
-            said = body["action"]["message"]
-            out = {"observation": {"prompt": f"turn {n}"}, "reward": float("three" in said), "done": "three" in said}
-        else:
-            self.send_response(404)
-            self.end_headers()
-            return
-        data = json.dumps(out).encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args):
-        pass
-
-
-def test_an_environment_served_over_http_runs_episodes_side_by_side():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _CounterEnv)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        make = environment_factory(EnvSpec(f"http://127.0.0.1:{server.server_port}"))
-        a, b = make(), make()
-        assert a.reset({"prompt": "x"}) == "Count to three." and b.reset({"prompt": "x"}) == "Count to three."
-        assert a.step("one") == Step("turn 1", 0.0, False, {})
-        assert b.step("one, two, three") == Step("turn 1", 1.0, True, {})
-        assert a.step("two") == Step("turn 2", 0.0, False, {})
-        broken = environment_factory(EnvSpec(f"http://127.0.0.1:{server.server_port}/missing"))()
-        with pytest.raises(RuntimeError, match="HTTP 404"):
-            broken.reset({})
-    finally:
-        server.shutdown()
