@@ -11,8 +11,10 @@ Test hooks, by environment variable of the server process (a path prefix each):
 - ``OPENENV_TEST_GATHER=<n>:<prefix>``: the first ``n`` resets wait until ``n`` sessions are open at
   once (then ``<prefix>.gathered`` holds the peak), so a client that cannot hold ``n`` at once
   never gets past them.
-- ``OPENENV_TEST_HOLD=<prefix>``: once ``<prefix>.arm`` exists, the second step of every episode
-  whose ``answer`` is odd touches ``<prefix>.held`` and waits (the test kills the server there).
+- ``OPENENV_TEST_HOLD=<prefix>:<first>:<count>``: of the episodes whose reset is the server's
+  ``first``-th to ``first + count - 1``-th, the odd-numbered ones wait at their second step (for
+  ever: the test kills the server there); once all of them wait and all the even-numbered ones
+  have ended, ``<prefix>.held`` is written.
 
 Serve it with ``python -m tests.helpers.openenv_envs PORT [MAX_SESSIONS]``.
 """
@@ -70,6 +72,38 @@ class _Gather:
 GATHER = _Gather()
 
 
+class _Hold:
+    """The episodes of a range of resets that wait at their second step (see the docstring)."""
+
+    def __init__(self) -> None:
+        prefix, first, count = (os.environ.get("OPENENV_TEST_HOLD", "") + "::").split(":")[:3]
+        self.prefix, self.first, self.count = prefix, int(first or 0), int(count or 0)
+        self.lock = threading.Lock()
+        self.resets = self.waiting = self.ended = 0
+
+    def number(self) -> int:
+        with self.lock:
+            self.resets += 1
+            return self.resets
+
+    def held(self, number: int) -> bool:
+        return bool(self.prefix) and self.first <= number < self.first + self.count and number % 2 == 1
+
+    def mark(self, number: int, waiting: bool) -> None:
+        """One more held episode waiting, or one more of the others ended."""
+        if not (self.prefix and self.first <= number < self.first + self.count):
+            return
+        with self.lock:
+            self.waiting += waiting
+            self.ended += not waiting
+            odd = len([k for k in range(self.first, self.first + self.count) if k % 2 == 1])
+            if self.waiting == odd and self.ended == self.count - odd:
+                Path(self.prefix + ".held").touch()
+
+
+HOLD = _Hold()
+
+
 class ThreeTurns(Environment[TurnAction, TurnObservation, State]):
     SUPPORTS_CONCURRENT_SESSIONS = True
 
@@ -77,7 +111,7 @@ class ThreeTurns(Environment[TurnAction, TurnObservation, State]):
         super().__init__()
         self._state = State(episode_id=None, step_count=0)
         self.first: str | None = None
-        self.answer = ""
+        self.number = 0
         GATHER.opened(+1)
         self._closed = False
 
@@ -85,7 +119,7 @@ class ThreeTurns(Environment[TurnAction, TurnObservation, State]):
               answer: str = "", **kwargs: Any) -> TurnObservation:
         GATHER.meet()
         self._state = State(episode_id=episode_id, step_count=0)
-        self.first, self.answer = "", str(answer)
+        self.first, self.number = "", HOLD.number()
         return TurnObservation(prompt=prompt or "Write some numbers.", done=False, reward=None)
 
     def step(self, action: TurnAction, timeout_s: Optional[float] = None, **kwargs: Any) -> TurnObservation:
@@ -95,19 +129,14 @@ class ThreeTurns(Environment[TurnAction, TurnObservation, State]):
         n = self._state.step_count
         if n == 1:
             self.first = action.message or " "
-        if n == 2:
-            self._hold()
+        if n == 2 and HOLD.held(self.number):
+            HOLD.mark(self.number, waiting=True)
+            while True:  # until the test kills this server
+                time.sleep(0.05)
         if n < TURNS:
             return TurnObservation(prompt=f"Turn {n + 1}.", done=False, reward=0.0)
+        HOLD.mark(self.number, waiting=False)
         return TurnObservation(prompt="", done=True, reward=digit_density([""], [self.first])[0])
-
-    def _hold(self) -> None:
-        prefix = os.environ.get("OPENENV_TEST_HOLD", "")
-        if not prefix or not Path(prefix + ".arm").exists() or not self.answer[-1:].isdigit() or int(self.answer[-1]) % 2 == 0:
-            return
-        Path(prefix + ".held").touch()
-        while True:  # until the test kills this server
-            time.sleep(0.05)
 
     @property
     def state(self) -> State:

@@ -95,14 +95,13 @@ def test_the_action_comes_from_the_schema_and_a_bad_mapping_is_one_line(server):
 def test_a_server_killed_mid_episode_ends_it_with_an_error(tmp_path):
     port = free_port()
     hold = tmp_path / "hold"
-    proc = start_server(port, env={"OPENENV_TEST_HOLD": str(hold)})
+    proc = start_server(port, env={"OPENENV_TEST_HOLD": f"{hold}:1:1"})  # the first episode waits
     try:
-        (tmp_path / "hold.arm").touch()
         env = environment_factory(EnvSpec(f"http://127.0.0.1:{port}", openenv=OPTS, step_timeout_s=600))()
-        assert env.reset({"prompt": "Q.", "answer": "1"}) == "Q."
+        assert env.reset({"prompt": "Q.", "answer": "0"}) == "Q."
         assert env.step("1") == Step("Turn 2.", 0.0, False, {})
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            second = pool.submit(env.step, "2")  # held by the server (odd answer) until it dies
+            second = pool.submit(env.step, "2")  # held by the server until it dies
             while not Path(f"{hold}.held").exists():
                 assert not second.done(), second.result()
                 time.sleep(0.01)
