@@ -1,49 +1,60 @@
-"""Your own agent program as the rollout: an OpenAI-compatible chat endpoint over a generator.
+"""Your own agent program as the rollout: an OpenAI-compatible endpoint over a generator.
 
-``rollout.agent: module:function`` names a function ``fn(row, base_url) -> float``: it runs one
-episode of an existing agent (the ``openai`` client, an agent SDK) against ``base_url`` and
-returns the episode's reward. Each episode gets a base URL of its own
-(``http://127.0.0.1:<port>/episodes/<random token>/v1``: the token is its credential; the
-endpoint listens on the loopback interface only), so the calls of one episode are told apart
-without the program's help.
+``rollout.agent: module:function`` names ``fn(row, base_url) -> float`` or ``async def fn(row,
+base_url) -> float``: it plays one episode of an existing agent (the ``openai`` client, the
+OpenAI Agents SDK, LangChain, verifiers...) against ``base_url`` and returns its reward. Each
+episode gets a base URL of its own (``http://127.0.0.1:<port>/episodes/<random token>/v1``:
+the token is its credential; the endpoint listens on the loopback interface only), so the calls
+of one episode are told apart without the program's help. Plain functions run on a thread
+each (``env.workers`` at once); ``async def`` programs run together on one event loop.
 
-The endpoint samples with the run's rollout settings (temperature, top_p: the samples stay
-on-policy whatever the program asks) and records each call's prompt, sampled token ids and
-log-probs. The calls of an episode join into trajectories, token in, token out: a call whose
-messages extend an earlier call's messages plus the reply the endpoint gave continues that
-trajectory (the earlier ids are kept as sampled; only the new messages are tokenised, as the
-chat template renders them after the reply); any other call starts a new segment. Each segment
-is one record row with the episode's reward. A program that raises, hangs past its time limit or
-returns no number is counted (``agent_error``, ``agent_timeout``) and its episode dropped.
+The endpoint (``actors/agent_server.py``) serves chat completions, the Responses API and
+completions, streamed or not (``actors/openai_api.py``). It samples with the run's rollout
+settings (temperature, top_p: the samples stay on-policy whatever the program asks) and records
+each call's context, sampled token ids and log-probs. The calls of an episode join into
+trajectories, token in, token out: a call whose context extends an earlier call's context plus
+the reply it got (its messages, or its prompt's text or ids) continues that trajectory, whose
+earlier ids are kept as sampled and whose new part alone is tokenised (messages as the chat
+template renders them after the reply); any other call starts a new segment, and each of a
+call's ``n > 1`` replies is a segment of its own. Each segment is one record row with the
+episode's reward. A program that raises, hangs past its time limit or returns no finite number
+is counted (``agent_error``, ``agent_timeout``) and its episode dropped.
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import json
 import logging
+import math
 import secrets
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Iterator
 
 from actors.episodes import ChatTokens, from_client
 from actors.generator import token_versions
-from actors.tools import parse_tool_calls
+from actors.openai_api import (
+    ApiError, Ask, Choice, chat_reply, chat_stream, completion_reply, completion_stream, finish_reason, parse_chat,
+    parse_completion, parse_responses, reply_message, responses_reply, responses_stream,
+)
 
 log = logging.getLogger("rayrlhf.agent")
 
 
 @dataclass
 class Segment:
-    """One trajectory of an episode: a prompt, then the replies (actions) and the ids of the
-    messages between them."""
+    """One trajectory of an episode: a prompt, then the replies (actions) and the ids of what
+    came between them."""
 
-    messages: list[dict]  # the conversation so far, the endpoint's last reply included
+    kind: str  # chat (messages) | text (a completions prompt)
+    messages: list[dict]  # chat: the conversation so far, the last reply included
     tools: Any
     prompt_ids: list[int]
+    text: str | None = None  # text: the prompt and replies so far, when the prompt was text
     ids: list[int] = field(default_factory=list)
     action: list[bool] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -54,6 +65,10 @@ class Segment:
     @property
     def length(self) -> int:
         return len(self.prompt_ids) + len(self.ids)
+
+    def fork(self) -> "Segment":
+        return replace(self, messages=list(self.messages), ids=list(self.ids), action=list(self.action),
+                       logprobs=list(self.logprobs), versions=list(self.versions))
 
 
 @dataclass
@@ -68,8 +83,11 @@ class AgentEpisode:
     error: str = ""
     calls: int = 0
     refused: int = 0
-    # One call of an episode at a time (its calls extend one another's conversations).
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    # Responses API: each response's conversation (its input and its reply), by response id.
+    responses: dict[str, list[dict]] = field(default_factory=dict)
+    # One call of an episode at a time (its calls extend one another's contexts); made on the
+    # endpoint's event loop.
+    lock: asyncio.Lock | None = None
 
 
 def _norm(message: dict) -> tuple:
@@ -83,28 +101,52 @@ def _norm(message: dict) -> tuple:
         except json.JSONDecodeError:
             pass
         calls.append((fn.get("name"), json.dumps(args, sort_keys=True)))
-    return message.get("role"), message.get("content") or "", tuple(calls)
+    content = message.get("content")
+    if isinstance(content, list):
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return message.get("role"), content or "", tuple(calls)
 
 
-class AgentRequestError(ValueError):
-    """A call the endpoint refuses (answered 400 with the reason)."""
+@dataclass
+class Answer:
+    """What the endpoint sends back: a JSON body, or Server-Sent Events."""
+
+    body: dict | None = None
+    events: Iterator[str] | None = None
+
+
+class _Waiter:
+    """A call's generation: resolved on the endpoint's event loop by the engine's thread."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.future: asyncio.Future = self.loop.create_future()
+
+    def _settle(self, output: Any = None, error: BaseException | None = None) -> None:
+        if not self.future.done():
+            self.future.set_exception(error) if error is not None else self.future.set_result(output)
+
+    def resolve(self, output: Any = None, error: BaseException | None = None) -> None:
+        self.loop.call_soon_threadsafe(self._settle, output, error)
 
 
 class AgentRunner:
     """Runs agent programs against the endpoint for one batch (the ``Feed`` of
     ``EngineLoop.stream``: their calls' generations join the engine's running batch)."""
 
-    def __init__(self, chat: ChatTokens, limits: Any, sampling: Callable[[int, int, int], Any], pool: Any,
-                 episode_timeout_s: float) -> None:
+    def __init__(self, chat: ChatTokens, limits: Any, sampling: Callable[..., Any], pool: Any,
+                 episode_timeout_s: float, models: tuple[str, ...] = ("policy",)) -> None:
         self.chat, self.limits, self.sampling, self.pool = chat, limits, sampling, pool
-        self.episode_timeout_s = episode_timeout_s
+        self.episode_timeout_s, self.models = episode_timeout_s, tuple(models)
         self._cv = threading.Condition()
         self._queue: list[tuple[Any, dict, Any]] = []
+        self._waiting: set[_Waiter] = set()
         self.episodes: dict[str, AgentEpisode] = {}
         self._open = 0
+        self._deadline = math.inf
 
     # -- the batch -------------------------------------------------------------------------------
-    def run(self, loop: Any, endpoint: "AgentEndpoint", agent: Callable, rows: list[dict], group_ids: list[int],
+    def run(self, loop: Any, endpoint: Any, agent: Callable, rows: list[dict], group_ids: list[int],
             n: int) -> list[AgentEpisode]:
         episodes = [AgentEpisode(k * n + j, row, g, secrets.token_urlsafe(16))
                     for k, (row, g) in enumerate(zip(rows, group_ids)) for j in range(n)]
@@ -112,31 +154,40 @@ class AgentRunner:
         self._open = len(episodes)
         endpoint.attach(self)
         self._deadline = time.monotonic() + self.episode_timeout_s
+        programs = _Programs(agent, self.pool)
         try:
             for ep in episodes:
-                self.pool.submit(self._play, agent, ep, endpoint.base_url(ep.token))
+                programs.start(ep, endpoint.base_url(ep.token), self._end)
             loop.stream(self)
         finally:
             endpoint.detach(self)
+            programs.cancel()
+            self._fail_waiting(RuntimeError("the batch ended"))
         return episodes
 
-    def _play(self, agent: Callable, ep: AgentEpisode, base_url: str) -> None:
-        try:
-            reward = agent(ep.row, base_url)
-            reward = float(reward)
-            self._end(ep, "done", reward)
-        except Exception as e:  # the program's failure ends its episode, never the batch
-            log.warning("agent episode %d failed: %s: %s", ep.key, type(e).__name__, e)
-            ep.error = f"{type(e).__name__}: {e}"
-            self._end(ep, "agent_error")
-
-    def _end(self, ep: AgentEpisode, status: str, reward: float | None = None) -> None:
+    def _end(self, ep: AgentEpisode, status: str, reward: Any = None, error: str = "") -> None:
+        if status == "done":
+            try:
+                reward = float(reward)
+            except (TypeError, ValueError):
+                status, error = "agent_error", f"returned {type(reward).__name__} {reward!r}, not a reward"
+            else:
+                if not math.isfinite(reward):
+                    status, error = "agent_error", f"returned a non-finite reward ({reward})"
+        if error:
+            log.warning("agent episode %d: %s", ep.key, error)
         with self._cv:
             if ep.status is not None:
                 return
-            ep.status, ep.reward = status, reward
+            ep.status, ep.reward, ep.error = status, reward if status == "done" else None, error
             self._open -= 1
             self._cv.notify_all()
+
+    def _fail_waiting(self, error: BaseException) -> None:
+        with self._cv:
+            waiting, self._waiting, self._queue = list(self._waiting), set(), []
+        for w in waiting:
+            w.resolve(error=error)
 
     # -- the Feed --------------------------------------------------------------------------------
     def ready(self) -> list:
@@ -144,14 +195,15 @@ class AgentRunner:
             out, self._queue = self._queue, []
         return out
 
-    def finished(self, waiter: "_Call", output: Any) -> None:
-        waiter.output = output
-        waiter.done.set()
+    def finished(self, waiter: _Waiter, output: Any) -> None:
+        with self._cv:
+            self._waiting.discard(waiter)
+        waiter.resolve(output)
 
     def expecting(self) -> bool:
         if time.monotonic() > self._deadline:
             for ep in list(self.episodes.values()):
-                self._end(ep, "agent_timeout")
+                self._end(ep, "agent_timeout", error=f"still running after {self.episode_timeout_s:g}s")
         with self._cv:
             return self._open > 0 or bool(self._queue)
 
@@ -160,176 +212,184 @@ class AgentRunner:
             if not self._queue and self._open > 0:
                 self._cv.wait(timeout)
 
-    # -- one call --------------------------------------------------------------------------------
-    def complete(self, token: str, body: dict) -> dict:
-        """A chat completion for episode ``token``; raises AgentRequestError (400) or KeyError (404)."""
+    # -- one call (on the endpoint's event loop) -------------------------------------------------
+    async def answer(self, token: str, route: str, body: Any) -> Answer:
+        """A reply to episode ``token``'s request on ``route`` (chat, responses, completions);
+        raises ApiError (a 400, counted as a refused call) or KeyError (no such episode: 404)."""
         ep = self.episodes[token]
-        with ep.lock:
+        if ep.lock is None:
+            ep.lock = asyncio.Lock()
+        async with ep.lock:
             try:
-                return self._complete(ep, body)
-            except AgentRequestError:
+                return await self._answer(ep, route, body)
+            except ApiError:
                 ep.refused += 1
                 raise
 
-    def _complete(self, ep: AgentEpisode, body: dict) -> dict:
+    async def _answer(self, ep: AgentEpisode, route: str, body: Any) -> Answer:
         if ep.status is not None:
-            raise AgentRequestError("this episode has ended")
-        messages, tools = _check_request(body)
+            raise ApiError("this episode has ended", code="episode_ended")
+        ask = self._parse(ep, route, body)
         ep.calls += 1
         if ep.calls > self.limits.max_turns:
-            raise AgentRequestError(f"the episode's call limit ({self.limits.max_turns}) is reached")
-        seg, delta = self._continued(ep, messages, tools)
+            raise ApiError(f"the episode's call limit ({self.limits.max_turns}, env.max_turns) is reached",
+                           code="episode_call_limit")
+        seg, delta = self._continued(ep, ask)
         new = seg is None
-        if new:
-            seg = Segment(messages, tools, self.chat.prompt_messages(from_client(messages), tools))
-        room = min(self.limits.max_new_tokens, int(body.get("max_completion_tokens") or body.get("max_tokens") or 10**9),
-                   self.limits.max_tokens - seg.length - len(delta))
+        seg = seg or self._new_segment(ask)
+        room = min(self.limits.max_new_tokens, ask.max_tokens or 10**9, self.limits.max_tokens - seg.length - len(delta))
         if room < 1:
-            raise AgentRequestError(f"the episode's token budget ({self.limits.max_tokens}) is spent")
-        if new:
-            ep.segments.append(seg)
-        call = _Call()
+            raise ApiError(f"the episode's token budget ({self.limits.max_tokens}, env.max_tokens) is spent",
+                           code="episode_token_limit")
+        context = seg.prompt_ids + seg.ids + delta
+        output = await self._generate(context, self.sampling(room, ep.key, ep.calls, n=ask.n, stop=ask.stop))
+        choices = [self._choice(ask, comp) for comp in output.outputs]
+        self._record(ep, ask, seg, new, delta, output.outputs, choices)
+        return self._reply(ep, ask, choices, context)
+
+    def _parse(self, ep: AgentEpisode, route: str, body: Any) -> Ask:
+        if route == "chat":
+            return parse_chat(body, self.models)
+        if route == "completions":
+            return parse_completion(body, self.models)
+        return parse_responses(body, self.models, ep.responses.get)
+
+    async def _generate(self, prompt_ids: list[int], params: Any) -> Any:
+        waiter = _Waiter()
         with self._cv:
-            self._queue.append((call, {"prompt_token_ids": seg.prompt_ids + seg.ids + delta},
-                                self.sampling(room, ep.key, ep.calls)))
+            self._waiting.add(waiter)
+            self._queue.append((waiter, {"prompt_token_ids": prompt_ids}, params))
             self._cv.notify_all()
-        call.done.wait()
-        comp = call.output.outputs[0]
+        return await waiter.future
+
+    def _choice(self, ask: Ask, comp: Any) -> Choice:
         sampled = list(comp.token_ids)
         lps = [float(step[t].logprob) for t, step in zip(sampled, comp.logprobs)]
-        seg.ids += delta + sampled
-        seg.action += [False] * len(delta) + [True] * len(sampled)
-        seg.logprobs += [0.0] * len(delta) + lps
-        seg.versions += [None] * len(delta) + token_versions(comp.weight_versions, len(sampled))
-        seg.truncated, seg.calls = comp.finish_reason == "length", seg.calls + 1
-        reply = _reply_message(comp.text, tools)
-        seg.messages = messages + [reply]
-        return _response(reply, comp, sampled, lps, len(seg.prompt_ids) + len(seg.ids) - len(sampled),
-                         self.chat.tok, bool(body.get("logprobs")))
+        message = reply_message(comp.text, ask.tools, ask.tool_choice) if ask.route != "completions" else {}
+        tokens = [self.chat.tok.decode([t]) for t in sampled] if ask.logprobs else []
+        return Choice(comp.text, message, sampled, lps, finish_reason(message, comp.finish_reason == "length"), tokens)
 
-    def _continued(self, ep: AgentEpisode, messages: list[dict], tools: Any) -> tuple[Segment | None, list[int]]:
-        """The segment these messages extend (its conversation, the last reply included, is their
-        start) and the ids of the new messages; (None, []) for a new segment."""
+    def _reply(self, ep: AgentEpisode, ask: Ask, choices: list[Choice], context: list[int]) -> Answer:
+        if ask.route == "chat":
+            return Answer(events=chat_stream(ask, choices, context)) if ask.stream else Answer(chat_reply(ask, choices, context))
+        if ask.route == "completions":
+            return (Answer(events=completion_stream(ask, choices, context)) if ask.stream
+                    else Answer(completion_reply(ask, choices, context)))
+        response_id = f"resp_{uuid.uuid4().hex}"
+        ep.responses[response_id] = ask.messages + [choices[0].message]
+        return (Answer(events=responses_stream(ask, choices[0], context, response_id)) if ask.stream
+                else Answer(responses_reply(ask, choices[0], context, response_id)))
+
+    # -- trajectories ----------------------------------------------------------------------------
+    def _new_segment(self, ask: Ask) -> Segment:
+        if ask.route == "completions":
+            if isinstance(ask.prompt, list):
+                return Segment("text", [], None, list(ask.prompt))
+            return Segment("text", [], None, list(self.chat.tok.encode(ask.prompt)), text=ask.prompt)
+        return Segment("chat", ask.messages, ask.tools, self.chat.prompt_messages(from_client(ask.messages), ask.tools))
+
+    def _continued(self, ep: AgentEpisode, ask: Ask) -> tuple[Segment | None, list[int]]:
+        """The segment this request's context extends, and the ids of its new part; (None, [])
+        for a new segment."""
         for seg in reversed(ep.segments):
-            k = len(seg.messages)
-            if tools == seg.tools and len(messages) > k and [_norm(m) for m in messages[:k]] == [_norm(m) for m in seg.messages]:
-                ended = bool(seg.ids) and seg.ids[-1] == self.chat.tok.eos_token_id
-                return seg, self.chat.after_reply(from_client(messages[k:]), reply_ended=ended)
+            if ask.route == "completions" and seg.kind == "text":
+                delta = self._text_delta(seg, ask.prompt)
+            elif ask.route != "completions" and seg.kind == "chat":
+                delta = self._chat_delta(seg, ask)
+            else:
+                continue
+            if delta is not None:
+                return seg, delta
         return None, []
 
-
-class _Call:
-    def __init__(self) -> None:
-        self.done = threading.Event()
-        self.output: Any = None
-
-
-def _check_request(body: dict) -> tuple[list[dict], Any]:
-    if not isinstance(body, dict):
-        raise AgentRequestError("the body must be a JSON object")
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) and "role" in m for m in messages):
-        raise AgentRequestError("messages must be a non-empty list of {role, content} objects")
-    if body.get("stream"):
-        raise AgentRequestError("stream=true is not supported by the rollout endpoint")
-    if int(body.get("n") or 1) != 1:
-        raise AgentRequestError("n must be 1 (each sample is an episode of its own)")
-    tools = body.get("tools") or None
-    return messages, tools
-
-
-def _reply_message(text: str, tools: Any) -> dict:
-    """The assistant message: tool calls parsed from the reply when the request offered tools."""
-    calls = [c for c in parse_tool_calls(text) if not c.error] if tools else []
-    if not calls:
-        return {"role": "assistant", "content": text}
-    head = text[: text.find("<tool_call>")].strip()
-    return {"role": "assistant", "content": head or None, "tool_calls": [
-        {"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
-         "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in calls]}
-
-
-def _response(reply: dict, comp: Any, sampled: list[int], lps: list[float], prompt_len: int, tok: Any,
-              with_logprobs: bool) -> dict:
-    finish = "tool_calls" if reply.get("tool_calls") else ("length" if comp.finish_reason == "length" else "stop")
-    choice: dict[str, Any] = {"index": 0, "message": reply, "finish_reason": finish, "token_ids": sampled}
-    if with_logprobs:
-        choice["logprobs"] = {"content": [{"token": tok.decode([t]), "logprob": lp, "bytes": None, "top_logprobs": []}
-                                          for t, lp in zip(sampled, lps)]}
-    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": "policy", "choices": [choice],
-            "usage": {"prompt_tokens": prompt_len, "completion_tokens": len(sampled),
-                      "total_tokens": prompt_len + len(sampled)}}
-
-
-class _Server(ThreadingHTTPServer):
-    # Every episode's program may connect at once: the default backlog of 5 pending connections
-    # refused some of a batch's 32 under load ("Connection error" in the client).
-    request_queue_size = 1024
-    daemon_threads = True
-
-
-class AgentEndpoint:
-    """The HTTP server (one per generator, on 127.0.0.1): routes each call to its episode."""
-
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
-        self.runner: AgentRunner | None = None
-        endpoint = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802
-                token = endpoint._token(self.path, "/v1/models")
-                if token is None:
-                    return self._send(404, {"error": {"message": "not found"}})
-                self._send(200, {"object": "list", "data": [{"id": "policy", "object": "model"}]})
-
-            def do_POST(self) -> None:  # noqa: N802
-                token = endpoint._token(self.path, "/v1/chat/completions")
-                runner = endpoint.runner
-                if token is None or runner is None or token not in runner.episodes:
-                    return self._send(404, {"error": {"message": "no such episode"}})
-                try:
-                    size = int(self.headers.get("Content-Length") or 0)
-                    body = json.loads(self.rfile.read(size) or b"null")
-                    self._send(200, runner.complete(token, body))
-                except (AgentRequestError, json.JSONDecodeError, ValueError, TypeError) as e:
-                    self._send(400, {"error": {"message": str(e), "type": "invalid_request_error"}})
-
-            def _send(self, status: int, obj: dict) -> None:
-                data = json.dumps(obj).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = _Server((host, port), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True, name="rayrlhf-agent-endpoint").start()
-
-    def base_url(self, token: str) -> str:
-        host, port = self.server.server_address[:2]
-        return f"http://{host}:{port}/episodes/{token}/v1"
-
-    @staticmethod
-    def _token(path: str, route: str) -> str | None:
-        parts = path.split("?", 1)[0]
-        if not parts.startswith("/episodes/") or not parts.endswith(route):
+    def _chat_delta(self, seg: Segment, ask: Ask) -> list[int] | None:
+        k = len(seg.messages)
+        if ask.tools != seg.tools or len(ask.messages) <= k:
             return None
-        return parts[len("/episodes/"):-len(route)] or None
+        if [_norm(m) for m in ask.messages[:k]] != [_norm(m) for m in seg.messages]:
+            return None
+        ended = bool(seg.ids) and seg.ids[-1] == self.chat.tok.eos_token_id
+        return self.chat.after_reply(from_client(ask.messages[k:]), reply_ended=ended)
 
-    def attach(self, runner: AgentRunner) -> None:
-        self.runner = runner
+    def _text_delta(self, seg: Segment, prompt: str | list[int]) -> list[int] | None:
+        if isinstance(prompt, list):
+            whole = seg.prompt_ids + seg.ids
+            return prompt[len(whole):] if len(prompt) > len(whole) and prompt[: len(whole)] == whole else None
+        if seg.text is None or len(prompt) <= len(seg.text) or not prompt.startswith(seg.text):
+            return None
+        return list(self.chat.tok.encode(prompt[len(seg.text):], add_special_tokens=False))
 
-    def detach(self, runner: AgentRunner) -> None:
-        if self.runner is runner:
-            self.runner = None
+    def _record(self, ep: AgentEpisode, ask: Ask, seg: Segment, new: bool, delta: list[int], comps: list,
+                choices: list[Choice]) -> None:
+        """The first reply extends ``seg`` (new or continued); every other one extends a copy of
+        it as it was before this call."""
+        before = seg.fork()
+        for i, (comp, choice) in enumerate(zip(comps, choices)):
+            target = seg if i == 0 else before.fork()
+            target.ids += delta + choice.token_ids
+            target.action += [False] * len(delta) + [True] * len(choice.token_ids)
+            target.logprobs += [0.0] * len(delta) + choice.logprobs
+            target.versions += [None] * len(delta) + token_versions(comp.weight_versions, len(choice.token_ids))
+            target.truncated, target.calls = comp.finish_reason == "length", target.calls + 1
+            if target.kind == "chat":
+                target.messages = list(ask.messages) + [choice.message]
+            elif target.text is not None:
+                target.text = ask.prompt + choice.text
+            if i > 0 or new:
+                ep.segments.append(target)
 
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+
+class _Programs:
+    """Agent programs of one batch: plain functions on the pool's threads, ``async def`` ones
+    on one event loop of their own."""
+
+    def __init__(self, agent: Callable, pool: Any) -> None:
+        self.agent, self.pool = agent, pool
+        self.is_async = inspect.iscoroutinefunction(agent) or inspect.iscoroutinefunction(getattr(agent, "__call__", None))
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.tasks: list[Any] = []
+        if self.is_async:
+            self.loop = asyncio.new_event_loop()
+            threading.Thread(target=self.loop.run_forever, daemon=True, name="rayrlhf-agents").start()
+
+    def start(self, ep: AgentEpisode, base_url: str, end: Callable) -> None:
+        if self.loop is not None:
+            self.tasks.append(asyncio.run_coroutine_threadsafe(self._play_async(ep, base_url, end), self.loop))
+        else:
+            self.pool.submit(self._play, ep, base_url, end)
+
+    def _play(self, ep: AgentEpisode, base_url: str, end: Callable) -> None:
+        try:
+            end(ep, "done", self.agent(ep.row, base_url))
+        except Exception as e:  # the program's failure ends its episode, never the batch
+            end(ep, "agent_error", error=f"{type(e).__name__}: {e}")
+
+    async def _play_async(self, ep: AgentEpisode, base_url: str, end: Callable) -> None:
+        try:
+            end(ep, "done", await self.agent(ep.row, base_url))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            end(ep, "agent_error", error=f"{type(e).__name__}: {e}")
+
+    def cancel(self) -> None:
+        """Cancels async programs still running (timed out), lets them and their clients'
+        streams close, then stops their loop."""
+        if self.loop is None:
+            return
+        for task in self.tasks:
+            task.cancel()
+        try:
+            asyncio.run_coroutine_threadsafe(self._wind_down(), self.loop).result(30)
+        except (TimeoutError, RuntimeError):  # a program that ignores cancelling: its loop stops anyway
+            pass
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+    async def _wind_down(self) -> None:
+        current = asyncio.current_task()
+        rest = [t for t in asyncio.all_tasks() if t is not current]
+        await asyncio.wait(rest, timeout=10) if rest else None
+        await self.loop.shutdown_asyncgens()
 
 
 def agent_summary(episodes: list[AgentEpisode]) -> tuple[dict[str, int], dict[str, float]]:

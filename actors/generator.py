@@ -108,6 +108,8 @@ class GeneratorConfig:
     # (``actors/agent_endpoint.py``), and the seconds a batch of them may take.
     agent: str = ""
     agent_timeout_s: float = 300.0
+    # The model names the endpoint serves ("*": any).
+    agent_models: tuple[str, ...] = ("policy",)
     # LoRA adapter syncs (``learners/lora_sync.py``): the base model folder the adapters' factors
     # are merged into ("" : syncs send whole weights).
     lora_base: str = ""
@@ -355,8 +357,8 @@ class Generator:
 
     def generate_agent_episodes(self, rows: list[dict[str, Any]], group_ids: list[int], agent: Any, endpoint: Any,
                                 limits: Any, *, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, n: int = 1,
-                                seed: int | None = None, pool: Any, timeout_s: float = 300.0
-                                ) -> tuple[Experience, dict[str, float]]:
+                                seed: int | None = None, pool: Any, timeout_s: float = 300.0,
+                                models: tuple[str, ...] = ("policy",)) -> tuple[Experience, dict[str, float]]:
         """``n`` episodes per row of an agent program ``agent(row, base_url) -> reward`` against
         ``endpoint`` (``actors/agent_endpoint.py``): one record row per trajectory segment, the
         program's reward in ``meta["episode"]``; failed programs dropped and counted."""
@@ -364,7 +366,7 @@ class Generator:
         from actors.episodes import ChatTokens
 
         runner = AgentRunner(ChatTokens(self.tokenizer), limits, self._turn_sampling(temperature, top_p, seed, top_k), pool,
-                             timeout_s)
+                             timeout_s, models)
         episodes = runner.run(self.loop, endpoint, agent, rows, group_ids, n)
         dropped, counts = agent_summary(episodes)
         out = []
@@ -387,10 +389,12 @@ class Generator:
         which depends on when environments answer, so a seeded batch of episodes is reproducible."""
         from vllm import SamplingParams
 
-        def sampling(room: int, key: int, turn: int) -> SamplingParams:
+        def sampling(room: int, key: int, turn: int, n: int = 1, stop: list[str] | None = None) -> SamplingParams:
             turn_seed = None if seed is None else (seed * 1_000_003 + key * 7919 + turn) % 2**31
-            return SamplingParams(n=1, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=room, logprobs=1,
-                                  seed=turn_seed,
+            # A stop string ends the reply after it, and it stays in the text: the text is then
+            # exactly the sampled tokens' (vLLM would drop it from the text but not the tokens).
+            return SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=room, logprobs=1,
+                                  seed=turn_seed, stop=stop, include_stop_str_in_output=bool(stop),
                                   stop_token_ids=[self.eos_token_id] if self.eos_token_id is not None else None)
 
         return sampling

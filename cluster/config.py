@@ -341,11 +341,15 @@ class RolloutConfig(Section):
              "1e-3 for float32, 0.1 for bf16, whose kernels differ from the learner's by about 1e-2).", ge=0)
     agent: str = _f(
         "", "Your own agent program as the rollout: 'module:function', called as function(row, base_url) -> reward for "
-            "each episode; it talks to an OpenAI-compatible endpoint at base_url (the generator's, on 127.0.0.1) with "
-            "any client. Its calls join into token-in/token-out trajectories (actors/agent_endpoint.py); env.max_turns "
-            "limits its calls, env.max_tokens its tokens, env.workers the episodes running at once.")
+            "each episode (an async def function: episodes run together on one event loop); it talks to an "
+            "OpenAI-compatible endpoint at base_url (the generator's, on 127.0.0.1: chat completions, the Responses API "
+            "and completions, streamed or not) with any client. Its calls join into token-in/token-out trajectories "
+            "(actors/agent_endpoint.py); env.max_turns limits its calls, env.max_tokens its tokens, env.workers the "
+            "plain functions running at once.")
     agent_timeout_s: float = _f(300.0, "Seconds a batch's agent programs may run; the ones still running then are "
                                        "dropped and counted (agent_timeout).", gt=0)
+    agent_models: CommaList = _f(["policy"], "Model names the agent endpoint answers to (the name an agent program "
+                                             "passes as model); '*' answers to any. Other names get a 400.")
     max_restarts: int = _f(
         3, "Times Ray restarts a generator actor that died; a restarted generator gets the current weights "
            "and its unfinished prompts are issued again (0: a lost generator ends the run).", ge=0)

@@ -48,6 +48,7 @@ def episode_settings(cfg: Config) -> dict:
                            max_new_tokens=cfg.model.max_new_tokens, step_timeout_s=env.step_timeout_s)
     if cfg.rollout.agent:
         return {"agent": cfg.rollout.agent, "agent_timeout_s": cfg.rollout.agent_timeout_s, "episode_limits": limits,
+                "agent_models": tuple(cfg.rollout.agent_models),
                 "env_workers": env.workers}
     spec = EnvSpec(name=env.name, args=dict(env.args), verifier=cfg.reward.function, verifier_kwargs=dict(cfg.reward.kwargs),
                    tools=list(env.tools), max_tool_calls=env.max_tool_calls, tool_timeout_s=env.tool_timeout_s,

@@ -54,9 +54,10 @@ class GeneratorWorker:
 
             self._make_env = environment_factory(gcfg.environment)
         if gcfg.agent:
-            from actors.agent_endpoint import AgentEndpoint, resolve_agent
+            from actors.agent_endpoint import resolve_agent
+            from actors.agent_server import AgentEndpoint
 
-            self._agent, self._endpoint = resolve_agent(gcfg.agent), AgentEndpoint()
+            self._agent, self._endpoint = resolve_agent(gcfg.agent), AgentEndpoint(models=tuple(gcfg.agent_models))
         if gcfg.environment is not None or gcfg.agent:
             self._env_pool = ThreadPoolExecutor(gcfg.env_workers, thread_name_prefix="rayrlhf-env")
 
@@ -95,7 +96,7 @@ class GeneratorWorker:
         if self._agent is not None:
             exp, episodes = self._on_engine(self.gen.generate_agent_episodes, rows, group_ids, self._agent, self._endpoint,
                                             g.episode_limits, pool=self._env_pool, timeout_s=g.agent_timeout_s,
-                                            **sampling)
+                                            models=tuple(g.agent_models), **sampling)
         elif self._make_env is not None:
             try:
                 exp, episodes = self._on_engine(self.gen.generate_episodes, rows, group_ids, self._make_env,

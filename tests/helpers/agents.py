@@ -39,8 +39,9 @@ def with_side_call(row: dict, base_url: str) -> float:
 
 
 def misbehaving(row: dict, base_url: str) -> float:
-    """By the row's answer: 1 raises, 2 returns garbage, 3 asks for a stream (refused, then gives
-    up), 4 makes too many calls (the later ones refused), else one plain call."""
+    """By the row's answer: 1 raises, 2 returns garbage, 3 asks for a model the endpoint does not
+    serve (refused, then gives up), 4 makes too many calls (the later ones refused), else one
+    plain call."""
     client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
     mode = int(row["answer"])
     msgs = [{"role": "user", "content": row["prompt"]}]
@@ -51,7 +52,7 @@ def misbehaving(row: dict, base_url: str) -> float:
         return "not a number"  # type: ignore[return-value]
     if mode == 3:
         try:
-            client.chat.completions.create(model="policy", messages=msgs, max_tokens=4, stream=True)
+            client.chat.completions.create(model="gpt-unknown", messages=msgs, max_tokens=4)
         except openai.BadRequestError:
             return 0.0
     refused = 0

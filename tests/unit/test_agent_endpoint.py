@@ -11,7 +11,7 @@ import pytest
 import requests
 import torch
 
-from actors.agent_endpoint import AgentEndpoint
+from actors.agent_server import AgentEndpoint
 from actors.environments import EpisodeLimits
 from actors.episodes import ChatTokens
 from tests.helpers import agents
@@ -77,7 +77,7 @@ def test_failing_programs_are_counted_and_bad_calls_refused(generator, endpoint,
     rows = _rows([f"Task {i}." for i in range(5)], ["1", "2", "3", "4", "5"])
     exp, counts = generator.generate_agent_episodes(rows, list(range(5)), agents.misbehaving, endpoint, LIMITS, pool=pool)
     assert exp.skipped["agent_error"] == 2  # raised; returned garbage
-    assert exp.skipped["agent_no_calls"] == 1  # its only call was refused (stream=true)
+    assert exp.skipped["agent_no_calls"] == 1  # its only call was refused (an unknown model)
     # Mode 4 called six times with the same first message: four answered (env.max_turns), each a
     # segment of its own (none extends another), two refused; mode 5 made one call.
     assert sorted(m["episode"]["reward"] for m in exp.meta) == [0.0, 2.0, 2.0, 2.0, 2.0]
@@ -93,7 +93,8 @@ def test_replies_offering_tools_carry_tool_calls_and_the_next_call_continues_the
     tool's answer, and the conversation still counts as the same trajectory."""
     import json
 
-    from actors.agent_endpoint import _norm, _reply_message
+    from actors.agent_endpoint import _norm
+    from actors.openai_api import reply_message as _reply_message
     from actors.tools import CALCULATOR
 
     text = 'Let me compute. <tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'
