@@ -333,8 +333,8 @@ class AgentRunner:
             target.truncated, target.calls = comp.finish_reason == "length", target.calls + 1
             if target.kind == "chat":
                 target.messages = list(ask.messages) + [choice.message]
-            elif target.text is not None:
-                target.text = ask.prompt + choice.text
+            else:  # a prompt given as ids has no text to go on from by text
+                target.text = ask.prompt + choice.text if isinstance(ask.prompt, str) else None
             if i > 0 or new:
                 ep.segments.append(target)
 

@@ -93,6 +93,7 @@ class AgentEndpoint:
             try:
                 body = json.loads(await request.body() or b"null")
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                runner.episodes[request.path_params["token"]].refused += 1
                 return _error(400, f"the body is not JSON: {e}")
             try:
                 answer = await runner.answer(request.path_params["token"], kind, body)

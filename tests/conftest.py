@@ -54,6 +54,20 @@ def tiny_model_path() -> str:
     return str(build_tiny(Path(os.environ["RAYRLHF_CACHE"])))
 
 
+@pytest.fixture(scope="session")
+def sdk_tool_caller(tiny_model_path, tmp_path_factory) -> str:
+    """The tiny model taught the calculator conversation as the OpenAI Agents SDK and LangChain
+    send it (``tests/helpers/sdk_agents.py``): through either client it calls the tool, reads its
+    answer and answers (greedy). Trained once per session (~15 s)."""
+    from tests.helpers.sdk_agents import demonstrations
+    from tests.helpers.tool_agent import train_tool_caller
+
+    folder, metrics = train_tool_caller(tiny_model_path, tmp_path_factory.mktemp("sdk_tool_caller") / "model",
+                                        steps=80, conversations=demonstrations())
+    assert metrics["loss/total"] < 0.05, metrics
+    return str(folder)
+
+
 @pytest.fixture(scope="module")
 def generator(tiny_model_path, request):
     """One in-process vLLM engine of the tiny model per test module that asks for it (context

@@ -21,15 +21,20 @@ CONVERSATION = [
 ]
 
 
-def train_tool_caller(base: str, out: str | Path, steps: int = 60) -> tuple[Path, dict]:
-    """``base`` fine-tuned on CONVERSATION (every assistant turn) until it reproduces it; the
-    checkpoint folder and the last step's metrics."""
+def train_tool_caller(base: str, out: str | Path, steps: int = 60,
+                      conversations: list[tuple[list[dict], list[dict]]] | None = None) -> tuple[Path, dict]:
+    """``base`` fine-tuned on ``conversations`` ((messages, tools) pairs; default CONVERSATION
+    with TOOLS; every assistant turn) until it reproduces them; the checkpoint folder and the
+    last step's metrics."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(base)
-    row, reason = normalise_demonstration({"messages": CONVERSATION, "tools": TOOLS})
-    assert reason is None, reason
-    batch, skipped = encode_demonstrations([row], tok, max_prompt_tokens=4096, max_response_tokens=512)
+    rows = []
+    for messages, tools in conversations or [(CONVERSATION, TOOLS)]:
+        row, reason = normalise_demonstration({"messages": messages, "tools": tools})
+        assert reason is None, reason
+        rows.append(row)
+    batch, skipped = encode_demonstrations(rows, tok, max_prompt_tokens=4096, max_response_tokens=512)
     assert not skipped, skipped
     learner = make_sft_learner(base, train={"lr": 3e-3, "micro_batch_size": 1}, total_steps=steps)
     metrics: dict = {}
