@@ -355,6 +355,12 @@ class RolloutConfig(Section):
            "and its unfinished prompts are issued again (0: a lost generator ends the run).", ge=0)
 
 
+def _changed(section: BaseModel, default: BaseModel) -> list[str]:
+    """The fields of ``section`` whose values differ from ``default``'s (whether given in a file,
+    by --set or carried into a stage)."""
+    return sorted(f for f in type(section).model_fields if getattr(section, f) != getattr(default, f))
+
+
 class OpenEnvSection(Section):
     """How the model's text meets an OpenEnv environment (``actors/openenv.py``): a server at
     ``env.name: http(s)://...`` or an OpenEnv ``Environment`` class at ``env.name: module:Class``."""
@@ -908,7 +914,7 @@ class Config(Section):
             (not (self.cluster.realtime_learners and self.cluster.gpus_per_learner),
              "cluster.realtime_learners is for CPU learners (their OpenMP threads share cores with Ray's processes); "
              "a GPU learner's threads mostly wait for the GPU, and real-time waiting threads would starve the node"),
-        ] + self._env_checks(algo) + self._data_and_shaping_checks() + self._qlearn_value_checks()
+        ] + self._env_checks(algo) + self._unread_settings() + self._data_and_shaping_checks() + self._qlearn_value_checks()
         for ok, msg in checks:
             if not ok:
                 raise ConfigError(msg)
@@ -990,6 +996,28 @@ class Config(Section):
             (not (self.sft.transcripts and self.data.demonstration_file),
              "sft.transcripts writes demonstrations from data.task's rows: leave data.demonstration_file empty"),
         ]
+
+    def _unread_settings(self) -> list[tuple[bool, str]]:
+        """Settings given (in the file or by --set) that nothing would read: refused rather than
+        trained without."""
+        env, name, agent = self.env, self.env.name, self.rollout.agent
+        given = _changed(env, EnvConfig())
+        tool_fields = ("tools", "max_tool_calls", "tool_timeout_s")
+        if agent and not name:
+            unread, why = [f for f in given if f not in ("max_turns", "max_tokens", "workers")], "rollout.agent"
+        elif not name:
+            unread, why = given, "no episodes run (env.name and rollout.agent are empty)"
+        elif name.startswith(("http://", "https://")):
+            unread, why = [f for f in given if f in (*tool_fields, "args")], f"env.name={name} (an OpenEnv server)"
+        elif name == "tool_use":
+            unread, why = [f for f in given if f == "openenv"], "env.name=tool_use"
+        elif name in ("guess_number", "feedback"):
+            unread, why = [f for f in given if f in (*tool_fields, "openenv")], f"env.name={name}"
+        else:  # module:factory: tools are the tool_use environment's
+            unread, why = [f for f in given if f in tool_fields], f"env.name={name} (your own environment)"
+        agent_only = [f for f in _changed(self.rollout, RolloutConfig()) if f in ("agent_timeout_s", "agent_models") and not agent]
+        return [(False, f"env.{f} is set but not read with {why}: remove it") for f in sorted(unread)] + [
+            (False, f"rollout.{f} is set but no agent program runs (rollout.agent is empty): remove it") for f in agent_only]
 
     def _env_checks(self, algo: str) -> list[tuple[bool, str]]:
         """What multi-turn episodes (``env.name``) combine with."""

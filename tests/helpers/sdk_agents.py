@@ -90,7 +90,8 @@ def _recorder(base_url: str, row: dict, asynchronous: bool) -> Any:
             log = (row.get("meta") or {}).get("log")
             if log:
                 Path(log).mkdir(parents=True, exist_ok=True)
-                (Path(log) / f"{base_url.rsplit('/', 2)[-2]}.json").write_text(json.dumps(calls))
+                (Path(log) / f"{base_url.rsplit('/', 2)[-2]}.json").write_text(
+                    json.dumps({"client": row["meta"].get("client"), "calls": calls}))
 
     async def arecord(response: httpx.Response) -> None:
         await response.aread()

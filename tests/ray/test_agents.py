@@ -3,10 +3,13 @@ reward through the scorer, Ray Train learners): a task whose one reward, given a
 turn, depends only on the first reply, so that credit has to cross the environment's
 observation. GRPO learns it while a generator is killed mid-episode, PPO with its critic learns
 it (token-level Q-learning learns it too: tests/ray/test_qlearning.py); an agent program on the
-real openai client trains through the rollout endpoint."""
+real openai client trains through the rollout endpoint, and so do the OpenAI Agents SDK (its
+Responses model, a function tool, run and streamed) and a streaming ``async def`` program, whose
+trained rows are the tokens and log-probs their calls returned."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -131,3 +134,47 @@ def test_dpo_pairs_the_best_and_worst_episode_of_a_prompt(ray_cluster, tmp_path)
     for i in range(resp.shape[0]):
         after = resp[i, first[i]:int(att[i].sum())]
         assert not after.all() and after[0] and after[-1], after
+
+
+def test_sdk_streaming_and_async_programs_train_on_the_tokens_their_calls_returned(ray_cluster, tmp_path, sdk_tool_caller):
+    """One ``async def`` program (``tests/helpers/sdk_agents.py:mixed``) plays each row with the
+    client the row names: the Agents SDK run, the Agents SDK streamed, or two streamed chat
+    turns. Each exported transition (the scored rows the learners train on) holds at its actions
+    exactly the token ids and log-probs the HTTP responses of one episode carried, in order."""
+    from actors.transitions import read_transitions
+    from tests.helpers.tool_agent import ANSWER, QUESTION
+
+    log, data, held = tmp_path / "calls", tmp_path / "tasks.jsonl", tmp_path / "held.jsonl"
+    held.write_text(json.dumps({"prompt": "What is 2 + 2?", "answer": "4", "client": "streaming_chat"}) + "\n")
+    clients = ["agents_sdk", "agents_sdk_streamed", "streaming_chat"]
+    data.write_text("".join(json.dumps({"prompt": QUESTION, "answer": ANSWER, "client": c, "log": str(log)}) + "\n"
+                            for c in clients * 4))
+    run_dir = tmp_path / "sdks"
+    cfg = load_config(ROOT / "configs" / "ppo_tiny.yaml", [
+        f"model.path={sdk_tool_caller}", f"data.task={data}", f"data.eval_task={held}", "data.eval_size=1", "run.eval_every=0",
+        "data.instruction=", "rollout.agent=tests.helpers.sdk_agents:mixed", "run.steps=2", "ppo.advantage_estimator=grpo",
+        "rollout.samples_per_prompt=2", "rollout.prompts_per_step=6", "model.max_new_tokens=96", "model.max_prompt_tokens=512",
+        "env.max_tokens=1000", "run.plot=false", "run.save_final=false", "run.export_transitions=true"])
+    train(cfg, run_dir=run_dir)
+    rows_trained, skipped = read_transitions(run_dir / "data" / "transitions")
+    assert not skipped and len(rows_trained) == 2 * 6 * 2
+    logged = [json.loads(p.read_text()) for p in sorted(log.glob("*.json"))]
+    assert sorted(e["client"] for e in logged) == sorted(clients * 8)
+
+    def wire(episode: dict) -> tuple[list[int], list[float]]:
+        ids, lps = [], []
+        for call in episode["calls"]:
+            (choice,) = call["choices"]
+            ids, lps = ids + choice["token_ids"], lps + choice["logprobs"]
+        return ids, lps
+
+    unmatched = [wire(e) for e in logged]
+    for t in rows_trained:
+        mask = t.action_mask or [True] * len(t.response_ids)
+        ids = [x for x, a in zip(t.response_ids, mask) if a]
+        lps = [x for x, a in zip(t.behaviour_logprobs, mask) if a]
+        match = next(i for i, (w_ids, _) in enumerate(unmatched) if w_ids == ids)
+        assert lps == pytest.approx(unmatched.pop(match)[1], abs=1e-6)
+    assert not unmatched
+    got = [r for r in rows(run_dir) if r["step"] > 0]
+    assert max(r["logprob_gap/max_abs"] for r in got) < 1e-3

@@ -218,3 +218,24 @@ def test_stages_each_validated_with_their_changes():
         load_config(overrides=["stages=[{name: a}, {name: a}]"])
     with pytest.raises(ConfigError, match="unknown config key 'stages.0.sett'"):
         load_config(overrides=["stages=[{name: a, sett: {}}]"])
+
+
+@pytest.mark.parametrize("sets, message", [
+    (["env.tools=[calculator,nosuchtool]"], "env.tools is set but not read with no episodes run"),
+    (["env.max_turns=3"], "env.max_turns is set but not read with no episodes run"),
+    (["env.name=tool_use", "env.openenv.action_field=text"], "env.openenv is set but not read with env.name=tool_use"),
+    (["env.name=guess_number", "env.max_tool_calls=2"], "env.max_tool_calls is set but not read with env.name=guess_number"),
+    (["env.name=http://127.0.0.1:1", "env.args={a: 1}"], "env.args is set but not read with env.name=http://127.0.0.1:1"),
+    (["rollout.agent=tests.helpers.agents:three_turns", "env.tool_timeout_s=3"], "env.tool_timeout_s is set but not read with rollout.agent"),
+    (["rollout.agent_models=[gpt-4o]"], "rollout.agent_models is set but no agent program runs"),
+])
+def test_settings_nothing_would_read_are_refused_in_one_line(sets, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(Path(__file__).resolve().parents[2] / "configs" / "ppo_tiny.yaml", sets)
+
+
+def test_settings_their_episodes_read_are_accepted():
+    root = Path(__file__).resolve().parents[2] / "configs" / "ppo_tiny.yaml"
+    load_config(root, ["env.name=tool_use", "env.tools=[calculator,python]", "env.max_tool_calls=2"])
+    load_config(root, ["env.name=http://127.0.0.1:1", "env.openenv.reset_fields=prompt", "env.step_timeout_s=5"])
+    load_config(root, ["rollout.agent=tests.helpers.agents:three_turns", "env.max_turns=3", "rollout.agent_models=[gpt-4o]"])
