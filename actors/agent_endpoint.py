@@ -85,6 +85,8 @@ class AgentEpisode:
     refused: int = 0
     # Responses API: each response's conversation (its input and its reply), by response id.
     responses: dict[str, list[dict]] = field(default_factory=dict)
+    # What the program reported beside its reward (a rubric's functions, its metrics), by name.
+    components: dict[str, float] = field(default_factory=dict)
     # One call of an episode at a time (its calls extend one another's contexts); made on the
     # endpoint's event loop.
     lock: asyncio.Lock | None = None
@@ -166,6 +168,10 @@ class AgentRunner:
         return episodes
 
     def _end(self, ep: AgentEpisode, status: str, reward: Any = None, error: str = "") -> None:
+        if status == "done" and isinstance(reward, dict):  # {"reward": x, "components": {name: value}}
+            ep.components = {str(k): float(v) for k, v in (reward.get("components") or {}).items()
+                             if isinstance(v, (int, float)) and math.isfinite(v)}
+            reward = reward.get("reward")
         if status == "done":
             try:
                 reward = float(reward)
@@ -339,18 +345,31 @@ class AgentRunner:
                 ep.segments.append(target)
 
 
+_PROGRAMS_LOOP: asyncio.AbstractEventLoop | None = None
+_PROGRAMS_LOCK = threading.Lock()
+
+
+def programs_loop() -> asyncio.AbstractEventLoop:
+    """The process's event loop for ``async def`` agent programs (a daemon thread, started on
+    first use): it outlives a batch, so what a program opens once (a verifiers environment's
+    servers, a client's connection pool) stays open for the next."""
+    global _PROGRAMS_LOOP
+    with _PROGRAMS_LOCK:
+        if _PROGRAMS_LOOP is None or _PROGRAMS_LOOP.is_closed():
+            _PROGRAMS_LOOP = asyncio.new_event_loop()
+            threading.Thread(target=_PROGRAMS_LOOP.run_forever, daemon=True, name="rayrlhf-agents").start()
+        return _PROGRAMS_LOOP
+
+
 class _Programs:
     """Agent programs of one batch: plain functions on the pool's threads, ``async def`` ones
-    on one event loop of their own."""
+    together on the programs' event loop."""
 
     def __init__(self, agent: Callable, pool: Any) -> None:
         self.agent, self.pool = agent, pool
-        self.is_async = inspect.iscoroutinefunction(agent) or inspect.iscoroutinefunction(getattr(agent, "__call__", None))
-        self.loop: asyncio.AbstractEventLoop | None = None
+        is_async = inspect.iscoroutinefunction(agent) or inspect.iscoroutinefunction(getattr(agent, "__call__", None))
+        self.loop = programs_loop() if is_async else None
         self.tasks: list[Any] = []
-        if self.is_async:
-            self.loop = asyncio.new_event_loop()
-            threading.Thread(target=self.loop.run_forever, daemon=True, name="rayrlhf-agents").start()
 
     def start(self, ep: AgentEpisode, base_url: str, end: Callable) -> None:
         if self.loop is not None:
@@ -373,23 +392,9 @@ class _Programs:
             end(ep, "agent_error", error=f"{type(e).__name__}: {e}")
 
     def cancel(self) -> None:
-        """Cancels async programs still running (timed out), lets them and their clients'
-        streams close, then stops their loop."""
-        if self.loop is None:
-            return
+        """Cancels this batch's async programs still running (timed out)."""
         for task in self.tasks:
             task.cancel()
-        try:
-            asyncio.run_coroutine_threadsafe(self._wind_down(), self.loop).result(30)
-        except (TimeoutError, RuntimeError):  # a program that ignores cancelling: its loop stops anyway
-            pass
-        self.loop.call_soon_threadsafe(self.loop.stop)
-
-    async def _wind_down(self) -> None:
-        current = asyncio.current_task()
-        rest = [t for t in asyncio.all_tasks() if t is not current]
-        await asyncio.wait(rest, timeout=10) if rest else None
-        await self.loop.shutdown_asyncgens()
 
 
 def agent_summary(episodes: list[AgentEpisode]) -> tuple[dict[str, int], dict[str, float]]:
@@ -406,11 +411,20 @@ def agent_summary(episodes: list[AgentEpisode]) -> tuple[dict[str, int], dict[st
         counts["kept"] = counts.get("kept", 0) + 1
         counts["turns"] += sum(seg.calls for seg in ep.segments)
         counts["segments"] += len(ep.segments)
+        for name, value in ep.components.items():  # logged as their means (cluster/metrics.py)
+            counts[f"{name}/sum"] = counts.get(f"{name}/sum", 0.0) + value
+            counts[f"{name}/n"] = counts.get(f"{name}/n", 0.0) + 1
     return dropped, counts
 
 
-def resolve_agent(spec: str) -> Callable[[dict, str], Any]:
-    """``module:function`` of an agent program; ValueError naming what is wrong."""
+def resolve_agent(spec: str, args: dict | None = None, max_tokens: int = 64) -> Callable[[dict, str], Any]:
+    """``module:function`` of an agent program, or ``verifiers:<id>`` (the environment's own
+    rollout, ``actors/verifiers_env.py``, with ``args`` over its config and ``max_tokens`` per
+    reply); ValueError naming what is wrong."""
+    if spec.startswith("verifiers:"):
+        from actors.verifiers_env import VerifiersProgram
+
+        return VerifiersProgram(spec[len("verifiers:"):], args or {}, max_tokens)
     from actors.imports import import_callable
 
     return import_callable(spec, "rollout.agent")

@@ -108,8 +108,10 @@ class GeneratorConfig:
     # (``actors/agent_endpoint.py``), and the seconds a batch of them may take.
     agent: str = ""
     agent_timeout_s: float = 300.0
-    # The model names the endpoint serves ("*": any).
+    # The model names the endpoint serves ("*": any), and a verifiers environment's config
+    # overrides (``agent: verifiers:<id>``, ``actors/verifiers_env.py``).
     agent_models: tuple[str, ...] = ("policy",)
+    agent_args: dict | None = None
     # LoRA adapter syncs (``learners/lora_sync.py``): the base model folder the adapters' factors
     # are merged into ("" : syncs send whole weights).
     lora_base: str = ""

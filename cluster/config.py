@@ -388,8 +388,9 @@ class EnvConfig(Section):
     name: str = _f(
         "", "Environment: guess_number (makes its own prompts), feedback (try again after a wrong answer), "
             "tool_use (tools before the final answer), an http(s):// URL (an OpenEnv server, one WebSocket session per "
-            "episode; see env.openenv), or 'module:factory' returning an object with reset(row) and step(action) (an "
-            "OpenEnv Environment class runs in-process). Empty: single turn.")
+            "episode; see env.openenv), 'verifiers:<environment id or module>' (a verifiers environment: its taskset, "
+            "rollout and rubric; env.args override its config), or 'module:factory' returning an object with reset(row) "
+            "and step(action) (an OpenEnv Environment class runs in-process). Empty: single turn.")
     args: dict = _f({}, "Keyword arguments of the environment, e.g. {attempts: 3} for feedback, {high: 16} for guess_number.")
     tools: list[str] = _f(["calculator"], "tool_use: built-in tools (calculator, python) or 'module:attribute' callables.")
     max_turns: int = _f(4, "Model turns per episode at most.", ge=1)
@@ -1009,15 +1010,21 @@ class Config(Section):
             unread, why = given, "no episodes run (env.name and rollout.agent are empty)"
         elif name.startswith(("http://", "https://")):
             unread, why = [f for f in given if f in (*tool_fields, "args")], f"env.name={name} (an OpenEnv server)"
+        elif name.startswith("verifiers:"):
+            unread, why = [f for f in given if f in (*tool_fields, "openenv", "step_timeout_s")], f"env.name={name}"
         elif name == "tool_use":
             unread, why = [f for f in given if f == "openenv"], "env.name=tool_use"
         elif name in ("guess_number", "feedback"):
             unread, why = [f for f in given if f in (*tool_fields, "openenv")], f"env.name={name}"
         else:  # module:factory: tools are the tool_use environment's
             unread, why = [f for f in given if f in tool_fields], f"env.name={name} (your own environment)"
-        agent_only = [f for f in _changed(self.rollout, RolloutConfig()) if f in ("agent_timeout_s", "agent_models") and not agent]
+        agent_only = [f for f in _changed(self.rollout, RolloutConfig()) if f in ("agent_timeout_s", "agent_models")
+                      and not (agent or name.startswith("verifiers:"))]
+        data_unread = [f"data.{f}" for f in _changed(self.data, DataConfig()) if f in ("task", "mix", "eval_task", "instruction")
+                       ] if name.startswith("verifiers:") else []
         return [(False, f"env.{f} is set but not read with {why}: remove it") for f in sorted(unread)] + [
-            (False, f"rollout.{f} is set but no agent program runs (rollout.agent is empty): remove it") for f in agent_only]
+            (False, f"rollout.{f} is set but no agent program runs (rollout.agent is empty): remove it") for f in agent_only] + [
+            (False, f"{f} is set but not read with {name}: its taskset is the prompt set") for f in data_unread]
 
     def _env_checks(self, algo: str) -> list[tuple[bool, str]]:
         """What multi-turn episodes (``env.name``) combine with."""

@@ -20,6 +20,8 @@ def load_task_prompts(cfg: Config) -> tuple[Any, Any, str]:
     from actors.scorer import resolve_reward_fn
     from actors.scorer_factory import SCORER_KINDS
 
+    if cfg.env.name.startswith("verifiers:"):  # the environment's taskset is the prompt set
+        return verifiers_prompts(cfg)
     if cfg.env.name:
         check_environment(cfg)
     if cfg.rollout.agent:
@@ -170,6 +172,24 @@ def check_environment(cfg: Config) -> None:
         environment_factory(episode_settings(cfg)["environment"])
     except (ValueError, TypeError) as e:
         raise UserError(f"env.name: {e}") from None
+
+
+def verifiers_prompts(cfg: Config) -> tuple[Any, Any, str]:
+    """A verifiers environment's tasks: the last ``data.eval_size`` held out, up to
+    ``data.train_size`` of the others to train on (a load failure is one line)."""
+    from actors.tasks import PromptSet
+    from actors.verifiers_env import load_environment, task_rows
+
+    env_id = cfg.env.name[len("verifiers:"):]
+    try:
+        rows = task_rows(load_environment(env_id, dict(cfg.env.args)))
+    except ValueError as e:
+        raise UserError(f"env.name: {e}") from None
+    n_eval = min(cfg.data.eval_size, len(rows) - 1)
+    train, held = rows[: len(rows) - n_eval][: cfg.data.train_size], rows[len(rows) - n_eval:]
+    if not train:
+        raise UserError(f"env.name: the verifiers environment {env_id} has {len(rows)} task(s): none left to train on")
+    return PromptSet(train), PromptSet(held), f"{len(train)} train / {len(held)} held-out tasks of verifiers:{env_id}"
 
 
 def environment_prompts(cfg: Config) -> tuple[Any, Any, str]:

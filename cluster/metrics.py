@@ -203,6 +203,8 @@ def step_metrics(gen_stats: list[dict], score_stats: list[dict], learner: dict[s
     if episodes:  # multi-turn rollouts: turns per episode, how episodes ended, tool-call outcomes
         out.update({f"episode/{k}": v for k, v in episodes.items()})
         out["episode/turns_mean"] = episodes["turns"] / max(episodes.get("kept", 0), 1)
+        for k in [k for k in episodes if k.endswith("/sum") and k[:-4] + "/n" in episodes]:  # an agent's components
+            out[f"episode/{k[:-4]}/mean"] = episodes[k] / max(episodes[k[:-4] + "/n"], 1)
     out.update(judge_metrics(score_stats))
     out.update({k: v for k, v in learner.items() if k != "response/length_mean"})
     return out

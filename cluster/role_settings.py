@@ -46,8 +46,9 @@ def episode_settings(cfg: Config) -> dict:
     limits = EpisodeLimits(max_turns=env.max_turns,
                            max_tokens=env.episode_tokens(cfg.model.max_prompt_tokens, cfg.model.max_new_tokens),
                            max_new_tokens=cfg.model.max_new_tokens, step_timeout_s=env.step_timeout_s)
-    if cfg.rollout.agent:
-        return {"agent": cfg.rollout.agent, "agent_timeout_s": cfg.rollout.agent_timeout_s, "episode_limits": limits,
+    if cfg.rollout.agent or env.name.startswith("verifiers:"):  # an agent program: yours, or a verifiers rollout
+        return {"agent": cfg.rollout.agent or env.name, "agent_args": dict(env.args),
+                "agent_timeout_s": cfg.rollout.agent_timeout_s, "episode_limits": limits,
                 "agent_models": tuple(cfg.rollout.agent_models),
                 "env_workers": env.workers}
     spec = EnvSpec(name=env.name, args=dict(env.args), verifier=cfg.reward.function, verifier_kwargs=dict(cfg.reward.kwargs),

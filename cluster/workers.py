@@ -57,7 +57,8 @@ class GeneratorWorker:
             from actors.agent_endpoint import resolve_agent
             from actors.agent_server import AgentEndpoint
 
-            self._agent, self._endpoint = resolve_agent(gcfg.agent), AgentEndpoint(models=tuple(gcfg.agent_models))
+            self._agent = resolve_agent(gcfg.agent, gcfg.agent_args, gcfg.max_new_tokens)
+            self._endpoint = AgentEndpoint(models=tuple(gcfg.agent_models))
         if gcfg.environment is not None or gcfg.agent:
             self._env_pool = ThreadPoolExecutor(gcfg.env_workers, thread_name_prefix="rayrlhf-env")
 

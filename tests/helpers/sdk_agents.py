@@ -46,19 +46,25 @@ def langchain_tool() -> Any:
 
 
 def demonstrations() -> list[tuple[list[dict], list[dict]]]:
-    """(messages, tools) of the calculator conversation as each client renders it to the endpoint."""
+    """(messages, tools) of the calculator conversation as each client renders it to the
+    endpoint: the Agents SDK, LangChain, and a verifiers environment's harness (its MCP tool)."""
     from langchain_core.utils.function_calling import convert_to_openai_tool
 
     from actors.openai_api import _function_tools
+    from tests.helpers.vf.toolset import LISTED
 
     fn = sdk_tool()
     sdk_tools = _function_tools([{"type": "function", "name": fn.name, "description": fn.description,
                                   "parameters": fn.params_json_schema, "strict": True}], "tools", chat_form=False)
-    turns = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": CALL},
-             {"role": "tool", "content": f"<tool_response>\n{ANSWER}\n</tool_response>"},
-             {"role": "assistant", "content": ANSWER}]
-    return [([{"role": "system", "content": INSTRUCTIONS}] + turns, sdk_tools),
-            (turns, [convert_to_openai_tool(langchain_tool())])]
+
+    def turns(call: str) -> list[dict]:
+        return [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": call},
+                {"role": "tool", "content": f"<tool_response>\n{ANSWER}\n</tool_response>"},
+                {"role": "assistant", "content": ANSWER}]
+
+    return [([{"role": "system", "content": INSTRUCTIONS}] + turns(CALL), sdk_tools),
+            (turns(CALL), [convert_to_openai_tool(langchain_tool())]),
+            (turns(CALL.replace('"calculator"', '"calc_calculator"')), [LISTED])]
 
 
 # -- what the wire carried ------------------------------------------------------------------------
