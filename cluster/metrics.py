@@ -147,11 +147,13 @@ class RunLog:
         return out
 
 
-def _merge_counts(stats: list[dict], key: str = "skipped") -> dict[str, int]:
-    out: dict[str, int] = {}
+def _merge_counts(stats: list[dict], key: str = "skipped") -> dict[str, float]:
+    """Each key's values summed over ``stats``: whole numbers stay integers (counts), others
+    (an agent's component sums) stay as they are."""
+    out: dict[str, float] = {}
     for s in stats:
         for k, v in s.get(key, {}).items():
-            out[k] = out.get(k, 0) + int(v)
+            out[k] = out.get(k, 0) + (int(v) if float(v).is_integer() else float(v))
     return out
 
 

@@ -13,6 +13,9 @@ rayrlhf adds, in that replica:
       calls as the text the model writes, the answers inside the response tags, the tool list in
       the system message where the template renders none); ``tool_calls`` come back parsed from
       the reply by vLLM's parser (``hermes`` by default);
+    - ``POST /v1/responses``: the Responses API (the OpenAI Agents SDK's default model), streamed
+      or not, answered through the chat path with the same rewrite of tools and tool turns, the
+      sampled token ids beside the reply, ``previous_response_id`` kept per replica;
     - ``POST /v1/best_of_n``: n sampled answers ranked by a configured scorer (a ``ScorerServer``
       deployment of the same app), the best returned with every candidate's score;
     - ``POST /v1/admin/reload``: switch every replica to a newer checkpoint in place. Each engine
@@ -29,8 +32,10 @@ policy``, ``serve run`` with a config file such as ``configs/serve/apps.yaml``).
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +51,10 @@ from serving.common import Guard, GuardSettings, Limits, api_key_from_env, confi
 DEFAULT_MODEL_ID = "policy"
 #: The OpenAI routes whose bodies ``RequestRules`` checks, and the request kind of each.
 SAMPLING_ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+#: The Responses API, answered by ``PolicyServer.responses`` through the chat path.
+RESPONSES_ROUTE = "/v1/responses"
+#: Responses a replica keeps for ``previous_response_id`` (the oldest are forgotten first).
+KEPT_RESPONSES = 4096
 
 
 class BestOfNRequest(BaseModel):
@@ -102,7 +111,10 @@ class RequestRules:
         self.app, self.server = app, server
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        kind = SAMPLING_ROUTES.get(scope.get("path", "")) if scope["type"] == "http" else None
+        path = scope.get("path", "") if scope["type"] == "http" else ""
+        if path == RESPONSES_ROUTE and scope.get("method") == "POST":
+            return await self.server.answer_responses(await read_body(receive), send)
+        kind = SAMPLING_ROUTES.get(path)
         if kind is None or scope.get("method") != "POST":
             return await self.app(scope, receive, send)
         body = await read_body(receive)
@@ -141,6 +153,8 @@ class PolicyServer(LLMServer):
         self.model_path = model_path
         self._chat: tuple[str, Any] | None = None
         self._reload_lock = asyncio.Lock()
+        # Responses API: each answered response's conversation, for previous_response_id.
+        self._responses: "collections.OrderedDict[str, list[dict]]" = collections.OrderedDict()
         await super().__init__(llm_config, **server_kwargs)
 
     async def _start_engine(self) -> None:
@@ -197,6 +211,57 @@ class PolicyServer(LLMServer):
 
             self._chat = (self.model_path, ChatTokens(AutoTokenizer.from_pretrained(self.model_path)))
         return self._chat[1]
+
+    async def answer_responses(self, raw: bytes, send: Any) -> None:
+        """``POST /v1/responses`` (the OpenAI Agents SDK's default model): its input items read as
+        a chat conversation (``actors/openai_api.py``), rewritten as the agents trained on it,
+        sampled through the chat path (vLLM's tool-call parser), and answered as a Responses
+        object or its event stream."""
+        from actors.openai_api import ApiError
+
+        try:
+            body = json.loads(raw)
+            events, reply = await self.responses(body if isinstance(body, dict) else None)
+        except ValueError as e:  # not JSON, or ApiError (a ValueError naming the field)
+            error = e if isinstance(e, ApiError) else ApiError(f"the body is not JSON: {e}")
+            return await _send_json(send, error.status, error.body())
+        except HTTPException as e:
+            return await reply_error(send, e.status_code, str(e.detail))
+        if reply is not None:
+            return await _send_json(send, 200, reply)
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
+        for event in events:
+            await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def responses(self, body: dict | None) -> tuple[Any, dict | None]:
+        """(the event stream, None) or (None, the response) of a Responses request."""
+        from actors.openai_api import Choice, finish_reason, parse_responses, responses_reply, responses_stream
+
+        model = self._llm_config.model_id
+        ask = parse_responses(body, (model,), self._responses.get)
+        check_sampling(None, ask.max_tokens, self.limits)
+        messages = await asyncio.to_thread(self._as_trained, ask.messages, ask.tools)
+        req = ChatCompletionRequest(model=model, messages=messages, tools=ask.tools, stream=False, logprobs=True,
+                                    tool_choice="none" if ask.tool_choice == "none" else None, return_token_ids=True,
+                                    max_tokens=ask.max_tokens or self.limits.max_tokens,
+                                    temperature=body.get("temperature"), top_p=body.get("top_p"))
+        resp = await self._one_chat(req)
+        c = resp.choices[0]
+        msg = c.message.model_dump(exclude_none=True)
+        message = {"role": "assistant", "content": msg.get("content"), **({"tool_calls": msg["tool_calls"]} if msg.get("tool_calls") else {})}
+        lps = [t.logprob for t in c.logprobs.content] if c.logprobs and c.logprobs.content else []
+        choice = Choice(msg.get("content") or "", message, list(c.token_ids or []), lps,
+                        finish_reason(message, c.finish_reason == "length"))
+        response_id = f"resp_{uuid.uuid4().hex}"
+        self._responses[response_id] = ask.messages + [message]
+        while len(self._responses) > KEPT_RESPONSES:
+            self._responses.popitem(last=False)
+        prompt_ids = list(resp.prompt_token_ids or [])
+        if ask.stream:
+            return responses_stream(ask, choice, prompt_ids, response_id), None
+        return None, responses_reply(ask, choice, prompt_ids, response_id)
 
     async def _one_chat(self, req: ChatCompletionRequest) -> Any:
         """A non-streaming chat response object from this replica's engine (HTTPException on its error)."""
@@ -273,6 +338,13 @@ class PolicyServer(LLMServer):
 
     async def served(self) -> JSONResponse:
         return JSONResponse({"model_path": self.model_path, "models": [self._llm_config.model_id]})
+
+
+async def _send_json(send: Any, status: int, obj: dict) -> None:
+    body = json.dumps(obj).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
 
 
 def _tool_turn(message: Any) -> bool:

@@ -2,7 +2,8 @@
 ``PolicyServer`` (``ray.serve.llm``'s vLLM engine host serving vLLM's OpenAI app with rayrlhf's
 key, limits and routes), serving checkpoints a training run wrote;
 best-of-n; an in-place switch to a newer checkpoint under load; API key and bad requests; a model
-trained to call a tool returns ``tool_calls``, and the tool's answer reaches it as in training.
+trained to call a tool returns ``tool_calls``, and the tool's answer reaches it as in training,
+also through the Responses API driven by the OpenAI Agents SDK (run and streamed).
 The same API, key, limits, best-of-n and reload checks then run against ``rayrlhf serve policy``
 started as users start it, whose replica answers on its port itself (Serve's direct ingress)."""
 
@@ -269,6 +270,54 @@ def test_a_trained_tool_caller_answers_with_tool_calls_and_reads_the_tool_answer
     reply = tok(CALL, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     answer = chat.after_reply([{"role": "tool", "content": f"<tool_response>\n{ANSWER}\n</tool_response>"}], reply_ended=True)
     assert second.usage.prompt_tokens == len(trained_prompt + reply + answer)
+
+
+def test_the_agents_sdk_drives_a_served_tool_caller_through_the_responses_api(server, sdk_tool_caller):
+    """The OpenAI Agents SDK with its default model (the Responses API), run and streamed,
+    against the served agent: its function tool is called, the call's output reaches the model
+    in the format it trained with (tool calls as the text it wrote, outputs inside the response
+    tags), and it answers; a reply carries the sampled ids; a bad request is a 400 naming the field."""
+    import asyncio
+
+    from agents import Agent, ModelSettings, RunConfig, Runner, set_tracing_disabled
+    from agents.models.openai_provider import OpenAIProvider
+    from openai import AsyncOpenAI
+
+    from tests.helpers.sdk_agents import INSTRUCTIONS, sdk_tool
+    from tests.helpers.tool_agent import ANSWER, QUESTION
+
+    r = requests.post(f"{server}/v1/admin/reload", json={"model_path": sdk_tool_caller},
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=300)
+    assert r.status_code == 200, r.text
+    set_tracing_disabled(True)
+    agent = Agent(name="calculator", instructions=INSTRUCTIONS, tools=[sdk_tool()], model="policy",
+                  model_settings=ModelSettings(temperature=0.0))
+    config = RunConfig(model_provider=OpenAIProvider(openai_client=AsyncOpenAI(
+        base_url=f"{server}/v1", api_key=KEY, max_retries=0)), tracing_disabled=True)
+
+    async def run(streamed: bool):
+        if not streamed:
+            return await Runner.run(agent, QUESTION, run_config=config, max_turns=3)
+        result = Runner.run_streamed(agent, QUESTION, run_config=config, max_turns=3)
+        async for _ in result.stream_events():
+            pass
+        return result
+
+    for streamed in (False, True):
+        result = asyncio.run(run(streamed))
+        assert result.final_output == ANSWER
+        calls = [i for i in result.new_items if i.type == "tool_call_item"]
+        outputs = [i for i in result.new_items if i.type == "tool_call_output_item"]
+        assert len(calls) == 1 and json.loads(calls[0].raw_item.arguments) == {"expression": "37 * 41"}
+        assert outputs[0].output == ANSWER
+    headers = {"Authorization": f"Bearer {KEY}"}
+    reply = requests.post(f"{server}/v1/responses", json={"model": "policy", "input": QUESTION, "max_output_tokens": 8},
+                          headers=headers, timeout=120).json()
+    assert len(reply["token_ids"]) == reply["usage"]["output_tokens"] > 0 and reply["output"][0]["type"] == "message"
+    bad = requests.post(f"{server}/v1/responses", json={"model": "policy", "input": [{"type": "image"}]}, headers=headers,
+                        timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "input[0].type"
+    assert requests.post(f"{server}/v1/responses", json={"model": "policy", "input": "x"}, timeout=60).status_code == 401
 
 
 def _listener(port: int):
