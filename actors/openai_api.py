@@ -359,10 +359,8 @@ def _completion_logprobs(c: Choice) -> dict:
 def completion_stream(ask: Ask, choices: list[Choice], prompt_ids: list[int]) -> Iterator[str]:
     reply = completion_reply(ask, choices, prompt_ids)
     head = {k: reply[k] for k in ("id", "object", "created", "model")}
-    for choice in reply["choices"]:
-        yield sse({**head, "choices": [{**choice, "token_ids": None, "token_logprobs": None, "logprobs": None,
-                                         "finish_reason": None}]})
-        yield sse({**head, "choices": [{**choice, "text": ""}]})
+    for choice in reply["choices"]:  # one chunk each: the openai types require a finish reason
+        yield sse({**head, "choices": [choice]})
     if ask.include_usage:
         yield sse({**head, "choices": [], "usage": reply["usage"], "prompt_token_ids": prompt_ids})
     yield sse("[DONE]")
