@@ -243,10 +243,11 @@ class PolicyServer(LLMServer):
         ask = parse_responses(body, (model,), self._responses.get)
         check_sampling(None, ask.max_tokens, self.limits)
         messages = await asyncio.to_thread(self._as_trained, ask.messages, ask.tools)
-        req = ChatCompletionRequest(model=model, messages=messages, tools=ask.tools, stream=False, logprobs=True,
-                                    tool_choice="none" if ask.tool_choice == "none" else None, return_token_ids=True,
+        # tool_choice only with tools: given as None vLLM would not default it to auto (no parsing).
+        tooling = {"tools": ask.tools, "tool_choice": ask.tool_choice} if ask.tools else {}
+        req = ChatCompletionRequest(model=model, messages=messages, stream=False, logprobs=True, return_token_ids=True,
                                     max_tokens=ask.max_tokens or self.limits.max_tokens,
-                                    temperature=body.get("temperature"), top_p=body.get("top_p"))
+                                    temperature=body.get("temperature"), top_p=body.get("top_p"), **tooling)
         resp = await self._one_chat(req)
         c = resp.choices[0]
         msg = c.message.model_dump(exclude_none=True)

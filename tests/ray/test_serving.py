@@ -295,16 +295,14 @@ def test_the_agents_sdk_drives_a_served_tool_caller_through_the_responses_api(se
     config = RunConfig(model_provider=OpenAIProvider(openai_client=AsyncOpenAI(
         base_url=f"{server}/v1", api_key=KEY, max_retries=0)), tracing_disabled=True)
 
-    async def run(streamed: bool):
-        if not streamed:
-            return await Runner.run(agent, QUESTION, run_config=config, max_turns=3)
-        result = Runner.run_streamed(agent, QUESTION, run_config=config, max_turns=3)
-        async for _ in result.stream_events():
+    async def both():  # one event loop: the client's connections belong to it
+        plain = await Runner.run(agent, QUESTION, run_config=config, max_turns=3)
+        streamed = Runner.run_streamed(agent, QUESTION, run_config=config, max_turns=3)
+        async for _ in streamed.stream_events():
             pass
-        return result
+        return plain, streamed
 
-    for streamed in (False, True):
-        result = asyncio.run(run(streamed))
+    for result in asyncio.run(both()):
         assert result.final_output == ANSWER
         calls = [i for i in result.new_items if i.type == "tool_call_item"]
         outputs = [i for i in result.new_items if i.type == "tool_call_output_item"]
