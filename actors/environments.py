@@ -182,6 +182,11 @@ class EnvSpec:
     tools: list[str] = field(default_factory=list)
     max_tool_calls: int = 4
     tool_timeout_s: float = 10.0
+    # The python tool's sandbox (bwrap | unsafe), its importable packages, and your own tools
+    # to run in the sandbox (actors/sandbox.py).
+    python_sandbox: str = "bwrap"
+    python_packages: list[str] = field(default_factory=list)
+    sandbox_tools: list[str] = field(default_factory=list)
     # OpenEnv servers and classes: ``actors/openenv.py:OpenEnvOptions`` fields, plus action_class
     # and api_key_env; and the seconds one message may take.
     openenv: dict[str, Any] = field(default_factory=dict)
@@ -237,7 +242,8 @@ def environment_factory(spec: EnvSpec) -> Callable[[], Any]:
 
         if spec.name == "feedback":
             return lambda: Feedback(check_row, **spec.args)
-        toolbox = ToolBox(resolve_tools(spec.tools or ["calculator"]), timeout_s=spec.tool_timeout_s)
+        toolbox = ToolBox(resolve_tools(spec.tools or ["calculator"], spec.python_sandbox, tuple(spec.python_packages),
+                                        tuple(spec.sandbox_tools)), timeout_s=spec.tool_timeout_s)
         return lambda: ToolUse(check_row, toolbox, max_tool_calls=spec.max_tool_calls, **spec.args)
     if ":" in spec.name:
         module, attr = spec.name.split(":", 1)

@@ -23,8 +23,13 @@ import os
 import re
 import subprocess
 import sys
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+from actors.sandbox import SandboxLimits
+
+log = logging.getLogger("rayrlhf.tools")
 
 
 @dataclass(frozen=True)
@@ -187,10 +192,12 @@ CALCULATOR = Tool("calculator", calculate, "Evaluates an arithmetic expression a
 
 
 # -- sandboxed Python ----------------------------------------------------------------------------
-# Runs before the user's code in the child: no sockets, no new processes (an audit hook cannot be
-# removed from Python code), then the code from stdin.
+# Runs before the user's code in the child: the allowed packages on the path, then (a second
+# layer behind the operating system's sandbox) no sockets or new processes from Python, then the
+# code from stdin.
 _PRELUDE = r"""
 import sys
+sys.path[:0] = [p for p in sys.argv[1:] if p]
 def _guard(event, args):
     if event.startswith(("socket.", "subprocess.", "os.system", "os.exec", "os.posix_spawn", "os.fork")):
         raise PermissionError(f"{event} is not allowed in the sandbox")
@@ -200,13 +207,55 @@ _src = sys.stdin.read()
 exec(compile(_src, "<tool>", "exec"), {"__name__": "__main__"})
 """
 
+#: How the python tool runs code: in the operating system's sandbox (``actors/sandbox.py``), or
+#: in a plain subprocess with rlimits and the audit hook only, which model-written code escapes.
+SANDBOX_MODES = ("bwrap", "unsafe")
 
-@dataclass(frozen=True)
-class SandboxLimits:
-    cpu_s: int = 5
-    memory_mb: int = 512
-    wall_s: float = 10.0
-    output_chars: int = 2000
+
+def run_python(code: str, limits: SandboxLimits = SandboxLimits(), mode: str = "bwrap",
+               packages: tuple[str, ...] = ()) -> str:
+    """Runs ``code`` in a fresh interpreter in the sandbox (``actors/sandbox.py``: no network, no
+    host files, its processes ended with it, CPU, memory, file, process and output limits);
+    returns stdout, or stderr's last line on failure. ``mode="unsafe"`` runs it without the
+    sandbox (rlimits and a Python audit hook only)."""
+    if not isinstance(code, str):
+        raise TypeError("code must be a string")
+    if mode == "unsafe":
+        return _run_unsafe(code, limits)
+    from actors import sandbox
+
+    _, paths = sandbox.bwrap_argv([], limits, sandbox.SandboxSpec(packages=tuple(packages)))
+    done = sandbox.run([sandbox.interpreter(), "-I", "-S", "-B", "-c", _PRELUDE, *paths], code, limits,
+                       sandbox.SandboxSpec(packages=tuple(packages)))
+    return _answer(done.returncode, done.stdout, done.stderr, done.timed_out, limits)
+
+
+def _answer(returncode: int, stdout: str, stderr: str, timed_out: bool, limits: SandboxLimits) -> str:
+    """What the model reads: the output, or the reason the code failed."""
+    if timed_out:
+        return f"error: the code ran past {limits.wall_s:g}s of wall-clock time and was stopped"
+    if returncode != 0:
+        last = (stderr.strip().splitlines() or [f"exit status {returncode}"])[-1]
+        # SIGKILL / SIGXCPU, as the child's status or as bwrap's 128 + signal: the CPU limit
+        if returncode in (-9, -24, 137, 152):
+            last = f"the code used more than {limits.cpu_s}s of CPU time"
+        return f"error: {last}"[: limits.output_chars]
+    return stdout[: limits.output_chars] or "(no output; print the result)"
+
+
+def _run_unsafe(code: str, limits: SandboxLimits) -> str:
+    """The python tool without the sandbox (``env.python_sandbox: unsafe``): a subprocess with
+    rlimits, an audit hook and, where ``unshare -rn`` works, no network. ctypes escapes it."""
+    cmd = [sys.executable, "-I", "-c", _PRELUDE]
+    if _network_namespace_works():
+        cmd = ["unshare", "-rn", *cmd]
+    try:
+        proc = subprocess.run(cmd, input=code, capture_output=True, text=True, timeout=limits.wall_s,
+                              preexec_fn=functools.partial(_apply_limits, limits), env={"PATH": "/usr/bin:/bin"},
+                              cwd="/tmp")
+    except subprocess.TimeoutExpired:
+        return _answer(0, "", "", True, limits)
+    return _answer(proc.returncode, proc.stdout, proc.stderr, False, limits)
 
 
 def _apply_limits(limits: SandboxLimits) -> None:  # runs in the child, before exec
@@ -227,44 +276,50 @@ def _network_namespace_works() -> bool:
         return False
 
 
-def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> str:
-    """Runs ``code`` in a fresh isolated interpreter (``python -I``) with CPU-time, memory and
-    wall-clock limits, no network (an empty network namespace where the kernel allows it, and an
-    audit hook that refuses sockets and new processes in any case); returns stdout, or stderr's
-    last line on failure."""
-    if not isinstance(code, str):
-        raise TypeError("code must be a string")
-    cmd = [sys.executable, "-I", "-c", _PRELUDE]
-    if _network_namespace_works():
-        cmd = ["unshare", "-rn", *cmd]
-    try:
-        proc = subprocess.run(cmd, input=code, capture_output=True, text=True, timeout=limits.wall_s,
-                              preexec_fn=functools.partial(_apply_limits, limits), env={"PATH": "/usr/bin:/bin"},
-                              cwd="/tmp")
-    except subprocess.TimeoutExpired:
-        return f"error: the code ran past {limits.wall_s:g}s of wall-clock time and was stopped"
-    if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
-        if proc.returncode in (-9, -24):  # SIGKILL / SIGXCPU: the CPU limit
-            last = f"the code used more than {limits.cpu_s}s of CPU time"
-        return f"error: {last}"[: limits.output_chars]
-    return proc.stdout[: limits.output_chars] or "(no output; print the result)"
+_PYTHON_SCHEMA = {"type": "object", "properties": {"code": {"type": "string", "description": "Python source; print the result"}},
+                  "required": ["code"]}
 
 
-PYTHON = Tool("python", run_python, "Runs Python code in a sandbox and returns what it prints.",
-              {"type": "object", "properties": {"code": {"type": "string", "description": "Python source; print the result"}},
-               "required": ["code"]})
+def python_tool(mode: str = "bwrap", packages: tuple[str, ...] = (), limits: SandboxLimits = SandboxLimits()) -> Tool:
+    """The built-in python tool, fail closed: with ``mode="bwrap"`` a host that cannot build the
+    sandbox is a ValueError naming what is missing; ``"unsafe"`` warns (every run that builds it)."""
+    from actors import sandbox
+
+    if mode not in SANDBOX_MODES:
+        raise ValueError(f"env.python_sandbox must be one of {', '.join(SANDBOX_MODES)}, got {mode!r}")
+    if mode == "bwrap":
+        try:
+            sandbox.check()
+        except sandbox.SandboxUnavailable as e:
+            raise ValueError(f"the python tool runs model-written code in a sandbox, and {e}; "
+                             "env.python_sandbox=unsafe runs it without one (not recommended)") from None
+    else:
+        log.warning("the python tool runs WITHOUT its sandbox (env.python_sandbox=unsafe): model-written code can "
+                    "read, write and delete this host's files and start processes")
+    return Tool("python", functools.partial(run_python, limits=limits, mode=mode, packages=tuple(packages)),
+                "Runs Python code in a sandbox and returns what it prints.", _PYTHON_SCHEMA)
+
+
+PYTHON = Tool("python", run_python, "Runs Python code in a sandbox and returns what it prints.", _PYTHON_SCHEMA)
 
 BUILTIN_TOOLS = {"calculator": CALCULATOR, "python": PYTHON}
 
 
-def resolve_tools(names: list[str]) -> list[Tool]:
+def resolve_tools(names: list[str], sandbox: str = "bwrap", packages: tuple[str, ...] = (),
+                  sandboxed: tuple[str, ...] = ()) -> list[Tool]:
     """Built-in tool names, or ``module:attribute`` for a ``Tool``, a callable (its name and
-    docstring describe it) or a Ray actor handle's name."""
+    docstring describe it) or a Ray actor handle's name. The python tool runs in the sandbox
+    (``sandbox``: bwrap or unsafe; ``packages`` importable there); a callable marked
+    ``@actors.sandbox.sandboxed``, or named in ``sandboxed``, runs there too."""
     import importlib
+
+    from actors import sandbox as sb
 
     out = []
     for spec in names:
+        if spec == "python":
+            out.append(python_tool(sandbox, packages))
+            continue
         if spec in BUILTIN_TOOLS:
             out.append(BUILTIN_TOOLS[spec])
             continue
@@ -273,10 +328,16 @@ def resolve_tools(names: list[str]) -> list[Tool]:
         module, attr = spec.split(":", 1)
         obj = getattr(importlib.import_module(module), attr, None)
         if isinstance(obj, Tool):
-            out.append(obj)
+            tool = obj
         elif callable(obj):
-            out.append(Tool(attr, obj, (obj.__doc__ or "").strip().split("\n")[0]))
+            tool = Tool(attr, obj, (obj.__doc__ or "").strip().split("\n")[0])
         else:
             raise ValueError(f"tool {spec!r}: {module} has no Tool or callable {attr!r}")
+        if spec in sandboxed or sb.is_sandboxed(tool.fn):
+            try:
+                tool = sb.in_sandbox(tool)
+            except sb.SandboxUnavailable as e:
+                raise ValueError(f"tool {spec!r} runs in the sandbox, and {e}") from None
+        out.append(tool)
     return out
 

@@ -393,6 +393,14 @@ class EnvConfig(Section):
             "and step(action) (an OpenEnv Environment class runs in-process). Empty: single turn.")
     args: dict = _f({}, "Keyword arguments of the environment, e.g. {attempts: 3} for feedback, {high: 16} for guess_number.")
     tools: list[str] = _f(["calculator"], "tool_use: built-in tools (calculator, python) or 'module:attribute' callables.")
+    python_sandbox: Literal["bwrap", "unsafe"] = _f(
+        "bwrap", "How the python tool runs model-written code: bwrap (bubblewrap: no network, no host files, its "
+                 "processes ended with the call, CPU/memory/file/process limits, seccomp; a host that cannot build it "
+                 "refuses to start) or unsafe (a plain subprocess the code can escape; warned on every run).")
+    python_packages: CommaList = _f([], "Packages the python tool's code may import (read-only in its sandbox), "
+                                        "beside the standard library.")
+    sandbox_tools: CommaList = _f([], "Your own env.tools ('module:attribute') to run inside the sandbox, like "
+                                      "functions marked @actors.sandbox.sandboxed.")
     max_turns: int = _f(4, "Model turns per episode at most.", ge=1)
     max_tokens: int = _f(0, "Tokens per episode (prompt, every turn and observation) at most. 0: "
                             "model.max_prompt_tokens + max_turns x model.max_new_tokens.", ge=0)
@@ -1003,11 +1011,12 @@ class Config(Section):
         trained without."""
         env, name, agent = self.env, self.env.name, self.rollout.agent
         given = _changed(env, EnvConfig())
-        tool_fields = ("tools", "max_tool_calls", "tool_timeout_s")
+        tool_fields = ("tools", "max_tool_calls", "tool_timeout_s", "python_sandbox", "python_packages", "sandbox_tools")
         if agent and not name:
             unread, why = [f for f in given if f not in ("max_turns", "max_tokens", "workers")], "rollout.agent"
-        elif not name:
-            unread, why = given, "no episodes run (env.name and rollout.agent are empty)"
+        elif not name:  # sft.transcripts lists env.tools in its demonstrations
+            read = tool_fields if self.sft.transcripts else ()
+            unread, why = [f for f in given if f not in read], "no episodes run (env.name and rollout.agent are empty)"
         elif name.startswith(("http://", "https://")):
             unread, why = [f for f in given if f in (*tool_fields, "args")], f"env.name={name} (an OpenEnv server)"
         elif name.startswith("verifiers:"):

@@ -254,7 +254,8 @@ def _transcripts(cfg: Config, train_set: Any, eval_set: Any, description: str) -
 
     try:
         make = resolve_transcripts(cfg.sft.transcripts)
-        tools = ToolBox(resolve_tools(cfg.env.tools or ["calculator"]), workers=1)
+        tools = ToolBox(resolve_tools(cfg.env.tools or ["calculator"], cfg.env.python_sandbox,
+                                      tuple(cfg.env.python_packages), tuple(cfg.env.sandbox_tools)), workers=1)
     except ValueError as e:
         raise UserError(f"sft.transcripts: {e}") from None
     schemas = tools.schemas()

@@ -53,6 +53,8 @@ def episode_settings(cfg: Config) -> dict:
                 "env_workers": env.workers}
     spec = EnvSpec(name=env.name, args=dict(env.args), verifier=cfg.reward.function, verifier_kwargs=dict(cfg.reward.kwargs),
                    tools=list(env.tools), max_tool_calls=env.max_tool_calls, tool_timeout_s=env.tool_timeout_s,
+                   python_sandbox=env.python_sandbox, python_packages=list(env.python_packages),
+                   sandbox_tools=list(env.sandbox_tools),
                    openenv=env.openenv.model_dump(), step_timeout_s=env.step_timeout_s)
     return {"environment": spec, "episode_limits": limits, "env_workers": env.workers}
 
