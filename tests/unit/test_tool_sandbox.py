@@ -138,3 +138,25 @@ def test_your_own_code_tools_run_in_the_same_sandbox(host, tmp_path, monkeypatch
     assert out.status == "ok" and out.text.startswith('"hello\\n') and "Read-only file system" in out.text or "No such" in out.text
     assert box.call(ToolCall("plain_reader", {"path": str(root / "secret.txt")})).status == "error"
     assert _state(root) == before
+
+
+def test_a_run_that_would_use_the_python_tool_without_its_sandbox_stops_before_it_starts(monkeypatch):
+    from cluster.config import UserError
+    from cluster.config_loading import load_config
+    from cluster.data_sources import check_environment
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = load_config(root / "configs" / "ppo_tiny.yaml", ["env.name=tool_use", "env.tools=[calculator,python]",
+                                                           "reward.function=exact_match"])
+    check_environment(cfg)  # here, the sandbox builds
+    monkeypatch.setattr(sandbox, "bwrap_binary", lambda: None)
+    sandbox._probe.cache_clear()
+    try:
+        with pytest.raises(UserError, match=r"^env.name: the python tool runs model-written code in a sandbox, and "
+                                            r"bubblewrap \(bwrap\) is not installed"):
+            check_environment(cfg)
+        check_environment(load_config(root / "configs" / "ppo_tiny.yaml", [
+            "env.name=tool_use", "env.tools=[calculator,python]", "reward.function=exact_match",
+            "env.python_sandbox=unsafe"]))
+    finally:
+        sandbox._probe.cache_clear()
