@@ -69,6 +69,33 @@ def sdk_tool_caller(tiny_model_path, tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
+def tool_caller_engine(sdk_tool_caller):
+    """An in-process vLLM engine of the SDK tool caller (fp32, 1024 positions), its agent
+    endpoint and a pool for agent programs, per test module that asks for them."""
+    import concurrent.futures
+
+    from actors.agent_server import AgentEndpoint
+    from actors.generator import Generator
+
+    gen = Generator(sdk_tool_caller, dtype="float32", max_model_len=1024, seed=0)
+    endpoint = AgentEndpoint()
+    pool = concurrent.futures.ThreadPoolExecutor(8)
+    yield gen, endpoint, pool
+    pool.shutdown()
+    endpoint.close()
+    gen.close()
+
+
+@pytest.fixture(scope="module")
+def tool_caller_hf(sdk_tool_caller):
+    """The same model in transformers (fp32): the log-probs a forward pass gives."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(sdk_tool_caller, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
 def generator(tiny_model_path, request):
     """One in-process vLLM engine of the tiny model per test module that asks for it (context
     length: the module's ``ENGINE_MAX_MODEL_LEN``, default 256), closed at the module's end:

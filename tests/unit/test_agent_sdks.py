@@ -12,8 +12,6 @@ request of the new kinds is a 400 naming its field, counted, with no episode los
 
 from __future__ import annotations
 
-import concurrent.futures
-
 import pytest
 import requests
 import torch
@@ -24,32 +22,10 @@ from tests.helpers.tool_agent import ANSWER, QUESTION
 
 LIMITS = EpisodeLimits(max_turns=4, max_tokens=1000, max_new_tokens=96)
 ROWS = [{"prompt": QUESTION, "answer": ANSWER, "meta": {}}]
-ENGINE_MAX_MODEL_LEN = 1024
 
 
-@pytest.fixture(scope="module")
-def engine(sdk_tool_caller):
-    from actors.agent_server import AgentEndpoint
-    from actors.generator import Generator
-
-    gen = Generator(sdk_tool_caller, dtype="float32", max_model_len=ENGINE_MAX_MODEL_LEN, seed=0)
-    endpoint = AgentEndpoint()
-    pool = concurrent.futures.ThreadPoolExecutor(8)
-    yield gen, endpoint, pool
-    pool.shutdown()
-    endpoint.close()
-    gen.close()
-
-
-@pytest.fixture(scope="module")
-def hf_model(sdk_tool_caller):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(sdk_tool_caller, dtype=torch.float32).eval()
-
-
-def _run(engine, program, rows=ROWS, n: int = 2, temperature: float = 0.0, limits=LIMITS):
-    gen, endpoint, pool = engine
+def _run(tool_caller_engine, program, rows=ROWS, n: int = 2, temperature: float = 0.0, limits=LIMITS):
+    gen, endpoint, pool = tool_caller_engine
     sdk_agents.CALLS.clear()
     exp, counts = gen.generate_agent_episodes(rows, list(range(len(rows))), program, endpoint, limits, pool=pool, seed=5,
                                               n=n, temperature=temperature)
@@ -80,8 +56,8 @@ def _forward_logprobs(model, exp, i: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("program", ["agents_sdk", "agents_sdk_streamed", "langgraph_react", "langgraph_react_streaming"])
-def test_an_sdk_agent_calls_its_tool_and_trains_on_exactly_the_tokens_it_was_sent(engine, hf_model, program):
-    exp, counts, calls = _run(engine, getattr(sdk_agents, program))
+def test_an_sdk_agent_calls_its_tool_and_trains_on_exactly_the_tokens_it_was_sent(tool_caller_engine, tool_caller_hf, program):
+    exp, counts, calls = _run(tool_caller_engine, getattr(sdk_agents, program))
     assert counts["status_done"] == 2 and counts["segments"] == 2 and counts["turns"] == 4
     # Each agent called the calculator (a reply with the call, then one with the answer) and
     # solved the task: the reward is what the program computed from the SDK's final output.
@@ -93,19 +69,19 @@ def test_an_sdk_agent_calls_its_tool_and_trains_on_exactly_the_tokens_it_was_sen
         ids, lps = _actions(exp, i)
         wire = next(c for c in calls.values() if _wire(c)[0] == ids)
         assert lps == pytest.approx(_wire(wire)[1], abs=1e-6)
-        assert lps == pytest.approx(_forward_logprobs(hf_model, exp, i).tolist(), abs=1e-4)
+        assert lps == pytest.approx(_forward_logprobs(tool_caller_hf, exp, i).tolist(), abs=1e-4)
         # The tool's answer sits between the two replies as context, not as an action.
         assert "<tool_response>\n1517\n</tool_response>" in exp.completions[i] and exp.completions[i].endswith(ANSWER + "<|im_end|>")
 
 
-def test_a_streaming_async_program_continues_its_conversation(engine, hf_model):
-    exp, counts, calls = _run(engine, sdk_agents.streaming_chat, temperature=1.0)
+def test_a_streaming_async_program_continues_its_conversation(tool_caller_engine, tool_caller_hf):
+    exp, counts, calls = _run(tool_caller_engine, sdk_agents.streaming_chat, temperature=1.0)
     assert counts["status_done"] == 2 and counts["segments"] == 2 and counts["turns"] == 4
     for i in range(exp.batch_size):
         ids, lps = _actions(exp, i)
         wire = next(c for c in calls.values() if _wire(c)[0] == ids)
         assert lps == pytest.approx(_wire(wire)[1], abs=1e-6)
-        assert lps == pytest.approx(_forward_logprobs(hf_model, exp, i).tolist(), abs=1e-4)
+        assert lps == pytest.approx(_forward_logprobs(tool_caller_hf, exp, i).tolist(), abs=1e-4)
 
 
 def _completions_then_ids(row: dict, base_url: str) -> float:
@@ -120,8 +96,8 @@ def _completions_then_ids(row: dict, base_url: str) -> float:
     return 1.0
 
 
-def test_completions_continue_by_text_and_by_ids_and_each_of_n_choices_is_a_segment(engine, hf_model):
-    exp, counts, calls = _run(engine, _completions_then_ids, n=1, temperature=1.0)
+def test_completions_continue_by_text_and_by_ids_and_each_of_n_choices_is_a_segment(tool_caller_engine, tool_caller_hf):
+    exp, counts, calls = _run(tool_caller_engine, _completions_then_ids, n=1, temperature=1.0)
     (wire,) = calls.values()
     assert [len(c["choices"]) for c in wire] == [1, 1, 1, 2]
     # Three completions are one trajectory; the chat call's two choices are two more segments.
@@ -130,7 +106,7 @@ def test_completions_continue_by_text_and_by_ids_and_each_of_n_choices_is_a_segm
     assert _actions(exp, 0)[0] == completion_ids
     assert sorted(_actions(exp, i)[0] for i in (1, 2)) == sorted(c["token_ids"] for c in wire[3]["choices"])
     for i in range(3):
-        assert _actions(exp, i)[1] == pytest.approx(_forward_logprobs(hf_model, exp, i).tolist(), abs=1e-4)
+        assert _actions(exp, i)[1] == pytest.approx(_forward_logprobs(tool_caller_hf, exp, i).tolist(), abs=1e-4)
 
 
 BAD = [
@@ -160,13 +136,13 @@ def _malformed(row: dict, base_url: str) -> float:
     return 0.0
 
 
-def test_malformed_requests_are_400s_naming_the_field_and_the_episode_is_counted(engine):
+def test_malformed_requests_are_400s_naming_the_field_and_the_episode_is_counted(tool_caller_engine):
     rows = [{"prompt": "x", "answer": "0", "meta": {}}, {"prompt": QUESTION, "answer": ANSWER, "meta": {}}]
 
     def program(row: dict, base_url: str) -> float:
         return _malformed(row, base_url) if row["prompt"] == "x" else sdk_agents.langgraph_react(row, base_url)
 
-    exp, counts, _ = _run(engine, program, rows=rows, n=1)
+    exp, counts, _ = _run(tool_caller_engine, program, rows=rows, n=1)
     assert rows[0]["meta"]["answers"] == [(400, param) for _, _, param in BAD] + [(400, None)]
     # The malformed episode made no call that sampled: dropped and counted, the other one kept.
     assert exp.skipped["agent_no_calls"] == 1 and counts["refused_calls"] == len(BAD) + 1

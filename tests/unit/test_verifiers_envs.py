@@ -8,41 +8,17 @@ forward pass; the rubric's reward is the episode's, each function's score a comp
 
 from __future__ import annotations
 
-import concurrent.futures
-
 import pytest
 import torch
 
 from actors.environments import EpisodeLimits
 from actors.verifiers_env import VerifiersProgram, load_environment, task_rows
 
-ENGINE_MAX_MODEL_LEN = 1024
 LIMITS = EpisodeLimits(max_turns=6, max_tokens=1000, max_new_tokens=96)
 
 
-@pytest.fixture(scope="module")
-def engine(sdk_tool_caller):
-    from actors.agent_server import AgentEndpoint
-    from actors.generator import Generator
-
-    gen = Generator(sdk_tool_caller, dtype="float32", max_model_len=ENGINE_MAX_MODEL_LEN, seed=0)
-    endpoint = AgentEndpoint()
-    pool = concurrent.futures.ThreadPoolExecutor(8)
-    yield gen, endpoint, pool
-    pool.shutdown()
-    endpoint.close()
-    gen.close()
-
-
-@pytest.fixture(scope="module")
-def hf_model(sdk_tool_caller):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(sdk_tool_caller, dtype=torch.float32).eval()
-
-
-def _episodes(engine, env_id: str, n_rows: int, temperature: float, args: dict | None = None):
-    gen, endpoint, pool = engine
+def _episodes(tool_caller_engine, env_id: str, n_rows: int, temperature: float, args: dict | None = None):
+    gen, endpoint, pool = tool_caller_engine
     program = VerifiersProgram(env_id, args or {}, LIMITS.max_new_tokens, keep_traces=True)
     rows = task_rows(load_environment(env_id, args or {}))[:n_rows]
     exp, counts = gen.generate_agent_episodes(rows, list(range(n_rows)), program, endpoint, LIMITS, pool=pool, seed=3,
@@ -50,7 +26,7 @@ def _episodes(engine, env_id: str, n_rows: int, temperature: float, args: dict |
     return exp, counts, list(program.traces.values())
 
 
-def _check_against_traces(gen, hf_model, exp, traces) -> None:
+def _check_against_traces(gen, tool_caller_hf, exp, traces) -> None:
     """Each row's action spans decode to the assistant turns of one trace; its log-probs are a
     forward pass's."""
     tok = gen.tokenizer
@@ -64,30 +40,30 @@ def _check_against_traces(gen, hf_model, exp, traces) -> None:
         spans.append(tuple(tok.decode([t for t in ids[a:b].tolist() if t != tok.eos_token_id]) for a, b in zip(starts, ends)))
         n = int(exp.attention_mask[i].sum())
         with torch.no_grad():
-            logits = hf_model(ids[None, :n]).logits[0, :-1]
+            logits = tool_caller_hf(ids[None, :n]).logits[0, :-1]
         lp = torch.log_softmax(logits, -1).gather(1, ids[1:n, None])[:, 0][mask[1:n]]
         assert exp.rollout_logprobs[i][mask].tolist() == pytest.approx(lp.tolist(), abs=1e-4)
     return replies, sorted(spans)
 
 
-def test_a_tool_environment_calls_its_mcp_tool_and_its_rubric_scores_the_episode(engine, hf_model):
-    exp, counts, traces = _episodes(engine, "tests.helpers.vf.tools", 2, temperature=0.0)
+def test_a_tool_environment_calls_its_mcp_tool_and_its_rubric_scores_the_episode(tool_caller_engine, tool_caller_hf):
+    exp, counts, traces = _episodes(tool_caller_engine, "tests.helpers.vf.tools", 2, temperature=0.0)
     assert counts["status_done"] == 2 and counts["segments"] == 2 and counts["turns"] == 4
     # The harness called the calculator through the package's MCP server and the model answered.
     assert all(t.tool_messages and t.tool_messages[0].content == "1517" for t in traces)
     assert [m["episode"]["reward"] for m in exp.meta] == [pytest.approx(1.2)] * 2
     assert counts["reward/correct/sum"] == 2 and counts["reward/used_tool/sum"] == 2
-    replies, spans = _check_against_traces(engine[0], hf_model, exp, traces)
+    replies, spans = _check_against_traces(tool_caller_engine[0], tool_caller_hf, exp, traces)
     # The trace holds the call parsed from the reply; the row holds the reply as sampled.
     assert [s[1] for s in spans] == [r[-1] for r in replies] == ["1517", "1517"]
     assert all('"name": "calc_calculator"' in s[0] for s in spans)
 
 
-def test_a_multi_turn_environment_is_one_trajectory_per_episode(engine, hf_model):
-    exp, counts, traces = _episodes(engine, "tests.helpers.vf.multi_turn", 2, temperature=1.0)
+def test_a_multi_turn_environment_is_one_trajectory_per_episode(tool_caller_engine, tool_caller_hf):
+    exp, counts, traces = _episodes(tool_caller_engine, "tests.helpers.vf.multi_turn", 2, temperature=1.0)
     assert counts["status_done"] == 2 and counts["segments"] == 2 and counts["turns"] == 6
     assert counts["metric/turns/sum"] == 6 and counts["reward/digits/n"] == 2
-    replies, spans = _check_against_traces(engine[0], hf_model, exp, traces)
+    replies, spans = _check_against_traces(tool_caller_engine[0], tool_caller_hf, exp, traces)
     assert spans == replies and all(len(s) == 3 for s in spans)
     # The episode's reward is the rubric's weighted sum.
     for t in traces:
