@@ -6,7 +6,7 @@ VENV ?= .venv
 STAMP := $(VENV)/.rayrlhf-installed
 EXTRA ?= cpu
 
-.PHONY: setup train test test-fast clean-cache trl-env trl-vllm-env bench-trl bench-trl-vllm bench-trl-dpo
+.PHONY: setup train test test-fast docs clean-cache trl-env trl-vllm-env bench-trl bench-trl-vllm bench-trl-dpo
 
 setup: $(STAMP)
 
@@ -26,6 +26,10 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q tests $(ARGS)
+
+# The docs site into site/ (mkdocs serve: the same, live, on 127.0.0.1:8000).
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict
 
 test-fast: $(STAMP)
 	$(VENV)/bin/python -m pytest -q tests -m "not ray and not smoke" $(ARGS)

@@ -35,8 +35,8 @@ def _resume_config(run_dir: str, config: str | None, overrides: list[str]):
     return cfg
 
 
-def main(argv: list[str] | None = None) -> int:
-    lighter_gc()  # before the driver's heavy imports (actors/start_up.py)
+def build_parser() -> argparse.ArgumentParser:
+    """The ``rayrlhf`` command line (the docs' commands are checked against it: tests/unit/test_docs.py)."""
     parser = argparse.ArgumentParser(prog="rayrlhf", description="RL post-training of language models on Ray.")
     sub = parser.add_subparsers(dest="command", required=True)
     tr = sub.add_parser("train", help="run a training job (starts or joins a Ray cluster)")
@@ -47,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("--run-dir", default=None, help="exact run directory (default: <output_dir>/<name>-<timestamp>)")
     tr.add_argument("--resume", default=None, metavar="RUN_DIR",
                     help="continue RUN_DIR from its latest checkpoint (its config, with --set changes)")
+    tr.add_argument("--dry-run", action="store_true",
+                    help="load and check the config (and --resume's), print it as the run would use it, start nothing")
     tr.add_argument("--verbose", action="store_true",
                     help="show every library's output on the console too (it is always in <run dir>/train.log)")
     st = sub.add_parser("status", help="summarise a run: step, reward, last checkpoint, prompt ledger")
@@ -54,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--json", action="store_true", help="print the summary as JSON")
     co = sub.add_parser("config", help="print every config field with its default and meaning")
     co.add_argument("--schema", action="store_true", help="print the JSON schema instead")
+    co.add_argument("--markdown", action="store_true", help="print the reference as Markdown (docs/reference/config.md)")
     va = sub.add_parser("validate", help="check a config file without running it")
     va.add_argument("config")
     va.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -68,7 +71,12 @@ def main(argv: list[str] | None = None) -> int:
     from serving.cli import add_parser as add_serve_parser
 
     add_serve_parser(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    lighter_gc()  # before the driver's heavy imports (actors/start_up.py)
+    args = build_parser().parse_args(argv)
 
     if args.command == "train":
         return _train(args)
@@ -84,7 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "data":
         return _data(args)
     if args.command == "config":
-        print(config_schema() if args.schema else config_help())
+        from cluster.config_help import config_markdown
+
+        print(config_schema() if args.schema else config_markdown() if args.markdown else config_help())
         return 0
     try:
         load_config(args.config, args.overrides)
@@ -107,6 +117,8 @@ def _data(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     """``rayrlhf train``: on a quiet console (rayrlhf's lines; the rest in <run dir>/train.log)."""
+    if args.dry_run:
+        return _dry_run(args)
     from cluster import console
 
     con = console.active = console.Console(verbose=args.verbose).install()
@@ -137,6 +149,20 @@ def _train(args: argparse.Namespace) -> int:
     finally:
         con.close()
         console.active = None
+    return 0
+
+
+def _dry_run(args: argparse.Namespace) -> int:
+    """``rayrlhf train --dry-run``: the config the run would use, as YAML (stages included), or
+    the one-line error it would stop with; no cluster, no data, no model."""
+    import yaml
+
+    try:
+        cfg = _resume_config(args.resume, args.config, args.overrides) if args.resume else load_config(args.config, args.overrides)
+    except (ConfigError, UserError) as e:
+        print(f"rayrlhf: config error: {e}", file=sys.stderr)
+        return 2
+    print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
     return 0
 
 

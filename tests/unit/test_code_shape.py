@@ -1,6 +1,6 @@
 """The shape the design asks of the driver side: no function in ``cluster/`` over 60 lines, each
 recipe's ``run`` at most 40 (it starts its roles and hands its step to the shared loop), and no
-recipe importing another (data comes through ``cluster/data_sources.py``)."""
+recipe importing another (data comes through ``cluster/data_sources.py``); and the linter (ruff) clean."""
 
 import ast
 from pathlib import Path
@@ -33,3 +33,12 @@ def test_each_recipe_run_is_at_most_40_lines_and_imports_no_other_recipe():
                      for a in n.names}
         imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         assert not (imported & (RECIPE_MODULES - {module})), (module, imported & RECIPE_MODULES)
+
+
+def test_the_code_passes_the_linter():
+    """ruff, as configured in pyproject.toml (syntax errors, undefined names, unused imports)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "ruff", "check", "."], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:]
