@@ -37,7 +37,7 @@ def held_out_rows(cfg) -> list[dict]:
     from actors.tasks import load_prompts
 
     _, eval_set = load_prompts(cfg.data.task, cfg.data.train_size, cfg.data.eval_size, cfg.run.seed,
-                               cfg.data.task_kwargs, cfg.data.instruction)
+                               cfg.data.task_kwargs, cfg.data.instruction_for(cfg.data.task))
     return eval_set.rows
 
 

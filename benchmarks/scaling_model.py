@@ -201,7 +201,7 @@ def prompt_tokens_of_task() -> float:
 
     cfg = load_cfg(1, 0)
     tok = AutoTokenizer.from_pretrained(resolve_model(cfg.model.path, cfg.model.cache_dir or None))
-    rows, _ = load_prompts(cfg.data.task, 64, 0, 0, cfg.data.task_kwargs, cfg.data.instruction)
+    rows, _ = load_prompts(cfg.data.task, 64, 0, 0, cfg.data.task_kwargs, cfg.data.instruction_for(cfg.data.task))
     return statistics.fmean(
         len(tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True,
                                     tokenize=True, return_dict=False)) for r in rows.rows

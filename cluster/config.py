@@ -148,6 +148,10 @@ class DataSourceConfig(Section):
     task_kwargs: dict | None = _f(None, "reasoning-gym difficulty keywords of this source (None: data.task_kwargs).")
 
 
+# What data.instruction=auto appends to a reasoning-gym task's questions.
+TASK_INSTRUCTION = "Answer with just the final answer."
+
+
 class DataConfig(Section):
     task: str = _f(
         "basic_arithmetic",
@@ -155,7 +159,7 @@ class DataConfig(Section):
         ".jsonl, .json, .parquet, .csv, a folder of them, or a datasets save_to_disk folder (folder#split picks a "
         "split); 'jsonl:<path>' still works. See data.prompt_key / data.answer_key.",
     )
-    prompt_key: str = _f("prompt", "Column of a data file holding the prompt: text (data.instruction appended) or "
+    prompt_key: str = _f("prompt", "Column of a data file holding the prompt: text (with data.instruction when one is set) or "
                                    "a list of chat messages (used as they are; verl's layout). Dotted keys reach nested columns.")
     answer_key: str = _f("", "Column holding the reference answer (dotted keys reach nested ones, e.g. "
                              "reward_model.ground_truth). Empty: the first of answer, reward_model.ground_truth, "
@@ -181,8 +185,9 @@ class DataConfig(Section):
                                "of a file, split by weight in a mixture; a streamed file (data.streaming) is read whole.", ge=1)
     eval_size: int = _f(64, "Number of held-out prompts (generated with another seed, de-duplicated).", ge=0)
     instruction: str = _f(
-        "Answer with just the final answer.", "Text appended to each question before the chat template."
-    )
+        "auto", "Text appended to each text prompt before the chat template. 'auto': 'Answer with just the final "
+                "answer.' for reasoning-gym tasks and nothing for your own files and datasets (they go in as written); "
+                "any other text (or '' for none) applies to every source.")
     system_prompt: str = _f("", "Optional system message for the chat template.")
     preference_file: str = _f(
         "",
@@ -203,6 +208,14 @@ class DataConfig(Section):
         "files, folders of them or datasets folders; several separated by commas are concatenated; eval_size of "
         "them are held out. Empty: data.task's prompts with their reference answers (or sft.transcripts).",
     )
+
+    def instruction_for(self, task: str) -> str:
+        """The instruction appended to ``task``'s text prompts (``instruction`` resolved)."""
+        if self.instruction != "auto":
+            return self.instruction
+        from actors.tasks import is_file_task
+
+        return "" if is_file_task(task) else TASK_INSTRUCTION
 
 
 class RemoteScorerSection(Section):

@@ -39,7 +39,9 @@ def inspect_prompts(cfg: Config, tokenizer: Any, max_model_len: int) -> dict[str
                                 train.name or train.files[0].stem)
         described += f"; shown: the first {len(train_rows)} usable rows of {train.files[0].name}, unshuffled"
     budget = min(cfg.model.max_prompt_tokens, max_model_len - cfg.model.max_new_tokens)
-    out: dict[str, Any] = {"source": described, "max_prompt_tokens": budget,
+    sources = [m.task for m in cfg.data.mix] or [cfg.data.task]
+    applied = {task: cfg.data.instruction_for(task) for task in sources}
+    out: dict[str, Any] = {"source": described, "max_prompt_tokens": budget, "instruction": applied,
                            "skipped_at_load": dict(train.skipped), "splits": {}}
     for split, rows in (("train", train_rows), ("held_out", held.rows)):
         shown, too_long = [], 0
@@ -101,6 +103,9 @@ def render(report: dict[str, Any], tokenizer: Any, rows: int) -> str:
     if report.get("kind") in ("preferences", "demonstrations"):
         return _render_offline(report, tokenizer, rows, lines)
     lines.append(f"prompt budget: {report['max_prompt_tokens']} tokens after the chat template")
+    for task, text in report.get("instruction", {}).items():
+        lines.append(f"instruction appended to {task}'s text prompts: {text!r}" if text else
+                     f"no instruction appended to {task}'s prompts (data.instruction sets one)")
     for split, part in report["splits"].items():
         n = len(part["rows"])
         sizes = sorted(r["tokens"] for r in part["rows"]) or [0]

@@ -111,7 +111,7 @@ def _streamed(cfg: Config) -> tuple[Any, Any, str]:
     if not is_file_task(d.task):
         raise UserError(f"data.streaming reads a data file or folder; data.task={d.task!r} is not one")
     try:
-        train, held = streaming_sets(d.task, FileKeys(d.prompt_key, d.answer_key), d.instruction, cfg.run.seed,
+        train, held = streaming_sets(d.task, FileKeys(d.prompt_key, d.answer_key), d.instruction_for(d.task), cfg.run.seed,
                                      d.eval_size, _eval_source(cfg) if d.eval_task else None, d.shuffle_buffer,
                                      _source_name(d.task))
     except (FileNotFoundError, ValueError) as e:
@@ -131,7 +131,7 @@ def _source_prompts(cfg: Config, src: DataSourceConfig, n_train: int, n_held: in
     kwargs = d.task_kwargs if src.task_kwargs is None else src.task_kwargs
     where = f"data.mix[{src.task}]" if d.mix else "data.task"
     try:
-        return load_prompts(src.task, n_train, n_held, seed, kwargs, d.instruction, keys)
+        return load_prompts(src.task, n_train, n_held, seed, kwargs, d.instruction_for(src.task), keys)
     except (FileNotFoundError, ValueError) as e:
         raise UserError(f"{where}: {e}") from None
 
@@ -144,9 +144,10 @@ def _eval_source(cfg: Config) -> list[dict[str, Any]]:
     d = cfg.data
     try:
         if is_file_task(d.eval_task):
-            rows = file_rows(d.eval_task, d.instruction, FileKeys(d.prompt_key, d.answer_key)).rows
+            rows = file_rows(d.eval_task, d.instruction_for(d.eval_task), FileKeys(d.prompt_key, d.answer_key)).rows
         else:
-            rows = reasoning_gym_rows(d.eval_task, d.eval_size, cfg.run.seed + 1_000_003, d.task_kwargs, d.instruction).rows
+            rows = reasoning_gym_rows(d.eval_task, d.eval_size, cfg.run.seed + 1_000_003, d.task_kwargs,
+                                      d.instruction_for(d.eval_task)).rows
     except (FileNotFoundError, ValueError) as e:
         raise UserError(f"data.eval_task: {e}") from None
     return tag_source(rows[: d.eval_size], _source_name(d.eval_task))

@@ -276,3 +276,21 @@ def test_a_text_prompts_own_messages_column_is_not_taken_for_the_prompt(tmp_path
     assert "messages" not in r["meta"] and r["meta"]["source_messages"] == row["messages"]
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
     assert prompt_token_ids(tok, r["prompt"], r["meta"]) == prompt_token_ids(tok, "2+2? Be brief.", {})
+
+
+def test_your_own_prompts_go_in_as_written_unless_an_instruction_is_set(tmp_path, capsys):
+    from cluster.cli import main
+
+    own = tmp_path / "own.jsonl"
+    own.write_text("".join(json.dumps({"prompt": f"Name a colour ({i}).", "answer": "red"}) + "\n" for i in range(40)))
+    mix = [{"task": str(own), "weight": 1}, {"task": "basic_arithmetic", "weight": 1}]
+    train, _, _ = prompt_sets(_cfg(tmp_path, mix=mix, train_size=32, eval_size=2))
+    by_source = {r["meta"]["data_source"]: r["prompt"] for r in train.rows}
+    assert by_source["own"].endswith(").") and by_source["basic_arithmetic"].endswith("Answer with just the final answer.")
+    train, _, _ = prompt_sets(_cfg(tmp_path, mix=mix, train_size=32, eval_size=2, instruction="Be brief."))
+    assert all(r["prompt"].endswith("Be brief.") for r in train.rows)
+    assert main(["data", "inspect", str(own), "--set", "model.path=tiny", "--set", "data.eval_size=2"]) == 0
+    assert f"no instruction appended to {own}'s prompts" in capsys.readouterr().out
+    assert main(["data", "inspect", str(own), "--set", "model.path=tiny", "--set", "data.eval_size=2",
+                 "--set", "data.instruction=Be brief."]) == 0
+    assert f"instruction appended to {own}'s text prompts: 'Be brief.'" in capsys.readouterr().out
