@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, TypeAdapter, ValidationError, model_validator
 from typing_extensions import Annotated
 
 from actors.judge import DEFAULT_PATTERN, DEFAULT_TEMPLATE, JudgeConfig
@@ -91,6 +91,10 @@ class RunConfig(Section):
     mlflow_tracking_uri: str = _f("", "MLflow tracking URI of run.trackers=mlflow (empty: $MLFLOW_TRACKING_URI, else a "
                                       "file store in <run dir>/mlruns).")
     mlflow_experiment: str = _f("rayrlhf", "MLflow experiment of run.trackers=mlflow.")
+    plugins: Annotated[list[str], BeforeValidator(_split_commas)] = _f(
+        [], "Python modules imported before the rest of the config is read: a package of your own that registers "
+        "recipes, learners, estimators or losses (register_recipe, register_learner, the decorators). Every node "
+        "must be able to import it (installed, or in the job's runtime_env).")
 
     @model_validator(mode="before")
     @classmethod
@@ -429,7 +433,6 @@ class EnvConfig(Section):
 
 
 # Algorithms whose learners run with train.sharding=fsdp (learners/sharding.py).
-SHARDED_ALGORITHMS = ("ppo", "sft", "dpo", "qlearn", "reward_model")
 
 
 class TrainConfig(Section):
@@ -890,39 +893,66 @@ class Config(Section):
         "each stage starts from the previous stage's final checkpoint (its reference, too) and leaves its own."))
 
     def validate_run(self) -> "Config":
-        """Cross-field checks; raises ConfigError naming the key."""
-        from cluster.recipes import RECIPES
+        """Cross-field checks; raises ConfigError naming the key. The shared rules are here; each
+        recipe adds its own (``Recipe.check``) and declares what it supports (``Recipe.features``)."""
+        from cluster.recipes import UnknownRecipe, get_recipe
 
-        rollout, ppo, algo = self.rollout, self.ppo, self.run.algorithm
-        batch, unit = {"dpo": (self.dpo.pairs_per_step, "pairs"), "reward_model": (self.dpo.pairs_per_step, "pairs"), "sft": (self.sft.examples_per_step, "demonstrations"),
-                       "qlearn": (self.qlearn.batch_sequences, "sequences")}.get(
-            algo, (rollout.prompts_per_step * rollout.samples_per_prompt, "sequences"))
+        from learners.base import UnknownLearner, learner_target
+
+        try:
+            recipe = get_recipe(self.run.algorithm)
+            learner_target(recipe.learner)
+        except (UnknownRecipe, UnknownLearner) as e:
+            raise ConfigError(str(e)) from None
+        rollout = self.rollout
+        batch, unit = recipe.batch(self)
         checks = [
-            (algo in RECIPES, f"run.algorithm must be one of {', '.join(sorted(RECIPES))}, got {algo!r}"),
-            (algo != "ppo" or self.data.train_size >= rollout.prompts_per_step,
-             "data.train_size must be >= rollout.prompts_per_step"),
             (rollout.prompts_per_step >= rollout.num_generators,
              "rollout.prompts_per_step must be >= rollout.num_generators"),
             (self.train.num_minibatches <= batch,
              f"train.num_minibatches must be <= the batch ({batch} {unit} per step)"),
             (len(self.train.adam_betas) == 2 and all(0 <= b < 1 for b in self.train.adam_betas),
              "train.adam_betas must be two numbers in [0, 1)"),
-            (ppo.advantage_estimator not in ("grpo", "dr_grpo", "rloo") or rollout.samples_per_prompt > 1,
-             f"ppo.advantage_estimator={ppo.advantage_estimator} needs rollout.samples_per_prompt > 1 (a group)"),
             (self.reward.function not in ("reward_model",) or bool(self.reward.model),
              "reward.function=reward_model needs reward.model (a reward-model folder)"),
             (self.reward.function != "remote" or bool(self.reward.remote.url),
              "reward.function=remote needs reward.remote.url"),
-            (algo != "reward_model" or self.dpo.pairs == "scorer",
-             f"run.algorithm=reward_model trains on data.preference_file or on scored pairs (dpo.pairs=scorer), not dpo.pairs={self.dpo.pairs}"),
-            (not (algo == "dpo" and self.data.preference_file and self.dpo.pairs != "scorer"),
-             f"dpo.pairs={self.dpo.pairs} makes its own pairs: leave data.preference_file empty"),
             (not self.stages or len({st.name for st in self.stages}) == len(self.stages), "stages: names must be unique"),
-            (not rollout.inflight_updates or (algo == "ppo" and rollout.max_staleness > 0),
-             "rollout.inflight_updates needs run.algorithm=ppo with rollout.max_staleness > 0 (in a synchronous run no "
-             "generation is running when the weights sync)"),
-            (self.cluster.layout == "disaggregated" or algo == "ppo",
-             f"cluster.layout=colocated is built for the PPO/GRPO recipe (run.algorithm=ppo), not run.algorithm={algo}"),
+        ] + self._feature_checks(recipe) + self._device_checks() + recipe.check(self) + self._env_checks(recipe) \
+            + self._unread_settings() + self._data_and_shaping_checks()
+        for ok, msg in checks:
+            if not ok:
+                raise ConfigError(msg)
+        try:
+            self.judge_config()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        return self
+
+    def _feature_checks(self, recipe: Any) -> list[tuple[bool, str]]:
+        """Settings only some recipes are built for (``Recipe.features``; the messages name them)."""
+        from cluster.recipes import supporting
+
+        rollout, has = self.rollout, recipe.features
+        return [
+            (not rollout.inflight_updates or ("inflight_updates" in has and rollout.max_staleness > 0),
+             f"rollout.inflight_updates needs run.algorithm={supporting('inflight_updates')} with rollout.max_staleness > 0 "
+             "(in a synchronous run no generation is running when the weights sync)"),
+            (self.cluster.layout == "disaggregated" or "colocated" in has,
+             f"cluster.layout=colocated is built for run.algorithm={supporting('colocated')}, not "
+             f"run.algorithm={recipe.name}"),
+            (self.train.sharding == "replicated" or ("fsdp" in has and not self.train.compile),
+             f"train.sharding=fsdp is built for run.algorithm={supporting('fsdp')}, without train.compile"),
+            (not self.data.streaming or "streaming" in has,
+             f"data.streaming streams prompts to run.algorithm={supporting('streaming')}, not {recipe.name}"),
+            (not rollout.dynamic_sampling or "dynamic_sampling" in has,
+             f"rollout.dynamic_sampling needs run.algorithm={supporting('dynamic_sampling')}, not {recipe.name}"),
+        ]
+
+    def _device_checks(self) -> list[tuple[bool, str]]:
+        """What GPUs, colocated roles and collective sends need of each other."""
+        rollout = self.rollout
+        return [
             (not rollout.gpus_per_generator or rollout.gpu_memory_utilization <= rollout.gpus_per_generator + 1e-9,
              f"rollout.gpu_memory_utilization ({rollout.gpu_memory_utilization:g}) must not exceed the share of a GPU "
              f"each generator reserves (rollout.gpus_per_generator={rollout.gpus_per_generator:g})"),
@@ -936,48 +966,16 @@ class Config(Section):
             (not (self.cluster.realtime_learners and self.cluster.gpus_per_learner),
              "cluster.realtime_learners is for CPU learners (their OpenMP threads share cores with Ray's processes); "
              "a GPU learner's threads mostly wait for the GPU, and real-time waiting threads would starve the node"),
-        ] + self._env_checks(algo) + self._unread_settings() + self._data_and_shaping_checks() + self._qlearn_value_checks()
-        for ok, msg in checks:
-            if not ok:
-                raise ConfigError(msg)
-        try:
-            self.judge_config()
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        return self
-
-    def _qlearn_value_checks(self) -> list[tuple[bool, str]]:
-        """What a calibrated Q (``qlearn.calibration``, ``state_value``) and the group filter
-        (``skip_uniform_groups``) need of the rest of the config."""
-        return [
-            (self.qlearn.calibration == "none" or (self.train.reference == "learners" or self.lora.enabled),
-             "qlearn.calibration=reference reads the frozen initial model's logits in the learners: set "
-             "train.reference=learners (or use LoRA, whose base model is the reference)"),
-            (self.qlearn.calibration == "none" or self.qlearn.conservative == "logsumexp"
-             or self.qlearn.conservative_weight == 0,
-             "qlearn.calibration=reference measures Q against the reference's logits, which the floor term would "
-             "need for every token of the vocabulary: use qlearn.conservative=logsumexp (or conservative_weight=0)"),
-            (self.qlearn.state_value == "model" or (self.qlearn.calibration == "reference"
-                                                    and self.qlearn.value_grad == 0),
-             "qlearn.state_value=reference reads each state's value as the calibration's reference (0) and trains "
-             "the log-prob alone: set qlearn.calibration=reference and qlearn.value_grad=0"),
-            (not self.qlearn.skip_uniform_groups or self.qlearn.reward_baseline == "group_mean",
-             "qlearn.skip_uniform_groups leaves out groups whose centered rewards are all 0, which needs groups: "
-             "set qlearn.reward_baseline=group_mean"),
         ]
 
     def _data_and_shaping_checks(self) -> list[tuple[bool, str]]:
         ppo, rollout, reward = self.ppo, self.rollout, self.reward
         routed = bool(reward.components or reward.by_source)
         return [
-            (not self.data.streaming or (not self.data.mix and (self.run.algorithm == "ppo" or (
-                self.run.algorithm == "qlearn" and not self.data.transition_file)) and not self.env.name
-                and not self.rollout.agent and not self.rollout.dynamic_sampling),
-             "data.streaming streams one data.task file or folder of prompts to run.algorithm=ppo or online qlearn "
-             "(no data.mix, env.name, rollout.agent or rollout.dynamic_sampling)"),
-            (self.train.sharding == "replicated" or (self.run.algorithm in SHARDED_ALGORITHMS
-                                                    and not self.train.compile),
-             "train.sharding=fsdp is built for run.algorithm=ppo, sft, dpo, qlearn or reward_model, without train.compile"),
+            (not self.data.streaming or (not self.data.mix and not self.env.name and not self.rollout.agent
+                                         and not self.rollout.dynamic_sampling),
+             "data.streaming streams one data.task file or folder of prompts (no data.mix, env.name, rollout.agent "
+             "or rollout.dynamic_sampling)"),
             (not self.train.cpu_offload or (self.train.sharding == "fsdp" and self.cluster.gpus_per_learner > 0),
              "train.cpu_offload keeps sharded GPU learners' state in host memory: it needs train.sharding=fsdp and "
              "cluster.gpus_per_learner > 0 (CPU learners hold everything in host memory already)"),
@@ -993,9 +991,6 @@ class Config(Section):
             (bool(ppo.teacher) == bool(ppo.distill_coef),
              "on-policy distillation needs both ppo.teacher (the teacher's model folder) and ppo.distill_coef > 0"),
             (ppo.task_coef > 0 or ppo.distill_coef > 0, "ppo.task_coef=0 leaves nothing to learn without ppo.distill_coef"),
-            (not (self.model.dropout and self.run.algorithm == "ppo"),
-             "model.dropout is for sft, dpo, reward_model and qlearn: PPO's importance ratios compare the policy's "
-             "forward passes, and dropout noise would bias them (every RL framework turns it off there)"),
             (not (reward.components and reward.by_source), "reward.components and reward.by_source: set one (give a "
                                                            "source several components inside by_source)"),
             (not routed or reward.function not in ("reward_model", "llm_judge", "remote"),
@@ -1006,10 +1001,9 @@ class Config(Section):
              "take their rewards from the environment"),
             (self.data.chat_template or not (self.env.name or self.rollout.agent),
              "episodes (env.name, rollout.agent) render every turn through the chat template: data.chat_template must be true"),
-            (not rollout.dynamic_sampling or (self.run.algorithm == "ppo" and rollout.samples_per_prompt > 1
-                                              and rollout.max_staleness == 0),
-             "rollout.dynamic_sampling needs run.algorithm=ppo, rollout.samples_per_prompt > 1 (groups) and "
-             "rollout.max_staleness=0 (it draws more prompts before the step trains)"),
+            (not rollout.dynamic_sampling or (rollout.samples_per_prompt > 1 and rollout.max_staleness == 0),
+             "rollout.dynamic_sampling needs rollout.samples_per_prompt > 1 (groups) and rollout.max_staleness=0 (it "
+             "draws more prompts before the step trains)"),
             (ppo.overlong_buffer <= self.model.max_new_tokens,
              f"ppo.overlong_buffer ({ppo.overlong_buffer}) must not exceed model.max_new_tokens ({self.model.max_new_tokens})"),
             (not (ppo.overlong_buffer and (self.env.name or self.rollout.agent)),
@@ -1048,19 +1042,17 @@ class Config(Section):
             (False, f"rollout.{f} is set but no agent program runs (rollout.agent is empty): remove it") for f in agent_only] + [
             (False, f"{f} is set but not read with {name}: its taskset is the prompt set") for f in data_unread]
 
-    def _env_checks(self, algo: str) -> list[tuple[bool, str]]:
+    def _env_checks(self, recipe: Any) -> list[tuple[bool, str]]:
         """What multi-turn episodes (``env.name``) combine with."""
+        from cluster.recipes import supporting
+
         env = self.env
         if not (env.name or self.rollout.agent):
             return []
         return [
             (not (env.name and self.rollout.agent), "env.name and rollout.agent are two kinds of episodes: set one"),
-            (algo in ("ppo", "qlearn", "dpo", "sft"), f"episodes (env.name, rollout.agent) need run.algorithm=ppo, qlearn, "
-                                                      f"dpo or sft (its held-out evaluation runs episodes), not {algo}"),
-            (not (algo == "qlearn" and self.data.transition_file), "env.name: offline Q-learning (data.transition_file) "
-                                                                   "runs no episodes; leave env.name empty"),
-            (not (algo == "dpo" and self.dpo.pairs != "scorer"), f"env.name with run.algorithm=dpo pairs the best and "
-                                                                 f"worst episode of a prompt (dpo.pairs=scorer), not dpo.pairs={self.dpo.pairs}"),
+            ("episodes" in recipe.features, f"episodes (env.name, rollout.agent) need run.algorithm="
+                                             f"{supporting('episodes')}, not {recipe.name}"),
             (self.reward.function not in ("llm_judge", "reward_model", "remote"),
              f"env.name: the environment gives the rewards and reward.function checks final answers "
              f"(feedback, tool_use); {self.reward.function} is no answer checker"),
@@ -1077,8 +1069,33 @@ class Config(Section):
                            top_k=j.top_k, score_parser=j.score_parser,
                            max_prompt_tokens=j.max_prompt_tokens, max_new_tokens=j.max_new_tokens)
 
+    _plugin_sections: dict = PrivateAttr(default_factory=dict)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _with_plugin_sections(cls, data: Any, handler: Any) -> "Config":
+        """Sections of registered recipes that are not fields here (``Recipe.section_model``): taken
+        out, validated by their own model, kept beside the fields (``section``, ``to_dict``)."""
+        from cluster.recipes import plugin_sections
+
+        models = plugin_sections() if isinstance(data, dict) else {}
+        given = {name: data[name] for name in models if name in data}
+        cfg = handler({k: v for k, v in data.items() if k not in models} if models else data)
+        if models:
+            cfg._plugin_sections = {name: model.model_validate(given.get(name) or {}) for name, model in models.items()}
+        return cfg
+
+    def section(self, name: str) -> Any:
+        """The config section ``name``: a field, or a registered plugin's section."""
+        if name in type(self).model_fields:
+            return getattr(self, name)
+        if name in self._plugin_sections:
+            return self._plugin_sections[name]
+        raise ConfigError(f"no config section {name!r}: add it to Config or declare Recipe.section_model")
+
     def to_dict(self) -> dict:
-        return self.model_dump(mode="json")
+        return {**self.model_dump(mode="json"),
+                **{name: sec.model_dump(mode="json") for name, sec in self._plugin_sections.items()}}
 
     def get(self, dotted: str) -> Any:
         node: Any = self

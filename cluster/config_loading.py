@@ -46,6 +46,8 @@ def build_config(data: dict) -> Config:
     for name, section in data.items():
         if section is None:
             data[name] = {}
+    import_plugins(data)
+    _check_plugin_sections(data)
     try:
         cfg = Config.model_validate(data)
     except ValidationError as e:
@@ -54,6 +56,34 @@ def build_config(data: dict) -> Config:
     stage_configs(cfg)  # every stage validated now, not when it starts
     _resolve_generator_dtype(cfg)
     return cfg
+
+
+def import_plugins(data: dict) -> None:
+    """Imports ``run.plugins`` (their registrations must exist before the rest is read)."""
+    import importlib
+
+    plugins = (data.get("run") or {}).get("plugins") or []
+    for name in [p.strip() for p in plugins.split(",")] if isinstance(plugins, str) else plugins:
+        try:
+            importlib.import_module(str(name))
+        except ImportError as e:
+            raise ConfigError(f"run.plugins: cannot import {name!r}: {e}") from None
+
+
+def _check_plugin_sections(data: dict) -> None:
+    """A registered plugin's section (``Recipe.section_model``), with errors worded as the built-in ones'."""
+    from cluster.recipes import plugin_sections
+
+    for name, model in plugin_sections().items():
+        try:
+            model.model_validate(data.get(name) or {})
+        except ValidationError as e:
+            msgs = []
+            for err in e.errors():
+                key = ".".join([name, *map(str, err["loc"])])
+                msgs.append(f"unknown config key {key!r} in section '{name}'; valid keys: {', '.join(sorted(model.model_fields))}"
+                            if err["type"] == "extra_forbidden" else f"{key}: {err['msg']} (got {err.get('input')!r})")
+            raise ConfigError("; ".join(msgs)) from None
 
 
 def _resolve_generator_dtype(cfg: Config) -> None:

@@ -17,7 +17,7 @@ import yaml
 from cluster.console import attach_run_dir
 from cluster.config import Config, UserError
 from cluster.config_loading import check_resume_compatible, load_config, stage_configs
-from cluster.recipes import get_recipe
+from cluster.recipes import recipe_module
 from cluster.run_context import RUN_STATE_FILE, RunContext, RunResult, latest_checkpoint, preflight
 
 STAGES_DIR = "stages"
@@ -35,7 +35,7 @@ def train(cfg: Config, run_dir: str | Path | None = None, resume: bool = False) 
     print(f"[rayrlhf] {description}", flush=True)
     ctx.connect()
     try:
-        return get_recipe(cfg.run.algorithm).run(ctx, model_path, train_set, eval_set)
+        return recipe_module(cfg.run.algorithm).run(ctx, model_path, train_set, eval_set)
     finally:
         ctx.close()
 
@@ -84,7 +84,7 @@ def train_stages(cfg: Config, run_dir: str | Path | None = None, resume: bool = 
     # Every stage's data and reward are checked before anything starts; the first stage's model too.
     loaded = []
     for i, (name, scfg) in enumerate(stages):
-        recipe = get_recipe(scfg.run.algorithm)
+        recipe = recipe_module(scfg.run.algorithm)
         if i == 0:
             model_path, train_set, eval_set, description = preflight(scfg)
         else:
@@ -121,7 +121,7 @@ def train_stages(cfg: Config, run_dir: str | Path | None = None, resume: bool = 
             if ctx is None:
                 ctx = stage_ctx
                 ctx.connect()  # one cluster for every stage
-            result = get_recipe(scfg.run.algorithm).run(stage_ctx, model_path, train_set, eval_set)
+            result = recipe_module(scfg.run.algorithm).run(stage_ctx, model_path, train_set, eval_set)
             if result.final_checkpoint is None:
                 raise UserError(f"stage {i} ({name}) left no checkpoint for the next stage (run.save_final is off?)")
             results.append(result)

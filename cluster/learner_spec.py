@@ -10,15 +10,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from cluster.config import Config
-from learners.base import LearnerContext
+from learners.base import LearnerContext, learner_target
 
 
 @dataclass
 class LearnerSpec:
     """Everything the learner workers need, and nothing else."""
 
-    # Registered learner name (``learners.base.LEARNERS``).
+    # Registered learner name (``learners.base.LEARNERS``) and its "module:Class", resolved on the
+    # driver (a plugin's registration is not repeated in the workers' processes).
     algorithm: str
+    learner_target: str
     # The shared ``train`` section and the algorithm's own section.
     train: Any
     algo: Any
@@ -57,13 +59,16 @@ class LearnerSpec:
 
 def learner_spec(cfg: Config, model_path: str, pad_token_id: int, resume_from: str | None = None,
                  probe_ids: list[int] | None = None) -> LearnerSpec:
-    """The learner's slice of the run's config."""
-    algo = getattr(cfg, cfg.run.algorithm)
+    """The learner's slice of the run's config: its recipe's learner and section."""
+    from cluster.recipes import get_recipe
+
+    recipe = get_recipe(cfg.run.algorithm)
+    algo = cfg.section(recipe.section)
     if cfg.run.algorithm == "ppo" and algo.rollout_correction == "auto":
         # Asynchronous batches come from older weights: correct for them by default.
         algo = algo.model_copy(update={"rollout_correction": "truncate" if cfg.rollout.max_staleness > 0 else "none"})
     return LearnerSpec(
-        algorithm=cfg.run.algorithm, train=cfg.train, algo=algo,
+        algorithm=recipe.learner, learner_target=learner_target(recipe.learner), train=cfg.train, algo=algo,
         context=LearnerContext(
             model_path=model_path, seed=cfg.run.seed, total_steps=cfg.run.steps,
             temperature=cfg.rollout.temperature or 1.0, max_new_tokens=cfg.model.max_new_tokens,

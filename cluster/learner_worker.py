@@ -83,12 +83,12 @@ def build_learner(spec: LearnerSpec, comm: Any) -> Any:
     """This rank's learner, on its thread count and device, with ``comm`` between the ranks."""
     import torch
 
-    from learners.base import get_learner
+    from learners.base import load_learner_class
 
     # Ray sets OMP_NUM_THREADS to the reserved CPUs; learners run in their own phase and may use the node.
     torch.set_num_threads(spec.threads or os.cpu_count() or 1)
     ctx = dataclasses.replace(spec.context, comm=comm, device=learner_device(spec))
-    return get_learner(spec.algorithm).build(ctx, spec.train, spec.algo)
+    return load_learner_class(spec.learner_target).build(ctx, spec.train, spec.algo)
 
 
 def trainable_flat(learner: Any) -> Any:

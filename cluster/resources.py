@@ -28,26 +28,25 @@ class RoleRequest:
 
 
 def role_requests(cfg: Config) -> list[RoleRequest]:
-    """The roles the run may hold at once (an upper bound: a DPO run's reference scores before the
-    generators start, but both are counted)."""
-    algo = cfg.run.algorithm
+    """The roles the run may hold at once, as its recipe declares them (``Recipe.roles``; an upper
+    bound: a DPO run's reference scores before the generators start, but both are counted)."""
+    from cluster.recipes import get_recipe
+
+    declared = get_recipe(cfg.run.algorithm).roles(cfg)
     # Colocated generators share their learner's reservation: they request nothing of their own.
     colocated = cfg.cluster.layout == "colocated"
     gen_resources = {**cfg.rollout.resources, **_gpus(cfg.rollout.gpus_per_generator)}
-    out = [RoleRequest("generator", cfg.rollout.num_generators, 0.0 if colocated else cfg.rollout.cpus_per_generator,
-                       "rollout.cpus_per_generator", () if colocated else tuple(gen_resources.items()))]
-    self_judging = cfg.reward.function == "llm_judge" and not cfg.reward.model
-    if not self_judging:
+    out = []
+    if declared.generators:
+        out.append(RoleRequest("generator", cfg.rollout.num_generators, 0.0 if colocated else cfg.rollout.cpus_per_generator,
+                               "rollout.cpus_per_generator", () if colocated else tuple(gen_resources.items())))
+    if declared.scorer:
         out.append(RoleRequest("scorer", 1, cfg.reward.cpus, "reward.cpus"))
-    in_learners = cfg.lora.enabled or cfg.train.reference == "learners"
-    reference = (algo == "ppo" and bool(cfg.ppo.teacher)) or not in_learners and (
-        (algo == "ppo" and cfg.ppo.uses_reference)
-        or (algo == "qlearn" and cfg.qlearn.uses_reference)
-        or (algo == "dpo" and cfg.dpo.loss != "simpo")
-    )
-    if reference:
+    if declared.reference in ("rollout", "data"):
         out.append(RoleRequest("reference", 1, cfg.cluster.cpus_per_reference, "cluster.cpus_per_reference",
                                tuple(_gpus(cfg.cluster.gpus_per_reference).items())))
+    if not declared.learners:
+        return out
     learner_resources = {**cfg.cluster.learner_resources, **_gpus(cfg.cluster.gpus_per_learner)}
     out.append(RoleRequest("learner", cfg.cluster.num_learners, cfg.cluster.cpus_per_learner, "cluster.cpus_per_learner",
                            tuple(learner_resources.items())))

@@ -50,17 +50,17 @@ class Roles:
             self._weights_from_learners()
         return self.learners
 
-    def start_generators(self, cfg: Any = None, with_reference: bool | None = None,
-                         colocate: bool = False) -> Any:
-        """The generator pool with its scorer (and reference when ``with_reference``, by default
-        when a PPO KL term needs one); ``cfg``: the generators' own copy of the config (e.g. DPO's
-        candidate sampling). They start from the resumed checkpoint's weights when resuming."""
+    def start_generators(self, cfg: Any = None, colocate: bool = False) -> Any:
+        """The generator pool with its scorer and, where the recipe declares one beside them
+        (``RoleSet.reference == "rollout"``), the reference; ``cfg``: the generators' own copy of
+        the config (e.g. DPO's candidate sampling). They start from the resumed checkpoint's
+        weights when resuming."""
         from cluster.rollout_group import RolloutGroup
 
         nodes = self.learners.wait_ready()["nodes"] if colocate else None
         self.rollout = RolloutGroup(cfg or self.cfg, self.model_path, policy_path=self.resume,
                                     policy_version=int(self.ctx.run_state["version"]),
-                                    with_reference=with_reference, colocate_nodes=nodes)
+                                    colocate_nodes=nodes)
         if self.learners is not None:
             self._weights_from_learners()
         return self.rollout
@@ -71,8 +71,11 @@ class Roles:
         self.rollout.weights_source = lambda: learners.current_weights()["weights"][0]
 
     def start_replay(self, capacity: int, export_dir: str | None, whole_groups: bool = False) -> Any:
+        from cluster.recipes import get_recipe
         from cluster.workers import ReplayWorker
 
+        if not get_recipe(self.cfg.run.algorithm).roles(self.cfg).replay:
+            raise RuntimeError(f"recipe {self.cfg.run.algorithm} starts a replay buffer it does not declare (RoleSet.replay)")
         self.replay = ray.remote(ReplayWorker).options(num_cpus=0).remote(capacity, self.cfg.run.seed, self.pad_id,
                                                                           export_dir, whole_groups)
         return self.replay

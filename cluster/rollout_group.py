@@ -32,7 +32,7 @@ class RolloutGroup:
                  with_reference: bool | None = None, colocate_nodes: list[str] | None = None) -> None:
         """``policy_path``/``policy_version``: weights the generators start from when they are not
         the initial model (a resumed run's checkpoint); the reference always scores ``model_path``.
-        ``with_reference``: start a Reference actor (default: when a PPO KL term needs one).
+        ``with_reference``: start a Reference actor (default: when the recipe declares one there).
         ``colocate_nodes``: the learner ranks' nodes, with ``cluster.layout=colocated``
         (``cluster/placement.py``)."""
         from cluster import placement
@@ -80,7 +80,7 @@ class RolloutGroup:
         # scorer actor each finished unit is scored at once (scoring streams behind generation).
         self.pool = GeneratorPool(len(self.generators), self._start_unit,
                                   on_done=None if self.scorer is None else self._score_unit)
-        if with_reference if with_reference is not None else _ppo_needs_reference_actor(cfg):
+        if with_reference if with_reference is not None else _reference_beside_generators(cfg):
             self.reference = ray.remote(ReferenceWorker).options(
                 num_cpus=cfg.cluster.cpus_per_reference, num_gpus=cfg.cluster.gpus_per_reference,
                 max_restarts=cfg.cluster.actor_max_restarts,
@@ -337,8 +337,8 @@ def answer_after_restart(call: Any, what: str, timeout_s: float) -> Any:
             time.sleep(0.5)
 
 
-def _ppo_needs_reference_actor(cfg: Config) -> bool:
-    """A PPO KL term whose reference the learners do not compute (LoRA: the adapter disabled;
-    train.reference=learners: their own copy), or a distillation teacher."""
-    in_learners = cfg.lora.enabled or cfg.train.reference == "learners"
-    return cfg.ppo.uses_reference and (not in_learners or bool(cfg.ppo.teacher))
+def _reference_beside_generators(cfg: Config) -> bool:
+    """The run's recipe declares a reference actor beside the generators (``RoleSet.reference``)."""
+    from cluster.recipes import get_recipe
+
+    return get_recipe(cfg.run.algorithm).roles(cfg).reference == "rollout"

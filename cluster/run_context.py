@@ -103,13 +103,13 @@ def preflight(cfg: Config) -> tuple[str, Any, Any, str]:
     a missing or broken one raises UserError with one clear line. Returns the model folder, the
     recipe's train and held-out data and a one-line description of them."""
     from cluster.assets import resolve_model
-    from cluster.recipes import get_recipe
+    from cluster.recipes import recipe_module
 
     try:
         model_path = resolve_model(cfg.model.path, cfg.model.cache_dir or None)
     except FileNotFoundError as e:
         raise UserError(str(e)) from None
-    train_set, eval_set, description = get_recipe(cfg.run.algorithm).load_data(cfg)
+    train_set, eval_set, description = recipe_module(cfg.run.algorithm).load_data(cfg)
     return model_path, train_set, eval_set, description
 
 

@@ -7,8 +7,8 @@ see ``learners/distributed.py``), hands out policy weights for the generators, a
 restores everything a run needs to continue.
 
 Adding an algorithm: a new ``learners/<name>.py`` with a ``Learner`` subclass, one line in
-``LEARNERS`` below, its config section in ``cluster/config.py`` and, if its loop differs, a
-recipe in ``cluster/recipes/``.
+``LEARNERS`` below (``register_learner`` from a package of your own), its config section and
+its recipe (``cluster/recipes/__init__.py``).
 
 Checkpoint layout (``save``): the folder itself is a model folder that ``transformers`` and
 ``vllm.LLM(model=...)`` load as it is (``config.json``, ``model.safetensors``, tokenizer); vLLM
@@ -159,12 +159,37 @@ class Learner(abc.ABC):
             raise ExperienceError(f"the {self.name} learner needs {', '.join(missing)} in every batch")
 
 
+def register_learner(name: str, target: str) -> None:
+    """Registers (or replaces) a learner: ``target`` is its ``"module:Class"``."""
+    if target.count(":") != 1:
+        raise ValueError(f"learner {name!r}: target must be 'module:Class', got {target!r}")
+    LEARNERS[name] = target
+
+
+def unregister_learner(name: str) -> None:
+    LEARNERS.pop(name, None)
+
+
+class UnknownLearner(KeyError):
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+def learner_target(name: str) -> str:
+    """The ``"module:Class"`` registered under ``name``; UnknownLearner names the registered ones."""
+    if name not in LEARNERS:
+        raise UnknownLearner(f"unknown learner {name!r}; registered: {', '.join(sorted(LEARNERS))}")
+    return LEARNERS[name]
+
+
+def load_learner_class(target: str) -> type[Learner]:
+    module, cls = target.split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
 def get_learner(name: str) -> type[Learner]:
     """The learner class registered under ``name``."""
-    if name not in LEARNERS:
-        raise KeyError(f"unknown learner {name!r}; registered: {', '.join(sorted(LEARNERS))}")
-    module, cls = LEARNERS[name].split(":")
-    return getattr(importlib.import_module(module), cls)
+    return load_learner_class(learner_target(name))
 
 
 def save_learner_state(folder: str | Path, state: dict[str, Any]) -> Path:

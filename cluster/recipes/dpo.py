@@ -32,7 +32,8 @@ import ray
 import torch
 
 from actors.offline_data import PreferenceSet, encode_pairs, read_preferences, split_rows, write_preferences
-from cluster.role_settings import reference_config, role_env
+from cluster.recipes import Check, Recipe, RoleSet, reference_where
+from cluster.role_settings import self_judging, reference_config, role_env
 from cluster.rollout_group import RolloutGroup
 from cluster.workers import ReferenceWorker
 from cluster.config import Config, UserError
@@ -168,7 +169,7 @@ def _pairs_and_generators(ctx: RunContext, roles: Roles, train_set: Any,
     ctx.runlog.eval_label = "greedy accuracy"
     # The generators hold the run's starting weights (model t) until they are trained, also when
     # a resumed run restarts them: the pairs are cached, later evaluations sync.
-    rollout = roles.start_generators(_generator_config(cfg), with_reference=False)
+    rollout = roles.start_generators(_generator_config(cfg))
     rollout.wait_ready()
     with ctx.phase("pairs"):
         made, counts = _generated_pairs(ctx, rollout, tok, train_set)
@@ -223,3 +224,35 @@ def run(ctx: RunContext, model_path: str, train_set: Any, eval_set: Any) -> RunR
                        "data/held_out_pairs": held.batch_size // 2 if held is not None else 0,
                        **{f"pairs/{k}": v for k, v in pair_counts.items()}})
         return run_steps(ctx, FixedDataSteps(ctx, roles, data))
+
+
+def roles(cfg) -> RoleSet:
+    """DPO's reference scores the pairs once, before training (``data``), unless the learners
+    hold it; a reward model needs none."""
+    where = reference_where(cfg, cfg.run.algorithm == "dpo" and cfg.dpo.uses_reference)
+    return RoleSet(scorer=not self_judging(cfg), reference="data" if where == "rollout" else where)
+
+
+def check(cfg) -> list[Check]:
+    dpo, episodes = cfg.dpo, bool(cfg.env.name or cfg.rollout.agent)
+    return [
+        (not (cfg.data.preference_file and dpo.pairs != "scorer"),
+         f"dpo.pairs={dpo.pairs} makes its own pairs: leave data.preference_file empty"),
+        (not (episodes and dpo.pairs != "scorer"), f"env.name with run.algorithm=dpo pairs the best and worst episode "
+                                                  f"of a prompt (dpo.pairs=scorer), not dpo.pairs={dpo.pairs}"),
+    ]
+
+
+def check_reward_model(cfg) -> list[Check]:
+    return [(cfg.dpo.pairs == "scorer", "run.algorithm=reward_model trains on data.preference_file or on scored pairs "
+                                        f"(dpo.pairs=scorer), not dpo.pairs={cfg.dpo.pairs}")]
+
+
+def _pairs(cfg) -> tuple[int, str]:
+    return cfg.dpo.pairs_per_step, "pairs"
+
+
+RECIPE = Recipe(name="dpo", learner="dpo", section="dpo", roles=roles, check=check, batch=_pairs,
+                features=frozenset({"fsdp", "episodes"}))
+REWARD_MODEL = Recipe(name="reward_model", learner="reward_model", section="reward_model", roles=roles,
+                      check=check_reward_model, batch=_pairs, features=frozenset({"fsdp"}))

@@ -34,6 +34,8 @@ from typing import Any, Callable
 import ray
 
 from cluster.config import UserError
+from cluster.role_settings import self_judging
+from cluster.recipes import Check, Recipe, RoleSet, reference_where
 from cluster.data_sources import load_task_prompts
 from cluster.ledger import issue_records, outcome_records
 from cluster.metrics import step_metrics
@@ -391,3 +393,30 @@ class SamplerPosition:
 
     def state_dict(self) -> dict[str, int]:
         return {"consumed": self.consumed}
+
+
+def roles(cfg) -> RoleSet:
+    """A teacher runs in an actor whatever the settings; a KL term's reference where they say."""
+    reference = "rollout" if cfg.ppo.teacher else reference_where(cfg, cfg.ppo.uses_reference)
+    return RoleSet(scorer=not self_judging(cfg), reference=reference)
+
+
+def check(cfg) -> list[Check]:
+    from learners.advantages import GROUP_ESTIMATORS
+
+    rollout, ppo = cfg.rollout, cfg.ppo
+    return [
+        (cfg.data.train_size >= rollout.prompts_per_step, "data.train_size must be >= rollout.prompts_per_step"),
+        (ppo.advantage_estimator not in GROUP_ESTIMATORS or rollout.samples_per_prompt > 1,
+         f"ppo.advantage_estimator={ppo.advantage_estimator} needs rollout.samples_per_prompt > 1 (a group)"),
+        (not cfg.model.dropout,
+         "model.dropout is for sft, dpo, reward_model and qlearn: PPO's importance ratios compare the policy's "
+         "forward passes, and dropout noise would bias them (every RL framework turns it off there)"),
+    ]
+
+
+RECIPE = Recipe(
+    name="ppo", learner="ppo", section="ppo", roles=roles, check=check,
+    batch=lambda cfg: (cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt, "sequences"),
+    features=frozenset({"colocated", "fsdp", "episodes", "streaming", "inflight_updates", "dynamic_sampling"}),
+)

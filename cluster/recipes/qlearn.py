@@ -32,6 +32,8 @@ import ray
 
 from actors.transitions import transitions_to_experience
 from cluster.config import Config, UserError
+from cluster.role_settings import self_judging
+from cluster.recipes import Check, Recipe, RoleSet, reference_where
 from cluster.data_sources import load_task_prompts
 from cluster.ledger import issue_records, outcome_records
 from cluster.metrics import step_metrics
@@ -92,8 +94,7 @@ def run(ctx: RunContext, model_path: str, train_data, eval_set) -> RunResult:
     train_set, transitions = train_data
     with Roles(ctx, model_path, unit="prompt" if transitions is None else "transition") as roles:
         roles.start_learners()
-        roles.start_generators(with_reference=cfg.qlearn.uses_reference and not cfg.lora.enabled
-                               and cfg.train.reference == "actor")
+        roles.start_generators()
         steps = (OnlineSteps(ctx, roles, train_set, eval_set) if transitions is None
                  else OfflineSteps(ctx, roles, transitions, eval_set))
         q = cfg.qlearn
@@ -241,3 +242,37 @@ def _replay_metrics(added: dict, stats: dict) -> dict[str, float]:
         for k, n in (added.get("skipped") or {}).items():
             out[f"replay/skipped/{k}"] = float(n)
     return out
+
+
+def roles(cfg) -> RoleSet:
+    return RoleSet(scorer=not self_judging(cfg), reference=reference_where(cfg, cfg.qlearn.uses_reference), replay=True)
+
+
+def check(cfg) -> list[Check]:
+    """What a calibrated Q (``qlearn.calibration``, ``state_value``) and the group filter
+    (``skip_uniform_groups``) need of the rest of the config; what offline data rules out."""
+    q, offline = cfg.qlearn, bool(cfg.data.transition_file)
+    in_learners = cfg.train.reference == "learners" or cfg.lora.enabled
+    return [
+        (q.calibration == "none" or in_learners,
+         "qlearn.calibration=reference reads the frozen initial model's logits in the learners: set "
+         "train.reference=learners (or use LoRA, whose base model is the reference)"),
+        (q.calibration == "none" or q.conservative == "logsumexp" or q.conservative_weight == 0,
+         "qlearn.calibration=reference measures Q against the reference's logits, which the floor term would "
+         "need for every token of the vocabulary: use qlearn.conservative=logsumexp (or conservative_weight=0)"),
+        (q.state_value == "model" or (q.calibration == "reference" and q.value_grad == 0),
+         "qlearn.state_value=reference reads each state's value as the calibration's reference (0) and trains "
+         "the log-prob alone: set qlearn.calibration=reference and qlearn.value_grad=0"),
+        (not q.skip_uniform_groups or q.reward_baseline == "group_mean",
+         "qlearn.skip_uniform_groups leaves out groups whose centered rewards are all 0, which needs groups: "
+         "set qlearn.reward_baseline=group_mean"),
+        (not (offline and (cfg.env.name or cfg.rollout.agent)),
+         "env.name: offline Q-learning (data.transition_file) runs no episodes; leave env.name empty"),
+        (not (offline and cfg.data.streaming), "data.streaming streams prompts to online Q-learning; offline "
+                                               "(data.transition_file) reads its transitions: leave data.streaming off"),
+    ]
+
+
+RECIPE = Recipe(name="qlearn", learner="qlearn", section="qlearn", roles=roles, check=check,
+                batch=lambda cfg: (cfg.qlearn.batch_sequences, "sequences"),
+                features=frozenset({"fsdp", "episodes", "streaming"}))

@@ -18,6 +18,8 @@ import ray
 
 from actors.offline_data import encode_demonstrations
 from cluster.config import Config, UserError
+from cluster.role_settings import self_judging
+from cluster.recipes import Recipe, RoleSet
 from cluster.data_sources import Demonstrations, load_demonstrations
 from cluster.recipes.fixed_data import FixedData, FixedDataSteps
 from cluster.roles import Roles
@@ -51,7 +53,7 @@ def run(ctx: RunContext, model_path: str, train_set: Demonstrations, eval_set: D
         ctx.runlog.eval_label = "greedy accuracy" if eval_set.task_rows else "NLL"
         roles.start_learners()
         if eval_set.task_rows and cfg.run.eval_every:  # generators only for greedy task accuracy
-            roles.start_generators(with_reference=False)
+            roles.start_generators()
         roles.ready(f"SFT on {train.batch_size} demonstrations")
         data = FixedData(
             train, train.batch_size, cfg.sft.examples_per_step, rows_of=lambda i: [i], ids_key="data/example_ids",
@@ -59,3 +61,12 @@ def run(ctx: RunContext, model_path: str, train_set: Demonstrations, eval_set: D
             eval_keys=("eval/nll", "eval/examples"), eval_prompts=eval_set.task_rows,
             row_extra={"skipped_at_load": dict(train_set.skipped), "data/train_examples": train.batch_size})
         return run_steps(ctx, FixedDataSteps(ctx, roles, data))
+
+
+def roles(cfg) -> RoleSet:
+    """Generators (and their scorer) only for the held-out task accuracy; no reference."""
+    return RoleSet(scorer=not self_judging(cfg))
+
+
+RECIPE = Recipe(name="sft", learner="sft", section="sft", roles=roles,
+                batch=lambda cfg: (cfg.sft.examples_per_step, "demonstrations"), features=frozenset({"fsdp", "episodes"}))

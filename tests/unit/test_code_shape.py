@@ -8,7 +8,7 @@ from pathlib import Path
 from cluster.recipes import RECIPES
 
 ROOT = Path(__file__).resolve().parents[2]
-RECIPE_MODULES = set(RECIPES.values())
+RECIPE_MODULES = {target.split(":")[0] for target in RECIPES.values()}
 
 
 def _functions(path: Path):

@@ -287,7 +287,7 @@ def test_colocated_generators_request_nothing_of_their_own_and_only_ppo_colocate
     with pytest.raises(UserError, match=r"generator 2 x 0.5"):
         check_fits(role_requests(cfg), [1.2, 1.2], {"rollout_node": 2.0})
     assert generator_bundle(Config.model_validate({"rollout": {"cpus_per_generator": 0}})) == {}
-    with pytest.raises(ConfigError, match="cluster.layout=colocated is built for the PPO/GRPO recipe"):
+    with pytest.raises(ConfigError, match="cluster.layout=colocated is built for run.algorithm=ppo, not run.algorithm=dpo"):
         Config.model_validate({"run": {"algorithm": "dpo"}, "cluster": {"layout": "colocated"},
                                "data": {"preference_file": "x.jsonl"}}).validate_run()
     colocated.validate_run()  # PPO (the default algorithm) may colocate
