@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, TypeAdapter, ValidationError, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, TypeAdapter, ValidationError,
+                      field_validator, model_validator)
 from typing_extensions import Annotated
 
 from actors.judge import DEFAULT_PATTERN, DEFAULT_TEMPLATE, JudgeConfig
@@ -499,6 +500,31 @@ class TrainConfig(Section):
     )
 
 
+def _registered(key: str) -> tuple[str, ...]:
+    """The names a field that picks a function of ``learners/`` accepts: its registry's entries
+    (the built-in ones and any a plugin registered)."""
+    if key == "ppo.advantage_estimator":
+        from learners.advantages import estimator_names
+        return estimator_names()
+    if key == "ppo.policy_loss":
+        from learners.policy_losses import policy_loss_names
+        return policy_loss_names()
+    from learners.preference_losses import preference_loss_names
+    return preference_loss_names()
+
+
+def _registered_enum(key: str) -> dict[str, Any]:
+    """Field arguments listing the registered names as the JSON schema's ``enum``."""
+    return {"json_schema_extra": lambda schema: schema.update(enum=list(_registered(key)))}
+
+
+def _check_registered(key: str, value: str) -> str:
+    names = _registered(key)
+    if value not in names:
+        raise ValueError(f"{key} must be one of {', '.join(names)}; got {value!r}")
+    return value
+
+
 class PPOConfig(Section):
     """PPO (with a critic) and the critic-free GRPO family; read by ``learners/ppo.py``."""
 
@@ -531,11 +557,12 @@ class PPOConfig(Section):
     gamma: float = _f(1.0, "Discount factor of the return.", ge=0, le=1)
     lam: float = _f(0.95, "GAE lambda.", ge=0, le=1)
     whiten_advantages: bool = _f(True, "Whiten GAE advantages over the batch's response tokens.")
-    advantage_estimator: Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp"] = _f(
+    advantage_estimator: str = _f(
         "gae",
         "gae (PPO with critic), grpo (group mean/std), dr_grpo (group mean, no std), rloo (leave-one-out), "
         "reinforce_pp (global batch whitening). Group estimators need rollout.samples_per_prompt > 1 "
         "(reinforce_pp does not).",
+        **_registered_enum("ppo.advantage_estimator"),
     )
     loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = _f(
         "token_mean",
@@ -543,11 +570,18 @@ class PPOConfig(Section):
         "sequence's token sum by loss_agg_constant, default model.max_new_tokens).",
     )
     loss_agg_constant: float = _f(0.0, "Normaliser of seq_mean_token_sum_norm (0: model.max_new_tokens).", ge=0)
-    policy_loss: Literal["ppo", "gspo", "cispo"] = _f(
+    policy_loss: str = _f(
         "ppo", "Policy objective: ppo (clipped token ratio), gspo (GSPO: one clipped ratio per sequence, the geometric "
         "mean of its token ratios; the paper clips at clip_eps=3e-4, clip_eps_high=4e-4, with "
         "loss_agg=seq_mean_token_mean) or cispo (CISPO: REINFORCE with a clipped stop-gradient ratio weight on every "
-        "token; the paper bounds the top only, e.g. clip_eps=1.0, clip_eps_high=0.28). learners/policy_losses.py.")
+        "token; the paper bounds the top only, e.g. clip_eps=1.0, clip_eps_high=0.28). learners/policy_losses.py.",
+        **_registered_enum("ppo.policy_loss"))
+
+    @field_validator("advantage_estimator", "policy_loss")
+    @classmethod
+    def _registered_name(cls, value: str, info: Any) -> str:
+        return _check_registered(f"ppo.{info.field_name}", value)
+
     clip_eps_high: float = _f(0.0, "Upper clip range of the ratio (0: clip_eps, symmetric). Larger than clip_eps is "
                               "DAPO's clip-higher (e.g. 0.28 with clip_eps 0.2).", ge=0)
     overlong_buffer: int = _f(0, "DAPO's soft overlong punishment: responses longer than model.max_new_tokens - "
@@ -603,11 +637,18 @@ class PPOConfig(Section):
 class DPOConfig(Section):
     """Preference optimisation (DPO family); read by ``learners/dpo.py``."""
 
-    loss: Literal["sigmoid", "ipo", "hinge", "robust", "simpo"] = _f(
+    loss: str = _f(
         "sigmoid",
         "sigmoid (DPO; cDPO with label_smoothing > 0), ipo, hinge (SLiC), robust (robust DPO for noisy "
         "labels) or simpo (reference-free, length-normalised).",
+        **_registered_enum("dpo.loss"),
     )
+
+    @field_validator("loss")
+    @classmethod
+    def _registered_loss(cls, value: str) -> str:
+        return _check_registered("dpo.loss", value)
+
     beta: float = _f(0.1, "beta: inverse temperature of the implicit reward (SimPO: its scale, e.g. 2.0).", gt=0)
     label_smoothing: float = _f(0.0, "eps: assumed label-flip probability for sigmoid (cDPO) and robust (< 0.5).", ge=0, lt=0.5)
     simpo_gamma: float = _f(0.5, "SimPO's target reward margin gamma.", ge=0)
@@ -642,7 +683,9 @@ class DPOConfig(Section):
     @property
     def uses_reference(self) -> bool:
         """Every loss but SimPO compares against the reference's log-probs."""
-        return self.loss != "simpo"
+        from learners.preference_losses import uses_reference
+
+        return uses_reference(self.loss)
 
 
 class RewardModelConfig(Section):
@@ -969,6 +1012,8 @@ class Config(Section):
         ]
 
     def _data_and_shaping_checks(self) -> list[tuple[bool, str]]:
+        from learners.advantages import needs_critic
+
         ppo, rollout, reward = self.ppo, self.rollout, self.reward
         routed = bool(reward.components or reward.by_source)
         return [
@@ -979,7 +1024,7 @@ class Config(Section):
             (not self.train.cpu_offload or (self.train.sharding == "fsdp" and self.cluster.gpus_per_learner > 0),
              "train.cpu_offload keeps sharded GPU learners' state in host memory: it needs train.sharding=fsdp and "
              "cluster.gpus_per_learner > 0 (CPU learners hold everything in host memory already)"),
-            (ppo.critic == "shared" or ppo.advantage_estimator == "gae",
+            (ppo.critic == "shared" or needs_critic(ppo.advantage_estimator),
              f"ppo.critic=separate is a critic for advantage_estimator=gae; {ppo.advantage_estimator} uses none"),
             (not ppo.critic_init or ppo.critic == "separate", "ppo.critic_init starts a separate critic: set ppo.critic=separate"),
             (ppo.kl_loss_estimator == "k3" or (ppo.kl_loss_coef > 0 and not ppo.teacher

@@ -33,6 +33,8 @@ def _format_error(err: ValidationError, data: dict) -> str:
             valid = ", ".join(sorted(getattr(section_cls, "model_fields", {})))
             where = f" in section '{'.'.join(loc[:-1])}'" if len(loc) > 1 else ""
             msgs.append(f"unknown config key {key!r}{where}; valid keys: {valid}")
+        elif e["type"] == "value_error" and key and str(e.get("ctx", {}).get("error", "")).startswith(key):
+            msgs.append(str(e["ctx"]["error"]))  # a validator's own message, which names its key
         else:
             got = e.get("input")
             msgs.append(f"{key}: {e['msg']} (got {got!r})" if key else e["msg"])

@@ -7,18 +7,28 @@ tokens that train and 0 elsewhere. Masks may be bool or float.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
+from learners.registry import Registry
 from learners.losses import kl_penalty, masked_whiten
 
 __all__ = [
     "kl_shaped_rewards",
     "gae_advantages",
-    "ESTIMATORS",
-    "GROUP_ESTIMATORS",
+    "ESTIMATORS",  # noqa: F822 (module __getattr__: a view of the registry)
+    "GROUP_ESTIMATORS",  # noqa: F822
+    "AdvantageInputs",
+    "Estimate",
+    "EstimatorSpec",
+    "register_estimator",
+    "unregister_estimator",
+    "get_estimator",
+    "estimator_names",
+    "needs_group",
+    "needs_critic",
     "group_baseline_advantages",
     "reinforce_pp_advantages",
     "discounted_returns",
@@ -28,6 +38,107 @@ __all__ = [
     "token_rewards_from_scores",
     "q_learning_targets",
 ]
+
+
+# ------------------------------------------------------------- estimator registry --
+# An advantage estimator is one function decorated with ``register_estimator``: it reads the
+# global batch (``AdvantageInputs``) and returns an ``Estimate``. ``ppo.advantage_estimator``
+# names it; the PPO learner looks it up and calls it, and the config accepts every name here.
+
+
+class AdvantageInputs(NamedTuple):
+    """What an estimator may read: the global batch's tensors and the settings they use.
+
+    ``scores`` and ``group_ids`` are ``(B,)``; ``mask``, ``logprobs`` (the old policy's, before
+    the step's first update), ``ref_logprobs`` and ``values`` (the old values; zeros without a
+    critic) are ``(B, T)``. ``kl_coef`` is the KL penalty's coefficient of this step,
+    ``kl_estimator`` its estimator (``kl_penalty``), ``reward_clip`` the bound of the scores;
+    ``gamma``, ``lam`` and ``whiten`` (whiten GAE's advantages) as in ``ppo.*``."""
+
+    scores: Tensor
+    group_ids: Tensor
+    mask: Tensor
+    logprobs: Tensor
+    ref_logprobs: Tensor
+    values: Tensor
+    kl_coef: float
+    kl_estimator: str = "k1"
+    reward_clip: float = 10.0
+    gamma: float = 1.0
+    lam: float = 0.95
+    whiten: bool = True
+
+
+class Estimate(NamedTuple):
+    """An estimator's result, all ``(B, T)``: the advantages, the value targets (zeros for a
+    critic-free estimator) and the per-token KL penalty it charged (0 at masked positions)."""
+
+    advantages: Tensor
+    returns: Tensor
+    kl: Tensor
+
+
+class EstimatorSpec(NamedTuple):
+    """A registered estimator: its function and what it needs of the run (``needs_group``:
+    several samples per prompt; ``needs_critic``: a value function, trained on ``returns``)."""
+
+    name: str
+    fn: Callable[[AdvantageInputs], Estimate]
+    needs_group: bool
+    needs_critic: bool
+
+
+_ESTIMATORS: Registry[EstimatorSpec] = Registry("advantage estimator")
+
+
+def register_estimator(name: str, *, needs_group: bool = False, needs_critic: bool = False,
+                       ) -> Callable[[Callable[[AdvantageInputs], Estimate]], Callable[[AdvantageInputs], Estimate]]:
+    """Decorator: register ``fn(inputs: AdvantageInputs) -> Estimate`` as estimator ``name``."""
+    def add(fn: Callable[[AdvantageInputs], Estimate]) -> Callable[[AdvantageInputs], Estimate]:
+        _ESTIMATORS.add(name, EstimatorSpec(name, fn, needs_group, needs_critic))
+        return fn
+    return add
+
+
+def unregister_estimator(name: str) -> None:
+    """Remove estimator ``name`` (e.g. one a test registered); KeyError if there is none."""
+    _ESTIMATORS.remove(name)
+
+
+def estimator_names() -> tuple[str, ...]:
+    """Every registered estimator, in registration order."""
+    return _ESTIMATORS.names()
+
+
+def get_estimator(name: str) -> EstimatorSpec:
+    """The estimator registered as ``name``; a one-line ValueError naming the known ones."""
+    return _ESTIMATORS.get(name)
+
+
+def needs_group(name: str) -> bool:
+    """Whether estimator ``name`` baselines against a prompt's other samples (needs
+    ``rollout.samples_per_prompt > 1``)."""
+    return get_estimator(name).needs_group
+
+
+def needs_critic(name: str) -> bool:
+    """Whether estimator ``name`` reads a value function (the learner trains a critic)."""
+    return get_estimator(name).needs_critic
+
+
+def __getattr__(name: str) -> tuple[str, ...]:
+    # ESTIMATORS / GROUP_ESTIMATORS: views of the registry at the moment they are read.
+    if name == "ESTIMATORS":
+        return estimator_names()
+    if name == "GROUP_ESTIMATORS":
+        return tuple(n for n, spec in _ESTIMATORS.items() if spec.needs_group)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _shaped_rewards(x: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    """``kl_shaped_rewards`` of the inputs: per-token ``(rewards, kl)``."""
+    return kl_shaped_rewards(x.scores, x.logprobs, x.ref_logprobs, x.mask, x.kl_coef,
+                             kl_kind=x.kl_estimator, score_clip=x.reward_clip)
 
 
 def kl_shaped_rewards(
@@ -150,15 +261,24 @@ def gae_advantages(
     return advantages, returns
 
 
-# --------------------------------------------------- critic-free estimators --
+@register_estimator("gae", needs_critic=True)
+def _gae_estimate(x: AdvantageInputs) -> Estimate:
+    """PPO with a critic: KL-shaped per-token rewards, GAE, whitened over the batch's response
+    tokens with ``whiten`` (and more than one of them)."""
+    rewards, kl = _shaped_rewards(x)
+    advantages, returns = gae_advantages(rewards, x.values, x.mask, gamma=x.gamma, lam=x.lam)
+    if x.whiten and int(x.mask.sum()) > 1:
+        advantages = masked_whiten(advantages, x.mask) * x.mask
+    return Estimate(advantages, returns, kl)
 
-#: Every advantage estimator the framework knows. ``"gae"`` needs a critic
-#: (``gae_advantages``); the others are critic-free.
-ESTIMATORS: tuple[str, ...] = ("gae", "grpo", "dr_grpo", "rloo", "reinforce_pp")
+
+# --------------------------------------------------- critic-free estimators --
 
 #: The estimators ``group_baseline_advantages`` implements: one scalar
 #: advantage per sequence, baselined against the other samples of its prompt.
-GROUP_ESTIMATORS: tuple[str, ...] = ("grpo", "dr_grpo", "rloo")
+#: (``ESTIMATORS`` and ``GROUP_ESTIMATORS``, every registered estimator and those that need a
+#: group, are read from the registry: see ``__getattr__``.)
+_GROUP_BASELINES: tuple[str, ...] = ("grpo", "dr_grpo", "rloo")
 
 
 def group_baseline_advantages(
@@ -211,7 +331,7 @@ def group_baseline_advantages(
         scores: ``(B,)`` task reward per sequence.
         group_ids: ``(B,)`` integer prompt/group id per sequence.
         mask: ``(B, T)``; bool or float.
-        estimator: one of ``GROUP_ESTIMATORS``.
+        estimator: ``"grpo"``, ``"dr_grpo"`` or ``"rloo"``.
         eps: added to ``std_g`` for ``"grpo"`` (ignored otherwise); >= 0.
 
     Returns:
@@ -222,28 +342,7 @@ def group_baseline_advantages(
         ValueError: for an unknown estimator, mismatched shapes, floating
             point ``group_ids`` or negative ``eps``.
     """
-    if estimator not in GROUP_ESTIMATORS:
-        hint = ""
-        if estimator == "gae":
-            hint = " ('gae' needs a critic: use gae_advantages)"
-        elif estimator == "reinforce_pp":
-            hint = " ('reinforce_pp' is token-level: use reinforce_pp_advantages)"
-        raise ValueError(
-            f"Unknown group-baseline estimator {estimator!r}; expected one of {GROUP_ESTIMATORS}{hint}"
-        )
-    if mask.dim() != 2:
-        raise ValueError(f"mask must be (B, T), got {tuple(mask.shape)}")
-    B = mask.shape[0]
-    if scores.shape != (B,) or group_ids.shape != (B,):
-        raise ValueError(
-            f"scores and group_ids must be (B,)=({B},), "
-            f"got {tuple(scores.shape)} and {tuple(group_ids.shape)}"
-        )
-    if group_ids.is_floating_point() or group_ids.is_complex():
-        raise ValueError(f"group_ids must be an integer tensor, got {group_ids.dtype}")
-    if eps < 0:
-        raise ValueError(f"eps must be >= 0, got {eps}")
-
+    _check_group_args(scores, group_ids, mask, estimator, eps)
     dtype = torch.promote_types(scores.dtype, torch.float32)
     with torch.no_grad():
         r = scores.detach().to(dtype)
@@ -277,6 +376,48 @@ def group_baseline_advantages(
 
         advantages = torch.where(valid, adv.unsqueeze(1), torch.zeros((), dtype=dtype, device=r.device))
     return advantages
+
+
+def _check_group_args(scores: Tensor, group_ids: Tensor, mask: Tensor, estimator: str, eps: float) -> None:
+    """``group_baseline_advantages``'s ValueErrors: an unknown estimator, mismatched shapes,
+    floating point ``group_ids`` or negative ``eps``."""
+    if estimator not in _GROUP_BASELINES:
+        hint = ""
+        if estimator == "gae":
+            hint = " ('gae' needs a critic: use gae_advantages)"
+        elif estimator == "reinforce_pp":
+            hint = " ('reinforce_pp' is token-level: use reinforce_pp_advantages)"
+        raise ValueError(
+            f"Unknown group-baseline estimator {estimator!r}; expected one of {_GROUP_BASELINES}{hint}"
+        )
+    if mask.dim() != 2:
+        raise ValueError(f"mask must be (B, T), got {tuple(mask.shape)}")
+    B = mask.shape[0]
+    if scores.shape != (B,) or group_ids.shape != (B,):
+        raise ValueError(
+            f"scores and group_ids must be (B,)=({B},), "
+            f"got {tuple(scores.shape)} and {tuple(group_ids.shape)}"
+        )
+    if group_ids.is_floating_point() or group_ids.is_complex():
+        raise ValueError(f"group_ids must be an integer tensor, got {group_ids.dtype}")
+    if eps < 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+
+
+def _group_estimate(kind: str) -> Callable[[AdvantageInputs], Estimate]:
+    """Estimator ``kind`` of ``group_baseline_advantages``: group baselines work on sequence
+    rewards, so the KL penalty enters as its sequence sum."""
+    def estimate(x: AdvantageInputs) -> Estimate:
+        kl = kl_penalty(x.logprobs, x.ref_logprobs, x.kl_estimator) * x.mask
+        seq_rewards = x.scores.clamp(-x.reward_clip, x.reward_clip) - x.kl_coef * kl.sum(1)
+        advantages = group_baseline_advantages(seq_rewards, x.group_ids, x.mask, estimator=kind)
+        return Estimate(advantages, torch.zeros_like(x.logprobs), kl)
+    estimate.__name__ = estimate.__qualname__ = f"_{kind}_estimate"
+    return estimate
+
+
+for _kind in _GROUP_BASELINES:
+    register_estimator(_kind, needs_group=True)(_group_estimate(_kind))
 
 
 def discounted_returns(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
@@ -402,6 +543,13 @@ def reinforce_pp_advantages(rewards: Tensor, mask: Tensor, gamma: float = 1.0) -
         whitened = masked_whiten(returns, valid.to(returns.dtype))
         advantages = torch.where(valid, whitened, torch.zeros_like(whitened))
     return advantages
+
+
+@register_estimator("reinforce_pp")
+def _reinforce_pp_estimate(x: AdvantageInputs) -> Estimate:
+    """REINFORCE++ on the KL-shaped per-token rewards of the whole batch; no value targets."""
+    rewards, kl = _shaped_rewards(x)
+    return Estimate(reinforce_pp_advantages(rewards, x.mask, gamma=x.gamma), torch.zeros_like(x.logprobs), kl)
 
 
 # -- token-level Q-learning -------------------------------------------------------------------------

@@ -3,22 +3,63 @@ GSPO's sequence-level ratio and CISPO's clipped, stop-gradient token weights. Pu
 ``(B, T)`` tensors with the conventions of ``learners/losses.py`` (mask True at trained tokens;
 an all-zero mask gives 0, never NaN; garbage at masked positions never reaches the result).
 
-``policy_loss(kind, ...)`` picks one by name (``ppo.policy_loss``); each returns
-``(loss, stats)`` with the same stats keys as ``policy_loss_clipped``.
+A policy loss is one function decorated with ``register_policy_loss(name)``, with the signature
+of ``policy_loss_clipped``: ``fn(logprobs, old_logprobs, advantages, mask, clip_eps,
+clip_eps_high=None, *, loss_agg, loss_agg_constant, weights) -> (loss, stats)``, stats holding at
+least ``clip_frac`` and ``approx_kl``. ``policy_loss(kind, ...)`` looks one up by name
+(``ppo.policy_loss``).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
+from learners.registry import Registry
 from learners.losses import _LOG_RATIO_CLAMP, agg_loss, masked_mean, policy_loss_clipped
 
-POLICY_LOSSES: tuple[str, ...] = ("ppo", "gspo", "cispo")
+PolicyLossFn = Callable[..., tuple[Tensor, dict[str, Tensor]]]
+
+_POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
 
 
+def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Decorator: register a policy loss (the signature of ``policy_loss_clipped``) as ``name``."""
+    def add(fn: PolicyLossFn) -> PolicyLossFn:
+        _POLICY_LOSSES.add(name, fn)
+        return fn
+    return add
+
+
+def unregister_policy_loss(name: str) -> None:
+    """Remove policy loss ``name`` (e.g. one a test registered); KeyError if there is none."""
+    _POLICY_LOSSES.remove(name)
+
+
+def policy_loss_names() -> tuple[str, ...]:
+    """Every registered policy loss, in registration order."""
+    return _POLICY_LOSSES.names()
+
+
+def get_policy_loss(name: str) -> PolicyLossFn:
+    """The policy loss registered as ``name``; a one-line ValueError naming the known ones."""
+    return _POLICY_LOSSES.get(name)
+
+
+def __getattr__(name: str) -> tuple[str, ...]:
+    # POLICY_LOSSES: a view of the registry at the moment it is read.
+    if name == "POLICY_LOSSES":
+        return policy_loss_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# PPO's clipped token ratio lives in learners/losses.py beside the other PPO losses.
+register_policy_loss("ppo")(policy_loss_clipped)
+
+
+@register_policy_loss("gspo")
 def policy_loss_gspo(
     logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
     clip_eps: float = 3e-4, clip_eps_high: Optional[float] = None, *,
@@ -60,6 +101,7 @@ def policy_loss_gspo(
     return loss, {k: v.detach() for k, v in stats.items()}
 
 
+@register_policy_loss("cispo")
 def policy_loss_cispo(
     logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
     clip_eps: float = 1.0, clip_eps_high: Optional[float] = None, *,
@@ -95,8 +137,5 @@ def policy_loss_cispo(
 
 def policy_loss(kind: str, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
                 clip_eps: float, clip_eps_high: Optional[float] = None, **kwargs) -> tuple[Tensor, dict[str, Tensor]]:
-    """The objective named ``kind`` (one of ``POLICY_LOSSES``); ValueError for another name."""
-    fns = {"ppo": policy_loss_clipped, "gspo": policy_loss_gspo, "cispo": policy_loss_cispo}
-    if kind not in fns:
-        raise ValueError(f"unknown policy loss {kind!r}; expected one of {POLICY_LOSSES}")
-    return fns[kind](logprobs, old_logprobs, advantages, mask, clip_eps, clip_eps_high, **kwargs)
+    """The objective registered as ``kind`` (``policy_loss_names()``); ValueError for another name."""
+    return get_policy_loss(kind)(logprobs, old_logprobs, advantages, mask, clip_eps, clip_eps_high, **kwargs)

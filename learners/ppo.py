@@ -22,24 +22,12 @@ from typing import Any, Iterator, NamedTuple, Protocol
 
 import torch
 
-from learners.advantages import (
-    gae_advantages,
-    group_baseline_advantages,
-    kl_shaped_rewards,
-    reinforce_pp_advantages,
-    teacher_advantages,
-)
+from learners.advantages import AdvantageInputs, Estimate, get_estimator, teacher_advantages
 from learners.base import CRITIC_DIR, LearnerContext, TrainParams
 from learners.distributed import fill_missing_gradients
 from learners.experience import Experience
 from learners.kl_control import make_kl_controller
-from learners.losses import (
-    kl_penalty,
-    masked_mean,
-    masked_whiten,
-    rollout_importance_weights,
-    value_loss_clipped,
-)
+from learners.losses import kl_penalty, masked_mean, rollout_importance_weights, value_loss_clipped
 from learners.modeling import autocast, micro_batch_order, shared_weight_casts
 from learners.policy import PolicyLearner
 from learners.policy_losses import policy_loss
@@ -125,6 +113,53 @@ class _Fixed(NamedTuple):
     returns: torch.Tensor
 
 
+class _Step(NamedTuple):
+    """One ``train_step``'s prepared batch (``_prepare``): the global batch (reference log-probs
+    and reward shaping applied), every rank's rows (``shards``; ``rows`` and ``local`` this
+    rank's), the step's KL coefficient, the rows left out of the passes (``inert``, with the
+    advantages ``scored`` from the scores alone and the loss ``normalisers`` of the whole batch;
+    all None when none are), and what the metrics report of the preparation."""
+
+    batch: Experience
+    shards: list[list[int]]
+    rows: list[int]
+    local: Experience
+    kl_coef: float
+    inert: torch.Tensor | None
+    scored: Estimate | None
+    normalisers: tuple[float, float] | None
+    n_truncated: int
+    t0: float
+    t_ref: float
+    lr: float
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """(B, L) of the global batch."""
+        return tuple(self.batch.input_ids.shape)
+
+
+class _OldPolicy(NamedTuple):
+    """The old policy of a step (``_old_policy``): which pass gave it (``kind``: "fused",
+    "streamed" or "separate"), whether the step is on-policy and its batch fresh, the frozen
+    model's states of the full KL loss, the global (B, L) log-probs and values, and what a fused
+    pass hands to the update (its outputs; a sharded rank without rows: its idle pass)."""
+
+    kind: str
+    on_policy: bool
+    fresh: bool
+    ref_states: torch.Tensor | None
+    logprobs: torch.Tensor
+    values: torch.Tensor
+    fused_out: dict[str, torch.Tensor] | None = None
+    idle_out: dict[str, torch.Tensor] | None = None
+
+    @property
+    def streamed(self) -> bool:
+        """Whether the update's training passes fill in the log-probs (zeros until then)."""
+        return self.kind == "streamed"
+
+
 class PPOLearner(PolicyLearner):
     name = "ppo"
     config_section = "ppo"
@@ -135,7 +170,8 @@ class PPOLearner(PolicyLearner):
         super().__init__(ctx, train, with_value_head=True)
         self.hp = hp
         self.temperature = ctx.temperature or 1.0
-        self.use_critic = hp.advantage_estimator == "gae"
+        self.estimator = get_estimator(hp.advantage_estimator)  # ValueError naming the registered ones
+        self.use_critic = self.estimator.needs_critic
         self.loss_agg_constant = hp.loss_agg_constant or float(ctx.max_new_tokens) or None
         self.kl_ctl = make_kl_controller(hp.kl_controller, hp.kl_coef, hp.kl_target, hp.kl_horizon)
         # "auto" is resolved by the run (truncate for asynchronous runs); on its own it means none.
@@ -253,36 +289,26 @@ class PPOLearner(PolicyLearner):
     def _advantages(
         self, exp: Experience, old_logprobs: torch.Tensor, old_values: torch.Tensor, ref_logprobs: torch.Tensor,
         kl_coef: float,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(advantages, returns, per-token KL) over the global batch, all (B, L)."""
+    ) -> Estimate:
+        """(advantages, returns, per-token KL) over the global batch, all (B, L): the registered
+        estimator ``ppo.advantage_estimator``, weighted by ``task_coef``, plus the teacher's term."""
         hp, mask = self.hp, exp.response_mask
-        returns = torch.zeros_like(old_logprobs)
-        if hp.advantage_estimator in ("gae", "reinforce_pp"):
-            rewards, kl = kl_shaped_rewards(
-                exp.scores, old_logprobs, ref_logprobs, mask, kl_coef,
-                kl_kind=hp.kl_estimator, score_clip=hp.reward_clip,
-            )
-            if hp.advantage_estimator == "gae":
-                advantages, returns = gae_advantages(rewards, old_values, mask, gamma=hp.gamma, lam=hp.lam)
-                if hp.whiten_advantages and int(mask.sum()) > 1:
-                    advantages = masked_whiten(advantages, mask) * mask
-            else:
-                advantages = reinforce_pp_advantages(rewards, mask, gamma=hp.gamma)
-        else:
-            # Group baselines work on sequence rewards: the KL penalty enters as its sequence sum.
-            kl = kl_penalty(old_logprobs, ref_logprobs, hp.kl_estimator) * mask
-            seq_rewards = exp.scores.clamp(-hp.reward_clip, hp.reward_clip) - kl_coef * kl.sum(1)
-            advantages = group_baseline_advantages(seq_rewards, exp.group_ids, mask, estimator=hp.advantage_estimator)
+        est = self.estimator.fn(AdvantageInputs(
+            exp.scores, exp.group_ids, mask, old_logprobs, ref_logprobs, old_values, kl_coef,
+            kl_estimator=hp.kl_estimator, reward_clip=hp.reward_clip, gamma=hp.gamma, lam=hp.lam,
+            whiten=hp.whiten_advantages,
+        ))
+        advantages = est.advantages
         if hp.task_coef != 1.0:
             advantages = hp.task_coef * advantages
         if hp.distill_coef:  # on-policy distillation: the reference holds the teacher (ppo.teacher)
             advantages = advantages + hp.distill_coef * teacher_advantages(
                 old_logprobs, ref_logprobs, mask, hp.distill_discount, hp.distill_center)
-        return advantages, returns, kl
+        return est._replace(advantages=advantages)
 
     def _inert_rows(
         self, exp: Experience,
-    ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
+    ) -> tuple[torch.Tensor | None, Estimate | None]:
         """((B,) rows whose advantage is 0 at every response token, the (advantages, returns, KL)
         of ``_advantages``, which then read the scores alone), or (None, None) where leaving rows
         out would change the step.
@@ -308,28 +334,42 @@ class PPOLearner(PolicyLearner):
 
     # -- the update ------------------------------------------------------------------------------
     def train_step(self, batch: Experience) -> dict[str, float]:
-        """One PPO iteration on the global batch (every rank passes the same batch)."""
-        hp, tr, comm = self.hp, self.tr, self.comm
+        """One PPO iteration on the global batch (every rank passes the same batch): prepare it,
+        the old policy's pass, the advantages, the minibatch updates, the metrics."""
         t0 = time.perf_counter()
         lr = float(self.optimizer.param_groups[0]["lr"])
         self.check_batch(batch)
         batch = self.on_device(batch)
-        empty = torch.zeros(0, batch.seq_len, device=self.device)  # a rank's rows when it has none
         if batch.batch_size == 0 or not bool(batch.response_mask.any()):
             # Every sample was dropped upstream (failed rewards, over-long prompts): nothing to learn.
             return {"learner/empty_batch": 1.0, "learner/sequences": float(batch.batch_size)}
+        step = self._prepare(batch, t0, lr)
+        old = self._old_policy(step)
+        # No KL term (beta = 0, no KL loss): no reference pass ran, and the penalty is an exact 0.
+        ref_logprobs = step.batch.ref_logprobs if step.batch.ref_logprobs is not None else old.logprobs
+        est = Estimate(*(step.scored or self._advantages(step.batch, old.logprobs, old.values, ref_logprobs,
+                                                         step.kl_coef)))
+        t_prep = time.perf_counter() - t0
+        stats, grad_norms, old_logprobs = self._run_update(step, old, est)
+        self.version += 1
+        return self._step_metrics(step, old, old_logprobs, est, stats, grad_norms, t_prep)
+
+    def _prepare(self, batch: Experience, t0: float, lr: float) -> _Step:
+        """The global batch of a step: each rank's rows (whole groups), the reference's log-probs
+        where the batch lacks them and a KL term needs them, the truncation and overlong shaping,
+        the step's KL coefficient, and the rows left out of every pass (``_inert_rows``)."""
+        comm = self.comm
         shards = [batch.shard_rows(r, comm.world) for r in range(comm.world)]
         rows = shards[comm.rank]
         t_ref = 0.0
         self.model.rows_shared = self.model.rows_total = 0
-        if batch.ref_logprobs is None and hp.uses_reference:
+        if batch.ref_logprobs is None and self.hp.uses_reference:
             local_ref = self.reference_logprobs(batch.select(rows))
             batch = batch.replace(ref_logprobs=self._gather(local_ref, rows, tuple(batch.input_ids.shape)))
             t_ref = time.perf_counter() - t0
         n_truncated = int(batch.truncated.sum())
         batch = self._apply_overlong(self._apply_truncation(batch))
         self.model.train()
-        shape = tuple(batch.input_ids.shape)
         kl_coef = float(self.kl_ctl.value)
         inert, scored = self._inert_rows(batch)
         normalisers = None
@@ -342,69 +382,96 @@ class PPOLearner(PolicyLearner):
             trained = batch.select(active)
             shards = [[active[i] for i in trained.shard_rows(r, comm.world)] for r in range(comm.world)]
             rows = shards[comm.rank]
-        local = batch.select(rows)
-        # One update on the whole batch (one epoch, one minibatch) from the weights that sampled it
-        # is on-policy: the "old" policy is the current one, so its log-probs come from the
-        # training forward pass itself instead of a second pass over the batch. In one micro-batch
-        # ("fused") that pass also gives the values and KL the advantages need; over several
-        # ("streamed") it works when the advantages depend on the scores alone (no critic, no KL
-        # in the reward). A batch sampled by older weights (async pipelines) always takes the full
-        # old-policy pass: its ratio is not 1.
-        fresh = batch.policy_version == self.version
+        return _Step(batch, shards, rows, batch.select(rows), kl_coef, inert, scored, normalisers, n_truncated,
+                     t0, t_ref, lr)
+
+    def _old_pass_kind(self, step: _Step) -> tuple[str, bool, bool]:
+        """``(kind, on_policy, fresh)``: how this step gets the old policy's log-probs and values,
+        decided once per step.
+
+        One update on the whole batch (one epoch, one minibatch) from the weights that sampled it
+        is on-policy: the "old" policy is the current one, so its log-probs come from the
+        training forward pass itself instead of a second pass over the batch. In one micro-batch
+        ("fused") that pass also gives the values and KL the advantages need; over several
+        ("streamed") it works when the advantages depend on the scores alone (no critic, no KL
+        in the reward). A batch sampled by older weights (async pipelines) always takes the full
+        old-policy pass ("separate"): its ratio is not 1."""
+        tr = self.tr
+        fresh = step.batch.policy_version == self.version
         on_policy = fresh and tr.epochs == 1 and tr.num_minibatches == 1
-        fused = on_policy and tr.micro_batch_size >= max(len(s) for s in shards)
-        streamed = on_policy and not fused and not self.use_critic and kl_coef == 0
-        fused_out: dict[str, torch.Tensor] | None = None
-        idle_out = None  # a sharded rank without rows: the pass it runs beside the others' fused pass
-        ref_states = self._local_ref_states(local)
-        if fused:
-            any_rows = self.aligned(int(bool(rows)))  # agreed before the pass: it is a collective
-            fused_out = self._forward(local, grad=True, ref_states=ref_states) if rows else None
-            if self.sharded and any_rows and not rows:
-                idle_out = self._pass(*idle_inputs(self.device), None, grad=True)
-            lp = fused_out["logprobs"].detach() if fused_out else empty
-            old_logprobs = self._gather(lp, rows, shape)
-            vals = fused_out["values"].detach() if fused_out and self.use_critic else torch.zeros_like(lp)
-            old_values = self._gather(vals, rows, shape)
-        elif streamed:
-            # Filled micro-batch by micro-batch during the update; until then the advantages read
-            # them only multiplied by kl_coef = 0.
-            old_logprobs = torch.zeros(shape, device=self.device)
-            old_values = torch.zeros(shape, device=self.device)
-        else:
-            lp, vals = self.evaluate_old(local) if rows else (empty, empty)
-            if not rows:
-                self.idle_passes(self.aligned(0), grad=False)
-            old_logprobs, old_values = self._gather(lp, rows, shape), self._gather(vals, rows, shape)
-        has_ref = batch.ref_logprobs is not None
-        # No KL term (beta = 0, no KL loss): no reference pass ran, and the penalty is an exact 0.
-        ref_logprobs = batch.ref_logprobs if has_ref else old_logprobs
-        advantages, returns, kl = scored or self._advantages(batch, old_logprobs, old_values, ref_logprobs, kl_coef)
-        t_prep = time.perf_counter() - t0
+        if on_policy and tr.micro_batch_size >= max(len(s) for s in step.shards):
+            return "fused", on_policy, fresh
+        if on_policy and not self.use_critic and step.kl_coef == 0:
+            return "streamed", on_policy, fresh
+        return "separate", on_policy, fresh
 
-        with shared_weight_casts(tr.bf16, self.device):
+    def _old_policy(self, step: _Step) -> _OldPolicy:
+        """The old policy's global log-probs and values, by the pass ``_old_pass_kind`` chose."""
+        kind, on_policy, fresh = self._old_pass_kind(step)
+        ref_states = self._local_ref_states(step.local)
+        run = {"fused": self._fused_old_pass, "streamed": self._streamed_old_pass,
+               "separate": self._separate_old_pass}[kind]
+        return _OldPolicy(kind, on_policy, fresh, ref_states, *run(step, ref_states))
+
+    def _fused_old_pass(self, step: _Step, ref_states: torch.Tensor | None) -> tuple[
+            torch.Tensor, torch.Tensor, dict[str, torch.Tensor] | None, dict[str, torch.Tensor] | None]:
+        """The training forward pass over this rank's rows, run now (the update backpropagates
+        it); its detached log-probs and values are the old ones. A sharded rank without rows runs
+        an idle pass beside the others'."""
+        rows, shape = step.rows, step.shape
+        any_rows = self.aligned(int(bool(rows)))  # agreed before the pass: it is a collective
+        fused_out = self._forward(step.local, grad=True, ref_states=ref_states) if rows else None
+        idle_out = None
+        if self.sharded and any_rows and not rows:
+            idle_out = self._pass(*idle_inputs(self.device), None, grad=True)
+        lp = fused_out["logprobs"].detach() if fused_out else self._no_rows(step)
+        vals = fused_out["values"].detach() if fused_out and self.use_critic else torch.zeros_like(lp)
+        return self._gather(lp, rows, shape), self._gather(vals, rows, shape), fused_out, idle_out
+
+    def _streamed_old_pass(self, step: _Step, ref_states: torch.Tensor | None) -> tuple[
+            torch.Tensor, torch.Tensor, None, None]:
+        """Zeros, filled micro-batch by micro-batch during the update (``_run_update``); until
+        then the advantages read them only multiplied by kl_coef = 0."""
+        return torch.zeros(step.shape, device=self.device), torch.zeros(step.shape, device=self.device), None, None
+
+    def _separate_old_pass(self, step: _Step, ref_states: torch.Tensor | None) -> tuple[
+            torch.Tensor, torch.Tensor, None, None]:
+        """A pass without gradient over this rank's rows (``evaluate_old``) before any update."""
+        rows, shape = step.rows, step.shape
+        empty = self._no_rows(step)
+        lp, vals = self.evaluate_old(step.local) if rows else (empty, empty)
+        if not rows:
+            self.idle_passes(self.aligned(0), grad=False)
+        return self._gather(lp, rows, shape), self._gather(vals, rows, shape), None, None
+
+    def _no_rows(self, step: _Step) -> torch.Tensor:
+        """A rank's (0, L) per-token tensor when it has no rows."""
+        return torch.zeros(0, step.batch.seq_len, device=self.device)
+
+    def _run_update(self, step: _Step, old: _OldPolicy, est: Estimate,
+                    ) -> tuple[dict[str, float], list[float], torch.Tensor]:
+        """The minibatch epochs over this rank's rows (``_update``); returns their statistics,
+        grad norms and the old policy's global log-probs (a streamed pass's, from the update)."""
+        rows = step.rows
+        trained = sorted(i for shard in step.shards for i in shard)
+        with shared_weight_casts(self.tr.bf16, self.device):
             stats, grad_norms, local_old = self._update(
-                local, old_logprobs[rows], old_values[rows], advantages[rows], returns[rows],
-                fused_out=fused_out, streamed=streamed, normalisers=normalisers, idle_out=idle_out,
-                ref_states=ref_states, minibatches=self._minibatches(rows, sorted(i for shard in shards for i in shard), on_policy),
+                step.local, old.logprobs[rows], old.values[rows], est.advantages[rows], est.returns[rows],
+                fused_out=old.fused_out, streamed=old.streamed, normalisers=step.normalisers, idle_out=old.idle_out,
+                ref_states=old.ref_states, minibatches=self._minibatches(rows, trained, old.on_policy),
             )
-        if streamed:
-            old_logprobs = self._gather(local_old, rows, shape)
-            ref_logprobs = batch.ref_logprobs if has_ref else old_logprobs
-        self.version += 1
+        old_logprobs = self._gather(local_old, rows, step.shape) if old.streamed else old.logprobs
+        return stats, grad_norms, old_logprobs
 
+    def _step_metrics(self, step: _Step, old: _OldPolicy, old_logprobs: torch.Tensor, est: Estimate,
+                      stats: dict[str, float], grad_norms: list[float], t_prep: float) -> dict[str, float]:
+        """The step's metrics: the update's statistics, the KL to the reference (which moves the
+        KL controller), the log-prob gap to the rollout policy, advantages, values and timings."""
+        batch, inert, kl_coef = step.batch, step.inert, step.kl_coef
         mask = batch.response_mask
-        b = batch.batch_size
         metrics = dict(stats)
-        if has_ref:
-            seq_kl = float((kl_penalty(old_logprobs, ref_logprobs, "k1") * mask).sum(1).mean())
-            # One measurement of the global batch: every rank's controller moves the same way.
-            self.kl_ctl.update(seq_kl, n_steps=b)
-            metrics.update({
-                "kl/ref_seq_k1": seq_kl,
-                "kl/ref_k1": float(masked_mean(kl_penalty(old_logprobs, ref_logprobs, "k1"), mask)),
-                "kl/ref_k3": float(masked_mean(kl_penalty(old_logprobs, ref_logprobs, "k3"), mask)),
-            })
+        if batch.ref_logprobs is not None:
+            metrics.update(self._reference_kl(old_logprobs, batch.ref_logprobs, mask))
         # The old policy's log-probs exist for the rows that ran a pass.
         ran = mask if inert is None else mask & ~inert[:, None]
         gap = (old_logprobs - batch.rollout_logprobs).abs()
@@ -413,28 +480,28 @@ class PPOLearner(PolicyLearner):
         metrics.update({
             "kl/coef": kl_coef,
             "kl/coef_next": float(self.kl_ctl.value),
-            "response/truncated": float(n_truncated),
-            "learner/ref_s": t_ref,
+            "response/truncated": float(step.n_truncated),
+            "learner/ref_s": step.t_ref,
             "learner/trainable_fraction": self.trainable_fraction,
-            "learner/lr": lr,
+            "learner/lr": step.lr,
             "policy/grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
-            "kl/penalty_per_seq": float((kl * mask).sum(1).mean()) * kl_coef,
+            "kl/penalty_per_seq": float((est.kl * mask).sum(1).mean()) * kl_coef,
             "logprob_gap/mean_abs": float(masked_mean(gap, ran)),
             "logprob_gap/max_abs": float(gap[ran].max()) if bool(ran.any()) else 0.0,
             # KL(rollout policy || old policy), k3 from the rollout's tokens: the off-policy gap.
             "logprob_gap/kl_k3": float(gap_stats["kl_k3"]),
-            "advantage/mean": float(masked_mean(advantages, mask)),
+            "advantage/mean": float(masked_mean(est.advantages, mask)),
             "response/length_mean": float(resp.mean()),
             "learner/prep_s": t_prep,
-            "learner/update_s": time.perf_counter() - t0 - t_prep,
+            "learner/update_s": time.perf_counter() - step.t0 - t_prep,
             "learner/tokens": float(mask.sum()),
             "learner/trained_tokens": float(ran.sum()),
-            "learner/fused_old_pass": float(fused),
-            "learner/streamed_old_pass": float(streamed),
-            "learner/stale_batch": float(not fresh),
+            "learner/fused_old_pass": float(old.kind == "fused"),
+            "learner/streamed_old_pass": float(old.streamed),
+            "learner/stale_batch": float(not old.fresh),
             "learner/prefix_shared_frac": self.model.rows_shared / max(self.model.rows_total, 1),
-            "learner/sequences": float(b),
-            "learner/local_sequences": float(len(rows)),
+            "learner/sequences": float(batch.batch_size),
+            "learner/local_sequences": float(len(step.rows)),
         })
         if inert is not None:
             # Rows left out because their advantage is 0 (rows with no response token, e.g. masked
@@ -446,11 +513,23 @@ class PPOLearner(PolicyLearner):
                     metrics.pop(key, None)
         if self.use_critic:
             metrics.update({
-                "value/mean": float(masked_mean(old_values, mask)),
-                "value/returns_mean": float(masked_mean(returns, mask)),
-                "value/explained_var": _explained_variance(old_values, returns, mask),
+                "value/mean": float(masked_mean(old.values, mask)),
+                "value/returns_mean": float(masked_mean(est.returns, mask)),
+                "value/explained_var": _explained_variance(old.values, est.returns, mask),
             })
         return metrics
+
+    def _reference_kl(self, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
+                      mask: torch.Tensor) -> dict[str, float]:
+        """The old policy's KL to the reference over the global batch; the KL controller's
+        measurement (one of the global batch: every rank's controller moves the same way)."""
+        seq_kl = float((kl_penalty(old_logprobs, ref_logprobs, "k1") * mask).sum(1).mean())
+        self.kl_ctl.update(seq_kl, n_steps=mask.shape[0])
+        return {
+            "kl/ref_seq_k1": seq_kl,
+            "kl/ref_k1": float(masked_mean(kl_penalty(old_logprobs, ref_logprobs, "k1"), mask)),
+            "kl/ref_k3": float(masked_mean(kl_penalty(old_logprobs, ref_logprobs, "k3"), mask)),
+        }
 
     def _minibatches(self, rows: list[int], trained: list[int], on_policy: bool) -> Iterator[torch.Tensor]:
         """This rank's share of every global minibatch of the step, as indices into its own

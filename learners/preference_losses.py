@@ -9,17 +9,134 @@ normalises by the global pair count across ranks and micro-batches.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
-from torch import Tensor
 
-PREFERENCE_LOSSES: tuple[str, ...] = ("sigmoid", "ipo", "hinge", "robust", "simpo")
+from learners.registry import Registry
+from torch import Tensor
 
 
 def _dpo_log_ratio(chosen: Tensor, rejected: Tensor, ref_chosen: Tensor, ref_rejected: Tensor) -> Tensor:
     """h_theta = log pi(y_w)/pi_ref(y_w) - log pi(y_l)/pi_ref(y_l), ``(P,)``."""
     return (chosen - ref_chosen) - (rejected - ref_rejected)
+
+
+# ------------------------------------------------------------ preference-loss registry --
+# A preference loss is one function decorated with ``register_preference_loss``: it reads the
+# pairs (``PreferenceInputs``) and returns the per-pair losses ``(P,)``. ``dpo.loss`` names it.
+
+
+class PreferenceInputs(NamedTuple):
+    """What a preference loss may read: ``(P,)`` summed response log-probs of the chosen and
+    rejected responses under the policy and the reference (the reference's None for a loss
+    registered with ``uses_reference=False``), the responses' token counts (may be None), and
+    ``beta``, ``label_smoothing`` and ``simpo_gamma`` as in ``dpo.*``."""
+
+    chosen_logps: Tensor
+    rejected_logps: Tensor
+    ref_chosen_logps: Optional[Tensor]
+    ref_rejected_logps: Optional[Tensor]
+    chosen_lengths: Optional[Tensor]
+    rejected_lengths: Optional[Tensor]
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    simpo_gamma: float = 0.5
+
+    def log_ratio(self) -> Tensor:
+        """h = log pi(y_w)/pi_ref(y_w) - log pi(y_l)/pi_ref(y_l), ``(P,)`` (needs the reference)."""
+        return _dpo_log_ratio(self.chosen_logps, self.rejected_logps, self.ref_chosen_logps, self.ref_rejected_logps)
+
+
+PreferenceLossFn = Callable[[PreferenceInputs], Tensor]
+
+
+class PreferenceLossSpec(NamedTuple):
+    """A registered preference loss: its function and whether it reads reference log-probs."""
+
+    name: str
+    fn: PreferenceLossFn
+    uses_reference: bool
+
+
+_PREFERENCE_LOSSES: Registry[PreferenceLossSpec] = Registry("preference loss")
+
+
+def register_preference_loss(name: str, *, uses_reference: bool = True) -> Callable[[PreferenceLossFn], PreferenceLossFn]:
+    """Decorator: register ``fn(inputs: PreferenceInputs) -> (P,) losses`` as ``name``."""
+    def add(fn: PreferenceLossFn) -> PreferenceLossFn:
+        _PREFERENCE_LOSSES.add(name, PreferenceLossSpec(name, fn, uses_reference))
+        return fn
+    return add
+
+
+def unregister_preference_loss(name: str) -> None:
+    """Remove preference loss ``name`` (e.g. one a test registered); KeyError if there is none."""
+    _PREFERENCE_LOSSES.remove(name)
+
+
+def preference_loss_names() -> tuple[str, ...]:
+    """Every registered preference loss, in registration order."""
+    return _PREFERENCE_LOSSES.names()
+
+
+def get_preference_loss(name: str) -> PreferenceLossSpec:
+    """The preference loss registered as ``name``; a one-line ValueError naming the known ones."""
+    return _PREFERENCE_LOSSES.get(name)
+
+
+def uses_reference(name: str) -> bool:
+    """Whether preference loss ``name`` compares against the reference's log-probs."""
+    return get_preference_loss(name).uses_reference
+
+
+def __getattr__(name: str) -> tuple[str, ...]:
+    # PREFERENCE_LOSSES: a view of the registry at the moment it is read.
+    if name == "PREFERENCE_LOSSES":
+        return preference_loss_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+_logsig = torch.nn.functional.logsigmoid
+
+
+@register_preference_loss("sigmoid")
+def _sigmoid_loss(x: PreferenceInputs) -> Tensor:
+    """DPO; cDPO with label smoothing eps: ``-(1-eps) log sigma(beta h) - eps log sigma(-beta h)``."""
+    h, eps = x.log_ratio(), x.label_smoothing
+    return -(1.0 - eps) * _logsig(x.beta * h) - eps * _logsig(-x.beta * h)
+
+
+@register_preference_loss("ipo")
+def _ipo_loss(x: PreferenceInputs) -> Tensor:
+    """IPO: ``(h - 1/(2 beta))^2``."""
+    return (x.log_ratio() - 1.0 / (2.0 * x.beta)) ** 2
+
+
+@register_preference_loss("hinge")
+def _hinge_loss(x: PreferenceInputs) -> Tensor:
+    """SLiC-HF's hinge: ``max(0, 1 - beta h)``."""
+    return torch.relu(1.0 - x.beta * x.log_ratio())
+
+
+@register_preference_loss("robust")
+def _robust_loss(x: PreferenceInputs) -> Tensor:
+    """Robust DPO for labels flipped with probability eps < 0.5."""
+    eps = x.label_smoothing
+    if not 0.0 <= eps < 0.5:
+        raise ValueError(f"robust DPO needs 0 <= label_smoothing < 0.5, got {eps}")
+    h = x.log_ratio()
+    return ((1.0 - eps) * -_logsig(x.beta * h) + eps * _logsig(-x.beta * h)) / (1.0 - 2.0 * eps)
+
+
+@register_preference_loss("simpo", uses_reference=False)
+def _simpo_loss(x: PreferenceInputs) -> Tensor:
+    """SimPO: ``-log sigma(beta log pi(y_w)/|y_w| - beta log pi(y_l)/|y_l| - gamma)``."""
+    if x.chosen_lengths is None or x.rejected_lengths is None:
+        raise ValueError("simpo needs chosen_lengths and rejected_lengths")
+    margin = (x.beta * x.chosen_logps / x.chosen_lengths.clamp(min=1)
+              - x.beta * x.rejected_logps / x.rejected_lengths.clamp(min=1) - x.simpo_gamma)
+    return -_logsig(margin)
 
 
 def preference_loss(
@@ -51,7 +168,7 @@ def preference_loss(
         chosen_logps, rejected_logps: ``(P,)`` summed response log-probs under the policy.
         ref_chosen_logps, ref_rejected_logps: ``(P,)`` the same under the reference (unused, and
             may be None, for ``simpo``).
-        kind: one of ``PREFERENCE_LOSSES``.
+        kind: a registered preference loss (``preference_loss_names()``).
         beta: inverse temperature of the implicit reward (SimPO: its reward scale).
         label_smoothing: eps for ``sigmoid`` and ``robust`` (``robust`` needs eps < 0.5).
         chosen_lengths, rejected_lengths: ``(P,)`` response token counts (``simpo`` only).
@@ -60,28 +177,11 @@ def preference_loss(
     Returns:
         ``(P,)`` losses; average them over the global batch.
     """
-    if kind not in PREFERENCE_LOSSES:
-        raise ValueError(f"unknown preference loss {kind!r}; choose one of {PREFERENCE_LOSSES}")
-    if kind == "simpo":
-        if chosen_lengths is None or rejected_lengths is None:
-            raise ValueError("simpo needs chosen_lengths and rejected_lengths")
-        margin = (beta * chosen_logps / chosen_lengths.clamp(min=1) - beta * rejected_logps / rejected_lengths.clamp(min=1)
-                  - simpo_gamma)
-        return -torch.nn.functional.logsigmoid(margin)
-    if ref_chosen_logps is None or ref_rejected_logps is None:
+    spec = get_preference_loss(kind)
+    if spec.uses_reference and (ref_chosen_logps is None or ref_rejected_logps is None):
         raise ValueError(f"{kind} needs the reference log-probs")
-    h = _dpo_log_ratio(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps)
-    logsig = torch.nn.functional.logsigmoid
-    if kind == "sigmoid":
-        return -(1.0 - label_smoothing) * logsig(beta * h) - label_smoothing * logsig(-beta * h)
-    if kind == "ipo":
-        return (h - 1.0 / (2.0 * beta)) ** 2
-    if kind == "hinge":
-        return torch.relu(1.0 - beta * h)
-    if not 0.0 <= label_smoothing < 0.5:
-        raise ValueError(f"robust DPO needs 0 <= label_smoothing < 0.5, got {label_smoothing}")
-    return ((1.0 - label_smoothing) * -logsig(beta * h) + label_smoothing * logsig(-beta * h)) / (1.0 - 2.0 * label_smoothing)
-
+    return spec.fn(PreferenceInputs(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
+                                    chosen_lengths, rejected_lengths, beta, label_smoothing, simpo_gamma))
 
 def preference_rewards(
     chosen_logps: Tensor,

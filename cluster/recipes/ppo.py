@@ -402,12 +402,12 @@ def roles(cfg) -> RoleSet:
 
 
 def check(cfg) -> list[Check]:
-    from learners.advantages import GROUP_ESTIMATORS
+    from learners.advantages import needs_group
 
     rollout, ppo = cfg.rollout, cfg.ppo
     return [
         (cfg.data.train_size >= rollout.prompts_per_step, "data.train_size must be >= rollout.prompts_per_step"),
-        (ppo.advantage_estimator not in GROUP_ESTIMATORS or rollout.samples_per_prompt > 1,
+        (not needs_group(ppo.advantage_estimator) or rollout.samples_per_prompt > 1,
          f"ppo.advantage_estimator={ppo.advantage_estimator} needs rollout.samples_per_prompt > 1 (a group)"),
         (not cfg.model.dropout,
          "model.dropout is for sft, dpo, reward_model and qlearn: PPO's importance ratios compare the policy's "
