@@ -35,12 +35,12 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator
 
-from actors.episodes import ChatTokens, from_client
-from actors.generator import token_versions
+from actors.chat_tokens import ChatTokens, from_client
 from actors.openai_api import (
     ApiError, Ask, Choice, chat_reply, chat_stream, completion_reply, completion_stream, finish_reason, parse_chat,
     parse_completion, parse_responses, reply_message, responses_reply, responses_stream,
 )
+from actors.records import Rollout, Sampled, token_versions
 
 log = logging.getLogger("rayrlhf.agent")
 
@@ -415,6 +415,29 @@ def agent_summary(episodes: list[AgentEpisode]) -> tuple[dict[str, int], dict[st
             counts[f"{name}/sum"] = counts.get(f"{name}/sum", 0.0) + value
             counts[f"{name}/n"] = counts.get(f"{name}/n", 0.0) + 1
     return dropped, counts
+
+
+def play_agents(loop: Any, chat: ChatTokens, rows: list[dict], group_ids: list[int], n: int, agent: Callable,
+                endpoint: Any, limits: Any, sampling: Callable[..., Any], pool: Any, timeout_s: float = 300.0,
+                models: tuple[str, ...] = ("policy",)) -> Rollout:
+    """The agent-program strategy over an engine loop: ``n`` episodes per row of ``agent(row,
+    base_url) -> reward`` against ``endpoint`` (``AgentRunner``), one ``Sampled`` row per
+    trajectory segment of a finished program (its reward in ``meta["episode"]``); failed
+    programs dropped and counted. ValueError when none finished."""
+    episodes = AgentRunner(chat, limits, sampling, pool, timeout_s, models).run(loop, endpoint, agent, rows, group_ids, n)
+    dropped, counts = agent_summary(episodes)
+    out = []
+    for ep in episodes:
+        if ep.status != "done":
+            continue
+        meta = {**ep.row.get("meta", {}), "episode": {"reward": ep.reward, "calls": ep.calls,
+                                                      "segments": len(ep.segments), "status": ep.status}}
+        out += [Sampled(seg.prompt_ids, seg.ids, seg.logprobs, seg.truncated, chat.tok.decode(seg.ids), meta,
+                        ep.group, seg.versions, seg.action) for seg in ep.segments]
+    if not out:
+        errors = sorted({ep.error or str(ep.status) for ep in episodes})[:3]
+        raise ValueError(f"no agent episode of a batch of {len(episodes)} finished: {dropped}; e.g. {errors}")
+    return Rollout(out, dropped, counts)
 
 
 def resolve_agent(spec: str, args: dict | None = None, max_tokens: int = 64) -> Callable[[dict, str], Any]:

@@ -1,6 +1,6 @@
 """Environments an agent acts in over several turns: the interface and the built-in ones.
 
-The interface is Gymnasium's, at the level of text::
+The interface is Gymnasium's, at the level of text (``Step`` and the protocol: ``actors/env_step.py``)::
 
     env.reset(row)    -> the first observation (the user's message; ``row`` is a data row)
     env.step(action)  -> Step(observation, reward, done, info)
@@ -24,38 +24,10 @@ import importlib
 import random
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple, Protocol
+from typing import Any, Callable
 
+from actors.env_step import Step
 from actors.tools import ToolBox, ToolCallFormat, parse_tool_calls
-
-class Step(NamedTuple):
-    observation: Any  # str | {"role", "content"} | None when the episode ends with nothing to say
-    reward: float = 0.0
-    done: bool = False
-    info: dict = {}
-
-
-class Environment(Protocol):
-    def reset(self, row: dict[str, Any]) -> Any: ...
-
-    def step(self, action: str) -> Step: ...
-
-
-def as_step(result: Any) -> Step:
-    """A ``Step`` from what an environment returned: a Step, Gymnasium's 4- or 5-tuple
-    (observation, reward, terminated, truncated, info) or a dict; anything else raises."""
-    if isinstance(result, Step):
-        return result
-    if isinstance(result, dict):
-        return Step(result.get("observation"), float(result.get("reward") or 0.0), bool(result.get("done")),
-                    dict(result.get("info") or {}))
-    if isinstance(result, tuple) and len(result) == 5:
-        obs, reward, terminated, truncated, info = result
-        return Step(obs, float(reward), bool(terminated or truncated), dict(info or {}))
-    if isinstance(result, tuple) and len(result) == 4:
-        obs, reward, done, info = result
-        return Step(obs, float(reward), bool(done), dict(info or {}))
-    raise TypeError(f"environment step returned {type(result).__name__}, expected Step / (obs, reward, done, info)")
 
 
 # -- verifiers -----------------------------------------------------------------------------------

@@ -10,6 +10,11 @@ handed to the driving thread, which runs it between two steps of the running gen
 running sequences are preempted and recompute their KV cache with the new weights, and every
 token carries the version of the weights that sampled it (vLLM's weight-version spans). A request
 that arrives while a generation runs (a sync probe) rides along in the same engine loop.
+
+Single replies are sampled here (``generate``). Multi-turn episodes (``actors/episodes.py``) and
+agent programs (``actors/agent_endpoint.py``) are strategies over the same engine loop that the
+generator calls; each hands back ``Sampled`` rows (``actors/records.py``), which the generator
+turns into the ``Experience`` record. The strategies import neither the generator nor each other.
 """
 
 from __future__ import annotations
@@ -19,12 +24,14 @@ import os
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Iterable, NamedTuple
+from typing import Any, Iterable
 
 import torch
 
+from actors.chat_tokens import ChatTokens
 from actors.engine_loop import EngineLoop
 from actors.environments import EnvSpec, EpisodeLimits
+from actors.records import Sampled, to_experience, token_versions
 from learners.experience import Experience
 
 log = logging.getLogger("rayrlhf.generator")
@@ -131,14 +138,65 @@ def _fit_context(model_path: str, wanted: int) -> int:
     return wanted
 
 
+def engine_context(cfg: GeneratorConfig) -> int:
+    """The engine's context length for ``cfg``: its ``max_model_len``, at least a prompt and a
+    reply (and an episode) long, capped at the model's positions."""
+    episode = cfg.episode_limits.max_tokens if cfg.episode_limits is not None else 0
+    return _fit_context(cfg.model_path, max(cfg.max_model_len, cfg.max_prompt_tokens + cfg.max_new_tokens, episode))
+
+
+def _prepare_process(cfg: GeneratorConfig) -> str:
+    """What this process needs before an engine is built: vLLM's environment, vLLM imported and
+    the imported heap frozen, a warning if an engine is still open, and on a CPU the sampler made
+    safe for seeded requests (episodes seed each turn's sampler). Returns the engine's dtype."""
+    on_gpu = cfg.gpu_memory_utilization > 0
+    configure_vllm_env(cfg.kv_cache_gib, cfg.threads, cfg.first_core, compile_cpu=cfg.compile and not on_gpu)
+    from vllm import LLM  # noqa: F401  (heavy import at the edge, only generator processes pay it; before the freeze)
+
+    from actors.start_up import freeze_imports
+    from learners.precision import resolve_engine_dtype
+
+    freeze_imports()  # the engine build's full collections skip the imported heap
+    warn_if_engine_open()
+    dtype = resolve_engine_dtype(cfg.dtype, uses_gpu=on_gpu)
+    if not on_gpu:
+        from actors.vllm_ext import make_seeded_requests_safe_on_cpu
+
+        make_seeded_requests_safe_on_cpu()
+    return dtype
+
+
+def _build_engine(cfg: GeneratorConfig, dtype: str, max_model_len: int) -> Any:
+    """The in-process vLLM engine. The same engine on either device: the installed vllm build
+    decides where it runs, and a GPU engine only needs its share of the GPU's memory."""
+    from vllm import LLM
+
+    on_gpu = {"gpu_memory_utilization": cfg.gpu_memory_utilization} if cfg.gpu_memory_utilization > 0 else {}
+    return LLM(
+        model=cfg.model_path,
+        dtype=dtype,
+        seed=cfg.seed,
+        max_model_len=max_model_len,
+        # Eager by default: on CPU a compile costs more start-up than a short run wins back.
+        enforce_eager=not cfg.compile,
+        distributed_executor_backend="uni",
+        worker_extension_cls="actors.vllm_ext.WeightReloadExtension",
+        logprobs_mode="processed_logprobs",
+        trust_remote_code=cfg.trust_remote_code,
+        enable_prefix_caching=True,
+        **on_gpu,
+    )
+
+
 class Generator:
     """Samples responses with vLLM and reports per-token rollout log-probs.
 
-    Args:
+    Built from its ``GeneratorConfig``; the engine-side fields:
         model_path: local transformers folder (safetensors).
         dtype: 'bfloat16' or 'float32' weights in the engine; 'auto': bfloat16 on a GPU or a CPU
             with native bf16, float32 on other CPUs (``learners.precision.resolve_engine_dtype``).
-        max_model_len: prompt + response token budget per sequence.
+        max_model_len (with max_prompt_tokens, max_new_tokens and episode_limits): the prompt +
+            response token budget per sequence (``engine_context``).
         seed: engine seed (per-request seeds crash the CPU sampler).
         kv_cache_gib: CPU KV-cache size.
         gpu_memory_utilization: on a GPU, the engine's share of its memory (0: a CPU engine).
@@ -148,60 +206,15 @@ class Generator:
             start-up of ~60 s (cold compile cache) or ~23 s (warm) instead of ~11 s.
     """
 
-    def __init__(
-        self,
-        model_path: str,
-        dtype: str = "auto",
-        max_model_len: int = 512,
-        seed: int = 0,
-        kv_cache_gib: float = 1.0,
-        threads: int = 0,
-        system_prompt: str = "",
-        trust_remote_code: bool = False,
-        initial_version: int = 0,
-        first_core: int = 0,
-        gpu_memory_utilization: float = 0.0,
-        compile: bool = False,
-        chat_template: bool = True,
-        lora_base: str = "",
-    ) -> None:
-        configure_vllm_env(kv_cache_gib, threads, first_core, compile_cpu=compile and gpu_memory_utilization <= 0)
-        from vllm import LLM  # heavy import at the edge: only generator processes pay it
-
-        from actors.start_up import freeze_imports
-        from learners.precision import resolve_engine_dtype
-
-        freeze_imports()  # the engine build's full collections skip the imported heap
-        warn_if_engine_open()
-
-        dtype = resolve_engine_dtype(dtype, uses_gpu=gpu_memory_utilization > 0)
-        if gpu_memory_utilization <= 0:  # episodes seed each turn's sampler (see generate_episodes)
-            from actors.vllm_ext import make_seeded_requests_safe_on_cpu
-
-            make_seeded_requests_safe_on_cpu()
+    def __init__(self, cfg: GeneratorConfig) -> None:
+        self.cfg = cfg
+        self.max_model_len = engine_context(cfg)
+        dtype = _prepare_process(cfg)
         t0 = time.time()
-        # The same engine on either device: the installed vllm build decides where it runs, and
-        # a GPU engine only needs its share of the GPU's memory.
-        on_gpu = {"gpu_memory_utilization": gpu_memory_utilization} if gpu_memory_utilization > 0 else {}
-        self.llm = LLM(
-            model=model_path,
-            dtype=dtype,
-            seed=seed,
-            max_model_len=max_model_len,
-            # Eager by default: on CPU a compile costs more start-up than a short run wins back.
-            enforce_eager=not compile,
-            distributed_executor_backend="uni",
-            worker_extension_cls="actors.vllm_ext.WeightReloadExtension",
-            logprobs_mode="processed_logprobs",
-            trust_remote_code=trust_remote_code,
-            enable_prefix_caching=True,
-            **on_gpu,
-        )
+        self.llm = _build_engine(cfg, dtype, self.max_model_len)
         self.tokenizer = self.llm.get_tokenizer()
-        self.max_model_len = max_model_len
-        self.system_prompt = system_prompt
-        self.chat_template = chat_template
-        self.version = int(initial_version)
+        self.system_prompt, self.chat_template = cfg.system_prompt, cfg.chat_template
+        self.version = int(cfg.initial_version)
         self.eos_token_id = self.tokenizer.eos_token_id
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_token_id
         # One decoding step at a time under a lock; loads and probes land between steps.
@@ -210,12 +223,17 @@ class Generator:
         self.inflight_loads = 0
         self.llm.llm_engine.set_weight_version(str(self.version))
         self.startup_s = time.time() - t0
-        self.compiled = bool(compile)
-        self.lora_base = lora_base
+        self.compiled = bool(cfg.compile)
+        self.lora_base = cfg.lora_base
         self._base_weights = None  # opened at the first adapter sync
         _OPEN_ENGINES.add(self)
-        log.info("vLLM engine ready in %.1fs (%s, %s, %s)", self.startup_s, model_path, dtype,
-                 "compiled" if compile else "eager")
+        log.info("vLLM engine ready in %.1fs (%s, %s, %s)", self.startup_s, cfg.model_path, dtype,
+                 "compiled" if cfg.compile else "eager")
+
+    @classmethod
+    def from_config(cls, cfg: GeneratorConfig) -> "Generator":
+        """``Generator(cfg)`` (the name ``cluster/workers.py`` and older scripts call)."""
+        return cls(cfg)
 
     def close(self) -> None:
         """Shuts the engine down now (idempotent): its memory and vLLM's parallel state go with it.
@@ -227,18 +245,6 @@ class Generator:
         (a notebook, a test module), close each before building the next."""
         self.loop.close(self.llm.llm_engine.engine_core.shutdown)
         _OPEN_ENGINES.discard(self)
-
-    @classmethod
-    def from_config(cls, cfg: GeneratorConfig) -> "Generator":
-        episode = cfg.episode_limits.max_tokens if cfg.episode_limits is not None else 0
-        wanted = max(cfg.max_model_len, cfg.max_prompt_tokens + cfg.max_new_tokens, episode)
-        return cls(
-            cfg.model_path, dtype=cfg.dtype, max_model_len=_fit_context(cfg.model_path, wanted),
-            seed=cfg.seed, kv_cache_gib=cfg.kv_cache_gib, threads=cfg.threads, system_prompt=cfg.system_prompt,
-            trust_remote_code=cfg.trust_remote_code, initial_version=cfg.initial_version, first_core=cfg.first_core,
-            gpu_memory_utilization=cfg.gpu_memory_utilization, compile=cfg.compile,
-            chat_template=cfg.chat_template, lora_base=cfg.lora_base,
-        )
 
     def compilation(self) -> dict[str, Any]:
         """How the engine runs its model: vLLM's compilation mode, the models its compile
@@ -291,9 +297,21 @@ class Generator:
         group_ids = group_ids if group_ids is not None else list(range(len(prompts)))
         if not (len(prompts) == len(meta) == len(group_ids)):
             raise ValueError("prompts, meta and group_ids must have the same length")
+        kept, skipped = self._encode_batch(prompts, meta, group_ids, min(max_prompt_tokens, self.max_model_len - max_new_tokens))
+        stop = [self.eos_token_id] if self.eos_token_id is not None and not ignore_eos else None
+        params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_new_tokens,
+                                logprobs=1, stop_token_ids=stop, ignore_eos=ignore_eos)
+        if seed is not None:
+            torch.manual_seed(seed)
+        outputs = self.loop.run([{"prompt_token_ids": ids} for ids, _, _ in kept], params)
+        return self._to_experience(_sampled_rows(kept, outputs), skipped)
+
+    def _encode_batch(self, prompts: list[str], meta: list[dict], group_ids: list[int],
+                      budget: int) -> tuple[list[tuple[list[int], dict, int]], dict[str, int]]:
+        """(ids, meta, group) of each usable prompt, and the others counted by reason (empty, or
+        over ``budget`` tokens); ValueError when none is usable."""
         skipped = {"empty_prompt": 0, "prompt_too_long": 0}
         kept: list[tuple[list[int], dict, int]] = []
-        budget = min(max_prompt_tokens, self.max_model_len - max_new_tokens)
         for text, m, g in zip(prompts, meta, group_ids):
             if not isinstance(text, str) or not text.strip():
                 skipped["empty_prompt"] += 1
@@ -306,23 +324,7 @@ class Generator:
             kept.append((ids, m, g))
         if not kept:
             raise ValueError(f"no usable prompt in a batch of {len(prompts)}: {skipped}")
-
-        params = SamplingParams(
-            n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_new_tokens, logprobs=1,
-            stop_token_ids=[self.eos_token_id] if self.eos_token_id is not None and not ignore_eos else None,
-            ignore_eos=ignore_eos,
-        )
-        if seed is not None:
-            torch.manual_seed(seed)
-        outputs = self.loop.run([{"prompt_token_ids": ids} for ids, _, _ in kept], params)
-        rows: list[Sampled] = []
-        for (ids, m, g), out in zip(kept, outputs):
-            for comp in out.outputs:
-                resp = list(comp.token_ids)
-                lps = [float(step[tok].logprob) for tok, step in zip(resp, comp.logprobs)]
-                rows.append(Sampled(ids, resp, lps, comp.finish_reason == "length", comp.text, m, g,
-                                    token_versions(comp.weight_versions, len(resp))))
-        return self._to_experience(rows, skipped)
+        return kept, skipped
 
     def generate_episodes(self, rows: list[dict[str, Any]], group_ids: list[int], make_env: Any, limits: Any,
                           *, temperature: float = 1.0, top_p: float = 1.0, n: int = 1, seed: int | None = None,
@@ -334,28 +336,12 @@ class Generator:
         environment failed or timed out are dropped and counted in ``skipped``. ``journal`` /
         ``resume``: turn-boundary snapshots out, and in from an interrupted run of this batch
         (``EpisodeRunner``). Returns the record and the batch's episode counters."""
-        import concurrent.futures
+        from actors.episodes import play_episodes
 
-        from actors.episodes import ChatTokens, EpisodeRunner, episode_meta, episode_summary
-
-        sampling = self._turn_sampling(temperature, top_p, seed, top_k)
-        own_pool = pool is None
-        pool = pool or concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="rayrlhf-env")
-        try:
-            runner = EpisodeRunner(ChatTokens(self.tokenizer, self.system_prompt), make_env, limits, sampling, pool,
-                                   journal=journal, resume=resume)
-            episodes = runner.run(self.loop, rows, group_ids, n)
-        finally:
-            if own_pool:
-                pool.shutdown(wait=False, cancel_futures=True)
-        dropped, counts = episode_summary(episodes)
-        kept = [ep for ep in episodes if ep.status not in dropped]
-        if not kept:
-            errors = sorted({ep.info.get("error", ep.status) for ep in episodes})[:3]
-            raise ValueError(f"no episode of a batch of {len(episodes)} finished: {dropped}; e.g. {errors}")
-        out = [Sampled(ep.prompt_ids, ep.ids, ep.logprobs, ep.truncated, self.tokenizer.decode(ep.ids), episode_meta(ep),
-                       ep.group, ep.versions, ep.action) for ep in kept]
-        return self._to_experience(out, dropped), counts
+        done = play_episodes(self.loop, ChatTokens(self.tokenizer, self.system_prompt), rows, group_ids, n, make_env,
+                             limits, self._turn_sampling(temperature, top_p, seed, top_k), pool=pool, journal=journal,
+                             resume=resume)
+        return self._to_experience(done.rows, done.dropped), done.counts
 
     def generate_agent_episodes(self, rows: list[dict[str, Any]], group_ids: list[int], agent: Any, endpoint: Any,
                                 limits: Any, *, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, n: int = 1,
@@ -364,25 +350,11 @@ class Generator:
         """``n`` episodes per row of an agent program ``agent(row, base_url) -> reward`` against
         ``endpoint`` (``actors/agent_endpoint.py``): one record row per trajectory segment, the
         program's reward in ``meta["episode"]``; failed programs dropped and counted."""
-        from actors.agent_endpoint import AgentRunner, agent_summary
-        from actors.episodes import ChatTokens
+        from actors.agent_endpoint import play_agents
 
-        runner = AgentRunner(ChatTokens(self.tokenizer), limits, self._turn_sampling(temperature, top_p, seed, top_k), pool,
-                             timeout_s, models)
-        episodes = runner.run(self.loop, endpoint, agent, rows, group_ids, n)
-        dropped, counts = agent_summary(episodes)
-        out = []
-        for ep in episodes:
-            if ep.status != "done":
-                continue
-            meta = {**ep.row.get("meta", {}), "episode": {"reward": ep.reward, "calls": ep.calls,
-                                                          "segments": len(ep.segments), "status": ep.status}}
-            out += [Sampled(seg.prompt_ids, seg.ids, seg.logprobs, seg.truncated, self.tokenizer.decode(seg.ids), meta,
-                            ep.group, seg.versions, seg.action) for seg in ep.segments]
-        if not out:
-            errors = sorted({ep.error or str(ep.status) for ep in episodes})[:3]
-            raise ValueError(f"no agent episode of a batch of {len(episodes)} finished: {dropped}; e.g. {errors}")
-        return self._to_experience(out, dropped), counts
+        done = play_agents(self.loop, ChatTokens(self.tokenizer), rows, group_ids, n, agent, endpoint, limits,
+                           self._turn_sampling(temperature, top_p, seed, top_k), pool, timeout_s, models)
+        return self._to_experience(done.rows, done.dropped), done.counts
 
     def _turn_sampling(self, temperature: float, top_p: float, seed: int | None, top_k: int = 0):
         """``sampling(room, key, turn)``: the parameters of one turn of episode ``key`` with ``room``
@@ -408,41 +380,7 @@ class Generator:
         return self.loop.generating
 
     def _to_experience(self, rows: list[Sampled], skipped: dict[str, int]) -> Experience:
-        length = max(len(row.prompt) + len(row.response) for row in rows)
-        b = len(rows)
-        input_ids = torch.full((b, length), self.pad_token_id, dtype=torch.long)
-        attention = torch.zeros((b, length), dtype=torch.bool)
-        response = torch.zeros((b, length), dtype=torch.bool)
-        logprobs = torch.zeros((b, length), dtype=torch.float32)
-        versions = torch.zeros((b, length), dtype=torch.long)
-        for i, row in enumerate(rows):
-            n_p, n_r = len(row.prompt), len(row.response)
-            input_ids[i, : n_p + n_r] = torch.tensor(row.prompt + row.response, dtype=torch.long)
-            attention[i, : n_p + n_r] = True
-            acts = torch.ones(n_r, dtype=torch.bool) if row.action is None else torch.tensor(row.action, dtype=torch.bool)
-            response[i, n_p : n_p + n_r] = acts
-            logprobs[i, n_p : n_p + n_r] = torch.tensor(row.logprobs, dtype=torch.float32) * acts
-            vs = torch.tensor([self.version if v is None else v for v in row.versions], dtype=torch.long)
-            versions[i, n_p : n_p + n_r] = vs * acts
-        truncated = torch.tensor([row.truncated for row in rows], dtype=torch.bool)
-        skipped = dict(skipped, truncated=int(truncated.sum()))
-        sampled = versions[response]
-        oldest = int(sampled.min()) if len(sampled) else self.version
-        # One version throughout (no update landed mid-generation): the scalar says it all.
-        mixed = bool(len(sampled)) and int(sampled.max()) != oldest
-        return Experience(
-            input_ids=input_ids,
-            attention_mask=attention,
-            response_mask=response,
-            rollout_logprobs=logprobs,
-            group_ids=torch.tensor([row.group for row in rows], dtype=torch.long),
-            truncated=truncated,
-            policy_version=oldest,
-            completions=[row.text for row in rows],
-            meta=[row.meta for row in rows],
-            token_versions=versions if mixed else None,
-            skipped=skipped,
-        ).validate()
+        return to_experience(rows, skipped, self.pad_token_id, self.version)
 
     # -- weights ---------------------------------------------------------------------------------
     def probe_logprobs(self, token_ids: list[int]) -> list[float]:
@@ -496,26 +434,14 @@ def warn_if_engine_open() -> None:
                     "next", len(_OPEN_ENGINES))
 
 
-class Sampled(NamedTuple):
-    """One record row as sampled: the prompt's ids, then the response's (a multi-turn episode's
-    include the observations between its turns, ``action`` False there)."""
 
-    prompt: list[int]
-    response: list[int]
-    logprobs: list[float]
-    truncated: bool
-    text: str
-    meta: dict
-    group: int
-    versions: list[int | None]
-    action: list[bool] | None = None
-
-
-def token_versions(spans, n: int) -> list[int | None]:
-    """Each of ``n`` output tokens' weight version from vLLM's ``CompletionOutput.weight_versions``
-    spans (labels are this generator's versions as strings); None where no span covers it."""
-    out: list[int | None] = [None] * n
-    for span in spans or []:
-        for k in range(span.start, min(span.end, n)):
-            out[k] = int(span.version)
-    return out
+def _sampled_rows(kept: list[tuple[list[int], dict, int]], outputs: list) -> list[Sampled]:
+    """One row per completion of each kept prompt's ``RequestOutput``."""
+    rows: list[Sampled] = []
+    for (ids, m, g), out in zip(kept, outputs):
+        for comp in out.outputs:
+            resp = list(comp.token_ids)
+            lps = [float(step[tok].logprob) for tok, step in zip(resp, comp.logprobs)]
+            rows.append(Sampled(ids, resp, lps, comp.finish_reason == "length", comp.text, m, g,
+                                token_versions(comp.weight_versions, len(resp))))
+    return rows

@@ -249,7 +249,7 @@ def conversation_ids(chat: Any, messages: Messages, tools: list[dict] | None, eo
     """A conversation as a multi-turn rollout records it: the prompt's ids (up to the first
     assistant turn, with the tool list) and then each assistant turn's ids (trained, ending in
     EOS) and the ids of the turns between them (context). Turns after the last assistant turn are
-    left out. ``chat``: ``actors.episodes.ChatTokens``."""
+    left out. ``chat``: ``actors.chat_tokens.ChatTokens``."""
     first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
     prompt = chat.prompt_messages(messages[:first], tools)
     segments: Segments = []
@@ -316,7 +316,7 @@ def encode_demonstrations(rows: list[dict[str, Any]], tokenizer: Any, *, max_pro
         where = f"row {row.get('index', len(meta))}"
         if "messages" in row:
             if chat is None:
-                from actors.episodes import ChatTokens
+                from actors.chat_tokens import ChatTokens
 
                 chat = ChatTokens(tokenizer, system_prompt)
             prompt, segments = conversation_ids(chat, row["messages"], row.get("tools"), tokenizer.eos_token_id)

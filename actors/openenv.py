@@ -37,7 +37,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from actors.environments import Step
+from actors.env_step import Step
 
 log = logging.getLogger("rayrlhf.openenv")
 

@@ -131,11 +131,11 @@ def main() -> None:
 
     from actors.agent_server import AgentEndpoint
     from actors.environments import EnvSpec, EpisodeLimits, environment_factory
-    from actors.generator import Generator
+    from actors.generator import Generator, GeneratorConfig
     from cluster.assets import resolve_model
 
     model = resolve_model(args.model)
-    gen = Generator(str(model), max_model_len=2048, seed=0)
+    gen = Generator(GeneratorConfig(str(model), max_model_len=2048, seed=0))
     endpoint = AgentEndpoint()
     pool = concurrent.futures.ThreadPoolExecutor(args.episodes)
     limits = EpisodeLimits(max_turns=args.turns, max_tokens=2000, max_new_tokens=args.new_tokens)

@@ -88,11 +88,11 @@ def main() -> None:
     a = ap.parse_args()
 
     from actors.environments import EpisodeLimits
-    from actors.generator import Generator
+    from actors.generator import Generator, GeneratorConfig
     from actors.tasks import load_prompts
     from cluster.assets import resolve_model
 
-    gen = Generator(resolve_model(a.model), dtype="auto", max_model_len=512, seed=0)
+    gen = Generator(GeneratorConfig(resolve_model(a.model), dtype="auto", max_model_len=512, seed=0))
     rows = load_prompts("basic_arithmetic", a.episodes, 0, 0, {}, "Explain your answer.")[0].rows
     limits = EpisodeLimits(max_turns=a.turns, max_tokens=512, max_new_tokens=a.new_tokens)
     pool = concurrent.futures.ThreadPoolExecutor(64)

@@ -65,11 +65,11 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "lora_sync.json"))
     a = ap.parse_args()
 
-    from actors.generator import Generator
+    from actors.generator import Generator, GeneratorConfig
     from cluster.assets import resolve_model
 
     model_path = resolve_model(a.model)
-    generator = Generator(model_path, dtype="float32", max_model_len=256, lora_base=model_path)
+    generator = Generator(GeneratorConfig(model_path, dtype="float32", max_model_len=256, lora_base=model_path))
     probe = generator.encode_prompt("Verified sync probe: 12 + 30 = 42. The quick brown fox jumps over the lazy dog.")
     results, version = {}, 0
     for r in (int(x) for x in a.ranks.split(",")):

@@ -49,11 +49,11 @@ def matmul_gflops(repeats: int = 10) -> dict[str, float]:
 
 
 def generate_tokens_per_s(dtype: str, batch: int, new_tokens: int, repeats: int) -> dict:
-    from actors.generator import Generator
+    from actors.generator import Generator, GeneratorConfig
     from benchmarks.rollout import bench_generator, prompts
     from cluster.assets import resolve_model
 
-    gen = Generator(resolve_model("smollm2-135m"), dtype=dtype, max_model_len=256 + new_tokens, seed=0, kv_cache_gib=2)
+    gen = Generator(GeneratorConfig(resolve_model("smollm2-135m"), dtype=dtype, max_model_len=256 + new_tokens, seed=0, kv_cache_gib=2))
     texts = prompts(batch)
     bench_generator(gen, texts[:8], new_tokens, 1)  # warm-up
     return {"tokens_per_s": bench_generator(gen, texts, new_tokens, repeats), "startup_s": gen.startup_s}

@@ -246,13 +246,13 @@ def run_part(part: str, a) -> dict:
         return {str(k): v for k, v in bench_pool(model_path, texts, a.new_tokens, a.repeats, a.batch_sizes).items()}
     if part == "hf":
         return {str(bs): bench_hf(model_path, texts[:bs], a.new_tokens, 1) for bs in a.batch_sizes if bs <= a.skip_hf_above}
-    from actors.generator import Generator
+    from actors.generator import Generator, GeneratorConfig
 
     threads = 1 if part == "vllm1" else 0
     compiled = part == "vllm_compiled"
     # The Generator sets vLLM's environment itself (KV cache, threads, cores, compile cache).
-    gen = Generator(model_path, dtype="bfloat16", max_model_len=256 + a.new_tokens, seed=0, kv_cache_gib=2,
-                    threads=threads, first_core=a.first_core, compile=compiled)
+    gen = Generator(GeneratorConfig(model_path, dtype="bfloat16", max_model_len=256 + a.new_tokens, seed=0, kv_cache_gib=2,
+                    threads=threads, first_core=a.first_core, compile=compiled))
     out = {}
     if part == "vllm1":  # the bare engine on one core, on each pool actor's share of the batch
         for bs in a.batch_sizes:

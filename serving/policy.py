@@ -194,10 +194,10 @@ class PolicyServer(LLMServer):
         return changed
 
     def _as_trained(self, messages: list, tools: list | None) -> list[dict]:
-        """A conversation with tools as rayrlhf's agents saw it in training (``actors/episodes.py``:
+        """A conversation with tools as rayrlhf's agents saw it in training (``actors/chat_tokens.py``:
         ``from_client``, ``ChatTokens.with_tools``): tool calls and answers as the text the model
         wrote and read, the tool list where the training rollouts put it."""
-        from actors.episodes import from_client
+        from actors.chat_tokens import from_client
 
         schemas = [t for t in tools or [] if isinstance(t, dict)]
         return self._chat_tokens().with_tools(from_client(messages), schemas or None)
@@ -207,7 +207,7 @@ class PolicyServer(LLMServer):
         if self._chat is None or self._chat[0] != self.model_path:
             from transformers import AutoTokenizer
 
-            from actors.episodes import ChatTokens
+            from actors.chat_tokens import ChatTokens
 
             self._chat = (self.model_path, ChatTokens(AutoTokenizer.from_pretrained(self.model_path)))
         return self._chat[1]

@@ -76,8 +76,9 @@ def tool_caller_engine(sdk_tool_caller):
 
     from actors.agent_server import AgentEndpoint
     from actors.generator import Generator
+    from tests.helpers.engines import engine_config
 
-    gen = Generator(sdk_tool_caller, dtype="float32", max_model_len=1024, seed=0)
+    gen = Generator(engine_config(sdk_tool_caller, 1024))
     endpoint = AgentEndpoint()
     pool = concurrent.futures.ThreadPoolExecutor(8)
     yield gen, endpoint, pool
@@ -102,9 +103,9 @@ def generator(tiny_model_path, request):
     vLLM keeps one parallel state per process and an engine collected later would tear down the
     next module's (``Generator.close``)."""
     from actors.generator import Generator
+    from tests.helpers.engines import engine_config
 
-    max_len = getattr(request.module, "ENGINE_MAX_MODEL_LEN", 256)
-    gen = Generator(tiny_model_path, dtype="float32", max_model_len=max_len, seed=0)
+    gen = Generator(engine_config(tiny_model_path, getattr(request.module, "ENGINE_MAX_MODEL_LEN", 256)))
     yield gen
     gen.close()
 

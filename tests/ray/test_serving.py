@@ -243,7 +243,7 @@ def test_a_trained_tool_caller_answers_with_tool_calls_and_reads_the_tool_answer
     training used (``actors/episodes.py``), or the model would not continue as it learned."""
     from transformers import AutoTokenizer
 
-    from actors.episodes import ChatTokens
+    from actors.chat_tokens import ChatTokens
     from tests.helpers.tool_agent import ANSWER, CALL, QUESTION, TOOLS, train_tool_caller
 
     folder, metrics = train_tool_caller(tiny_model_path, tmp_path_factory.mktemp("tool_caller") / "model")

@@ -13,7 +13,7 @@ import torch
 
 from actors.agent_server import AgentEndpoint
 from actors.environments import EpisodeLimits
-from actors.episodes import ChatTokens
+from actors.chat_tokens import ChatTokens
 from tests.helpers import agents
 
 

@@ -8,7 +8,7 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from actors.episodes import ChatTokens, from_client, tool_instructions
+from actors.chat_tokens import ChatTokens, from_client, tool_instructions
 from actors.tools import CALCULATOR, ToolCallFormat
 
 TOOLS = [CALCULATOR.schema()]

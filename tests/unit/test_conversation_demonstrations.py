@@ -9,7 +9,7 @@ import torch
 from transformers import AutoTokenizer
 
 from actors.environments import EnvSpec, environment_factory
-from actors.episodes import ChatTokens, tool_instructions
+from actors.chat_tokens import ChatTokens, tool_instructions
 from actors.offline_data import encode_demonstrations, normalise_demonstration
 from actors.tasks import reasoning_gym_rows
 from actors.tools import CALCULATOR

@@ -16,8 +16,9 @@ def test_a_closed_engine_leaves_the_next_engine_working(tiny_model_path, caplog)
     from vllm.distributed.parallel_state import model_parallel_is_initialized
 
     from actors.generator import Generator, warn_if_engine_open
+    from tests.helpers.engines import engine_config
 
-    first = Generator(tiny_model_path, dtype="float32", max_model_len=64, seed=0)
+    first = Generator(engine_config(tiny_model_path, 64))
     assert first.generate(["Count: 1 2"], max_new_tokens=4, temperature=0.0).batch_size == 1
     assert model_parallel_is_initialized()
     caplog.clear()
@@ -35,7 +36,7 @@ def test_a_closed_engine_leaves_the_next_engine_working(tiny_model_path, caplog)
     with pytest.raises(RuntimeError, match="closed"):
         first.generate(["Count: 1 2"], max_new_tokens=4)
 
-    second = Generator(tiny_model_path, dtype="float32", max_model_len=64, seed=0)
+    second = Generator(engine_config(tiny_model_path, 64))
     del first
     gc.unfreeze()  # (vLLM freezes the heap at an engine build and unfreezes it at a shutdown)
     gc.collect()  # a first engine shut down twice would tear the second's parallel state down here

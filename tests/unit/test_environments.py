@@ -4,9 +4,8 @@ step may return (OpenEnv servers: tests/unit/test_openenv_sessions.py)."""
 
 import pytest
 
-from actors.environments import (
-    EnvSpec, Feedback, GuessNumber, Step, ToolUse, as_step, environment_factory, verifier,
-)
+from actors.env_step import Step, as_step
+from actors.environments import EnvSpec, Feedback, GuessNumber, ToolUse, environment_factory, verifier
 from actors.rewards import exact_match
 from actors.tools import CALCULATOR, ToolBox
 

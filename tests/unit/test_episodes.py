@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from actors.environments import EpisodeLimits, Step
-from actors.episodes import ChatTokens, EpisodeRunner
+from actors.chat_tokens import ChatTokens
+from actors.episodes import EpisodeRunner
 from actors.tools import CALCULATOR
 from tests.helpers.environments import Unreliable
 
