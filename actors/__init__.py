@@ -1,8 +1,10 @@
-"""The roles as plain classes (usable without Ray): generator, scorers, judge, reference, data.
+"""The roles as plain classes (usable without Ray): ``rollout`` (the generator over vLLM),
+``agents`` (episodes, environments, tools, the agent endpoint), ``rewards`` (scorers, reward
+models, the judge), ``data`` (tasks, tables, offline data, replay) and the ``reference``.
 
 rayrlhf's own log records (loggers under ``rayrlhf``) are written as ``[rayrlhf] LEVEL name:
 message`` wherever these classes run, so a console that keeps only rayrlhf's lines (see
-``cluster/console.py``) keeps them, also when Ray forwards them from a worker.
+``cluster/ops/console.py``) keeps them, also when Ray forwards them from a worker.
 """
 
 import logging

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from learners.experience import Experience
-from learners.modeling import sequence_logprobs
+from learners.training.modeling import sequence_logprobs
 
 
 @dataclass
@@ -21,7 +21,7 @@ class ReferenceConfig:
     # The frozen policy: a local transformers folder (safetensors).
     model_path: str
     # bf16 weights and autocast (halves memory; log-probs within ~1e-2 of fp32); "auto": where
-    # the device computes bf16 natively (learners/precision.py).
+    # the device computes bf16 natively (learners/training/precision.py).
     bf16: bool | str = False
     # Sequences per forward pass, and positions per chunk of vocabulary-sized logits.
     micro_batch_size: int = 8
@@ -57,8 +57,8 @@ class Reference:
             torch.set_num_threads(threads)
         # A frozen model needs no fp32 master copy: bf16 weights halve memory and skip autocast's
         # per-call weight casts.
-        from learners.attention import register
-        from learners.precision import resolve_bf16
+        from learners.training.attention import register
+        from learners.training.precision import resolve_bf16
 
         bf16 = resolve_bf16(bf16, device)
         self.model = AutoModelForCausalLM.from_pretrained(

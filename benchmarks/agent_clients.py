@@ -129,9 +129,9 @@ def main() -> None:
     globals().update(TURNS=args.turns, NEW_TOKENS=args.new_tokens)
     os.environ.setdefault("RAYRLHF_CACHE", str(ROOT / ".cache" / "rayrlhf"))
 
-    from actors.agent_server import AgentEndpoint
-    from actors.environments import EnvSpec, EpisodeLimits, environment_factory
-    from actors.generator import Generator, GeneratorConfig
+    from actors.agents.agent_server import AgentEndpoint
+    from actors.agents.environments import EnvSpec, EpisodeLimits, environment_factory
+    from actors.rollout.generator import Generator, GeneratorConfig
     from cluster.assets import resolve_model
 
     model = resolve_model(args.model)

@@ -42,7 +42,7 @@ class DelayedTurns:
         return row["prompt"]
 
     def step(self, action: str):
-        from actors.environments import Step
+        from actors.agents.environments import Step
 
         self.k += 1
         time.sleep(self.delay * 2 * self.rng.random() if self.jitter else self.delay)
@@ -53,7 +53,7 @@ def lockstep(gen, rows, make_env, limits, pool) -> int:
     """Turn by turn over all live episodes; returns the tokens sampled."""
     from vllm import SamplingParams
 
-    from actors.episodes import ChatTokens
+    from actors.agents.episodes import ChatTokens
 
     chat = ChatTokens(gen.tokenizer)
     envs = [make_env() for _ in rows]
@@ -87,9 +87,9 @@ def main() -> None:
     ap.add_argument("--out", default="")
     a = ap.parse_args()
 
-    from actors.environments import EpisodeLimits
-    from actors.generator import Generator, GeneratorConfig
-    from actors.tasks import load_prompts
+    from actors.agents.environments import EpisodeLimits
+    from actors.rollout.generator import Generator, GeneratorConfig
+    from actors.data.tasks import load_prompts
     from cluster.assets import resolve_model
 
     gen = Generator(GeneratorConfig(resolve_model(a.model), dtype="auto", max_model_len=512, seed=0))

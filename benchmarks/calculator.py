@@ -28,13 +28,13 @@ CONFIG = ROOT / "configs" / "calculator_smollm2.yaml"
 
 
 def load_cfg(config: str, overrides: list[str]):
-    from cluster.config_loading import load_config
+    from cluster.config.loading import load_config
 
     return load_config(config, overrides)
 
 
 def held_out_rows(cfg) -> list[dict]:
-    from actors.tasks import load_prompts
+    from actors.data.tasks import load_prompts
 
     _, eval_set = load_prompts(cfg.data.task, cfg.data.train_size, cfg.data.eval_size, cfg.run.seed,
                                cfg.data.task_kwargs, cfg.data.instruction_for(cfg.data.task))
@@ -46,10 +46,10 @@ def evaluate(cfg, model_path: str, tools: bool) -> dict:
     A dropped episode counts as wrong (the denominator is every held-out prompt)."""
     from dataclasses import replace
 
-    from actors.environments import environment_factory
-    from actors.generator import Generator
-    from actors.scorer import Scorer
-    from cluster.role_settings import generator_config
+    from actors.agents.environments import environment_factory
+    from actors.rollout.generator import Generator
+    from actors.rewards.scorer import Scorer
+    from cluster.config.role_settings import generator_config
 
     rows = held_out_rows(cfg)
     gcfg = generator_config(cfg, model_path)

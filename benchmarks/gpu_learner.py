@@ -122,7 +122,7 @@ def build_learner(folder: Path, spec: dict, device: str):
 
     from cluster.config import PPOConfig, TrainConfig
     from learners.base import LearnerContext
-    from learners.distributed import default_collective
+    from learners.training.distributed import default_collective
     from learners.ppo import PPOLearner
 
     gpu = device.startswith("cuda")
@@ -150,7 +150,7 @@ def _unpinned_offload() -> None:
 
 def probe_weight(learner):
     """A slice of one decoder layer's MLP weight, full (gathered), on the CPU."""
-    from learners.sharding import full_tensor
+    from learners.training.sharding import full_tensor
 
     for name, p in learner.model.named_parameters():
         if "mlp.down_proj" in name:

@@ -38,7 +38,7 @@ def changes(algorithm: str, seed: int, a: argparse.Namespace) -> list[str]:
 def check_settings(algorithm: str, run_dir: Path, seed: int, a: argparse.Namespace) -> None:
     """Refuses a collected run whose settings are not the preset's with this benchmark's changes
     (the saved config read as a config, so a field added since the run compares at its default)."""
-    from cluster.config_loading import load_config
+    from cluster.config.loading import load_config
 
     want = load_config(ROOT / "configs" / PRESETS[algorithm], changes(algorithm, seed, a)).model_dump()
     got = load_config(run_dir / "config.yaml").model_dump()

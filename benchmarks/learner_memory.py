@@ -2,11 +2,11 @@
 the fused LM-head log-probs (``train.fused_logprobs``), and LoRA. ``full_prompt_cache`` shares
 prompts through the prompt's key/value cache instead of packed tree rows, ``full_unshared`` runs
 every row in full, ``full_mb16`` (``full_mb32``, ...) takes micro-batches of 16 (32, ...) rows, ``full_sdpa`` runs PyTorch's sdpa
-kernel also on the short rows the product runs as matrix multiplies (``learners/attention.py``).
+kernel also on the short rows the product runs as matrix multiplies (``learners/training/attention.py``).
 Like the product's CPU learner workers, every mode runs with glibc's keep-freed-memory settings
 (``cluster.keep_freed_memory``) except ``full_default_malloc``; ``full_loop_adamw`` steps AdamW
 tensor by tensor (PyTorch's CPU default) instead of the fused kernel; ``full_cast_per_micro`` casts
-the weights to bf16 in every micro-batch (no ``learners.modeling.shared_weight_casts``);
+the weights to bf16 in every micro-batch (no ``learners.training.modeling.shared_weight_casts``);
 ``full_before`` does all three (the learner as it was before them). Two more contenders measure
 options off by default: ``full_compiled`` (``train.compile``: every decoder layer under
 ``torch.compile(dynamic=True)``) and, not in the product, ``full_bf16_weights`` (the policy's weights cast to bf16,
@@ -79,16 +79,16 @@ def one(model: str, mode: str, steps: int, shape: str = "memory") -> dict:
 
         learners.policy._FUSED_ADAMW_DEVICES = ()
     if mode in ("full_cast_per_micro", "full_before"):
-        import learners.modeling
+        import learners.training.modeling
         import learners.ppo
 
-        learners.ppo.shared_weight_casts = lambda bf16, device: learners.modeling.shared_weight_casts(False, device)
+        learners.ppo.shared_weight_casts = lambda bf16, device: learners.training.modeling.shared_weight_casts(False, device)
     if mode == "full_prompt_cache":  # shared prompts through the prompt's cache, never packed
-        import learners.modeling
+        import learners.training.modeling
 
-        learners.modeling.PACKED_ROW_MAX = 0
+        learners.training.modeling.PACKED_ROW_MAX = 0
     micro = int(mode[len("full_mb"):]) if mode.startswith("full_mb") else 16 if shape == "memory" else 8
-    # The product's `auto` precision, unless a mode names one (learners/precision.py).
+    # The product's `auto` precision, unless a mode names one (learners/training/precision.py).
     bf16 = {"full_fp32": False, "full_autocast": True}.get(mode, "auto")
     train = TrainConfig(num_minibatches=1, micro_batch_size=micro, bf16=bf16, fused_logprobs=mode.endswith("_fused"),
                         shared_prefix=mode != "full_unshared", compile=mode == "full_compiled")
@@ -137,7 +137,7 @@ def main() -> None:
     import statistics
 
     sys.path.insert(0, str(ROOT))
-    from cluster.role_settings import KEEP_FREED_MEMORY_ENV
+    from cluster.config.role_settings import KEEP_FREED_MEMORY_ENV
 
     results = []
     for _ in range(a.rounds):

@@ -44,7 +44,7 @@ def _learner(model_path: str, r: int):
 
 
 def _sync(learner, generator, adapter: bool, version: int, probe: list[int]) -> dict:
-    from cluster.weight_sync import pack, unpack
+    from cluster.roles.weight_sync import pack, unpack
 
     t0 = time.perf_counter()
     with learner.sync_weights(adapter) as weights:
@@ -65,7 +65,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "lora_sync.json"))
     a = ap.parse_args()
 
-    from actors.generator import Generator, GeneratorConfig
+    from actors.rollout.generator import Generator, GeneratorConfig
     from cluster.assets import resolve_model
 
     model_path = resolve_model(a.model)

@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.preset_runs import train  # noqa: E402
 
-# The settings each paper gives (ppo.* in cluster/config.py says where they come from).
+# The settings each paper gives (ppo.* in cluster/config/schema.py says where they come from).
 OBJECTIVES = {
     "grpo": [],
     "gspo": ["ppo.policy_loss=gspo", "ppo.clip_eps=0.0003", "ppo.clip_eps_high=0.0004", "ppo.loss_agg=seq_mean_token_mean"],

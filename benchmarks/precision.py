@@ -49,7 +49,7 @@ def matmul_gflops(repeats: int = 10) -> dict[str, float]:
 
 
 def generate_tokens_per_s(dtype: str, batch: int, new_tokens: int, repeats: int) -> dict:
-    from actors.generator import Generator, GeneratorConfig
+    from actors.rollout.generator import Generator, GeneratorConfig
     from benchmarks.rollout import bench_generator, prompts
     from cluster.assets import resolve_model
 
@@ -83,7 +83,7 @@ def main() -> None:
         print(json.dumps(generate_tokens_per_s(a.dtype, a.batch, a.new_tokens, a.repeats)))
         return
 
-    from cluster.role_settings import KEEP_FREED_MEMORY_ENV
+    from cluster.config.role_settings import KEEP_FREED_MEMORY_ENV
 
     me = str(Path(__file__).resolve())
     runs: list[dict] = []
@@ -123,7 +123,7 @@ def summarise(runs: list[dict]) -> dict:
 
 
 def _write(a, runs: list[dict]) -> dict:
-    from learners.precision import cpu_has_native_bf16, resolve_bf16, resolve_engine_dtype
+    from learners.training.precision import cpu_has_native_bf16, resolve_bf16, resolve_engine_dtype
 
     result = {
         "date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "cpu_has_native_bf16": cpu_has_native_bf16(),

@@ -42,7 +42,7 @@ def drift(run_dir: Path) -> dict:
     from transformers import AutoModelForCausalLM
 
     from cluster.assets import resolve_model
-    from cluster.config_loading import load_config
+    from cluster.config.loading import load_config
 
     cfg = load_config(run_dir / "config.yaml")
     checkpoint = sorted((run_dir / "checkpoints").glob("step_*"))[-1]

@@ -35,12 +35,12 @@ def main() -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from actors.offline_data import answer_pairs, encode_pairs, normalise_row
-    from actors.tasks import load_prompts
+    from actors.data.offline_data import answer_pairs, encode_pairs, normalise_row
+    from actors.data.tasks import load_prompts
     from cluster.assets import resolve_model
     from cluster.config import RewardModelConfig, TrainConfig
     from learners.base import LearnerContext
-    from learners.precision import resolve_bf16
+    from learners.training.precision import resolve_bf16
     from learners.reward_model import RewardModelLearner
 
     torch.set_num_threads(torch.get_num_threads())

@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def prompts(n: int) -> list[str]:
-    from actors.tasks import load_prompts
+    from actors.data.tasks import load_prompts
 
     train, _ = load_prompts("basic_arithmetic", max(n, 16), 1, 0,
                             {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
@@ -103,7 +103,7 @@ def bench_generator(gen, texts: list[str], new_tokens: int, repeats: int) -> lis
 def _fixed_length_worker():
     """``GeneratorWorker`` (what training runs in its actor) with one more method: its
     ``generate`` with EOS ignored, the stopping rule of the other contenders."""
-    from cluster.workers import GeneratorWorker
+    from cluster.roles.workers import GeneratorWorker
 
     class FixedLengthWorker(GeneratorWorker):
         def generate_fixed(self, rows: list[dict], group_ids: list[int]) -> tuple:
@@ -123,8 +123,8 @@ def bench_actor(model_path: str, texts: list[str], new_tokens: int, repeats: int
     and probes, so its calls run on Ray's thread pool rather than the actor's main thread)."""
     import ray
 
-    from cluster.role_settings import generator_config, role_env
-    from cluster.config_loading import load_config
+    from cluster.config.role_settings import generator_config, role_env
+    from cluster.config.loading import load_config
 
     cfg = load_config(overrides=[f"model.max_new_tokens={new_tokens}", "model.max_prompt_tokens=256",
                                  "rollout.temperature=1.0", "rollout.kv_cache_gib=2"])
@@ -158,9 +158,9 @@ def bench_pool(model_path: str, texts: list[str], new_tokens: int, repeats: int,
     of ``bs / replicas`` prompts each per batch, through the training code's GeneratorPool."""
     import ray
 
-    from cluster.role_settings import generator_config, role_env
-    from cluster.config_loading import load_config
-    from cluster.rollout_pool import GeneratorPool, Unit, unit_sizes
+    from cluster.config.role_settings import generator_config, role_env
+    from cluster.config.loading import load_config
+    from cluster.roles.rollout_pool import GeneratorPool, Unit, unit_sizes
 
     cfg = load_config(overrides=[f"model.max_new_tokens={new_tokens}", "model.max_prompt_tokens=256",
                                  "rollout.temperature=1.0", "rollout.kv_cache_gib=2", "rollout.threads=1",
@@ -246,7 +246,7 @@ def run_part(part: str, a) -> dict:
         return {str(k): v for k, v in bench_pool(model_path, texts, a.new_tokens, a.repeats, a.batch_sizes).items()}
     if part == "hf":
         return {str(bs): bench_hf(model_path, texts[:bs], a.new_tokens, 1) for bs in a.batch_sizes if bs <= a.skip_hf_above}
-    from actors.generator import Generator, GeneratorConfig
+    from actors.rollout.generator import Generator, GeneratorConfig
 
     threads = 1 if part == "vllm1" else 0
     compiled = part == "vllm_compiled"

@@ -195,7 +195,7 @@ def prompt_tokens_of_task() -> float:
     sys.path.insert(0, str(ROOT))
     from transformers import AutoTokenizer
 
-    from actors.tasks import load_prompts
+    from actors.data.tasks import load_prompts
     from benchmarks.vs_trl import load_cfg
     from cluster.assets import resolve_model
 

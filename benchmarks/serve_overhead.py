@@ -117,7 +117,7 @@ def main() -> None:
     import logging
 
     from cluster.assets import resolve_model
-    from learners.precision import resolve_engine_dtype
+    from learners.training.precision import resolve_engine_dtype
 
     logging.getLogger("httpx").setLevel(logging.WARNING)
     ap = argparse.ArgumentParser()

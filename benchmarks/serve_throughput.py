@@ -45,7 +45,7 @@ KEY = "bench-key"
 
 
 def prompts(n: int) -> list[str]:
-    from actors.tasks import load_prompts
+    from actors.data.tasks import load_prompts
 
     train, _ = load_prompts("basic_arithmetic", max(n, 16), 1, 0, {}, "")
     return [r["prompt"] for r in train.rows][:n]
@@ -239,7 +239,7 @@ def summary(runs: list[dict]) -> dict:
 def main() -> None:
     import logging
 
-    from learners.precision import resolve_engine_dtype
+    from learners.training.precision import resolve_engine_dtype
 
     logging.getLogger("httpx").setLevel(logging.WARNING)
     ap = argparse.ArgumentParser()

@@ -81,7 +81,7 @@ def worker(rank: int, world: int, mode: str, model: str, steps: int, threads: in
     from cluster.assets import resolve_model
     from cluster.config import PPOConfig, TrainConfig
     from learners.base import LearnerContext
-    from learners.distributed import default_collective
+    from learners.training.distributed import default_collective
     from learners.ppo import PPOLearner
 
     torch.set_num_threads(threads)
@@ -110,7 +110,7 @@ def worker(rank: int, world: int, mode: str, model: str, steps: int, threads: in
 def run(mode: str, world: int, malloc: str, model: str, steps: int, micro: int = 8,
         checkpointing: bool = False, fused: bool = False, chunk: int = 1024) -> list[dict]:
     sys.path.insert(0, str(ROOT))
-    from cluster.role_settings import KEEP_FREED_MEMORY_ENV
+    from cluster.config.role_settings import KEEP_FREED_MEMORY_ENV
     from tests.helpers.ranks import run_processes
 
     saved = dict(os.environ)

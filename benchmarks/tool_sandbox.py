@@ -1,4 +1,4 @@
-"""The python tool's cost per call, sandboxed (bubblewrap, ``actors/sandbox.py``) against the
+"""The python tool's cost per call, sandboxed (bubblewrap, ``actors/agents/sandbox.py``) against the
 former unsandboxed subprocess (``env.python_sandbox: unsafe``), side by side in one run: the
 latency of one call at a time (median and p99 of ``--calls``), and the throughput with
 ``--parallel`` calls at once (calls/s), for the same small program. Contenders alternate round
@@ -24,7 +24,7 @@ CODE = "total = sum(i * i for i in range(10000))\nprint(total)"
 
 
 def main() -> None:
-    from actors.tools import run_python
+    from actors.agents.tools import run_python
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=100)

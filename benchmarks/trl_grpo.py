@@ -3,7 +3,7 @@
 Runs in its own environment (``make trl-env`` builds ``.venv-trl`` with TRL and the same torch
 and transformers as the project), so TRL's dependencies never touch the project's. It reads the
 prompts, in the order rayrlhf drew them, from ``--prompts`` and scores completions with the same
-reward function (``actors.rewards.reasoning_gym``: the task's checker on the extracted answer).
+reward function (``actors.rewards.functions.reasoning_gym``: the task's checker on the extracted answer).
 
     .venv-trl/bin/python benchmarks/trl_grpo.py --prompts P.json --model DIR --out R.json [--save DIR]
 """
@@ -38,7 +38,7 @@ def main() -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from actors.rewards import reasoning_gym
+    from actors.rewards.functions import reasoning_gym
 
     spec = json.loads(Path(args.prompts).read_text())
     s = spec["settings"]

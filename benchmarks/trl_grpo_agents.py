@@ -1,8 +1,8 @@
 """TRL's GRPOTrainer on rayrlhf's multi-turn guessing game (the workload of ``benchmarks/vs_trl_agents.py``).
 
 Runs in TRL's own environment (``make trl-env`` builds ``.venv-trl``). The game is rayrlhf's
-``actors.environments.GuessNumber`` itself, imported from the repository (the module and what it
-imports are plain Python), and the episodes are played by rayrlhf's ``actors.episodes.EpisodeRunner``
+``actors.agents.environments.GuessNumber`` itself, imported from the repository (the module and what it
+imports are plain Python), and the episodes are played by rayrlhf's ``actors.agents.episodes.EpisodeRunner``
 with its ``ChatTokens``: the same prompt ids, the same observation ids after each reply, the same
 limits (turns, tokens per turn, tokens per episode) and the same reward (the sum of the game's
 rewards). Only the generation and the training are TRL's. Two ways into TRL 1.16:
@@ -72,7 +72,7 @@ class _Completion:
 
 
 class TurnLoop:
-    """The ``EngineLoop.stream`` of ``actors/episodes.py`` on a batch generator: every episode whose
+    """The ``EngineLoop.stream`` of ``actors/agents/episodes.py`` on a batch generator: every episode whose
     environment has answered gets its next turn in one ``generate`` call."""
 
     def __init__(self, generate: Generate, tokenizer: Any, eos_ids: set[int]) -> None:
@@ -108,8 +108,8 @@ class _Output:
 def play(rows: list[dict], generate: Generate, tokenizer: Any, settings: dict) -> tuple[list[Any], TurnLoop]:
     """One episode per row of the game in ``settings`` (rayrlhf's environment factory, episode
     runner, chat tokens and limits); returns the episodes and the loop (its generation time)."""
-    from actors.environments import EnvSpec, EpisodeLimits, environment_factory
-    from actors.episodes import ChatTokens, EpisodeRunner
+    from actors.agents.environments import EnvSpec, EpisodeLimits, environment_factory
+    from actors.agents.episodes import ChatTokens, EpisodeRunner
 
     make_env = environment_factory(EnvSpec(settings["env"], dict(settings["env_args"])))
     limits = EpisodeLimits(max_turns=settings["max_turns"], max_tokens=settings["episode_max_tokens"],
@@ -123,7 +123,7 @@ def play(rows: list[dict], generate: Generate, tokenizer: Any, settings: dict) -
 
 
 def episode_stats(episodes: list[Any]) -> dict[str, float]:
-    from actors.episodes import episode_summary
+    from actors.agents.episodes import episode_summary
 
     dropped, counts = episode_summary(episodes)
     rewards = [float(sum(ep.rewards)) for ep in episodes]
@@ -234,7 +234,7 @@ def main() -> int:
 
     kwargs: dict[str, Any]
     if env_mode:
-        from actors.environments import GuessNumber
+        from actors.agents.environments import GuessNumber
 
         if args.chat_template:
             tok.chat_template = Path(args.chat_template).read_text()

@@ -31,7 +31,7 @@ CONFIG = ROOT / "configs" / "grpo_smollm2.yaml"
 
 
 def load_cfg(steps: int, seed: int, sets: tuple[str, ...] = (), config: Path = CONFIG):
-    from cluster.config_loading import load_config
+    from cluster.config.loading import load_config
 
     return load_config(str(config), [f"run.steps={steps}", f"run.seed={seed}", "run.eval_every=0", "run.plot=false",
                                      *sets])
@@ -40,7 +40,7 @@ def load_cfg(steps: int, seed: int, sets: tuple[str, ...] = (), config: Path = C
 def schedule(cfg) -> tuple[list[list[dict]], list[dict]]:
     """The prompts (or an environment's own rows) rayrlhf's driver will draw, step by step (same
     loader, sampler and seed), and the held-out rows."""
-    from cluster.data_sources import load_task_prompts
+    from cluster.data.sources import load_task_prompts
     from cluster.run_context import PromptSampler
 
     train_set, eval_set, _ = load_task_prompts(cfg)
@@ -102,7 +102,7 @@ def greedy_accuracy(model_dir: str, rows: list[dict], max_new_tokens: int, bf16:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from actors.rewards import reasoning_gym
+    from actors.rewards.functions import reasoning_gym
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     tok.padding_side = "left"
@@ -205,13 +205,13 @@ def main() -> int:
 
     from cluster.assets import resolve_model
 
-    from learners.precision import resolve_bf16
+    from learners.training.precision import resolve_bf16
 
     cfg = load_cfg(args.steps, args.seed)
     model_path = resolve_model(cfg.model.path, cfg.model.cache_dir or None)
     steps, eval_rows = schedule(cfg)
     # Both tools compute in what the preset's `auto` gives this machine: bf16 autocast where the
-    # CPU multiplies bf16 natively, fp32 where bf16 would be emulated (learners/precision.py).
+    # CPU multiplies bf16 natively, fp32 where bf16 would be emulated (learners/training/precision.py).
     bf16 = resolve_bf16(cfg.train.bf16, "cpu")
     settings = {
         "model": cfg.model.path, "task": cfg.data.task, "task_kwargs": cfg.data.task_kwargs, "seed": cfg.run.seed,
@@ -237,7 +237,7 @@ def main() -> int:
                                  tmp_path / "trl_model", args.trl_generation)
         tools = ["rayrlhf", "trl"]
         if args.trl_keep_freed_memory:
-            from cluster.role_settings import KEEP_FREED_MEMORY_ENV
+            from cluster.config.role_settings import KEEP_FREED_MEMORY_ENV
 
             print("[vs_trl] TRL GRPOTrainer again, with rayrlhf's malloc settings", flush=True)
             results["trl_keep_freed_memory"] = run_trl(

@@ -120,7 +120,7 @@ def main() -> int:
         return 2
 
     from cluster.assets import resolve_model
-    from learners.precision import resolve_bf16
+    from learners.training.precision import resolve_bf16
 
     cfg = load_cfg(args.steps, args.seed, tuple(args.sets))
     model_path = resolve_model(cfg.model.path, cfg.model.cache_dir or None)

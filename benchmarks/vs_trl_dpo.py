@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from learners.precision import resolve_bf16  # noqa: E402
+from learners.training.precision import resolve_bf16  # noqa: E402
 
 # bf16: both tools in what `auto` gives this machine (bf16 autocast only where the CPU computes bf16 natively).
 SETTINGS = {"model": "smollm2-135m", "seed": 0, "pairs_per_step": 8, "lr": 5e-6, "beta": 0.1, "max_grad_norm": 1.0,
@@ -39,7 +39,7 @@ SETTINGS = {"model": "smollm2-135m", "seed": 0, "pairs_per_step": 8, "lr": 5e-6,
 
 def preference_rows(n: int, seed: int) -> list[dict]:
     """Worked replies to basic_arithmetic prompts, right (chosen) and wrong (rejected)."""
-    from actors.tasks import load_prompts
+    from actors.data.tasks import load_prompts
 
     train, _ = load_prompts("basic_arithmetic", n, 0, seed, {"min_terms": 2, "max_terms": 3, "min_digits": 1,
                                                              "max_digits": 2}, "Answer with just the final answer.")
@@ -56,7 +56,7 @@ def preference_rows(n: int, seed: int) -> list[dict]:
 
 def rayrlhf_order(pairs_file: Path, steps: int) -> list[dict]:
     """The pairs in the order rayrlhf's recipe trains on them (same loader, split and sampler)."""
-    from cluster.config_loading import load_config
+    from cluster.config.loading import load_config
     from cluster.recipes.dpo import load_data
     from cluster.run_context import PromptSampler
 

@@ -42,11 +42,11 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from cluster.role_settings import generator_config
-    from cluster.workers import GeneratorWorker
+    from cluster.config.role_settings import generator_config
+    from cluster.roles.workers import GeneratorWorker
     from cluster.assets import resolve_model
-    from cluster.config_loading import load_config
-    from cluster.weight_sync import pack
+    from cluster.config.loading import load_config
+    from cluster.roles.weight_sync import pack
 
     torch.set_num_threads(2)
     path = resolve_model(a.model)
@@ -115,7 +115,7 @@ def main() -> None:
         res["sync_end_to_end_s"] = end_to_end
 
         # The collective transport: this process is rank 0 of a gloo group of its own with the actor.
-        from cluster import collective
+        from cluster.roles import collective
 
         store, host, port = collective.open_store(2)
         joined = gen.join_weight_group.remote(host, port, 1, 2)

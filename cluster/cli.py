@@ -21,8 +21,8 @@ from pathlib import Path
 
 from actors.start_up import lighter_gc
 from cluster.config import ConfigError, UserError
-from cluster.config_help import config_help, config_schema
-from cluster.config_loading import check_resume_compatible, load_config, read_yaml
+from cluster.config.help import config_help, config_schema
+from cluster.config.loading import check_resume_compatible, load_config, read_yaml
 
 
 def _resume_config(run_dir: str, config: str | None, overrides: list[str]):
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         return _train(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.command == "status":
-        from cluster.status import main as status
+        from cluster.ops.status import main as status
 
         return status(args.run_dir, as_json=args.json)
     if args.command == "serve":
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "data":
         return _data(args)
     if args.command == "config":
-        from cluster.config_help import config_markdown
+        from cluster.config.help import config_markdown
 
         print(config_schema() if args.schema else config_markdown() if args.markdown else config_help())
         return 0
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _data(args: argparse.Namespace) -> int:
-    from cluster.data_inspect import main as inspect
+    from cluster.data.inspection import main as inspect
 
     try:
         return inspect(args.config, args.overrides, args.source, args.rows, args.json)
@@ -119,7 +119,7 @@ def _train(args: argparse.Namespace) -> int:
     """``rayrlhf train``: on a quiet console (rayrlhf's lines; the rest in <run dir>/train.log)."""
     if args.dry_run:
         return _dry_run(args)
-    from cluster import console
+    from cluster.ops import console
 
     con = console.active = console.Console(verbose=args.verbose).install()
     try:

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import yaml
 
-from cluster.console import attach_run_dir
+from cluster.ops.console import attach_run_dir
 from cluster.config import Config, UserError
-from cluster.config_loading import check_resume_compatible, load_config, stage_configs
+from cluster.config.loading import check_resume_compatible, load_config, stage_configs
 from cluster.recipes import recipe_module
 from cluster.run_context import RUN_STATE_FILE, RunContext, RunResult, latest_checkpoint, preflight
 

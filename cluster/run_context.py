@@ -29,7 +29,7 @@ import yaml
 
 from actors.start_up import SETUP_HOOK
 from cluster.config import Config, UserError
-from cluster.metrics import RunLog
+from cluster.ops.metrics import RunLog
 
 log = logging.getLogger("rayrlhf.run")
 
@@ -137,11 +137,11 @@ class RunContext:
         self.start_step = int(self.run_state["step"])
         self.runlog = RunLog(self.dir, cfg.run.steps, keep_until_step=self.start_step if resume else None)
         self.runlog.save_config(cfg.to_dict())
-        from cluster.console import attach_run_dir
+        from cluster.ops.console import attach_run_dir
 
         attach_run_dir(self.dir)
         if cfg.run.trackers:
-            from cluster.trackers import start_trackers
+            from cluster.ops.trackers import start_trackers
 
             self.runlog.sinks += start_trackers(cfg.run.trackers, self.dir, cfg.to_dict(), wandb_project=cfg.run.wandb_project,
                                                 mlflow_uri=cfg.run.mlflow_tracking_uri, mlflow_experiment=cfg.run.mlflow_experiment)
@@ -160,7 +160,7 @@ class RunContext:
         roles fit it (a request no node can meet would otherwise wait forever)."""
         import ray
 
-        from cluster.resources import check_fits, cluster_node_cpus, cluster_resources, role_requests
+        from cluster.roles.resources import check_fits, cluster_node_cpus, cluster_resources, role_requests
 
         cfg = self.cfg
         requests = role_requests(cfg)
@@ -170,7 +170,7 @@ class RunContext:
         check_fits(requests, cluster_node_cpus(), cluster_resources())
         self._announce_cluster()
         if cfg.cluster.metrics_export:
-            from cluster.telemetry import RayMetricsSink
+            from cluster.ops.telemetry import RayMetricsSink
 
             self.runlog.sinks.append(RayMetricsSink(self.dir.name))
 
@@ -367,7 +367,7 @@ class RunContext:
         if self.cfg.run.plot:
             self.runlog.plot()
         seconds = time.time() - self.t_start
-        from cluster.learned import learned_line
+        from cluster.ops.learned import learned_line
 
         evals = [r["eval/accuracy"] for r in self.runlog.rows if r.get("eval/accuracy") is not None]
         if len(evals) > 1:

@@ -1,9 +1,9 @@
 """The learner interface every algorithm implements, its registry, and the checkpoint layout.
 
-A learner is plain torch: it runs inside a Ray Train worker (``cluster/learner_group.py``) or in
+A learner is plain torch: it runs inside a Ray Train worker (``cluster/roles/learner_group.py``) or in
 a test. It is built from a model path, the shared training settings (``train`` section) and its
 own section (``ppo``, ...), trains on the *global* batch of each step (taking its own rows of it,
-see ``learners/distributed.py``), hands out policy weights for the generators, and saves /
+see ``learners/training/distributed.py``), hands out policy weights for the generators, and saves /
 restores everything a run needs to continue.
 
 Adding an algorithm: a new ``learners/<name>.py`` with a ``Learner`` subclass, one line in
@@ -28,7 +28,7 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
-from learners.distributed import Collective
+from learners.training.distributed import Collective
 from learners.experience import Experience, ExperienceError
 
 #: Algorithm name -> "module:Class" of its learner (imported on use: only learners pay for torch models).
@@ -70,14 +70,14 @@ class TrainParams(Protocol):
     epochs: int
     num_minibatches: int
     micro_batch_size: int
-    bf16: bool | str  # True, False or "auto" (learners/precision.py)
+    bf16: bool | str  # True, False or "auto" (learners/training/precision.py)
     gradient_checkpointing: bool
     compile: bool
     logprob_chunk: int
     fused_logprobs: bool
     shared_prefix: bool
-    sharding: str  # "replicated" or "fsdp" (learners/sharding.py)
-    cpu_offload: bool  # sharded shards and optimiser state in host memory (learners/sharding.py)
+    sharding: str  # "replicated" or "fsdp" (learners/training/sharding.py)
+    cpu_offload: bool  # sharded shards and optimiser state in host memory (learners/training/sharding.py)
     reference: str  # "actor" or "learners": where reference log-probs come from without LoRA
 
 
@@ -97,7 +97,7 @@ class LearnerContext:
     max_new_tokens: int = 0
     # LoRA settings, or None for full fine-tuning.
     lora: LoRAParams | None = None
-    # Residual dropout of the policy's forward passes in train mode (learners/modeling.py).
+    # Residual dropout of the policy's forward passes in train mode (learners/training/modeling.py).
     dropout: float = 0.0
     # Reductions across data-parallel ranks (single-process by default).
     comm: Collective | None = None

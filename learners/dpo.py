@@ -22,8 +22,8 @@ import torch
 
 from learners.base import LearnerContext, TrainParams
 from learners.experience import Experience, ExperienceError
-from learners.preference_losses import preference_loss, preference_metrics, preference_rewards
-from learners.modeling import autocast, shared_weight_casts
+from learners.objectives.preference_losses import preference_loss, preference_metrics, preference_rewards
+from learners.training.modeling import autocast, shared_weight_casts
 from learners.policy import PolicyLearner
 
 _STATS = ("loss/total", "rewards/accuracy", "rewards/margin", "rewards/chosen", "rewards/rejected",

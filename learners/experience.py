@@ -199,7 +199,7 @@ class Experience:
         """This data-parallel rank's rows: whole groups (all samples of a prompt) dealt
         round-robin in order of first appearance, so each rank's rows are a fixed function of the
         batch. No padding: shards may differ in size, even be empty (learners reduce gradients
-        and counts across ranks, see ``learners/distributed.py``)."""
+        and counts across ranks, see ``learners/training/distributed.py``)."""
         if world == 1:
             return list(range(self.batch_size))
         groups = rows_by_group(self.group_ids.tolist())

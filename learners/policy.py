@@ -27,9 +27,9 @@ from learners.base import (
     load_model_weights,
     save_learner_state,
 )
-from learners.distributed import Collective
+from learners.training.distributed import Collective
 from learners.experience import Experience
-from learners.modeling import (
+from learners.training.modeling import (
     PolicyWithValueHead,
     add_residual_dropout,
     compile_decoder_layers,
@@ -38,9 +38,9 @@ from learners.modeling import (
     reference_logit_terms,
     reference_states,
 )
-from learners.optim import make_scheduler
-from learners.precision import resolve_bf16
-from learners.sharding import (
+from learners.training.optim import make_scheduler
+from learners.training.precision import resolve_bf16
+from learners.training.sharding import (
     aligned_passes,
     full_tensor,
     idle_inputs,
@@ -58,7 +58,7 @@ from learners.sharding import (
 
 log = logging.getLogger(__name__)
 
-# Under trainer_state/: a sharded learner's optimiser state, each rank's shards (learners/sharding.py).
+# Under trainer_state/: a sharded learner's optimiser state, each rank's shards (learners/training/sharding.py).
 OPTIMIZER_SHARDS_DIR = "optimizer"
 
 # Device types with PyTorch's fused AdamW kernel.
@@ -87,7 +87,7 @@ class PolicyLearner(Learner):
         torch.manual_seed(ctx.seed)
         self.ctx, self.tr = ctx, _with_resolved_bf16(train, ctx.device)
         self.comm = ctx.comm or Collective()
-        # Sharded (learners/sharding.py): each rank holds 1/N of the weights, gradients and
+        # Sharded (learners/training/sharding.py): each rank holds 1/N of the weights, gradients and
         # optimiser state, and every pass, weight read and save is a collective of all ranks.
         self.sharded = getattr(train, "sharding", "replicated") == "fsdp"
         # Sharded ranks other than 0 build the model without its weights, rank 0 sends them.
@@ -181,7 +181,7 @@ class PolicyLearner(Learner):
         if not self.shardable:
             raise ValueError(f"train.sharding=fsdp is not built for the {self.name} learner yet")
         if self.lora:
-            from learners.lora_sync import unsupported_adapters
+            from learners.training.lora_sync import unsupported_adapters
 
             unsupported = unsupported_adapters(self.model.lm)
             if unsupported:  # _merged_shards merges s B A shard by shard: linear adapters only
@@ -232,7 +232,7 @@ class PolicyLearner(Learner):
         return self.model(*idle_inputs(self.device), chunk=self.tr.logprob_chunk)
 
     def idle_passes(self, n: int, *, grad: bool) -> None:
-        """``n`` passes whose loss is 0 (``learners/sharding.py``)."""
+        """``n`` passes whose loss is 0 (``learners/training/sharding.py``)."""
         for _ in range(n):
             with torch.set_grad_enabled(grad):
                 out = self.idle_outputs()
@@ -273,7 +273,7 @@ class PolicyLearner(Learner):
                  for g in groups]
         norm = norms[0]
         self.optimizer.step()
-        # bf16 casts of the old weights (learners.modeling.shared_weight_casts) are stale now.
+        # bf16 casts of the old weights (learners.training.modeling.shared_weight_casts) are stale now.
         torch.clear_autocast_cache()
         self.scheduler.step()
         return float(norm)
@@ -404,9 +404,9 @@ class PolicyLearner(Learner):
     def sync_weights(self, adapter: bool = False) -> Iterator[dict[str, torch.Tensor]]:
         """What a weight sync sends the generators: ``policy_weights()``, or with LoRA and
         ``adapter`` only the adapters' factors, which the generators merge into their base weights
-        (``learners/lora_sync.py``). Sharded: shards, read with ``full_tensor`` on every rank."""
+        (``learners/training/lora_sync.py``). Sharded: shards, read with ``full_tensor`` on every rank."""
         if adapter and self.lora:
-            from learners.lora_sync import adapter_factors, unsupported_adapters
+            from learners.training.lora_sync import adapter_factors, unsupported_adapters
 
             unsupported = unsupported_adapters(self.model.lm)
             if not unsupported:

@@ -22,17 +22,17 @@ from typing import Any, Iterator, NamedTuple, Protocol
 
 import torch
 
-from learners.advantages import AdvantageInputs, Estimate, get_estimator, teacher_advantages
+from learners.objectives.advantages import AdvantageInputs, Estimate, get_estimator, teacher_advantages
 from learners.base import CRITIC_DIR, LearnerContext, TrainParams
-from learners.distributed import fill_missing_gradients
+from learners.training.distributed import fill_missing_gradients
 from learners.experience import Experience
-from learners.kl_control import make_kl_controller
-from learners.losses import kl_penalty, masked_mean, rollout_importance_weights, value_loss_clipped
-from learners.modeling import autocast, micro_batch_order, shared_weight_casts
+from learners.objectives.kl_control import make_kl_controller
+from learners.objectives.losses import kl_penalty, masked_mean, rollout_importance_weights, value_loss_clipped
+from learners.training.modeling import autocast, micro_batch_order, shared_weight_casts
 from learners.policy import PolicyLearner
-from learners.policy_losses import policy_loss
-from learners.reward_shaping import overlong_penalty
-from learners.sharding import full_tensor, idle_inputs, load_full_weights, shard_group_rank, zero_loss
+from learners.objectives.policy_losses import policy_loss
+from learners.objectives.reward_shaping import overlong_penalty
+from learners.training.sharding import full_tensor, idle_inputs, load_full_weights, shard_group_rank, zero_loss
 
 
 class PPOParams(Protocol):
@@ -183,7 +183,7 @@ class PPOLearner(PolicyLearner):
         head = [p for p in self.model.value_head.parameters() if p.requires_grad]
         group = {"params": head, "lr": hp.critic_lr}
         if self.separate_critic:
-            from learners.critic import build_critic
+            from learners.training.critic import build_critic
 
             empty = self.from_rank0 and shard_group_rank() != 0
             self.model.critic = build_critic(ctx.model_path, hp.critic_init, lora=ctx.lora, lora_r=hp.critic_lora_r,
@@ -270,7 +270,7 @@ class PPOLearner(PolicyLearner):
         return self.comm.all_reduce_sum(out)
 
     def _apply_overlong(self, exp: Experience) -> Experience:
-        """DAPO's soft overlong punishment added to the scores (``learners/reward_shaping.py``)."""
+        """DAPO's soft overlong punishment added to the scores (``learners/objectives/reward_shaping.py``)."""
         if not self.hp.overlong_buffer:
             return exp
         lengths = exp.response_mask.sum(1)

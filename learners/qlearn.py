@@ -7,12 +7,12 @@ The model learns by Bellman backups, Q-Transformer (Chebotar et al. 2023) carrie
 action dimensions to tokens:
 
 * targets from a target network that is an exponential moving average of the online one
-  (``learners.optim.ema_update_``), one-step or n-step, optionally bounded below by the
-  Monte-Carlo return (``learners.advantages.q_learning_targets``);
+  (``learners.training.optim.ema_update_``), one-step or n-step, optionally bounded below by the
+  Monte-Carlo return (``learners.objectives.advantages.q_learning_targets``);
 * a squared TD error on the taken tokens plus the conservative regulariser that pushes the Q of
-  every token not taken toward a floor (``learners.td_losses.td_loss`` / ``conservative_penalty``),
+  every token not taken toward a floor (``learners.objectives.td_losses.td_loss`` / ``conservative_penalty``),
   or, as an option, CQL's logsumexp term (``cql_penalty``), all reduced chunk by chunk over the
-  vocabulary (``learners.modeling.q_heads_at_positions``);
+  vocabulary (``learners.training.modeling.q_heads_at_positions``);
 * optionally a k3 KL anchor of the Boltzmann policy to the reference model, as in PPO;
 * optionally Q measured against the reference model (``calibration=reference``): soft
   Q-learning with the initial model as prior. A language model's logits are a Q function only up
@@ -44,17 +44,17 @@ from typing import Any, Iterator, Protocol
 
 import torch
 
-from learners.advantages import (bootstrap_positions, episode_mask, q_learning_targets, reads_bootstrap,
+from learners.objectives.advantages import (bootstrap_positions, episode_mask, q_learning_targets, reads_bootstrap,
                                  token_rewards_from_scores)
 from learners.base import LearnerContext, TrainParams
 from learners.experience import Experience, ExperienceError
-from learners.losses import kl_penalty
-from learners.td_losses import conservative_penalty, cql_penalty, reference_valued, td_loss, value_graded
-from learners.modeling import autocast, max_q_after_positions, q_heads_at_positions
-from learners.optim import ema_update_
+from learners.objectives.losses import kl_penalty
+from learners.objectives.td_losses import conservative_penalty, cql_penalty, reference_valued, td_loss, value_graded
+from learners.training.modeling import autocast, max_q_after_positions, q_heads_at_positions
+from learners.training.optim import ema_update_
 from learners.policy import PolicyLearner
-from learners.reward_shaping import centered_returns, groups_with_signal
-from learners.sharding import full_tensor, load_shard_, local
+from learners.objectives.reward_shaping import centered_returns, groups_with_signal
+from learners.training.sharding import full_tensor, load_shard_, local
 
 TARGET_DIR = "target"
 TARGET_FILE = "target.safetensors"

@@ -27,10 +27,10 @@ import torch
 from learners.base import LearnerContext, TrainParams, load_model_weights
 from learners.dpo import evaluate_pairs, preference_pairs
 from learners.experience import Experience
-from learners.preference_losses import bradley_terry_loss
-from learners.modeling import autocast, last_token_hidden
+from learners.objectives.preference_losses import bradley_terry_loss
+from learners.training.modeling import autocast, last_token_hidden
 from learners.policy import PolicyLearner
-from learners.sharding import idle_inputs, load_full_weights
+from learners.training.sharding import idle_inputs, load_full_weights
 
 _STATS = ("loss/total", "rewards/accuracy", "rewards/margin", "rewards/chosen", "rewards/rejected")
 HEAD_NAME = "score.weight"

@@ -20,7 +20,7 @@ import torch
 
 from learners.base import LearnerContext, TrainParams
 from learners.experience import Experience
-from learners.modeling import autocast, shared_weight_casts
+from learners.training.modeling import autocast, shared_weight_casts
 from learners.policy import PolicyLearner
 
 

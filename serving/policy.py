@@ -194,10 +194,10 @@ class PolicyServer(LLMServer):
         return changed
 
     def _as_trained(self, messages: list, tools: list | None) -> list[dict]:
-        """A conversation with tools as rayrlhf's agents saw it in training (``actors/chat_tokens.py``:
+        """A conversation with tools as rayrlhf's agents saw it in training (``actors/agents/chat_tokens.py``:
         ``from_client``, ``ChatTokens.with_tools``): tool calls and answers as the text the model
         wrote and read, the tool list where the training rollouts put it."""
-        from actors.chat_tokens import from_client
+        from actors.agents.chat_tokens import from_client
 
         schemas = [t for t in tools or [] if isinstance(t, dict)]
         return self._chat_tokens().with_tools(from_client(messages), schemas or None)
@@ -207,17 +207,17 @@ class PolicyServer(LLMServer):
         if self._chat is None or self._chat[0] != self.model_path:
             from transformers import AutoTokenizer
 
-            from actors.chat_tokens import ChatTokens
+            from actors.agents.chat_tokens import ChatTokens
 
             self._chat = (self.model_path, ChatTokens(AutoTokenizer.from_pretrained(self.model_path)))
         return self._chat[1]
 
     async def answer_responses(self, raw: bytes, send: Any) -> None:
         """``POST /v1/responses`` (the OpenAI Agents SDK's default model): its input items read as
-        a chat conversation (``actors/openai_api.py``), rewritten as the agents trained on it,
+        a chat conversation (``actors/agents/openai_api.py``), rewritten as the agents trained on it,
         sampled through the chat path (vLLM's tool-call parser), and answered as a Responses
         object or its event stream."""
-        from actors.openai_api import ApiError
+        from actors.agents.openai_api import ApiError
 
         try:
             body = json.loads(raw)
@@ -237,7 +237,7 @@ class PolicyServer(LLMServer):
 
     async def responses(self, body: dict | None) -> tuple[Any, dict | None]:
         """(the event stream, None) or (None, the response) of a Responses request."""
-        from actors.openai_api import Choice, finish_reason, parse_responses, responses_reply, responses_stream
+        from actors.agents.openai_api import Choice, finish_reason, parse_responses, responses_reply, responses_stream
 
         model = self._llm_config.model_id
         ask = parse_responses(body, (model,), self._responses.get)
@@ -379,9 +379,9 @@ def llm_config(model_path: str, *, model_id: str = DEFAULT_MODEL_ID, max_model_l
     """``ray.serve.llm.LLMConfig`` of one served checkpoint (safetensors only, no remote code).
     ``access_log``: Serve's per-request log lines (off: on a small machine they cost throughput).
     ``dtype`` "auto": bfloat16 on GPUs and on CPUs with native bf16, float32 on other CPUs, decided
-    on the machine that builds the config (``learners.precision``). ``tool_call_parser``: how
+    on the machine that builds the config (``learners.training.precision``). ``tool_call_parser``: how
     ``tool_calls`` are read from a reply when a request offers ``tools`` (``hermes``: JSON between
-    ``<tool_call>`` tags, the format rayrlhf's agents train with, ``actors/tools.py``); "" turns
+    ``<tool_call>`` tags, the format rayrlhf's agents train with, ``actors/agents/tools.py``); "" turns
     automatic tool calls off. ``engine_metrics``: the engine's per-step and per-request metrics
     also exported through Ray's metrics (the Ray Dashboard's Serve LLM panels; ``ray.serve.llm``'s
     default), at a cost in throughput (docs/benchmarks.md)."""
@@ -389,7 +389,7 @@ def llm_config(model_path: str, *, model_id: str = DEFAULT_MODEL_ID, max_model_l
 
     from ray.serve.llm import LLMConfig
 
-    from learners.precision import resolve_engine_dtype
+    from learners.training.precision import resolve_engine_dtype
 
     dtype = resolve_engine_dtype(dtype, uses_gpu=accelerator != "cpu")
 

@@ -1,6 +1,6 @@
 """The scorer server: ``POST /v1/score`` over any scorer (rule function, reward model, LLM judge),
 as a Ray Serve application; a training run can use it as its remote scorer
-(``reward.function=remote``, ``actors/remote.py`` speaks its protocol).
+(``reward.function=remote``, ``actors/rewards/remote.py`` speaks its protocol).
 
     request   {"prompts": [str], "completions": [str], "meta": [{...}] (optional)}
     reply     {"scores": [float | null], "model": str, "skipped": {reason: count}}
@@ -56,7 +56,7 @@ class ScorerBackend:
     how the policy server's best-of-n ranks its samples, and the core of ``ScorerServer``."""
 
     def __init__(self, spec: Any, name: str = "") -> None:
-        from actors.scorer_factory import build_scorer
+        from actors.rewards.scorer_factory import build_scorer
 
         self.scorer = build_scorer(spec)
         self.name = name or spec.function
@@ -98,7 +98,7 @@ class ScorerServer(ScorerBackend):
 def scorer_spec_from_args(args: dict[str, Any]) -> Any:
     """A ``ScorerSpec`` from an app's ``args`` (rule ``function``, or ``reward_model`` / ``llm_judge``
     with ``model``); unknown keys are refused."""
-    from actors.scorer_factory import ScorerSpec
+    from actors.rewards.scorer_factory import ScorerSpec
 
     known = {f for f in ScorerSpec.__dataclass_fields__ if f not in ("judge", "judge_engine", "remote")}
     unknown = set(args) - known
@@ -106,8 +106,8 @@ def scorer_spec_from_args(args: dict[str, Any]) -> Any:
         raise ValueError(f"unknown scorer settings {sorted(unknown)}; known: {sorted(known)}")
     spec = ScorerSpec(**{**args, "on_error": "skip"})  # a server answers null for a failed sample
     if spec.function == "llm_judge":
-        from actors.generator import GeneratorConfig
-        from actors.judge import JudgeConfig
+        from actors.rollout.generator import GeneratorConfig
+        from actors.rewards.judge import JudgeConfig
 
         spec.judge = JudgeConfig()
         spec.judge_engine = GeneratorConfig(model_path=spec.model, max_prompt_tokens=spec.judge.max_prompt_tokens,

@@ -29,7 +29,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Ray Train's controller polls its workers every 2 s by default, so a finished learner group
 # took up to 2 s to be noticed and torn down after every run (about 30 runs in the suite). The
 # same poll finds a dead worker (tests/ray/test_failures.py) sooner; the learners' report pacing
-# follows the value (cluster/learner_group.py: report_gap_s).
+# follows the value (cluster/roles/learner_group.py: report_gap_s).
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 
 # Token authentication with a token of our own, set before anything imports ray (it reads the
@@ -74,8 +74,8 @@ def tool_caller_engine(sdk_tool_caller):
     endpoint and a pool for agent programs, per test module that asks for them."""
     import concurrent.futures
 
-    from actors.agent_server import AgentEndpoint
-    from actors.generator import Generator
+    from actors.agents.agent_server import AgentEndpoint
+    from actors.rollout.generator import Generator
     from tests.helpers.engines import engine_config
 
     gen = Generator(engine_config(sdk_tool_caller, 1024))
@@ -102,7 +102,7 @@ def generator(tiny_model_path, request):
     length: the module's ``ENGINE_MAX_MODEL_LEN``, default 256), closed at the module's end:
     vLLM keeps one parallel state per process and an engine collected later would tear down the
     next module's (``Generator.close``)."""
-    from actors.generator import Generator
+    from actors.rollout.generator import Generator
     from tests.helpers.engines import engine_config
 
     gen = Generator(engine_config(tiny_model_path, getattr(request.module, "ENGINE_MAX_MODEL_LEN", 256)))

@@ -6,8 +6,8 @@ per name, ``RECIPES`` below says which): the learner, the config section it read
 holds (``roles(cfg) -> RoleSet``: resources, placement and start-up all read it), the size of a
 step's batch and its own config checks. It provides ``load_data(cfg) -> (train, held_out,
 description)``, called before anything starts (a user error there raises ``UserError``; data
-comes through ``cluster/data_sources.py``), and ``run(ctx, model_path, train, held_out) ->
-RunResult``, which starts its roles (``cluster/roles.py``) and runs the shared loop
+comes through ``cluster/data/sources.py``), and ``run(ctx, model_path, train, held_out) ->
+RunResult``, which starts its roles (``cluster/roles/__init__.py``) and runs the shared loop
 (``cluster/step_loop.py``) over its step object. No recipe imports another; ``fixed_data.py``
 (the step over a fixed data set) and ``pairs.py`` (pairs the generators make) are helpers, not
 recipes.

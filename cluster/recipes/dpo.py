@@ -31,13 +31,13 @@ from typing import Any
 import ray
 import torch
 
-from actors.offline_data import PreferenceSet, encode_pairs, read_preferences, split_rows, write_preferences
+from actors.data.offline_data import PreferenceSet, encode_pairs, read_preferences, split_rows, write_preferences
 from cluster.recipes import Check, Recipe, RoleSet, reference_where
-from cluster.role_settings import self_judging, reference_config, role_env
-from cluster.rollout_group import RolloutGroup
-from cluster.workers import ReferenceWorker
+from cluster.config.role_settings import self_judging, reference_config, role_env
+from cluster.roles.rollout_group import RolloutGroup
+from cluster.roles.workers import ReferenceWorker
 from cluster.config import Config, UserError
-from cluster.data_sources import load_demonstrations, load_task_prompts
+from cluster.data.sources import load_demonstrations, load_task_prompts
 from cluster.recipes import pairs
 from cluster.recipes.fixed_data import FixedData, FixedDataSteps
 from cluster.roles import Roles

@@ -4,7 +4,7 @@
                 the best and the worst form a pair when their scores differ
     self_judge  the same, ranked by the current model judging each candidate (Self-Rewarding
                 Language Models, Yuan et al. 2024, sec. 2.3: k judgements averaged, additive
-                5-point rubric; see ``actors/judge.py``)
+                5-point rubric; see ``actors/rewards/judge.py``)
     spin        the demonstration is chosen and the model's own reply to the same prompt is
                 rejected (Self-Play Fine-Tuning, Chen et al. 2024, sec. 4)
 
@@ -22,7 +22,7 @@ from typing import Any
 import ray
 import torch
 
-from actors.offline_data import encode_pairs, write_preferences
+from actors.data.offline_data import encode_pairs, write_preferences
 from cluster.config import UserError
 from cluster.run_context import PromptSampler, RunContext
 from learners.dpo import preference_pairs

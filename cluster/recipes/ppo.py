@@ -19,7 +19,7 @@ the timing (what makes an asynchronous run reproducible and its resume exact); w
 sampled by its oldest tokens' version.
 With s = 0 this is the synchronous loop above, step for step.
 
-The roles start in ``cluster/roles.py``; the loop around the step (evaluations, checkpoints,
+The roles start in ``cluster/roles/__init__.py``; the loop around the step (evaluations, checkpoints,
 the metrics row, early stopping) is ``cluster/step_loop.py``; this file is the algorithm's step.
 """
 
@@ -34,18 +34,18 @@ from typing import Any, Callable
 import ray
 
 from cluster.config import UserError
-from cluster.role_settings import self_judging
+from cluster.config.role_settings import self_judging
 from cluster.recipes import Check, Recipe, RoleSet, reference_where
-from cluster.data_sources import load_task_prompts
-from cluster.ledger import issue_records, outcome_records
-from cluster.metrics import step_metrics
+from cluster.data.sources import load_task_prompts
+from cluster.ops.ledger import issue_records, outcome_records
+from cluster.ops.metrics import step_metrics
 from cluster.recipes.dynamic_sampling import Refill, informative_uids, select_groups
 from cluster.roles import Roles
 from cluster.run_context import RunContext, RunResult, eval_seed, held_out_eval, sampling_seed
-from cluster.streaming_data import make_sampler
+from cluster.data.streaming import make_sampler
 from cluster.step_loop import StepOutcome, run_steps
-from cluster.transports import make_transport
-from cluster.weight_sync import probe_token_ids, sync_tolerance
+from cluster.roles.transports import make_transport
+from cluster.roles.weight_sync import probe_token_ids, sync_tolerance
 
 
 
@@ -341,7 +341,7 @@ def _memory_peaks(gen_stats: list[dict], score_stats: list[dict], ref_stats: lis
 def export_step(ctx: RunContext, step: int, exp_refs: list) -> list:
     """Each generator's scored record as token transitions in ``<run>/data/transitions/`` (the
     data of offline Q-learning), written by Ray tasks while the learners train."""
-    from cluster.workers import export_transitions
+    from cluster.roles.workers import export_transitions
 
     task = ray.remote(export_transitions).options(num_cpus=0)
     folder = ctx.dir / "data" / "transitions"
@@ -402,7 +402,7 @@ def roles(cfg) -> RoleSet:
 
 
 def check(cfg) -> list[Check]:
-    from learners.advantages import needs_group
+    from learners.objectives.advantages import needs_group
 
     rollout, ppo = cfg.rollout, cfg.ppo
     return [

@@ -30,16 +30,16 @@ from typing import Any
 
 import ray
 
-from actors.transitions import transitions_to_experience
+from actors.data.transitions import transitions_to_experience
 from cluster.config import Config, UserError
-from cluster.role_settings import self_judging
+from cluster.config.role_settings import self_judging
 from cluster.recipes import Check, Recipe, RoleSet, reference_where
-from cluster.data_sources import load_task_prompts
-from cluster.ledger import issue_records, outcome_records
-from cluster.metrics import step_metrics
+from cluster.data.sources import load_task_prompts
+from cluster.ops.ledger import issue_records, outcome_records
+from cluster.ops.metrics import step_metrics
 from cluster.roles import Roles
 from cluster.run_context import PromptSampler, RunContext, RunResult, eval_seed, held_out_eval, sampling_seed
-from cluster.streaming_data import make_sampler
+from cluster.data.streaming import make_sampler
 from cluster.step_loop import StepOutcome, run_steps
 
 
@@ -49,7 +49,7 @@ def load_data(cfg: Config):
     train_set, eval_set, description = load_task_prompts(cfg)
     if not cfg.data.transition_file:
         return (train_set, None), eval_set, description + "; online Q-learning"
-    from actors.transitions import TransitionsError, read_transitions
+    from actors.data.transitions import TransitionsError, read_transitions
 
     try:
         rows, skipped = read_transitions(cfg.data.transition_file)

@@ -16,11 +16,11 @@ from typing import Any
 
 import ray
 
-from actors.offline_data import encode_demonstrations
+from actors.data.offline_data import encode_demonstrations
 from cluster.config import Config, UserError
-from cluster.role_settings import self_judging
+from cluster.config.role_settings import self_judging
 from cluster.recipes import Recipe, RoleSet
-from cluster.data_sources import Demonstrations, load_demonstrations
+from cluster.data.sources import Demonstrations, load_demonstrations
 from cluster.recipes.fixed_data import FixedData, FixedDataSteps
 from cluster.roles import Roles
 from cluster.run_context import RunContext, RunResult

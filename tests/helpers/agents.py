@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import openai
 
-from actors.rewards import digit_density
+from actors.rewards.functions import digit_density
 
 # What each episode's program saw, by its row's prompt (in-process tests read it).
 SEEN: dict[str, list[dict]] = {}

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from learners.distributed import Collective
+from learners.training.distributed import Collective
 
 
 class _Group:

@@ -6,8 +6,8 @@ import math
 import time
 from pathlib import Path
 
-from actors.environments import Step
-from actors.rewards import digit_density
+from actors.agents.environments import Step
+from actors.rewards.functions import digit_density
 
 
 class DigitsAcrossTurns:

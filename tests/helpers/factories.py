@@ -12,9 +12,9 @@ import torch
 
 from cluster.config import DPOConfig, LoRAConfig, PPOConfig, QLearnConfig, RewardModelConfig, SFTConfig, TrainConfig
 from learners.base import LearnerContext
-from learners.distributed import Collective
+from learners.training.distributed import Collective
 from learners.experience import Experience
-from learners.modeling import sequence_logprobs
+from learners.training.modeling import sequence_logprobs
 
 
 def ragged_batch(vocab: int, b: int = 6, prompt: int = 5, resp: int = 7, seed: int = 0):

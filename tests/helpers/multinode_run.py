@@ -43,7 +43,7 @@ def main(out_dir: str, layouts: list[str]) -> None:
 def _run(out_dir: str, layout: str) -> dict:
     import ray
 
-    from cluster.config_loading import load_config
+    from cluster.config.loading import load_config
     from cluster.driver import train
 
     cfg = load_config(ROOT / "configs" / "ppo_tiny.yaml", [

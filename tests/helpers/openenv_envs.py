@@ -31,7 +31,7 @@ from typing import Any, Optional
 from openenv.core.env_server.interfaces import Environment
 from openenv.core.env_server.types import Action, Observation, State
 
-from actors.rewards import digit_density
+from actors.rewards.functions import digit_density
 
 TURNS = 3
 

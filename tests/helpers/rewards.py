@@ -3,7 +3,7 @@ bad-input tests, and a dense one that ranks a random model's samples."""
 
 from __future__ import annotations
 
-from actors.rewards import digit_density
+from actors.rewards.functions import digit_density
 
 
 def flaky(prompts, completions, **meta):

@@ -50,7 +50,7 @@ def demonstrations() -> list[tuple[list[dict], list[dict]]]:
     endpoint: the Agents SDK, LangChain, and a verifiers environment's harness (its MCP tool)."""
     from langchain_core.utils.function_calling import convert_to_openai_tool
 
-    from actors.openai_api import _function_tools
+    from actors.agents.openai_api import _function_tools
     from tests.helpers.vf.toolset import LISTED
 
     fn = sdk_tool()

@@ -1,12 +1,12 @@
 """A tiny model taught one tool-use conversation by rayrlhf's own SFT learner on a conversation
-demonstration (``actors/offline_data.py``): a served model that really emits a tool call."""
+demonstration (``actors/data/offline_data.py``): a served model that really emits a tool call."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from actors.offline_data import encode_demonstrations, normalise_demonstration
-from actors.tools import CALCULATOR
+from actors.data.offline_data import encode_demonstrations, normalise_demonstration
+from actors.agents.tools import CALCULATOR
 from tests.helpers.factories import make_sft_learner
 
 TOOLS = [CALCULATOR.schema()]

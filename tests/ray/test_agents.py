@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from cluster.config_loading import load_config
+from cluster.config.loading import load_config
 from cluster.driver import train
-from cluster.ledger import read_ledger, summarize
+from cluster.ops.ledger import read_ledger, summarize
 from tests.helpers.kills import kill_during_run, steps_logged
 from tests.helpers.runs import rows
 
@@ -141,7 +141,7 @@ def test_sdk_streaming_and_async_programs_train_on_the_tokens_their_calls_return
     client the row names: the Agents SDK run, the Agents SDK streamed, or two streamed chat
     turns. Each exported transition (the scored rows the learners train on) holds at its actions
     exactly the token ids and log-probs the HTTP responses of one episode carried, in order."""
-    from actors.transitions import read_transitions
+    from actors.data.transitions import read_transitions
     from tests.helpers.tool_agent import ANSWER, QUESTION
 
     log, data, held = tmp_path / "calls", tmp_path / "tasks.jsonl", tmp_path / "held.jsonl"

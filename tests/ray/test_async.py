@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from cluster import cli
-from cluster.config_loading import load_config
+from cluster.config.loading import load_config
 from cluster.driver import train
 from tests.helpers.runs import assert_same_run, crashed_copy
-from cluster.ledger import read_ledger, valid_records
+from cluster.ops.ledger import read_ledger, valid_records
 from cluster.run_context import PromptSampler
 
 ROOT = Path(__file__).resolve().parents[2]

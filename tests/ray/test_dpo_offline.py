@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from cluster import cli
-from cluster.config_loading import load_config
+from cluster.config.loading import load_config
 from cluster.driver import train
 from tests.helpers.runs import assert_same_run, crashed_copy
 

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from cluster import cli
-from cluster.config_loading import load_config
+from cluster.config.loading import load_config
 from cluster.driver import train
 from tests.helpers.runs import assert_same_run
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from cluster.config_loading import load_config
-from cluster.data_sources import load_task_prompts
+from cluster.config.loading import load_config
+from cluster.data.sources import load_task_prompts
 from cluster.driver import train
-from cluster.ledger import read_ledger, summarize
+from cluster.ops.ledger import read_ledger, summarize
 from cluster.run_context import PromptSampler
 from tests.helpers.rewards import informative_prompt
 from tests.helpers.runs import rows

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from cluster.console import is_own_line
-from cluster.ledger import read_ledger, summarize, valid_records
+from cluster.ops.console import is_own_line
+from cluster.ops.ledger import read_ledger, summarize, valid_records
 from learners.base import load_model_weights
 from tests.conftest import wait_for
 from tests.helpers.kills import finish, kill_during_run, steps_logged
@@ -197,7 +197,7 @@ def test_a_generator_killed_while_judging_in_self_rewarding_dpo(ray_cluster, tmp
 
 def test_roles_that_do_not_fit_the_cluster_fail_at_once(ray_cluster, tmp_path):
     from cluster.config import UserError
-    from cluster.config_loading import load_config
+    from cluster.config.loading import load_config
     from cluster.driver import train
 
     cfg = load_config(ROOT / "configs" / "ppo_tiny.yaml",

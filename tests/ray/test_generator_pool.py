@@ -13,7 +13,7 @@ import time
 import pytest
 import ray
 
-from cluster.rollout_pool import GeneratorPool, Unit
+from cluster.roles.rollout_pool import GeneratorPool, Unit
 
 pytestmark = pytest.mark.ray
 

@@ -3,18 +3,18 @@ two under real-time scheduling, cluster.realtime_learners): the same losses and 
 both ranks' weights identical after the step, and equal to the one worker's, for each estimator
 family (a critic, group baselines, a whole-batch baseline). With the critic the two workers are
 sharded (train.sharding=fsdp). The one worker is the same learner built as a Ray Train worker
-builds it (cluster/learner_worker.py), run in this process: a one-worker group would only add a
+builds it (cluster/roles/learner_worker.py), run in this process: a one-worker group would only add a
 Ray Train start per case."""
 
 import pytest
 import ray
 import torch
 
-from cluster import realtime
-from cluster.role_settings import KEEP_FREED_MEMORY_ENV
-from cluster.config_loading import load_config
-from cluster.learner_group import LearnerGroup
-from cluster.learner_spec import learner_spec
+from cluster.roles import realtime
+from cluster.config.role_settings import KEEP_FREED_MEMORY_ENV
+from cluster.config.loading import load_config
+from cluster.roles.learner_group import LearnerGroup
+from cluster.roles.learner_spec import learner_spec
 from tests.helpers.factories import experience, grouped_batch, tiny_lm
 
 pytestmark = pytest.mark.ray
@@ -39,8 +39,8 @@ def _learn(cfg, model_path, batch_ref, storage):
 def _learn_here(cfg, model_path, batch):
     """One worker's step in this process: the learner ``learner_loop`` builds from the same spec
     (``build_learner``: the worker's thread count), with the single-process collective."""
-    from cluster.learner_worker import build_learner, trainable_flat
-    from learners.distributed import default_collective
+    from cluster.roles.learner_worker import build_learner, trainable_flat
+    from learners.training.distributed import default_collective
 
     threads = torch.get_num_threads()
     try:

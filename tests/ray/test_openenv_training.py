@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.config_loading import load_config
+from cluster.config.loading import load_config
 from cluster.driver import train
 from serving.common import free_port
 from tests.helpers.openenv_envs import start_server

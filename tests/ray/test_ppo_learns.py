@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from cluster.config_loading import load_config
+from cluster.config.loading import load_config
 from cluster.driver import train
 
 pytestmark = pytest.mark.ray

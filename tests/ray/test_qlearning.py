@@ -11,11 +11,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from actors.transitions import read_transitions
+from actors.data.transitions import read_transitions
 from cluster import cli
-from cluster.config_loading import load_config
+from cluster.config.loading import load_config
 from cluster.driver import train
-from cluster.ledger import read_ledger, summarize, valid_records
+from cluster.ops.ledger import read_ledger, summarize, valid_records
 from tests.helpers.runs import assert_same_run, crashed_copy
 
 pytestmark = pytest.mark.ray
@@ -28,7 +28,7 @@ def _rows(run_dir: Path) -> list[dict]:
 
 def test_online_q_learning_across_turns_raises_the_reward_and_resumes_with_its_buffer(ray_cluster, tiny_model_path,
                                                                                       tmp_path):
-    """Multi-turn episodes (the generators run them, ``actors/episodes.py``): the one reward comes
+    """Multi-turn episodes (the generators run them, ``actors/agents/episodes.py``): the one reward comes
     after the second reply and depends on the first only, so credit has to cross the
     environment's observation; the n-step backups carry it (the backup at turn 1's last token
     bootstraps from the state before turn 2's first action)."""

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.config_loading import load_config
+from cluster.config.loading import load_config
 from cluster.driver import train
 
 pytestmark = pytest.mark.ray
@@ -80,7 +80,7 @@ def test_grpo_learns_through_a_scorer_outage(scorer_url, tmp_path):
 
 
 def test_on_failure_stop_ends_the_run_with_a_clear_error(serve_url, tmp_path):
-    from actors.remote import RemoteScorerError
+    from actors.rewards.remote import RemoteScorerError
 
     url = f"{serve_url}/nothing-here/v1/score"  # no app there: the proxy answers 404
     with pytest.raises(Exception) as info:
@@ -91,7 +91,7 @@ def test_on_failure_stop_ends_the_run_with_a_clear_error(serve_url, tmp_path):
 def test_scorer_server_answers_scores_and_refuses_bad_requests(scorer_url):
     import requests
 
-    from actors.rewards import digit_density
+    from actors.rewards.functions import digit_density
 
     auth = {"Authorization": f"Bearer {KEY}"}
     body = {"prompts": ["p", "q"], "completions": ["12 apples", "none"]}

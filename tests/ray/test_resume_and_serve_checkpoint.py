@@ -10,7 +10,7 @@ import ray
 import torch
 
 from cluster import cli
-from cluster.config_loading import load_config
+from cluster.config.loading import load_config
 from cluster.driver import train
 from learners.base import load_model_weights
 
@@ -32,7 +32,7 @@ def _streamed_prompts(folder: Path) -> list[str]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from actors.tasks import load_prompts
+    from actors.data.tasks import load_prompts
 
     train_set, held = load_prompts("basic_arithmetic", 12, 4, 0, {"min_terms": 2, "max_terms": 2}, "")
     (folder / "train").mkdir()
@@ -84,8 +84,8 @@ def test_checkpoint_serves_in_vllm_and_transformers(runs):
     the run's checkpoint folder as it is, and their greedy outputs agree."""
     from transformers import AutoModelForCausalLM
 
-    from actors.generator import GeneratorConfig
-    from cluster.workers import GeneratorWorker
+    from actors.rollout.generator import GeneratorConfig
+    from cluster.roles.workers import GeneratorWorker
 
     ckpt = str(runs[0].final_checkpoint)
     gen = ray.remote(GeneratorWorker).options(num_cpus=1).remote(

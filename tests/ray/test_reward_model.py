@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from actors.offline_data import answer_pairs
-from actors.tasks import load_prompts
+from actors.data.offline_data import answer_pairs
+from actors.data.tasks import load_prompts
 from cluster.assets import resolve_model
-from cluster.config_loading import load_config
+from cluster.config.loading import load_config
 from cluster.driver import train
 
 pytestmark = pytest.mark.ray

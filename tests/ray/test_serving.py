@@ -15,7 +15,7 @@ import pytest
 import requests
 import torch
 
-from cluster.config_loading import load_config
+from cluster.config.loading import load_config
 from cluster.driver import train
 
 pytestmark = pytest.mark.ray
@@ -108,7 +108,7 @@ def test_the_server_leaves_no_usage_telemetry_actor_behind(server):
 def test_chat_with_tools_is_answered_through_the_tool_call_parser(server):
     """A request offering tools is served (vLLM's hermes parser reads the reply for calls, the
     format agents train with: tests/unit/test_tools.py); a reply without a call is plain content."""
-    from actors.tools import CALCULATOR
+    from actors.agents.tools import CALCULATOR
 
     client = _client(server)
     reply = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "What is 37 * 41?"}],
@@ -122,7 +122,7 @@ def test_best_of_n_returns_the_highest_scoring_sample(server):
 
 
 def _best_of_n_returns_the_highest_scoring_sample(server: str) -> None:
-    from actors.rewards import digit_density
+    from actors.rewards.functions import digit_density
 
     # The tiny policy is peaked (p_max ~ 0.99): a high temperature makes the six samples differ.
     body = {"messages": [{"role": "user", "content": PROMPT}], "n": 6, "max_tokens": 16, "temperature": 2.0, "seed": 3}
@@ -240,10 +240,10 @@ def test_a_trained_tool_caller_answers_with_tool_calls_and_reads_the_tool_answer
     """The tiny model, taught one calculator conversation by the SFT learner, served after a
     reload: the real ``openai`` client gets ``tool_calls`` back, sends the tool's answer as a
     ``tool`` message, and gets the final answer. Each request's prompt is exactly the token ids
-    training used (``actors/episodes.py``), or the model would not continue as it learned."""
+    training used (``actors/agents/episodes.py``), or the model would not continue as it learned."""
     from transformers import AutoTokenizer
 
-    from actors.chat_tokens import ChatTokens
+    from actors.agents.chat_tokens import ChatTokens
     from tests.helpers.tool_agent import ANSWER, CALL, QUESTION, TOOLS, train_tool_caller
 
     folder, metrics = train_tool_caller(tiny_model_path, tmp_path_factory.mktemp("tool_caller") / "model")

@@ -8,8 +8,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from actors.tasks import FileKeys
-from cluster.streaming_data import StreamingSampler, streaming_sets
+from actors.data.tasks import FileKeys
+from cluster.data.streaming import StreamingSampler, streaming_sets
 
 pytestmark = pytest.mark.ray
 

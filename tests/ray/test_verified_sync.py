@@ -10,10 +10,10 @@ import pytest
 import ray
 import torch
 
-from cluster.rollout_group import RolloutGroup
-from cluster.config_loading import load_config
-from cluster.weight_sync import SyncError, pack, probe_token_ids
-from learners.modeling import sequence_logprobs
+from cluster.roles.rollout_group import RolloutGroup
+from cluster.config.loading import load_config
+from cluster.roles.weight_sync import SyncError, pack, probe_token_ids
+from learners.training.modeling import sequence_logprobs
 from tests.helpers.factories import make_learner
 
 ROOT = Path(__file__).resolve().parents[2]

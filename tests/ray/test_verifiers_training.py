@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.config_loading import load_config
+from cluster.config.loading import load_config
 from cluster.driver import train
 from tests.helpers.runs import rows
 

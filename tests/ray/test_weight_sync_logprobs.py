@@ -4,11 +4,11 @@ import pytest
 import ray
 import torch
 
-from cluster.role_settings import generator_config
-from cluster.workers import GeneratorWorker
-from cluster.config_loading import load_config
-from cluster.weight_sync import pack
-from learners.modeling import sequence_logprobs
+from cluster.config.role_settings import generator_config
+from cluster.roles.workers import GeneratorWorker
+from cluster.config.loading import load_config
+from cluster.roles.weight_sync import pack
+from learners.training.modeling import sequence_logprobs
 
 pytestmark = pytest.mark.ray
 

@@ -1,4 +1,4 @@
-"""Unit tests for learners.advantages: hand-computed values, naive references, edge cases."""
+"""Unit tests for learners.objectives.advantages: hand-computed values, naive references, edge cases."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from learners.advantages import gae_advantages, kl_shaped_rewards
+from learners.objectives.advantages import gae_advantages, kl_shaped_rewards
 
 from tests.unit.masks import B, T, ragged_mask
 F64 = dict(dtype=torch.float64)

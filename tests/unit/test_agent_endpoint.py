@@ -11,9 +11,9 @@ import pytest
 import requests
 import torch
 
-from actors.agent_server import AgentEndpoint
-from actors.environments import EpisodeLimits
-from actors.chat_tokens import ChatTokens
+from actors.agents.agent_server import AgentEndpoint
+from actors.agents.environments import EpisodeLimits
+from actors.agents.chat_tokens import ChatTokens
 from tests.helpers import agents
 
 
@@ -93,9 +93,9 @@ def test_replies_offering_tools_carry_tool_calls_and_the_next_call_continues_the
     tool's answer, and the conversation still counts as the same trajectory."""
     import json
 
-    from actors.agent_endpoint import _norm
-    from actors.openai_api import reply_message as _reply_message
-    from actors.tools import CALCULATOR
+    from actors.agents.agent_endpoint import _norm
+    from actors.agents.openai_api import reply_message as _reply_message
+    from actors.agents.tools import CALCULATOR
 
     text = 'Let me compute. <tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'
     reply = _reply_message(text, [CALCULATOR.schema()])

@@ -16,7 +16,7 @@ import pytest
 import requests
 import torch
 
-from actors.environments import EpisodeLimits
+from actors.agents.environments import EpisodeLimits
 from tests.helpers import sdk_agents
 from tests.helpers.tool_agent import ANSWER, QUESTION
 

@@ -1,4 +1,4 @@
-"""Short-row attention as matrix multiplies (``learners/attention.py``): the same attention as
+"""Short-row attention as matrix multiplies (``learners/training/attention.py``): the same attention as
 PyTorch's sdpa for every mask form transformers passes, and the models that use it give sdpa's
 hidden states and gradients."""
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from learners import attention
-from learners.attention import ATTENTION, matmul_attention, register, use_matmul_attention
-from learners.modeling import shared_prefix_hidden
+from learners.training import attention
+from learners.training.attention import ATTENTION, matmul_attention, register, use_matmul_attention
+from learners.training.modeling import shared_prefix_hidden
 from tests.helpers.factories import assert_grads_close, grouped_batch, make_learner, tiny_lm
 
 

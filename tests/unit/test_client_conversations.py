@@ -8,8 +8,8 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from actors.chat_tokens import ChatTokens, from_client, tool_instructions
-from actors.tools import CALCULATOR, ToolCallFormat
+from actors.agents.chat_tokens import ChatTokens, from_client, tool_instructions
+from actors.agents.tools import CALCULATOR, ToolCallFormat
 
 TOOLS = [CALCULATOR.schema()]
 

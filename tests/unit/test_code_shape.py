@@ -4,7 +4,7 @@ circle among the project's modules; imports pointing down the layers (``learners
 nothing of ``actors/``, ``cluster/`` or ``serving/``; ``actors/`` nothing of ``cluster/`` or
 ``serving/``); each recipe's ``run`` at most 40 lines (it starts its roles and hands its step to
 the shared loop), and no recipe importing another (data comes through
-``cluster/data_sources.py``); and the linter (ruff) clean."""
+``cluster/data/sources.py``); and the linter (ruff) clean."""
 
 import ast
 from pathlib import Path

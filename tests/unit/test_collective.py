@@ -7,7 +7,7 @@ import numpy as np
 import torch
 import torch.multiprocessing as mp
 
-from cluster.collective import broadcast_buffer, join
+from cluster.roles.collective import broadcast_buffer, join
 from serving.common import free_port
 
 N = 10_007  # not a multiple of the bucket: the last bucket is short
@@ -45,7 +45,7 @@ def test_the_buffer_must_be_on_the_groups_device_and_the_backend_known():
     before anything is sent, as is a backend other than the two."""
     import pytest
 
-    from cluster.collective import WeightGroup
+    from cluster.roles.collective import WeightGroup
 
     on_gpu = WeightGroup(group=None, store=None, device=torch.device("meta"))  # stands for a CUDA device
     with pytest.raises(ValueError, match="buffer is on cpu, the group needs meta"):
@@ -58,7 +58,7 @@ def test_the_buffer_must_be_on_the_groups_device_and_the_backend_known():
 def test_a_receive_buffer_unpacks_like_the_object_store_buffer():
     """The collective transport's receive buffer (a carrier tensor) yields the same named views
     as the object store's numpy buffer."""
-    from cluster.weight_sync import carrier_tensor_dtype, pack, unpack, unpack_flat
+    from cluster.roles.weight_sync import carrier_tensor_dtype, pack, unpack, unpack_flat
 
     weights = {"a.weight": torch.randn(3, 4), "b.bias": torch.randn(5)}
     for dtype in ("bfloat16", "float32"):

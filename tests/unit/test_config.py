@@ -4,8 +4,8 @@ from pathlib import Path
 import pytest
 
 from cluster.config import MOVED_KEYS, Config, ConfigError
-from cluster.config_help import config_help, config_schema
-from cluster.config_loading import check_resume_compatible, load_config, stage_configs
+from cluster.config.help import config_help, config_schema
+from cluster.config.loading import check_resume_compatible, load_config, stage_configs
 
 ROOT = Path(__file__).resolve().parents[2]
 

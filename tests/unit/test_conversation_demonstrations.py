@@ -8,12 +8,12 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from actors.environments import EnvSpec, environment_factory
-from actors.chat_tokens import ChatTokens, tool_instructions
-from actors.offline_data import encode_demonstrations, normalise_demonstration
-from actors.tasks import reasoning_gym_rows
-from actors.tools import CALCULATOR
-from actors.transcripts import calculator_transcript, resolve_transcripts, transcript_demonstrations
+from actors.agents.environments import EnvSpec, environment_factory
+from actors.agents.chat_tokens import ChatTokens, tool_instructions
+from actors.data.offline_data import encode_demonstrations, normalise_demonstration
+from actors.data.tasks import reasoning_gym_rows
+from actors.agents.tools import CALCULATOR
+from actors.agents.transcripts import calculator_transcript, resolve_transcripts, transcript_demonstrations
 
 TOOLS = [CALCULATOR.schema()]
 CONVERSATION = [
@@ -55,7 +55,7 @@ def test_the_record_is_the_whole_conversation_and_only_assistant_turns_are_train
 
 
 def test_the_ids_are_those_a_rollout_records_turn_by_turn(tok):
-    """The rollout's construction (``actors/episodes.py``): the first observation's prompt, the
+    """The rollout's construction (``actors/agents/episodes.py``): the first observation's prompt, the
     sampled reply and its EOS, then each observation tokenised after it."""
     chat = ChatTokens(tok)
     reply_1 = tok(CONVERSATION[1]["content"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
@@ -129,8 +129,8 @@ def test_rows_without_a_transcript_are_counted():
 
 def test_a_run_gets_transcripts_from_its_task_with_the_env_tools(tmp_path):
     from cluster.config import ConfigError, UserError
-    from cluster.config_loading import load_config
-    from cluster.data_sources import load_demonstrations
+    from cluster.config.loading import load_config
+    from cluster.data.sources import load_demonstrations
 
     sets = ["run.algorithm=sft", "sft.transcripts=calculator", "env.name=tool_use", "env.tools=[calculator, python]",
             "data.train_size=12", "data.eval_size=4",

@@ -8,12 +8,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from actors.offline_data import read_demonstrations, read_preferences
-from actors.tables import read_table
-from actors.tasks import FileKeys, file_rows, prompt_token_ids, weighted_counts
+from actors.data.offline_data import read_demonstrations, read_preferences
+from actors.data.tables import read_table
+from actors.data.tasks import FileKeys, file_rows, prompt_token_ids, weighted_counts
 from cluster.config import UserError
-from cluster.config_loading import load_config
-from cluster.data_sources import prompt_sets
+from cluster.config.loading import load_config
+from cluster.data.sources import prompt_sets
 
 ROWS = [{"prompt": f"What is {i} + {i}?", "answer": str(2 * i), "level": i % 3} for i in range(6)]
 
@@ -222,7 +222,7 @@ def test_data_inspect_shows_the_ids_and_the_skips_a_run_applies(tmp_path, tiny_m
 def test_data_inspect_shows_pairs_and_demonstrations_as_the_learners_get_them(tmp_path, tiny_model_path, capsys):
     from transformers import AutoTokenizer
 
-    from actors.offline_data import encode_pairs, read_preferences
+    from actors.data.offline_data import encode_pairs, read_preferences
     from cluster.cli import main
 
     prefs = tmp_path / "p.csv"
@@ -235,7 +235,7 @@ def test_data_inspect_shows_pairs_and_demonstrations_as_the_learners_get_them(tm
     assert report["kind"] == "preferences" and part["too_long"] == 1 and len(part["rows"]) == 12
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
     rows = read_preferences(str(prefs)).rows
-    from actors.offline_data import split_rows
+    from actors.data.offline_data import split_rows
 
     train, _ = split_rows(rows, 0, 0)
     exp, _ = encode_pairs(train, tok, max_prompt_tokens=256, max_response_tokens=16)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from cluster.config import ConfigError
-from cluster.config_loading import load_config
-from learners.advantages import group_baseline_advantages, teacher_advantages
+from cluster.config.loading import load_config
+from learners.objectives.advantages import group_baseline_advantages, teacher_advantages
 
 
 def test_hand_values():

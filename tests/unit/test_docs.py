@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from cluster.cli import build_parser, main
-from cluster.config_help import config_markdown
+from cluster.config.help import config_markdown
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", ROOT / "docs" / "getting-started.md"]

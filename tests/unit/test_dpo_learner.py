@@ -148,7 +148,7 @@ def test_dpo_resumes_exactly(tiny_model_path, tmp_path):
 
 
 def test_registry_and_config_know_dpo():
-    from cluster.config_loading import load_config
+    from cluster.config.loading import load_config
     from learners.base import get_learner
     from learners.dpo import DPOLearner
 

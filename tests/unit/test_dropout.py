@@ -6,14 +6,14 @@ import pytest
 import torch
 
 from cluster.config import ConfigError
-from cluster.config_loading import load_config
-from learners.modeling import add_residual_dropout, decoder_layers
+from cluster.config.loading import load_config
+from learners.training.modeling import add_residual_dropout, decoder_layers
 
 
 def _lm(path):
     from transformers import AutoModelForCausalLM
 
-    from learners.attention import register
+    from learners.training.attention import register
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=register())
 
@@ -51,7 +51,7 @@ def test_a_dropped_branch_is_zero_or_scaled_by_the_keep_probability(tiny_model_p
 def test_ppo_refuses_dropout_and_the_learners_receive_it(tiny_model_path):
     with pytest.raises(ConfigError, match="model.dropout is for sft"):
         load_config(overrides=["model.dropout=0.1"])
-    from cluster.learner_spec import learner_spec
+    from cluster.roles.learner_spec import learner_spec
 
     cfg = load_config(overrides=["run.algorithm=sft", "model.dropout=0.1"])
     assert learner_spec(cfg, tiny_model_path, 0).context.dropout == 0.1

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from cluster.config_loading import load_config
+from cluster.config.loading import load_config
 from cluster.driver import stage_done
 from cluster.run_context import PromptSampler, RunContext
 

@@ -15,7 +15,7 @@ import pytest
 def test_a_closed_engine_leaves_the_next_engine_working(tiny_model_path, caplog):
     from vllm.distributed.parallel_state import model_parallel_is_initialized
 
-    from actors.generator import Generator, warn_if_engine_open
+    from actors.rollout.generator import Generator, warn_if_engine_open
     from tests.helpers.engines import engine_config
 
     first = Generator(engine_config(tiny_model_path, 64))

@@ -4,10 +4,10 @@ step may return (OpenEnv servers: tests/unit/test_openenv_sessions.py)."""
 
 import pytest
 
-from actors.env_step import Step, as_step
-from actors.environments import EnvSpec, Feedback, GuessNumber, ToolUse, environment_factory, verifier
-from actors.rewards import exact_match
-from actors.tools import CALCULATOR, ToolBox
+from actors.agents.env_step import Step, as_step
+from actors.agents.environments import EnvSpec, Feedback, GuessNumber, ToolUse, environment_factory, verifier
+from actors.rewards.functions import exact_match
+from actors.agents.tools import CALCULATOR, ToolBox
 
 ROW = {"prompt": "What is 6 * 7?", "answer": "42", "meta": {"answer": "42"}}
 
@@ -67,6 +67,6 @@ def test_environment_factory_builds_each_kind_and_names_a_bad_one():
     env = environment_factory(EnvSpec("tool_use", tools=["calculator", "python"], verifier="exact_match"))()
     assert [t["function"]["name"] for t in env.tools] == ["calculator", "python"]
     assert isinstance(environment_factory(EnvSpec("tests.helpers.environments:DigitsAcrossTurns"))(), object)
-    for bad in ("nope", "no_such_module:Env", "actors.tools:missing"):
+    for bad in ("nope", "no_such_module:Env", "actors.agents.tools:missing"):
         with pytest.raises(ValueError, match="environment"):
             environment_factory(EnvSpec(bad))

@@ -10,10 +10,10 @@ import threading
 import pytest
 import torch
 
-from actors.environments import EpisodeLimits, Step
-from actors.chat_tokens import ChatTokens
-from actors.episodes import EpisodeRunner
-from actors.tools import CALCULATOR
+from actors.agents.environments import EpisodeLimits, Step
+from actors.agents.chat_tokens import ChatTokens
+from actors.agents.episodes import EpisodeRunner
+from actors.agents.tools import CALCULATOR
 from tests.helpers.environments import Unreliable
 
 
@@ -79,7 +79,7 @@ def test_trained_ids_are_the_sampled_ids_plus_the_observation_ids(generator, mon
     # the sampling temperature).
     from transformers import AutoModelForCausalLM
 
-    from learners.modeling import sequence_logprobs
+    from learners.training.modeling import sequence_logprobs
 
     lm = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
     with torch.no_grad():

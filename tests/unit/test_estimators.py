@@ -1,4 +1,4 @@
-"""Unit tests for the critic-free estimators in learners.advantages.
+"""Unit tests for the critic-free estimators in learners.objectives.advantages.
 
 group_baseline_advantages (GRPO, Dr. GRPO, RLOO) and reinforce_pp_advantages
 (REINFORCE++): hand-computed values, naive pure-Python references, edge cases.
@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from learners.advantages import (
+from learners.objectives.advantages import (
     ESTIMATORS,
     GROUP_ESTIMATORS,
     discounted_returns,

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from learners.losses import full_kl
-from learners.modeling import full_kl_at_positions
+from learners.objectives.losses import full_kl
+from learners.training.modeling import full_kl_at_positions
 from tests.helpers.factories import experience, flat_grads, grouped_batch, make_learner, tiny_lm
 
 
@@ -141,7 +141,7 @@ def test_the_config_refuses_a_full_kl_it_cannot_run():
     """The full KL reads the frozen model in the learners and is the KL loss term's estimator:
     one clear line for each thing missing."""
     from cluster.config import ConfigError
-    from cluster.config_loading import load_config
+    from cluster.config.loading import load_config
 
     full = ["ppo.kl_loss_estimator=full"]
     with pytest.raises(ConfigError, match="train.reference=learners"):

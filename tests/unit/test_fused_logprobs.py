@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from learners.logprob_kernel import fused_head_logprobs
-from learners.losses import entropy_from_logits, logprobs_from_logits
+from learners.training.logprob_kernel import fused_head_logprobs
+from learners.objectives.losses import entropy_from_logits, logprobs_from_logits
 
 
 def _plain(h, w, labels, t):

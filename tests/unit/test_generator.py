@@ -73,7 +73,7 @@ def test_a_seeded_call_samples_reproducibly(generator):
     (16, 0, 8, "0-7"),  # more threads than cores: every core once
 ])
 def test_generators_sharing_a_node_bind_their_threads_to_different_cores(monkeypatch, threads, first_core, cores, bind):
-    from actors.generator import configure_vllm_env
+    from actors.rollout.generator import configure_vllm_env
 
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
@@ -175,7 +175,7 @@ def test_an_adapter_sync_serves_what_a_merged_sync_serves(generator, tiny_model_
     and serves the log-probs it serves after receiving the merged weights themselves."""
     from transformers import AutoModelForCausalLM
 
-    from learners.lora_sync import adapter_factors
+    from learners.training.lora_sync import adapter_factors
     from tests.helpers.factories import trained_lora
 
     original = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).state_dict()

@@ -1,5 +1,5 @@
 """The Grafana dashboard (configs/grafana/rayrlhf_dashboard.json) matches the Ray metrics the
-driver exports (cluster.telemetry.METRICS): every metric has a panel, every ``ray_rayrlhf_*`` name
+driver exports (cluster.ops.telemetry.METRICS): every metric has a panel, every ``ray_rayrlhf_*`` name
 in a query is one of them, and queries use only that metric's tags (plus ``run``)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.telemetry import METRICS
+from cluster.ops.telemetry import METRICS
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "configs" / "grafana" / "rayrlhf_dashboard.json"
@@ -84,7 +84,7 @@ def test_queries_name_only_exported_metrics_and_tags(dashboard):
             names = metrics_in(expr)
             assert names, f"{p['title']}: no ray_rayrlhf_* metric in {expr}"
             unknown = names - set(METRICS)
-            assert not unknown, f"{p['title']}: ray_{sorted(unknown)} not in cluster.telemetry.METRICS"
+            assert not unknown, f"{p['title']}: ray_{sorted(unknown)} not in cluster.ops.telemetry.METRICS"
             allowed = {"run"}.union(*(METRICS[n][1] for n in names))
             used = set()
             for _, matchers in SELECTOR.findall(expr):

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from actors.judge import DEFAULT_TEMPLATE, Judge, JudgeConfig, aggregate, judge_prompt, parse_score
+from actors.rewards.judge import DEFAULT_TEMPLATE, Judge, JudgeConfig, aggregate, judge_prompt, parse_score
 from learners.experience import Experience
 
 PAT = JudgeConfig().score_pattern
@@ -63,7 +63,7 @@ def test_bad_judge_config(kw, msg):
 
 
 class FakeEngine:
-    """Stands in for ``actors.generator.Generator``: k canned replies per judge prompt, and
+    """Stands in for ``actors.rollout.generator.Generator``: k canned replies per judge prompt, and
     skips prompts over the budget the way the generator does (a ValueError when none is left)."""
 
     def __init__(self, replies_by_response):
@@ -104,7 +104,7 @@ def test_judge_runs_k_samples_per_item_and_counts_too_long():
 
 
 def test_judge_demonstrations_teach_the_format_on_both_ends_of_the_scale():
-    from actors.judge import judge_demonstrations
+    from actors.rewards.judge import judge_demonstrations
 
     rows = [{"prompt": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(10)]
     demos = judge_demonstrations(rows, 6, DEFAULT_TEMPLATE, seed=0)
@@ -121,8 +121,8 @@ def test_judge_demonstrations_teach_the_format_on_both_ends_of_the_scale():
 
 
 def test_judge_scorer_drops_unjudged_samples_and_reports_counts():
-    from actors.judge import JudgeScorer
-    from actors.scorer import RewardError
+    from actors.rewards.judge import JudgeScorer
+    from actors.rewards.scorer import RewardError
 
     cfg = JudgeConfig(samples=2, max_prompt_tokens=len(DEFAULT_TEMPLATE) + 200)
     engine = FakeEngine({"good": ["Score: 5", "Score: 4"], "junk": ["hmm", "no idea"]})

@@ -1,4 +1,4 @@
-"""Unit tests for learners.kl_control: hand-computed updates, clipping, NaN, state round-trip."""
+"""Unit tests for learners.objectives.kl_control: hand-computed updates, clipping, NaN, state round-trip."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from learners.kl_control import (
+from learners.objectives.kl_control import (
     KL_CONTROLLER_KINDS,
     AdaptiveKLController,
     FixedKLController,

@@ -9,7 +9,7 @@ started).
 - What the manifests promise: image and Ray version, env, resources, the PVC at /mnt/runs, the
   metrics port; the Dockerfile's set-up agrees with pyproject.toml and the Makefile.
 - Every ``rayrlhf train ... --set k=v`` (RayJob entrypoints, manifest comments, the Kubernetes
-  guide) loads with ``cluster.config_loading.load_config``.
+  guide) loads with ``cluster.config.loading.load_config``.
 - The RayServices' serveConfigV2 parses with Ray Serve's own schema, is configs/serve/apps.yaml's
   applications (model on the PVC) and names builders that exist in this repository.
 """
@@ -350,7 +350,7 @@ def parse_train(words: list[str]) -> tuple[str | None, list[str], bool]:
 def check_train(words: list[str], where: str) -> tuple[str | None, list[str]]:
     """Loads the command's config with its overrides, as ``rayrlhf train`` would (a resumed run
     without a config file: the defaults stand in for the run's saved config)."""
-    from cluster.config_loading import load_config
+    from cluster.config.loading import load_config
 
     config, overrides, resume = parse_train(words)
     assert config or resume, f"{where}: rayrlhf train without a config file"

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from cluster.learned import change_with_error, learned_line
+from cluster.ops.learned import change_with_error, learned_line
 
 
 def test_the_change_and_its_standard_error_are_the_binomial_ones():

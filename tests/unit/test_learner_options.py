@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cluster.config import PPOConfig
-from learners.modeling import sequence_logprobs
+from learners.training.modeling import sequence_logprobs
 from tests.helpers.factories import experience, flat_grads, make_learner, ragged_batch, tiny_lm
 
 

@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import learners.dpo
 import learners.ppo
 import learners.sft
-from learners.modeling import decoder_layers, shared_weight_casts
+from learners.training.modeling import decoder_layers, shared_weight_casts
 from tests.helpers.factories import (
     experience,
     grouped_batch,

@@ -1,11 +1,11 @@
-"""Adapter-only LoRA syncs (``learners/lora_sync.py``): the factors a learner sends, merged by the
+"""Adapter-only LoRA syncs (``learners/training/lora_sync.py``): the factors a learner sends, merged by the
 generator into its base weights, are exactly the weights peft merges; the bytes are the
 adapter's; a malformed stream is an error, never a silently partial load."""
 
 import pytest
 import torch
 
-from learners.lora_sync import SUFFIX_A, SUFFIX_B, BaseWeights, adapter_factors, merge_into_base, module_of
+from learners.training.lora_sync import SUFFIX_A, SUFFIX_B, BaseWeights, adapter_factors, merge_into_base, module_of
 from tests.helpers.factories import trained_lora as _peft
 
 

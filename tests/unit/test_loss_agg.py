@@ -1,4 +1,4 @@
-"""Unit tests for learners.losses.agg_loss and the loss_agg option of the PPO losses."""
+"""Unit tests for learners.objectives.losses.agg_loss and the loss_agg option of the PPO losses."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from learners.losses import LOSS_AGG_MODES, agg_loss, masked_mean, policy_loss_clipped, value_loss_clipped
+from learners.objectives.losses import LOSS_AGG_MODES, agg_loss, masked_mean, policy_loss_clipped, value_loss_clipped
 
 F64 = dict(dtype=torch.float64)
 NAN = float("nan")

@@ -7,8 +7,10 @@ import torch
 from pydantic import ValidationError
 
 from cluster.config import DPOConfig, PPOConfig
-from learners import advantages, policy_losses, preference_losses
-from learners.advantages import (
+from learners.objectives import advantages
+from learners.objectives import policy_losses
+from learners.objectives import preference_losses
+from learners.objectives.advantages import (
     AdvantageInputs,
     Estimate,
     get_estimator,
@@ -16,9 +18,9 @@ from learners.advantages import (
     register_estimator,
     unregister_estimator,
 )
-from learners.losses import policy_loss_clipped
-from learners.policy_losses import get_policy_loss, policy_loss, register_policy_loss, unregister_policy_loss
-from learners.preference_losses import (
+from learners.objectives.losses import policy_loss_clipped
+from learners.objectives.policy_losses import get_policy_loss, policy_loss, register_policy_loss, unregister_policy_loss
+from learners.objectives.preference_losses import (
     PreferenceInputs,
     preference_loss,
     register_preference_loss,

@@ -1,4 +1,4 @@
-"""Unit tests for learners.losses: hand-computed values, naive references, edge cases."""
+"""Unit tests for learners.objectives.losses: hand-computed values, naive references, edge cases."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from learners.losses import (
+from learners.objectives.losses import (
     entropy_from_logits,
     kl_penalty,
     logprobs_from_logits,

@@ -8,7 +8,7 @@ flaky on near-zero elements and blind to gradient-scale errors).
 
 import torch
 
-from learners.modeling import sequence_logprobs
+from learners.training.modeling import sequence_logprobs
 from tests.helpers.factories import experience, flat_grads, make_learner, ragged_batch, tiny_lm
 
 # Gradients of two paths that differ only in float summation order.
@@ -158,11 +158,11 @@ def test_fused_head_logprobs_give_the_plain_paths_ppo_gradient(tiny_model_path, 
     ids, att, rm = ragged_batch(lm.config.vocab_size)
     exp = experience(lm, ids, att, rm, SCORES, ref_shift=0.01)
     ppo = {"critic_lr": 1e-2, "advantage_estimator": "gae", "kl_coef": 0.05}
-    import learners.modeling
+    import learners.training.modeling
 
     calls = []
-    real = learners.modeling.fused_head_logprobs
-    monkeypatch.setattr(learners.modeling, "fused_head_logprobs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = learners.training.modeling.fused_head_logprobs
+    monkeypatch.setattr(learners.training.modeling, "fused_head_logprobs", lambda *a, **k: calls.append(1) or real(*a, **k))
     for bf16, tol in ((False, GRAD_TOL), (True, dict(atol=2e-3, rtol=2e-2))):
         runs = {}
         for fused in (False, True):

@@ -9,7 +9,7 @@ gradients. Gradients are compared before the optimiser step (captured through
 import pytest
 import torch
 
-from learners.distributed import Collective
+from learners.training.distributed import Collective
 from tests.helpers.collective import run_ranks
 from tests.helpers.factories import experience, flat_grads, grouped_batch, make_learner, tiny_lm
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cluster.config import ConfigError
-from cluster.config_loading import load_config
+from cluster.config.loading import load_config
 from tests.helpers.factories import experience, grouped_batch, tiny_lm
 
 TOY_FILES = {
@@ -81,10 +81,10 @@ def toy_package(tmp_path, monkeypatch):
 
 def test_a_toy_algorithm_in_a_package_of_its_own_runs_through_the_framework(toy_package, tiny_model_path, capsys):
     from cluster.cli import main
-    from cluster.learner_spec import learner_spec
-    from cluster.learner_worker import build_learner
-    from cluster.resources import role_requests
-    from learners.distributed import default_collective
+    from cluster.roles.learner_spec import learner_spec
+    from cluster.roles.learner_worker import build_learner
+    from cluster.roles.resources import role_requests
+    from learners.training.distributed import default_collective
 
     sets = [f"run.plugins={toy_package}", "run.algorithm=toy", "toy.weight=0.5", f"model.path={tiny_model_path}"]
     cfg = load_config(overrides=sets)

@@ -4,9 +4,9 @@ tokens alone — whatever log-probs or values sit at the observation positions."
 
 import torch
 
-from learners.advantages import gae_advantages, group_baseline_advantages
+from learners.objectives.advantages import gae_advantages, group_baseline_advantages
 from learners.experience import Experience
-from learners.modeling import sequence_logprobs
+from learners.training.modeling import sequence_logprobs
 from tests.helpers.factories import make_learner, step_with_grads, tiny_lm
 
 # Per row: prompt 5, turn 1 (4 actions), observation 3, turn 2 (4 actions), then padding.

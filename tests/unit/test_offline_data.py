@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from actors.offline_data import encode_pairs, read_preferences, write_preferences
-from learners.modeling import sequence_logprobs
+from actors.data.offline_data import encode_pairs, read_preferences, write_preferences
+from learners.training.modeling import sequence_logprobs
 from tests.helpers.factories import make_dpo_learner, tiny_lm
 
 USER = {"role": "user", "content": "What is 2 + 3?"}

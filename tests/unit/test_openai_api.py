@@ -1,4 +1,4 @@
-"""The OpenAI API as the rollout endpoint reads and writes it (``actors/openai_api.py``), pure:
+"""The OpenAI API as the rollout endpoint reads and writes it (``actors/agents/openai_api.py``), pure:
 every reply and every streamed event validates, strictly, against the ``openai`` package's own
 models (what its clients parse); Responses input items become the chat conversation they
 describe; bad requests name their field."""
@@ -13,7 +13,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from actors.openai_api import (
+from actors.agents.openai_api import (
     ApiError, Choice, chat_reply, chat_stream, completion_reply, completion_stream, input_messages, parse_chat,
     parse_completion, parse_responses, reply_message, responses_reply, responses_stream,
 )

@@ -1,4 +1,4 @@
-"""OpenEnv through its real protocol (``actors/openenv.py``), against a server built with
+"""OpenEnv through its real protocol (``actors/agents/openenv.py``), against a server built with
 ``openenv-core``'s own ``create_app`` in a process of its own: an episode is one WebSocket
 session, so its later turns see its earlier ones (the server's HTTP routes build a fresh
 environment per request, shown first); a server at capacity is waited for; a killed server
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from actors.environments import EnvSpec, Step, environment_factory
-from actors.openenv import OpenEnvError, OpenEnvOptions, OpenEnvServer
+from actors.agents.environments import EnvSpec, Step, environment_factory
+from actors.agents.openenv import OpenEnvError, OpenEnvOptions, OpenEnvServer
 from serving.common import free_port
 from tests.helpers.openenv_envs import start_server
 

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from cluster.config import Config, UserError
-from cluster.console import Console, is_own_line
-from cluster.ledger import Ledger, issue_records, outcome_records, read_ledger, summarize, valid_records
-from cluster.resources import RoleRequest, check_fits, role_requests
-from cluster.status import format_status, run_status
-from cluster.telemetry import METRICS, TensorBoardSink, flat_numbers, gauge_values
+from cluster.ops.console import Console, is_own_line
+from cluster.ops.ledger import Ledger, issue_records, outcome_records, read_ledger, summarize, valid_records
+from cluster.roles.resources import RoleRequest, check_fits, role_requests
+from cluster.ops.status import format_status, run_status
+from cluster.ops.telemetry import METRICS, TensorBoardSink, flat_numbers, gauge_values
 
 
 # -- resources --------------------------------------------------------------------------------
@@ -173,7 +173,7 @@ ROW = {"step": 4, "reward/mean": 0.5, "kl/ref_k1": 0.01, "loss/policy": -0.2, "l
 def test_the_progress_line_counts_the_rows_the_learner_skipped(tmp_path):
     import io
 
-    from cluster.metrics import RunLog
+    from cluster.ops.metrics import RunLog
 
     out = io.StringIO()
     run_log = RunLog(tmp_path, total_steps=2, stream=out)
@@ -235,7 +235,7 @@ def test_status_of_a_run_directory(tmp_path):
 
 # -- verified sync ----------------------------------------------------------------------------
 def test_probe_gaps_and_tolerances():
-    from cluster.weight_sync import probe_gaps, sync_tolerance
+    from cluster.roles.weight_sync import probe_gaps, sync_tolerance
 
     assert probe_gaps([-1.0, -2.0], [[-1.0, -2.0], [-1.5, -2.5], [-1.0]]) == [0.0, 0.5, float("inf")]
     assert sync_tolerance("float32") == 1e-3 and sync_tolerance("bfloat16") == 0.1
@@ -243,7 +243,7 @@ def test_probe_gaps_and_tolerances():
 
 
 def test_the_learners_probe_is_its_eval_mode_log_probs(tiny_model_path):
-    from learners.modeling import sequence_logprobs
+    from learners.training.modeling import sequence_logprobs
     from tests.helpers.factories import make_learner
 
     learner = make_learner(tiny_model_path)
@@ -271,7 +271,7 @@ def test_custom_resources_must_exist_in_the_cluster():
 
 def test_colocated_generators_request_nothing_of_their_own_and_only_ppo_colocates():
     from cluster.config import ConfigError
-    from cluster.placement import generator_bundle
+    from cluster.roles.placement import generator_bundle
 
     base = {"rollout": {"num_generators": 2, "cpus_per_generator": 0.5, "resources": {"rollout_node": 1}},
             "cluster": {"num_learners": 2}}
@@ -301,7 +301,7 @@ GPU_RUN = {"rollout": {"num_generators": 2, "gpus_per_generator": 0.5, "gpu_memo
 
 
 def test_gpu_claims_reach_every_role_and_the_resource_check():
-    from cluster.placement import generator_bundle
+    from cluster.roles.placement import generator_bundle
 
     cfg = Config.model_validate(GPU_RUN).validate_run()
     by_role = {r.role: dict(r.resources) for r in role_requests(cfg)}
@@ -317,10 +317,10 @@ def test_gpu_claims_reach_every_role_and_the_resource_check():
 
 
 def test_gpu_roles_get_their_devices_and_backends():
-    from cluster.role_settings import generator_config, reference_config
-    from cluster.learner_spec import learner_spec, worker_scaling
-    from cluster.learner_worker import learner_device
-    from cluster.transports import make_transport
+    from cluster.config.role_settings import generator_config, reference_config
+    from cluster.roles.learner_spec import learner_spec, worker_scaling
+    from cluster.roles.learner_worker import learner_device
+    from cluster.roles.transports import make_transport
 
     cfg = Config.model_validate(GPU_RUN).validate_run()
     spec = learner_spec(cfg, "/m", 0)
@@ -346,8 +346,8 @@ def test_gpu_roles_get_their_devices_and_backends():
 
 
 def test_generators_run_eager_unless_compile_is_asked_for(monkeypatch):
-    from actors.generator import configure_vllm_env
-    from cluster.role_settings import generator_config
+    from actors.rollout.generator import configure_vllm_env
+    from cluster.config.role_settings import generator_config
 
     assert generator_config(Config(), "/m").compile is False
     on = Config.model_validate({"rollout": {"compile": True}}).validate_run()
@@ -363,8 +363,8 @@ def test_generators_run_eager_unless_compile_is_asked_for(monkeypatch):
 
 
 def test_cpu_learners_and_reference_keep_freed_memory():
-    from cluster.role_settings import KEEP_FREED_MEMORY_ENV, role_env
-    from cluster.learner_spec import learner_spec, worker_scaling
+    from cluster.config.role_settings import KEEP_FREED_MEMORY_ENV, role_env
+    from cluster.roles.learner_spec import learner_spec, worker_scaling
 
     assert KEEP_FREED_MEMORY_ENV["MALLOC_MMAP_MAX_"] == "0" and KEEP_FREED_MEMORY_ENV["MALLOC_ARENA_MAX"] == "1"
     assert worker_scaling(learner_spec(Config(), "/m", 0))["env_vars"] == KEEP_FREED_MEMORY_ENV

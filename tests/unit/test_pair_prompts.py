@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from cluster.config_loading import load_config
+from cluster.config.loading import load_config
 from cluster.driver import with_prompt_offset
 from cluster.recipes import pairs
 from cluster.run_context import PromptSampler

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from learners.losses import policy_loss_clipped
-from learners.policy_losses import policy_loss, policy_loss_cispo, policy_loss_gspo
-from learners.reward_shaping import overlong_penalty
+from learners.objectives.losses import policy_loss_clipped
+from learners.objectives.policy_losses import policy_loss, policy_loss_cispo, policy_loss_gspo
+from learners.objectives.reward_shaping import overlong_penalty
 
 MASK = torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool)
 

@@ -1,11 +1,11 @@
-"""``auto`` precision: bf16 only where the device computes it natively (learners/precision.py)."""
+"""``auto`` precision: bf16 only where the device computes it natively (learners/training/precision.py)."""
 
 import pytest
 
-import learners.precision as precision
+import learners.training.precision as precision
 from cluster.config import ConfigError
-from cluster.config_loading import load_config
-from learners.precision import cpu_flags, resolve_bf16, resolve_engine_dtype
+from cluster.config.loading import load_config
+from learners.training.precision import cpu_flags, resolve_bf16, resolve_engine_dtype
 from tests.helpers.factories import make_learner
 
 X86_AVX2 = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx avx2 fma\n"

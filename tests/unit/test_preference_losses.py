@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from learners.preference_losses import (
+from learners.objectives.preference_losses import (
     PREFERENCE_LOSSES,
     preference_loss,
     preference_metrics,

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from cluster.config import ConfigError
-from cluster.config_loading import load_config
-from learners.modeling import reference_logit_terms
+from cluster.config.loading import load_config
+from learners.training.modeling import reference_logit_terms
 from tests.helpers.collective import run_ranks
 from tests.helpers.factories import make_q_learner, mdp_batch, ragged_batch, step_with_grads, tiny_lm
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from cluster.config import ConfigError
-from cluster.config_loading import load_config
-from learners.distributed import Collective
-from learners.reward_shaping import centered_returns, groups_with_signal
+from cluster.config.loading import load_config
+from learners.training.distributed import Collective
+from learners.objectives.reward_shaping import centered_returns, groups_with_signal
 from tests.helpers.factories import make_q_learner, step_with_grads, transitions_batch
 
 HP = {"calibration": "reference", "conservative": "logsumexp", "conservative_weight": 1.0, "value_grad": 0.0,

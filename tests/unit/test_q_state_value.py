@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from cluster.config import ConfigError
-from cluster.config_loading import load_config
-from learners.td_losses import reference_valued
+from cluster.config.loading import load_config
+from learners.objectives.td_losses import reference_valued
 from tests.helpers.factories import flat_grads, make_q_learner, mdp_batch, step_with_grads, taken_logits, tiny_lm
 
 HP = {"calibration": "reference", "conservative": "logsumexp", "conservative_weight": 0.0, "value_grad": 0.0,

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from learners.td_losses import value_graded
+from learners.objectives.td_losses import value_graded
 from tests.helpers.factories import flat_grads, make_q_learner, mdp_batch, step_with_grads, taken_logits, tiny_lm
 
 

@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 
-from learners.advantages import (discounted_returns, episode_mask, q_learning_targets, reads_bootstrap,
+from learners.objectives.advantages import (discounted_returns, episode_mask, q_learning_targets, reads_bootstrap,
                                  token_rewards_from_scores)
 from learners.experience import ExperienceError
-from learners.td_losses import conservative_penalty, cql_penalty, td_loss
-from learners.modeling import max_q_after_positions, q_heads_at_positions
-from learners.optim import ema_update_
+from learners.objectives.td_losses import conservative_penalty, cql_penalty, td_loss
+from learners.training.modeling import max_q_after_positions, q_heads_at_positions
+from learners.training.optim import ema_update_
 from tests.helpers.collective import run_ranks
 from tests.helpers.factories import (
     experience,

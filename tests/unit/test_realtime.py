@@ -1,4 +1,4 @@
-"""Real-time scheduling of a learner's threads during an update (cluster/realtime.py)."""
+"""Real-time scheduling of a learner's threads during an update (cluster/roles/realtime.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from cluster import realtime
-from cluster.realtime import realtime_threads
+from cluster.roles import realtime
+from cluster.roles.realtime import realtime_threads
 
 
 @pytest.fixture(autouse=True)
@@ -108,7 +108,7 @@ def test_nothing_changes_when_disabled_or_when_the_kernel_does_not_throttle(monk
 
 def test_the_learner_spec_carries_the_option():
     from cluster.config import Config
-    from cluster.learner_spec import learner_spec
+    from cluster.roles.learner_spec import learner_spec
 
     assert learner_spec(Config(), "/m", 0).realtime is False
     on = Config.model_validate({"cluster": {"realtime_learners": True}})

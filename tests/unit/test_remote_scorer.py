@@ -9,8 +9,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from actors.remote import RemoteScorer, RemoteScorerError, RemoteSettings, parse_reply, _Retryable
-from actors.scorer import RewardError
+from actors.rewards.remote import RemoteScorer, RemoteScorerError, RemoteSettings, parse_reply, _Retryable
+from actors.rewards.scorer import RewardError
 
 
 class Endpoint:

@@ -99,7 +99,7 @@ def test_key_and_size_are_checked_before_the_rules(stack):
 
 
 def test_a_tool_conversation_reaches_the_engine_as_the_agents_saw_it_in_training(stack):
-    from actors.chat_tokens import from_client
+    from actors.agents.chat_tokens import from_client
 
     app, seen, server = stack
     messages = [{"role": "user", "content": "What is 37 * 41?"},

@@ -9,7 +9,7 @@ import torch
 
 from cluster.run_context import PromptSampler, RunContext, latest_checkpoint
 from learners.base import get_learner, load_learner_state
-from learners.optim import lr_multiplier
+from learners.training.optim import lr_multiplier
 from tests.helpers.factories import experience, make_learner, ragged_batch, tiny_lm
 
 
@@ -147,7 +147,7 @@ def test_prompt_sampler_resumes_where_it_stopped():
 
 def test_resume_needs_a_complete_checkpoint(tmp_path):
     from cluster.config import UserError
-    from cluster.config_loading import load_config
+    from cluster.config.loading import load_config
 
     cfg = load_config(overrides=["run.steps=4"])
     with pytest.raises(UserError, match="no complete checkpoint"):
@@ -162,7 +162,7 @@ def test_a_run_directory_named_relative_to_the_working_folder_resumes_from_an_ab
     import json
     import random
 
-    from cluster.config_loading import load_config
+    from cluster.config.loading import load_config
     from cluster.run_context import RUN_STATE_FILE
 
     state = tmp_path / "runs" / "x" / "checkpoints" / "step_00002" / "trainer_state"

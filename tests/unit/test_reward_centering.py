@@ -1,5 +1,5 @@
 """Reward centering for Q-learning (``qlearn.reward_baseline=batch_mean | group_mean``,
-``learners.reward_shaping.centered_returns``): the batch's mean return comes off each sequence's
+``learners.objectives.reward_shaping.centered_returns``): the batch's mean return comes off each sequence's
 terminal reward (or the mean of its group's). By hand and against a naive loop; the soft-optimal policy of a token tree is the
 same with and without it (the claim that makes it safe); the learner's targets are the centered
 returns and a failed sequence's actions fall below the prior's Q of 0."""
@@ -9,7 +9,7 @@ import itertools
 import pytest
 import torch
 
-from learners.reward_shaping import centered_returns, per_group_sum
+from learners.objectives.reward_shaping import centered_returns, per_group_sum
 from tests.helpers.factories import make_q_learner, transitions_batch
 
 

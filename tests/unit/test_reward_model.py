@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from learners.preference_losses import bradley_terry_loss
+from learners.objectives.preference_losses import bradley_terry_loss
 from learners.reward_model import load_reward_model, sequence_rewards
 from tests.helpers.collective import run_ranks
 from tests.helpers.factories import make_rm_learner, preference_batch, step_with_grads, tiny_lm
@@ -127,8 +127,8 @@ def test_learns_a_separable_preference(tiny_model_path):
 
 
 def test_reward_model_scorer_gives_the_learners_rewards(tiny_model_path, tmp_path):
-    from actors.offline_data import encode_pairs
-    from actors.rm_scorer import RewardModelScorer
+    from actors.data.offline_data import encode_pairs
+    from actors.rewards.reward_model import RewardModelScorer
     from transformers import AutoTokenizer
 
     learner = make_rm_learner(tiny_model_path, seed=7)
@@ -147,7 +147,7 @@ def test_reward_model_scorer_gives_the_learners_rewards(tiny_model_path, tmp_pat
 
 
 def test_reward_model_scorer_runs_a_groups_prompt_once_with_the_same_rewards(tiny_model_path, tmp_path):
-    from actors.rm_scorer import RewardModelScorer
+    from actors.rewards.reward_model import RewardModelScorer
 
     folder = make_rm_learner(tiny_model_path, seed=5).save(tmp_path / "rm", tokenizer_from=tiny_model_path)
     # A GRPO batch: three samples of one prompt, interleaved with two of another.

@@ -6,10 +6,10 @@ import math
 
 import pytest
 
-from actors.reward_routing import RoutedScorer
+from actors.rewards.routing import RoutedScorer
 from cluster.config import ConfigError
-from cluster.config_loading import load_config
-from cluster.metrics import judge_metrics
+from cluster.config.loading import load_config
+from cluster.ops.metrics import judge_metrics
 
 SEEN: dict[str, list[str]] = {}
 
@@ -47,7 +47,7 @@ def test_a_weighted_sum_equals_a_naive_loop():
     scorer = RoutedScorer({None: comps})
     completions = ["yes", "no 12", "a1b2", "yes", ""]
     values, counts = scorer.score_texts([""] * 5, completions, _meta([None] * 5))
-    from actors.rewards import digit_density
+    from actors.rewards.functions import digit_density
 
     naive = []
     for c in completions:
@@ -72,8 +72,8 @@ def test_a_failing_component_fails_only_its_samples_and_means_reach_the_row():
 
 
 def test_the_config_builds_the_routed_scorer_and_rejects_what_cannot_combine():
-    from actors.scorer_factory import build_scorer
-    from cluster.role_settings import scorer_spec
+    from actors.rewards.scorer_factory import build_scorer
+    from cluster.config.role_settings import scorer_spec
 
     cfg = load_config(overrides=['reward.by_source={"gsm8k": exact_match, "toy": [{function: digit_density, weight: 2}]}'])
     scorer = build_scorer(scorer_spec(cfg))

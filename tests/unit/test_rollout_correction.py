@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from learners.losses import policy_loss_clipped, rollout_importance_weights
+from learners.objectives.losses import policy_loss_clipped, rollout_importance_weights
 from tests.helpers.factories import experience, flat_grads, make_learner, ragged_batch, tiny_lm
 
 # Two rows of four positions; row 1's last position is padding (mask 0) holding garbage.

@@ -1,6 +1,6 @@
 """How the generator pool cuts a batch into work units (its dispatch: tests/ray/test_generator_pool.py)."""
 
-from cluster.rollout_pool import unit_sizes
+from cluster.roles.rollout_pool import unit_sizes
 
 
 def test_unit_sizes_keep_whole_batches_for_one_generator_and_two_units_per_generator_otherwise():

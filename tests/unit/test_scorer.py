@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from actors.rewards import extract_final_answer, reasoning_gym
-from actors.scorer import RewardError, Scorer, resolve_reward_fn
+from actors.rewards.functions import extract_final_answer, reasoning_gym
+from actors.rewards.scorer import RewardError, Scorer, resolve_reward_fn
 from tests.unit.test_experience import make
 
 
@@ -18,7 +18,7 @@ def test_extract_final_answer(text, want):
 
 
 def test_reasoning_gym_checker_on_real_entries():
-    from actors.tasks import reasoning_gym_rows
+    from actors.data.tasks import reasoning_gym_rows
 
     rows = reasoning_gym_rows("basic_arithmetic", 4, 1, {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}, "Answer.").rows
     meta = {k: [r["meta"][k] for r in rows] for k in rows[0]["meta"]}
@@ -70,10 +70,10 @@ def test_wrong_length_is_isolated_per_sample_when_skipping():
 
 
 def test_scorer_spec_from_the_run_config(monkeypatch):
-    from actors.remote import RemoteSettings
-    from cluster.role_settings import scorer_spec, self_judging
+    from actors.rewards.remote import RemoteSettings
+    from cluster.config.role_settings import scorer_spec, self_judging
     from cluster.config import ConfigError
-    from cluster.config_loading import load_config
+    from cluster.config.loading import load_config
 
     cfg = load_config(overrides=["reward.function=llm_judge", "reward.model=/models/judge", "judge.samples=2"])
     spec = scorer_spec(cfg)

@@ -6,7 +6,7 @@ uninterrupted one, critic and policy."""
 import pytest
 import torch
 
-from learners.critic import build_critic
+from learners.training.critic import build_critic
 from tests.helpers.factories import experience, flat_grads, grouped_batch, make_learner, tiny_lm
 
 GAE = {"advantage_estimator": "gae", "kl_coef": 0.0}
@@ -145,7 +145,7 @@ def test_bf16_learners_train_the_separate_critic_in_float32_values(tiny_model_pa
     for bf16 in (False, True):
         learner = make_learner(tiny_model_path, train={"bf16": bf16}, ppo={**GAE, "critic": "separate"})
         ids, att, rm = batch.input_ids, batch.attention_mask, batch.response_mask
-        from learners.modeling import autocast
+        from learners.training.modeling import autocast
 
         with torch.no_grad(), autocast(bf16, ids.device):
             values = learner.model.critic(ids, att, rm)

@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from actors.offline_data import encode_demonstrations, read_demonstrations
-from learners.modeling import sequence_logprobs
+from actors.data.offline_data import encode_demonstrations, read_demonstrations
+from learners.training.modeling import sequence_logprobs
 from tests.helpers.collective import run_ranks
 from tests.helpers.factories import experience, grouped_batch, make_sft_learner, step_with_grads, tiny_lm
 

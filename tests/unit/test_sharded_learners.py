@@ -156,7 +156,7 @@ def _step(learner, batch) -> tuple[torch.Tensor, dict, dict]:
 
 def _every_case(rank: int, world: int, path: str, batches: dict, save_to: str | None = None,
                 cases: tuple[str, ...] = tuple(CASES)) -> dict:
-    from learners.distributed import default_collective
+    from learners.training.distributed import default_collective
 
     out = {}
     for case in cases:
@@ -174,7 +174,7 @@ def _every_case(rank: int, world: int, path: str, batches: dict, save_to: str | 
 
 def _watch_dtypes(learner) -> list:
     """The dtype of the first decoder layer's query weight whenever that layer computes."""
-    from learners.modeling import decoder_layers
+    from learners.training.modeling import decoder_layers
 
     seen: list = []
     layer = decoder_layers(learner.model.lm)[0]
@@ -205,7 +205,7 @@ def _count_model_loads() -> list:
 
 
 def _two_ranks(rank: int, world: int, path: str, batches: dict, resume_from: str, save_to: str) -> dict:
-    from learners.distributed import default_collective
+    from learners.training.distributed import default_collective
 
     loads = _count_model_loads()
     out = _every_case(rank, world, path, batches, save_to, (*CASES, *MIXED))

@@ -4,7 +4,7 @@ must equal running every row in full."""
 import pytest
 import torch
 
-from learners.modeling import PolicyWithValueHead, decoder_hidden, sequence_logprobs, shared_prefix_hidden
+from learners.training.modeling import PolicyWithValueHead, decoder_hidden, sequence_logprobs, shared_prefix_hidden
 from tests.helpers.factories import assert_grads_close, experience, flat_grads, grouped_batch, make_learner, tiny_lm
 
 

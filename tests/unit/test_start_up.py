@@ -59,7 +59,7 @@ def test_the_learner_group_starts_ray_datas_manager_only_for_datasets():
     from ray.train.v2._internal.callbacks import DatasetsCallback
     from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
 
-    from cluster.learner_group import trainer_class
+    from cluster.roles.learner_group import trainer_class
 
     def loop(config):
         pass

@@ -6,7 +6,7 @@ and position. No Ray."""
 import json
 from pathlib import Path
 
-from cluster.config_loading import load_config
+from cluster.config.loading import load_config
 from cluster.driver import stage_done
 from cluster.run_context import RUN_STATE_FILE, PromptSampler, RunContext, latest_checkpoint
 from cluster.step_loop import StepOutcome, run_steps

@@ -6,7 +6,7 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from cluster.stream_reader import PromptFiles, read_blocks
+from cluster.data.stream_reader import PromptFiles, read_blocks
 
 
 def _rows(path, block_rows):

@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 import torch
 
-from actors.tasks import file_rows, load_prompts
-from cluster.weight_sync import pack, unpack
+from actors.data.tasks import file_rows, load_prompts
+from cluster.roles.weight_sync import pack, unpack
 
 
 def test_jsonl_malformed_rows_are_counted(tmp_path):

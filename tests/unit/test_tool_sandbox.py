@@ -1,4 +1,4 @@
-"""The python tool's sandbox (``actors/sandbox.py``, bubblewrap) against an escape battery: each
+"""The python tool's sandbox (``actors/agents/sandbox.py``, bubblewrap) against an escape battery: each
 case is model-written code sent through the tool as a tool call would be (in the ``tool_use``
 environment's step), run in real subprocesses on this machine. Every case fails inside the
 sandbox; the host's files are unchanged afterwards; no process of the call is alive once it
@@ -16,9 +16,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from actors import sandbox
-from actors.environments import ToolUse
-from actors.tools import ToolBox, ToolCall, resolve_tools
+from actors.agents import sandbox
+from actors.agents.environments import ToolUse
+from actors.agents.tools import ToolBox, ToolCall, resolve_tools
 
 PRELUDE_MARK = "sys.addaudithook(_guard)"  # in the argv of every process of a python tool call
 
@@ -85,7 +85,7 @@ def test_every_escape_fails_inside_the_sandbox_and_leaves_the_host_as_it_was(hos
     root, port, hits = host
     before = _state(root)
     limits = sandbox.SandboxLimits(cpu_s=2, wall_s=20, memory_mb=256)
-    from actors.tools import Tool, run_python
+    from actors.agents.tools import Tool, run_python
 
     tool = Tool("python", lambda code: run_python(code, limits), "", {})
     env = ToolUse(lambda row: (lambda reply: 0.0), ToolBox([tool], timeout_s=60), max_tool_calls=100)
@@ -125,7 +125,7 @@ def test_your_own_code_tools_run_in_the_same_sandbox(host, tmp_path, monkeypatch
     root, _, _ = host
     module = tmp_path / "my_tools.py"
     module.write_text(
-        "import subprocess\nfrom actors.sandbox import sandboxed\n\n"
+        "import subprocess\nfrom actors.agents.sandbox import sandboxed\n\n"
         "@sandboxed(binaries=True)\ndef shell(command: str) -> str:\n"
         "    '''Runs a shell command.'''\n"
         "    done = subprocess.run(['sh', '-c', command], capture_output=True, text=True)\n"
@@ -142,8 +142,8 @@ def test_your_own_code_tools_run_in_the_same_sandbox(host, tmp_path, monkeypatch
 
 def test_a_run_that_would_use_the_python_tool_without_its_sandbox_stops_before_it_starts(monkeypatch):
     from cluster.config import UserError
-    from cluster.config_loading import load_config
-    from cluster.data_sources import check_environment
+    from cluster.config.loading import load_config
+    from cluster.data.sources import check_environment
 
     root = Path(__file__).resolve().parents[2]
     cfg = load_config(root / "configs" / "ppo_tiny.yaml", ["env.name=tool_use", "env.tools=[calculator,python]",

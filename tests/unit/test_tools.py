@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from actors.tools import (
+from actors.agents.tools import (
     CALCULATOR, PYTHON, SandboxLimits, Tool, ToolBox, ToolCall, ToolCallFormat, calculate, parse_tool_calls,
     resolve_tools, run_python,
 )
@@ -80,8 +80,8 @@ def test_python_runs_sandboxed_with_limits():
 
 def test_tools_resolve_by_name_or_module_path():
     assert [t.name for t in resolve_tools(["calculator", "python"])] == ["calculator", "python"]
-    assert resolve_tools(["actors.tools:calculate"])[0].name == "calculate"
-    for bad in ("nope", "actors.tools:missing"):
+    assert resolve_tools(["actors.agents.tools:calculate"])[0].name == "calculate"
+    for bad in ("nope", "actors.agents.tools:missing"):
         with pytest.raises(ValueError):
             resolve_tools([bad])
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from cluster.metrics import RunLog
-from cluster.trackers import start_trackers
+from cluster.ops.metrics import RunLog
+from cluster.ops.trackers import start_trackers
 from tests.helpers.trackers import mlflow_run, wandb_offline_run
 
 ROWS = [{"step": s, "reward/mean": 0.1 * s, "loss/total": 1.0 / s, "skipped": {"reward_error": s}, "note": "x"}
@@ -68,7 +68,7 @@ def test_a_tracker_that_cannot_start_is_one_line_and_the_others_go_on(tmp_path, 
 
 
 def test_runs_saved_with_the_old_tensorboard_switch_still_load():
-    from cluster.config_loading import load_config
+    from cluster.config.loading import load_config
 
     assert load_config(base={"run": {"tensorboard": False}}).run.trackers == []
     assert load_config(base={"run": {"tensorboard": True}}).run.trackers == ["tensorboard"]

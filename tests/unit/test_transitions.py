@@ -9,8 +9,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from actors.replay import ReplayBuffer
-from actors.transitions import (
+from actors.data.replay import ReplayBuffer
+from actors.data.transitions import (
     TRANSITION_SCHEMA, Transition, TransitionsError, export_experience, read_transitions,
     transitions_from_experience, transitions_to_experience, write_transitions,
 )
@@ -231,7 +231,7 @@ def test_replay_buffer_samples_whole_groups_for_a_group_baseline():
     assert buf.sample(0, 0) == []
     with pytest.raises(ValueError, match="empty replay buffer"):
         ReplayBuffer(capacity=3, whole_groups=True).sample(1, step=0)
-    from cluster.workers import ReplayWorker  # the actor Q-learning samples from passes it on
+    from cluster.roles.workers import ReplayWorker  # the actor Q-learning samples from passes it on
 
     worker = ReplayWorker(capacity=100, seed=0, pad_token_id=0, whole_groups=True)
     worker.add_rows(filled().sample(100, 0))
@@ -242,7 +242,7 @@ def test_replay_buffer_samples_whole_groups_for_a_group_baseline():
 def test_replay_worker_refills_the_exported_steps_up_to_the_checkpoint(tmp_path):
     """A resumed online run rebuilds its buffer from <run>/data/transitions/step-*.parquet: the
     steps up to its checkpoint, in order, with the same evictions as the interrupted run."""
-    from cluster.workers import ReplayWorker
+    from cluster.roles.workers import ReplayWorker
 
     def rows(step):
         return [Transition(prompt_ids=[1, 2], response_ids=[3, step], rewards=[0.0, float(step)], done=True,

@@ -4,7 +4,7 @@ observation's last token); each turn ends at its own EOS. Hand values and a naiv
 
 import torch
 
-from learners.advantages import bootstrap_positions, episode_mask, q_learning_targets
+from learners.objectives.advantages import bootstrap_positions, episode_mask, q_learning_targets
 
 EOS = 2
 

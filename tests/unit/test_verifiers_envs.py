@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.environments import EpisodeLimits
-from actors.verifiers_env import VerifiersProgram, load_environment, task_rows
+from actors.agents.environments import EpisodeLimits
+from actors.agents.verifiers_env import VerifiersProgram, load_environment, task_rows
 
 LIMITS = EpisodeLimits(max_turns=6, max_tokens=1000, max_new_tokens=96)
 

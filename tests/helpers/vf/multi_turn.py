@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import verifiers.v1 as vf
 
-from actors.rewards import digit_density
+from actors.rewards.functions import digit_density
 
 FOLLOW_UPS = ["Again.", "Once more."]
 

@@ -1,0 +1,1 @@
+"""Data the roles read or keep: reasoning-gym tasks (tasks), tables of prompts from files and datasets (tables), offline preference and demonstration data (offline_data), transitions for offline Q-learning (transitions) and the replay buffer (replay)."""

@@ -1,0 +1,1 @@
+"""Sampling: the generator role over a vLLM engine (generator), the loop that steps the engine and feeds it requests (engine_loop), the engine extensions the weight sync and the routing talk to (vllm_ext), and the records a rollout hands on (records). Episodes and agent programs (actors.agents) are strategies the generator calls."""

@@ -1,0 +1,89 @@
+"""The records a rollout hands on: each sampled row (``Sampled``), its tokens' weight versions,
+and the batch of rows as the ``Experience`` record the learners read (``to_experience``).
+
+Every rollout strategy (single replies in ``actors/rollout/generator.py``, multi-turn episodes in
+``actors/agents/episodes.py``, agent programs in ``actors/agents/agent_endpoint.py``) ends in these rows; the
+generator turns them into the record. This module imports no strategy, so they all import it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from learners.experience import Experience
+
+
+class Sampled(NamedTuple):
+    """One record row as sampled: the prompt's ids, then the response's (a multi-turn episode's
+    include the observations between its turns, ``action`` False there)."""
+
+    prompt: list[int]
+    response: list[int]
+    logprobs: list[float]
+    truncated: bool
+    text: str
+    meta: dict
+    group: int
+    versions: list[int | None]
+    action: list[bool] | None = None
+
+
+class Rollout(NamedTuple):
+    """What a multi-turn strategy hands the generator: its rows, the episodes it dropped by
+    reason (``Experience.skipped``) and the batch's counters."""
+
+    rows: list[Sampled]
+    dropped: dict[str, int]
+    counts: dict[str, float]
+
+
+def token_versions(spans, n: int) -> list[int | None]:
+    """Each of ``n`` output tokens' weight version from vLLM's ``CompletionOutput.weight_versions``
+    spans (labels are the generator's versions as strings); None where no span covers it."""
+    out: list[int | None] = [None] * n
+    for span in spans or []:
+        for k in range(span.start, min(span.end, n)):
+            out[k] = int(span.version)
+    return out
+
+
+def to_experience(rows: list[Sampled], skipped: dict[str, int], pad_token_id: int, version: int) -> Experience:
+    """The rows as one right-padded record; ``version``: the weights' version for tokens no
+    version span covers. ``skipped`` gains the count of truncated rows."""
+    length = max(len(row.prompt) + len(row.response) for row in rows)
+    b = len(rows)
+    input_ids = torch.full((b, length), pad_token_id, dtype=torch.long)
+    attention = torch.zeros((b, length), dtype=torch.bool)
+    response = torch.zeros((b, length), dtype=torch.bool)
+    logprobs = torch.zeros((b, length), dtype=torch.float32)
+    versions = torch.zeros((b, length), dtype=torch.long)
+    for i, row in enumerate(rows):
+        n_p, n_r = len(row.prompt), len(row.response)
+        input_ids[i, : n_p + n_r] = torch.tensor(row.prompt + row.response, dtype=torch.long)
+        attention[i, : n_p + n_r] = True
+        acts = torch.ones(n_r, dtype=torch.bool) if row.action is None else torch.tensor(row.action, dtype=torch.bool)
+        response[i, n_p : n_p + n_r] = acts
+        logprobs[i, n_p : n_p + n_r] = torch.tensor(row.logprobs, dtype=torch.float32) * acts
+        vs = torch.tensor([version if v is None else v for v in row.versions], dtype=torch.long)
+        versions[i, n_p : n_p + n_r] = vs * acts
+    truncated = torch.tensor([row.truncated for row in rows], dtype=torch.bool)
+    skipped = dict(skipped, truncated=int(truncated.sum()))
+    sampled = versions[response]
+    oldest = int(sampled.min()) if len(sampled) else version
+    # One version throughout (no update landed mid-generation): the scalar says it all.
+    mixed = bool(len(sampled)) and int(sampled.max()) != oldest
+    return Experience(
+        input_ids=input_ids,
+        attention_mask=attention,
+        response_mask=response,
+        rollout_logprobs=logprobs,
+        group_ids=torch.tensor([row.group for row in rows], dtype=torch.long),
+        truncated=truncated,
+        policy_version=oldest,
+        completions=[row.text for row in rows],
+        meta=[row.meta for row in rows],
+        token_versions=versions if mixed else None,
+        skipped=skipped,
+    ).validate()

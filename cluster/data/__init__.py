@@ -1,0 +1,1 @@
+"""The run's data on the driver: prompt sets, demonstrations and preferences read from files, datasets and reasoning-gym (sources), streamed prompt folders (streaming, stream_reader) and `rayrlhf data inspect` (inspection). Nothing here starts a role."""

@@ -1,0 +1,1 @@
+"""Watching a run: the metrics row of each step (metrics), the console and train.log (console), experiment trackers (trackers), Ray metrics and the dashboard (telemetry), the prompt ledger (ledger), `rayrlhf status` (status) and the run's closing line (learned). They read what the roles report; none of them changes training."""

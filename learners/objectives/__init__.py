@@ -1,0 +1,1 @@
+"""Pure maths: tensors in, tensors out, no config object, no Ray, the paper's equation cited. Advantage estimators (advantages), the policy, preference and TD losses, KL control and reward shaping, each family a registry filled by a decorator beside each definition (registry)."""

@@ -1,0 +1,1 @@
+"""What a learner trains with: the policy model wrapper and its forward passes (modeling, attention, logprob_kernel), the critic head (critic), precision, FSDP2 sharding, the optimiser, LoRA's adapter sync and the collective between ranks (distributed). Algorithms (learners/<name>.py) build on these."""
