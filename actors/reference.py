@@ -62,7 +62,9 @@ class Reference:
 
         bf16 = resolve_bf16(bf16, device)
         self.model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=torch.bfloat16 if bf16 else torch.float32, trust_remote_code=trust_remote_code,
+            model_path,
+            dtype=torch.bfloat16 if bf16 else torch.float32,
+            trust_remote_code=trust_remote_code,
             attn_implementation=register(),
         )
         self.device = torch.device(device)
@@ -76,18 +78,29 @@ class Reference:
     @classmethod
     def from_config(cls, cfg: ReferenceConfig) -> "Reference":
         return cls(
-            cfg.model_path, bf16=cfg.bf16, micro_batch_size=cfg.micro_batch_size, chunk=cfg.chunk,
-            temperature=cfg.temperature, threads=cfg.threads, trust_remote_code=cfg.trust_remote_code,
-            shared_prefix=cfg.shared_prefix, device=cfg.device,
+            cfg.model_path,
+            bf16=cfg.bf16,
+            micro_batch_size=cfg.micro_batch_size,
+            chunk=cfg.chunk,
+            temperature=cfg.temperature,
+            threads=cfg.threads,
+            trust_remote_code=cfg.trust_remote_code,
+            shared_prefix=cfg.shared_prefix,
+            device=cfg.device,
         )
 
     def logprobs(self, exp: Experience) -> torch.Tensor:
         """(B, L) reference log-probs at the response positions of ``exp``, on ``exp``'s device."""
         on = exp.to(self.device)
         return sequence_logprobs(
-            self.model, on.input_ids, on.attention_mask, on.response_mask,
-            temperature=self.temperature, micro_batch_size=self.micro_batch_size,
-            chunk=self.chunk, bf16=self.bf16,
+            self.model,
+            on.input_ids,
+            on.attention_mask,
+            on.response_mask,
+            temperature=self.temperature,
+            micro_batch_size=self.micro_batch_size,
+            chunk=self.chunk,
+            bf16=self.bf16,
             group_ids=on.group_ids if self.shared_prefix else None,
         ).to(exp.input_ids.device)
 

@@ -55,8 +55,13 @@ def threads_chat(row: dict, base_url: str, stream: bool = False) -> float:
     for _ in range(TURNS):
         kw = dict(model="policy", messages=_messages(row, replies), max_tokens=NEW_TOKENS)
         if stream:
-            replies.append("".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kw, stream=True)
-                                   if c.choices))
+            replies.append(
+                "".join(
+                    c.choices[0].delta.content or ""
+                    for c in client.chat.completions.create(**kw, stream=True)
+                    if c.choices
+                )
+            )
         else:
             replies.append(client.chat.completions.create(**kw).choices[0].message.content)
     return 1.0
@@ -143,7 +148,9 @@ def main() -> None:
 
     def agent_round(program) -> tuple[float, int]:
         t0 = time.perf_counter()
-        exp, counts = gen.generate_agent_episodes(rows, list(range(len(rows))), program, endpoint, limits, pool=pool, seed=7)
+        exp, counts = gen.generate_agent_episodes(
+            rows, list(range(len(rows))), program, endpoint, limits, pool=pool, seed=7
+        )
         assert counts.get("status_done") == len(rows), counts
         return time.perf_counter() - t0, int(exp.response_mask.sum())
 
@@ -157,7 +164,7 @@ def main() -> None:
     tokens: dict[str, list[int]] = {k: [] for k in contenders}
     try:
         for r in range(args.repeats):
-            for name in (list(contenders) if r % 2 == 0 else list(reversed(contenders))):
+            for name in list(contenders) if r % 2 == 0 else list(reversed(contenders)):
                 dt, n_tok = contenders[name]()
                 times[name].append(dt)
                 tokens[name].append(n_tok)
@@ -189,22 +196,35 @@ def _openenv_contenders(gen, rows, limits, pool, environment_factory, EnvSpec):
 
         return run
 
-    return server, {"openenv_ws": episodes(f"http://127.0.0.1:{port}"),
-                    "openenv_local": episodes("tests.helpers.openenv_envs:ThreeTurns")}
+    return server, {
+        "openenv_ws": episodes(f"http://127.0.0.1:{port}"),
+        "openenv_local": episodes("tests.helpers.openenv_envs:ThreeTurns"),
+    }
 
 
 def _report(args, model, rows, times, tokens) -> None:
     eps = {k: len(rows) / statistics.median(v) for k, v in times.items()}
-    ratios = {"stream_vs_plain_threads": eps["threads_chat_stream"] / eps["threads_chat"],
-              "stream_vs_plain_async": eps["async_chat_stream"] / eps["async_chat"],
-              "responses_vs_chat_async": eps["async_responses"] / eps["async_chat"],
-              "responses_stream_vs_chat_stream_async": eps["async_responses_stream"] / eps["async_chat_stream"],
-              "async_vs_threads_chat": eps["async_chat"] / eps["threads_chat"]}
+    ratios = {
+        "stream_vs_plain_threads": eps["threads_chat_stream"] / eps["threads_chat"],
+        "stream_vs_plain_async": eps["async_chat_stream"] / eps["async_chat"],
+        "responses_vs_chat_async": eps["async_responses"] / eps["async_chat"],
+        "responses_stream_vs_chat_stream_async": eps["async_responses_stream"] / eps["async_chat_stream"],
+        "async_vs_threads_chat": eps["async_chat"] / eps["threads_chat"],
+    }
     if "openenv_ws" in eps:
         ratios["openenv_ws_vs_local"] = eps["openenv_ws"] / eps["openenv_local"]
-    result = {"model": str(model), "episodes": len(rows), "turns": args.turns, "new_tokens": args.new_tokens,
-              "repeats": args.repeats, "episodes_per_s": eps, "seconds": times, "tokens": tokens, "ratios": ratios,
-              "cpu": _cpu()}
+    result = {
+        "model": str(model),
+        "episodes": len(rows),
+        "turns": args.turns,
+        "new_tokens": args.new_tokens,
+        "repeats": args.repeats,
+        "episodes_per_s": eps,
+        "seconds": times,
+        "tokens": tokens,
+        "ratios": ratios,
+        "cpu": _cpu(),
+    }
     print(json.dumps({"episodes_per_s": eps, "ratios": ratios}, indent=1))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

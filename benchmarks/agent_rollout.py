@@ -59,8 +59,9 @@ def lockstep(gen, rows, make_env, limits, pool) -> int:
     envs = [make_env() for _ in rows]
     ids = [chat.prompt(e.reset(r)) for e, r in zip(envs, rows)]
     live, tokens = list(range(len(rows))), 0
-    params = SamplingParams(temperature=1.0, max_tokens=limits.max_new_tokens, logprobs=1,
-                            stop_token_ids=[gen.eos_token_id])
+    params = SamplingParams(
+        temperature=1.0, max_tokens=limits.max_new_tokens, logprobs=1, stop_token_ids=[gen.eos_token_id]
+    )
     for _ in range(limits.max_turns):
         outs = gen.loop.run([{"prompt_token_ids": ids[i]} for i in live], params)
         for i, out in zip(live, outs):
@@ -109,17 +110,28 @@ def main() -> None:
     results: dict[str, list[float]] = {"continuous": [], "lockstep": [], "instant_tool": [], "slow_tool": []}
     gen.generate_episodes(rows[:4], list(range(4)), env(0.0), limits, pool=pool)  # warm-up
     for _ in range(a.repeats):  # interleaved, so both see the same machine
-        results["continuous"].append(timed(lambda: gen.generate_episodes(rows, list(range(len(rows))), env(a.delay),
-                                                                          limits, pool=pool)))
+        results["continuous"].append(
+            timed(lambda: gen.generate_episodes(rows, list(range(len(rows))), env(a.delay), limits, pool=pool))
+        )
         results["lockstep"].append(timed(lambda: lockstep(gen, rows, env(a.delay), limits, pool)))
-        results["instant_tool"].append(timed(lambda: gen.generate_episodes(rows, list(range(len(rows))), env(0.0),
-                                                                            limits, pool=pool)))
-        results["slow_tool"].append(timed(lambda: gen.generate_episodes(
-            rows, list(range(len(rows))), lambda: DelayedTurns(a.turns, 0.5, 0, jitter=False), limits, pool=pool)))
+        results["instant_tool"].append(
+            timed(lambda: gen.generate_episodes(rows, list(range(len(rows))), env(0.0), limits, pool=pool))
+        )
+        results["slow_tool"].append(
+            timed(
+                lambda: gen.generate_episodes(
+                    rows, list(range(len(rows))), lambda: DelayedTurns(a.turns, 0.5, 0, jitter=False), limits, pool=pool
+                )
+            )
+        )
     best = {k: min(v) for k, v in results.items()}
     summary = {
-        "episodes": a.episodes, "turns": a.turns, "new_tokens": a.new_tokens, "delay_s": a.delay,
-        "seconds": best, "episodes_per_s": {k: a.episodes / v for k, v in best.items() if k in ("continuous", "lockstep")},
+        "episodes": a.episodes,
+        "turns": a.turns,
+        "new_tokens": a.new_tokens,
+        "delay_s": a.delay,
+        "seconds": best,
+        "episodes_per_s": {k: a.episodes / v for k, v in best.items() if k in ("continuous", "lockstep")},
         "continuous_over_lockstep": best["lockstep"] / best["continuous"],
         "slow_tool_over_instant": best["slow_tool"] / best["instant_tool"],
     }

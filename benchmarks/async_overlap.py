@@ -35,10 +35,25 @@ def run(mode: str, steps: int, out_dir: Path) -> list[dict]:
     rayrlhf = str(Path(sys.executable).parent / "rayrlhf")
     staleness, inflight = MODES[mode]
     name = mode
-    cmd = [rayrlhf, "train", "configs/grpo_smollm2.yaml", "--run-dir", str(out_dir / name),
-           "--set", f"rollout.max_staleness={staleness}", "--set", f"rollout.inflight_updates={str(inflight).lower()}",
-           "--set", f"run.steps={steps}", "--set", "run.eval_every=0",
-           "--set", "run.plot=false", "--set", "run.save_final=false"]
+    cmd = [
+        rayrlhf,
+        "train",
+        "configs/grpo_smollm2.yaml",
+        "--run-dir",
+        str(out_dir / name),
+        "--set",
+        f"rollout.max_staleness={staleness}",
+        "--set",
+        f"rollout.inflight_updates={str(inflight).lower()}",
+        "--set",
+        f"run.steps={steps}",
+        "--set",
+        "run.eval_every=0",
+        "--set",
+        "run.plot=false",
+        "--set",
+        "run.save_final=false",
+    ]
     subprocess.run(cmd, check=True, cwd=ROOT)
     return [json.loads(line) for line in (out_dir / name / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
@@ -88,21 +103,32 @@ def main() -> None:
     rest = sync["step_s_median"] - sync["generate_s_median"] - sync["learn_s_median"]
     ideal = max(sync["generate_s_median"], sync["learn_s_median"]) + rest
     out = {
-        "config": "configs/grpo_smollm2.yaml", "steps": a.steps, "cpus": os.cpu_count(),
-        "sync": sync, "async_staleness_1": async_,
+        "config": "configs/grpo_smollm2.yaml",
+        "steps": a.steps,
+        "cpus": os.cpu_count(),
+        "sync": sync,
+        "async_staleness_1": async_,
         "speedup": sync["step_s_median"] / async_["step_s_median"],
-        **({"async_staleness_1_inflight": results["async_inflight"],
-            "speedup_inflight": sync["step_s_median"] / results["async_inflight"]["step_s_median"]}
-           if "async_inflight" in results else {}),
-        "ideal_step_s": ideal, "ideal_speedup": sync["step_s_median"] / ideal,
+        **(
+            {
+                "async_staleness_1_inflight": results["async_inflight"],
+                "speedup_inflight": sync["step_s_median"] / results["async_inflight"]["step_s_median"],
+            }
+            if "async_inflight" in results
+            else {}
+        ),
+        "ideal_step_s": ideal,
+        "ideal_speedup": sync["step_s_median"] / ideal,
         "ideal_ratio_max_over_sum": max(sync["generate_s_median"], sync["learn_s_median"])
         / (sync["generate_s_median"] + sync["learn_s_median"]),
     }
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1))
     print(json.dumps({k: v for k, v in out.items() if not isinstance(v, dict)}, indent=1))
-    print(f"sync {sync['step_s_median']:.2f}s/step, async {async_['step_s_median']:.2f}s/step, "
-          f"ideal {ideal:.2f}s; wrote {a.out}")
+    print(
+        f"sync {sync['step_s_median']:.2f}s/step, async {async_['step_s_median']:.2f}s/step, "
+        f"ideal {ideal:.2f}s; wrote {a.out}"
+    )
 
 
 if __name__ == "__main__":

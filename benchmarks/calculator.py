@@ -36,8 +36,14 @@ def load_cfg(config: str, overrides: list[str]):
 def held_out_rows(cfg) -> list[dict]:
     from actors.data.tasks import load_prompts
 
-    _, eval_set = load_prompts(cfg.data.task, cfg.data.train_size, cfg.data.eval_size, cfg.run.seed,
-                               cfg.data.task_kwargs, cfg.data.instruction_for(cfg.data.task))
+    _, eval_set = load_prompts(
+        cfg.data.task,
+        cfg.data.train_size,
+        cfg.data.eval_size,
+        cfg.run.seed,
+        cfg.data.task_kwargs,
+        cfg.data.instruction_for(cfg.data.task),
+    )
     return eval_set.rows
 
 
@@ -58,20 +64,38 @@ def evaluate(cfg, model_path: str, tools: bool) -> dict:
     gen = Generator.from_config(gcfg)
     t0 = time.perf_counter()
     if tools:
-        exp, counts = gen.generate_episodes(rows, list(range(len(rows))), environment_factory(gcfg.environment),
-                                            gcfg.episode_limits, temperature=0.0, n=1)
+        exp, counts = gen.generate_episodes(
+            rows,
+            list(range(len(rows))),
+            environment_factory(gcfg.environment),
+            gcfg.episode_limits,
+            temperature=0.0,
+            n=1,
+        )
         scores = [float(m["episode"]["reward"]) for m in exp.meta]
         used = [sum((m["episode"].get("tool_calls") or {}).values()) > 0 for m in exp.meta]
         extra = {"episodes": counts, "tool_use_rate": sum(used) / max(len(rows), 1)}
     else:
-        exp = gen.generate([r["prompt"] for r in rows], [r["meta"] for r in rows], list(range(len(rows))),
-                           max_new_tokens=gcfg.max_new_tokens, max_prompt_tokens=gcfg.max_prompt_tokens,
-                           temperature=0.0, n=1)
+        exp = gen.generate(
+            [r["prompt"] for r in rows],
+            [r["meta"] for r in rows],
+            list(range(len(rows))),
+            max_new_tokens=gcfg.max_new_tokens,
+            max_prompt_tokens=gcfg.max_prompt_tokens,
+            temperature=0.0,
+            n=1,
+        )
         values, _ = Scorer(cfg.reward.function, cfg.reward.kwargs).score_texts(
-            [m["prompt"] for m in exp.meta], exp.completions, exp.meta)
+            [m["prompt"] for m in exp.meta], exp.completions, exp.meta
+        )
         scores, extra = [v or 0.0 for v in values], {}
-    return {"accuracy": sum(1.0 for s in scores if s >= 1.0) / max(len(rows), 1), "n": len(rows),
-            "seconds": time.perf_counter() - t0, "example": exp.completions[0] if exp.completions else "", **extra}
+    return {
+        "accuracy": sum(1.0 for s in scores if s >= 1.0) / max(len(rows), 1),
+        "n": len(rows),
+        "seconds": time.perf_counter() - t0,
+        "example": exp.completions[0] if exp.completions else "",
+        **extra,
+    }
 
 
 def stage_checkpoint(run_dir: Path, stage: str) -> Path:
@@ -107,20 +131,43 @@ def main() -> None:
     from cluster.assets import resolve_model
 
     base = resolve_model(cfg.model.path)
-    models = {"base": base, "sft": str(stage_checkpoint(run_dir, "sft")), "grpo": str(stage_checkpoint(run_dir, "grpo"))}
+    models = {
+        "base": base,
+        "sft": str(stage_checkpoint(run_dir, "sft")),
+        "grpo": str(stage_checkpoint(run_dir, "grpo")),
+    }
     plan = [("base", "no_tools"), ("base", "tools"), ("sft", "tools"), ("grpo", "tools"), ("grpo", "no_tools")]
     results = {}
     for name, tools in plan:
-        out = subprocess.run([sys.executable, __file__, "--config", args.config, *[x for s in args.set for x in ("--set", s)],
-                              "--eval", models[name], tools], cwd=ROOT, check=True, capture_output=True, text=True)
+        out = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--config",
+                args.config,
+                *[x for s in args.set for x in ("--set", s)],
+                "--eval",
+                models[name],
+                tools,
+            ],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+            text=True,
+        )
         line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
-        results[f"{name}_{tools}"] = json.loads(line[len("RESULT "):])
+        results[f"{name}_{tools}"] = json.loads(line[len("RESULT ") :])
         print(f"{name:5s} {tools:8s} accuracy {results[f'{name}_{tools}']['accuracy']:.3f}", flush=True)
     base_acc = results["base_no_tools"]["accuracy"]
     summary = {
         "config": str(Path(args.config).relative_to(ROOT)) if Path(args.config).is_relative_to(ROOT) else args.config,
-        "overrides": args.set, "run_dir": str(run_dir), "train_seconds": train_s, "task": cfg.data.task,
-        "task_kwargs": cfg.data.task_kwargs, "held_out": len(held_out_rows(cfg)), "results": results,
+        "overrides": args.set,
+        "run_dir": str(run_dir),
+        "train_seconds": train_s,
+        "task": cfg.data.task,
+        "task_kwargs": cfg.data.task_kwargs,
+        "held_out": len(held_out_rows(cfg)),
+        "results": results,
         "rl_over_base_no_tools": results["grpo_tools"]["accuracy"] / base_acc if base_acc else None,
         "rl_minus_sft": results["grpo_tools"]["accuracy"] - results["sft_tools"]["accuracy"],
     }

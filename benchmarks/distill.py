@@ -34,8 +34,12 @@ def main() -> None:
     # teacher must be better than the student's start.
     ap.add_argument("--teacher-sets", nargs="*", default=["train.lr=1e-4", "sft.examples_per_step=32"])
     ap.add_argument("--runs", default=str(ROOT / "runs" / f"distill-bench-{int(time.time())}"))
-    ap.add_argument("--reuse", default="", help="a finished --runs folder: take its teacher and GRPO runs as they "
-                                                "are and run only the distillation (with --distill-sets)")
+    ap.add_argument(
+        "--reuse",
+        default="",
+        help="a finished --runs folder: take its teacher and GRPO runs as they "
+        "are and run only the distillation (with --distill-sets)",
+    )
     ap.add_argument("--distill-sets", nargs="*", default=[], help="extra overrides of the distillation run")
     ap.add_argument("--name", default="distill", help="the distillation run's name in the results")
     ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "distill.json"))
@@ -44,8 +48,11 @@ def main() -> None:
     out: dict = json.loads(Path(a.out).read_text()) if a.reuse and Path(a.out).is_file() else {}
     out.update({"steps": a.steps, "teacher_steps": a.teacher_steps, "runs": str(runs)})
     if not a.reuse:
-        out["teacher"] = train("sft_smollm2.yaml", runs / "teacher", [f"run.steps={a.teacher_steps}",
-                                                                      f"run.eval_every={a.teacher_steps}", *a.teacher_sets])
+        out["teacher"] = train(
+            "sft_smollm2.yaml",
+            runs / "teacher",
+            [f"run.steps={a.teacher_steps}", f"run.eval_every={a.teacher_steps}", *a.teacher_sets],
+        )
     teacher = runs / "teacher" / "checkpoints" / f"step_{a.teacher_steps:05d}"
     common = [f"run.steps={a.steps}", f"run.eval_every={a.eval_every}"]
     out[a.name] = train("distill_smollm2.yaml", runs / a.name, common + [f"ppo.teacher={teacher}", *a.distill_sets])

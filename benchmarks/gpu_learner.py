@@ -47,22 +47,72 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Published shapes (Qwen2.5 / Qwen3, random weights): config keyword arguments.
 SHAPES = {
-    "tiny": dict(model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True),
-    "0.5b": dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                 num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "1.5b": dict(model_type="qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                 num_attention_heads=12, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "3b": dict(model_type="qwen2", hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
-               num_attention_heads=16, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "4b": dict(model_type="qwen3", hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
-               num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-               tie_word_embeddings=True),
-    "7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-               num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+    "tiny": dict(
+        model_type="qwen2",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        tie_word_embeddings=True,
+    ),
+    "0.5b": dict(
+        model_type="qwen2",
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+    "1.5b": dict(
+        model_type="qwen2",
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+    "3b": dict(
+        model_type="qwen2",
+        hidden_size=2048,
+        intermediate_size=11008,
+        num_hidden_layers=36,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+    "4b": dict(
+        model_type="qwen3",
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+    "7b": dict(
+        model_type="qwen2",
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+        tie_word_embeddings=False,
+    ),
 }
-BATCHES = {"speed": dict(rows=64, prompt=128, response=384, micro=16, ckpt=False),
-           "fit": dict(rows=16, prompt=64, response=192, micro=8, ckpt=True)}
+BATCHES = {
+    "speed": dict(rows=64, prompt=128, response=384, micro=16, ckpt=False),
+    "fit": dict(rows=16, prompt=64, response=192, micro=8, ckpt=True),
+}
 DEFAULT_CASES = ["0.5b+offload+ckpt", "1.5b", "7b@20+offload+ckpt", "7b+offload+ckpt", "3b+ckpt", "0.5b"]
 
 
@@ -71,8 +121,14 @@ def parse_case(case: str) -> dict:
     name, *flags = case.split("+")
     shape, _, layers = name.partition("@")
     batch = dict(BATCHES["fit" if "ckpt" in flags else "speed"])
-    return {"case": case, "shape": shape, "layers": int(layers) if layers else None,
-            "offload": "offload" in flags, "unpinned": "unpinned" in flags, "batch": batch}
+    return {
+        "case": case,
+        "shape": shape,
+        "layers": int(layers) if layers else None,
+        "offload": "offload" in flags,
+        "unpinned": "unpinned" in flags,
+        "batch": batch,
+    }
 
 
 def model_folder(spec: dict, device: str, root: Path) -> tuple[Path, int, float]:
@@ -112,8 +168,18 @@ def synthetic_batch(vocab: int, rows: int, prompt: int, response: int):
     rm = att.clone()
     rm[:, :prompt] = False
     zeros = torch.zeros(rows, prompt + response)
-    return Experience(ids, att, rm, zeros, groups, torch.zeros(rows, dtype=torch.bool), 0, [""] * rows,
-                      [{}] * rows, scores=torch.rand(rows))
+    return Experience(
+        ids,
+        att,
+        rm,
+        zeros,
+        groups,
+        torch.zeros(rows, dtype=torch.bool),
+        0,
+        [""] * rows,
+        [{}] * rows,
+        scores=torch.rand(rows),
+    )
 
 
 def build_learner(folder: Path, spec: dict, device: str):
@@ -131,11 +197,16 @@ def build_learner(folder: Path, spec: dict, device: str):
     backend = ("cpu:gloo,cuda:nccl" if spec["offload"] else "nccl") if gpu else "gloo"
     torch.distributed.init_process_group(backend, init_method="tcp://127.0.0.1:29517", rank=0, world_size=1)
     b = spec["batch"]
-    train = TrainConfig(num_minibatches=1, micro_batch_size=b["micro"], bf16=gpu, sharding="fsdp",
-                        cpu_offload=spec["offload"], gradient_checkpointing=b["ckpt"])
+    train = TrainConfig(
+        num_minibatches=1,
+        micro_batch_size=b["micro"],
+        bf16=gpu,
+        sharding="fsdp",
+        cpu_offload=spec["offload"],
+        gradient_checkpointing=b["ckpt"],
+    )
     hp = PPOConfig(advantage_estimator="grpo", kl_coef=0.0, loss_agg="token_mean")
-    ctx = LearnerContext(model_path=str(folder), comm=default_collective(), device=device,
-                         max_new_tokens=b["response"])
+    ctx = LearnerContext(model_path=str(folder), comm=default_collective(), device=device, max_new_tokens=b["response"])
     return PPOLearner.build(ctx, train, hp)
 
 
@@ -184,14 +255,23 @@ def run_case(spec: dict, device: str, steps: int, root: Path) -> dict:
         metrics.append({k: float(v) for k, v in m.items() if isinstance(v, (int, float))})
     moved = float((probe_weight(learner) - before).abs().max())
     finite = all(math.isfinite(v) for m in metrics for k, v in m.items() if "loss" in k or "grad_norm" in k)
-    return {**spec, "params": n_params, "device": torch.cuda.get_device_name() if gpu else "cpu",
-            "torch": torch.__version__, "folder_s": t_folder, "build_s": t_build, "step_s": times,
-            "tokens_per_step": b["rows"] * (b["prompt"] + b["response"]),
-            "gpu_peak_allocated_gb": torch.cuda.max_memory_allocated() / 1e9 if gpu else None,
-            "gpu_peak_reserved_gb": torch.cuda.max_memory_reserved() / 1e9 if gpu else None,
-            "host_peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
-            "weight_moved": moved, "finite": finite, "trained": finite and moved > 0,
-            "metrics_last": metrics[-1] if metrics else {}}
+    return {
+        **spec,
+        "params": n_params,
+        "device": torch.cuda.get_device_name() if gpu else "cpu",
+        "torch": torch.__version__,
+        "folder_s": t_folder,
+        "build_s": t_build,
+        "step_s": times,
+        "tokens_per_step": b["rows"] * (b["prompt"] + b["response"]),
+        "gpu_peak_allocated_gb": torch.cuda.max_memory_allocated() / 1e9 if gpu else None,
+        "gpu_peak_reserved_gb": torch.cuda.max_memory_reserved() / 1e9 if gpu else None,
+        "host_peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+        "weight_moved": moved,
+        "finite": finite,
+        "trained": finite and moved > 0,
+        "metrics_last": metrics[-1] if metrics else {},
+    }
 
 
 def _meminfo_gb(field: str = "MemAvailable") -> float:
@@ -205,8 +285,18 @@ def _meminfo_gb(field: str = "MemAvailable") -> float:
 def supervise(case: str, args: argparse.Namespace) -> dict:
     """``case`` in a child process, stopped if host memory runs out or it outlives its time; a
     failed case's last lines of output go to the log beside ``--out``."""
-    cmd = [sys.executable, __file__, "--one", case, "--device", args.device, "--steps", str(args.steps),
-           "--models", args.models]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--one",
+        case,
+        "--device",
+        args.device,
+        "--steps",
+        str(args.steps),
+        "--models",
+        args.models,
+    ]
     t0, low, stopped = time.perf_counter(), float("inf"), None
     env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
@@ -245,8 +335,10 @@ def main() -> int:
     ap.add_argument("--case-timeout-s", type=float, default=240.0)
     ap.add_argument("--host-reserve-gb", type=float, default=6.0)
     # A RAM disk where there is one: the folders are written and read once, disks can be slow.
-    ap.add_argument("--models", default="/dev/shm/gpu_learner_models" if os.access("/dev/shm", os.W_OK)
-                    else "/tmp/gpu_learner_models")
+    ap.add_argument(
+        "--models",
+        default="/dev/shm/gpu_learner_models" if os.access("/dev/shm", os.W_OK) else "/tmp/gpu_learner_models",
+    )
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
@@ -258,9 +350,12 @@ def main() -> int:
         over = time.perf_counter() - t0 > args.budget_s
         r = {**parse_case(case), "skipped": "budget", "wall_s": 0.0} if over else supervise(case, args)
         results.append(r)
-        print(f"{case}: trained={r.get('trained')} params={r.get('params')} step_s={r.get('step_s')} "
-              f"gpu_peak={r.get('gpu_peak_allocated_gb')} host_peak={r.get('host_peak_rss_gb')} "
-              f"wall={r['wall_s']:.0f}s error={r.get('error') or r.get('skipped')}", flush=True)
+        print(
+            f"{case}: trained={r.get('trained')} params={r.get('params')} step_s={r.get('step_s')} "
+            f"gpu_peak={r.get('gpu_peak_allocated_gb')} host_peak={r.get('host_peak_rss_gb')} "
+            f"wall={r['wall_s']:.0f}s error={r.get('error') or r.get('skipped')}",
+            flush=True,
+        )
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"host_total_gb": _meminfo_gb("MemTotal"), "results": results}, indent=1) + "\n")
         # Each case's folder is only needed by it: free the disk for the next.

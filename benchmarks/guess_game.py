@@ -32,7 +32,13 @@ PRESETS = {"grpo": "grpo_guess_smollm2.yaml", "qlearn": "qlearn_guess_smollm2.ya
 def changes(algorithm: str, seed: int, a: argparse.Namespace) -> list[str]:
     """This benchmark's changes to a preset: seed, length, sampled evaluation, and ``--qlearn-set``'s."""
     extra = a.qlearn_set if algorithm == "qlearn" else []
-    return [f"run.seed={seed}", f"run.steps={a.steps}", f"run.eval_every={a.eval_every}", "run.eval_sampled=true", *extra]
+    return [
+        f"run.seed={seed}",
+        f"run.steps={a.steps}",
+        f"run.eval_every={a.eval_every}",
+        "run.eval_sampled=true",
+        *extra,
+    ]
 
 
 def check_settings(algorithm: str, run_dir: Path, seed: int, a: argparse.Namespace) -> None:
@@ -42,19 +48,32 @@ def check_settings(algorithm: str, run_dir: Path, seed: int, a: argparse.Namespa
 
     want = load_config(ROOT / "configs" / PRESETS[algorithm], changes(algorithm, seed, a)).model_dump()
     got = load_config(run_dir / "config.yaml").model_dump()
-    diff = [f"{section}.{key}" for section, fields in want.items() if isinstance(fields, dict)
-            for key, value in fields.items()
-            if key not in ("output_dir", "name") and got.get(section, {}).get(key) != value]
+    diff = [
+        f"{section}.{key}"
+        for section, fields in want.items()
+        if isinstance(fields, dict)
+        for key, value in fields.items()
+        if key not in ("output_dir", "name") and got.get(section, {}).get(key) != value
+    ]
     if diff:
-        raise SystemExit(f"{run_dir}: settings differ from {PRESETS[algorithm]} + {changes(algorithm, seed, a)}: {diff}")
+        raise SystemExit(
+            f"{run_dir}: settings differ from {PRESETS[algorithm]} + {changes(algorithm, seed, a)}: {diff}"
+        )
 
 
 def result(algorithm: str, seed: int, a: argparse.Namespace, figures: dict) -> dict:
     """A run's record: ``preset_runs``' figures (``train``'s or ``summary``'s) and the win rates' changes."""
     greedy, sampled = figures["eval_accuracy"], figures["eval_sampled_reward"]
     first, last = min(sampled), max(sampled)
-    return {"algorithm": algorithm, "seed": seed, "preset": PRESETS[algorithm], "changes": changes(algorithm, seed, a),
-            **figures, "sampled_gain": sampled[last] - sampled[first], "greedy_gain": greedy[last] - greedy[first]}
+    return {
+        "algorithm": algorithm,
+        "seed": seed,
+        "preset": PRESETS[algorithm],
+        "changes": changes(algorithm, seed, a),
+        **figures,
+        "sampled_gain": sampled[last] - sampled[first],
+        "greedy_gain": greedy[last] - greedy[first],
+    }
 
 
 def main() -> None:
@@ -63,8 +82,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--only", nargs="+", choices=list(PRESETS), default=list(PRESETS))
-    ap.add_argument("--qlearn-set", nargs="*", default=[], metavar="KEY=VALUE",
-                    help="changes to the Q-learning preset (a variant under trial)")
+    ap.add_argument(
+        "--qlearn-set",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="changes to the Q-learning preset (a variant under trial)",
+    )
     ap.add_argument("--collect", nargs="*", default=None, metavar="ALGORITHM:SEED:RUN_DIR")
     ap.add_argument("--runs", default=str(ROOT / "runs" / f"guess-game-{int(time.time())}"))
     ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "guess_game.json"))
@@ -78,15 +102,20 @@ def main() -> None:
     else:
         for seed in a.seeds:
             for algorithm in a.only:
-                figures = train(PRESETS[algorithm], Path(a.runs) / f"{algorithm}-seed{seed}", changes(algorithm, seed, a))
+                figures = train(
+                    PRESETS[algorithm], Path(a.runs) / f"{algorithm}-seed{seed}", changes(algorithm, seed, a)
+                )
                 out["runs"].append(result(algorithm, seed, a, figures))
                 Path(a.out).write_text(json.dumps(out, indent=1))  # each result kept as it comes
     Path(a.out).write_text(json.dumps(out, indent=1))
     for r in out["runs"]:
-        print(f"{r['algorithm']} seed {r['seed']}: sampled win rate "
-              + " -> ".join(f"{v:.3f}" for _, v in sorted(r["eval_sampled_reward"].items()))
-              + f" ({r['sampled_gain']:+.3f}); greedy " + " -> ".join(f"{v:.3f}" for _, v in sorted(r["eval_accuracy"].items()))
-              + f"; median step {r['median_step_s']:.1f} s")
+        print(
+            f"{r['algorithm']} seed {r['seed']}: sampled win rate "
+            + " -> ".join(f"{v:.3f}" for _, v in sorted(r["eval_sampled_reward"].items()))
+            + f" ({r['sampled_gain']:+.3f}); greedy "
+            + " -> ".join(f"{v:.3f}" for _, v in sorted(r["eval_accuracy"].items()))
+            + f"; median step {r['median_step_s']:.1f} s"
+        )
 
 
 if __name__ == "__main__":

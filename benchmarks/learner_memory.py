@@ -59,8 +59,19 @@ def _batch(shape: str, vocab: int, lora: bool):
     rm = att.clone()
     rm[:, :p] = False
     zeros = torch.zeros(b, p + r)
-    return Experience(ids, att, rm, zeros, groups, torch.zeros(b, dtype=torch.bool), 0, [""] * b, [{}] * b,
-                      scores=torch.rand(b), ref_logprobs=None if lora or shape == "grpo" else zeros)
+    return Experience(
+        ids,
+        att,
+        rm,
+        zeros,
+        groups,
+        torch.zeros(b, dtype=torch.bool),
+        0,
+        [""] * b,
+        [{}] * b,
+        scores=torch.rand(b),
+        ref_logprobs=None if lora or shape == "grpo" else zeros,
+    )
 
 
 def one(model: str, mode: str, steps: int, shape: str = "memory") -> dict:
@@ -82,16 +93,24 @@ def one(model: str, mode: str, steps: int, shape: str = "memory") -> dict:
         import learners.training.modeling
         import learners.ppo
 
-        learners.ppo.shared_weight_casts = lambda bf16, device: learners.training.modeling.shared_weight_casts(False, device)
+        learners.ppo.shared_weight_casts = lambda bf16, device: learners.training.modeling.shared_weight_casts(
+            False, device
+        )
     if mode == "full_prompt_cache":  # shared prompts through the prompt's cache, never packed
         import learners.training.modeling
 
         learners.training.modeling.PACKED_ROW_MAX = 0
-    micro = int(mode[len("full_mb"):]) if mode.startswith("full_mb") else 16 if shape == "memory" else 8
+    micro = int(mode[len("full_mb") :]) if mode.startswith("full_mb") else 16 if shape == "memory" else 8
     # The product's `auto` precision, unless a mode names one (learners/training/precision.py).
     bf16 = {"full_fp32": False, "full_autocast": True}.get(mode, "auto")
-    train = TrainConfig(num_minibatches=1, micro_batch_size=micro, bf16=bf16, fused_logprobs=mode.endswith("_fused"),
-                        shared_prefix=mode != "full_unshared", compile=mode == "full_compiled")
+    train = TrainConfig(
+        num_minibatches=1,
+        micro_batch_size=micro,
+        bf16=bf16,
+        fused_logprobs=mode.endswith("_fused"),
+        shared_prefix=mode != "full_unshared",
+        compile=mode == "full_compiled",
+    )
     lora = LoRAConfig(enabled=True) if mode.startswith("lora") else None
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     # The grpo shape trains as configs/grpo_smollm2.yaml does: group advantages, no critic, no KL
@@ -111,11 +130,15 @@ def one(model: str, mode: str, steps: int, shape: str = "memory") -> dict:
         learner.train_step(exp.replace(policy_version=learner.version))
         times.append(time.perf_counter() - t)
     return {
-        "mode": mode, "model": model, "shape": shape, "trainable_fraction": learner.trainable_fraction,
+        "mode": mode,
+        "model": model,
+        "shape": shape,
+        "trainable_fraction": learner.trainable_fraction,
         "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
-        "rss_before_model_gb": rss0 / 1e6, "step_s": times,
+        "rss_before_model_gb": rss0 / 1e6,
+        "step_s": times,
         "note": "lora step includes the reference pass (adapter disabled); full step does not; the first step "
-                "of full_compiled includes compiling",
+        "of full_compiled includes compiling",
     }
 
 
@@ -125,9 +148,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--modes", nargs="+", default=["full", "full_fused", "lora"])
     ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--shape", choices=["memory", "grpo"], default="memory",
-                    help="memory: 16 full rows of 60 + 48 tokens (PPO with a critic); grpo: the GRPO preset's batch "
-                         "(8 prompts x 4 samples) and settings")
+    ap.add_argument(
+        "--shape",
+        choices=["memory", "grpo"],
+        default="memory",
+        help="memory: 16 full rows of 60 + 48 tokens (PPO with a critic); grpo: the GRPO preset's batch "
+        "(8 prompts x 4 samples) and settings",
+    )
     ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "learner_memory.json"))
     ap.add_argument("--child", default=None)
     a = ap.parse_args()
@@ -146,23 +173,46 @@ def main() -> None:
             env = {k: v for k, v in os.environ.items() if k not in KEEP_FREED_MEMORY_ENV}
             if mode not in ("full_default_malloc", "full_before"):
                 env.update(KEEP_FREED_MEMORY_ENV)
-            out = subprocess.run([sys.executable, __file__, "--child", mode, "--model", a.model, "--steps", str(a.steps),
-                                  "--shape", a.shape],
-                                 capture_output=True, text=True, check=True, env=env)
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--child",
+                    mode,
+                    "--model",
+                    a.model,
+                    "--steps",
+                    str(a.steps),
+                    "--shape",
+                    a.shape,
+                ],
+                capture_output=True,
+                text=True,
+                check=True,
+                env=env,
+            )
             results.append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(results[-1], flush=True)
     # Per mode: the median step after each process's first (warm-up) step, and the peak RSS.
-    summary = {m: {"median_step_s": statistics.median(t for r in results if r["mode"] == m
-                                                      for t in (r["step_s"][1:] or r["step_s"])),
-                   "peak_rss_gb": max(r["peak_rss_gb"] for r in results if r["mode"] == m)} for m in a.modes}
+    summary = {
+        m: {
+            "median_step_s": statistics.median(
+                t for r in results if r["mode"] == m for t in (r["step_s"][1:] or r["step_s"])
+            ),
+            "peak_rss_gb": max(r["peak_rss_gb"] for r in results if r["mode"] == m),
+        }
+        for m in a.modes
+    }
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"runs": results, "summary": summary}, indent=1))
     for m, v in summary.items():
         print(f"{m:12s} step {v['median_step_s']:.2f} s  peak RSS {v['peak_rss_gb']:.2f} GB")
     if "full" in summary and "full_fused" in summary:
         f, u = summary["full"], summary["full_fused"]
-        print(f"fused / plain: step {u['median_step_s'] / f['median_step_s']:.2f}x, "
-              f"peak RSS {u['peak_rss_gb'] / f['peak_rss_gb']:.2f}x")
+        print(
+            f"fused / plain: step {u['median_step_s'] / f['median_step_s']:.2f}x, "
+            f"peak RSS {u['peak_rss_gb'] / f['peak_rss_gb']:.2f}x"
+        )
 
 
 if __name__ == "__main__":

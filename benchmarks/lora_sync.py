@@ -33,8 +33,11 @@ def _learner(model_path: str, r: int):
     from learners.ppo import PPOLearner
 
     lora = LoRAConfig(enabled=True, r=r, alpha=2.0 * r)
-    learner = PPOLearner.build(LearnerContext(model_path=model_path, lora=lora), TrainConfig(bf16=False),
-                               PPOConfig(advantage_estimator="grpo", kl_coef=0.0))
+    learner = PPOLearner.build(
+        LearnerContext(model_path=model_path, lora=lora),
+        TrainConfig(bf16=False),
+        PPOConfig(advantage_estimator="grpo", kl_coef=0.0),
+    )
     gen = torch.Generator().manual_seed(r)
     with torch.no_grad():  # a trained adapter (peft starts B at 0)
         for name, p in learner.model.named_parameters():
@@ -77,7 +80,9 @@ def main() -> None:
         for _ in range(a.repeats):  # the contenders alternate
             for mode in ("adapter", "merged"):
                 version += 1
-                results.setdefault(f"r{r}/{mode}", []).append(_sync(learner, generator, mode == "adapter", version, probe))
+                results.setdefault(f"r{r}/{mode}", []).append(
+                    _sync(learner, generator, mode == "adapter", version, probe)
+                )
         del learner
     summary = {}
     for key, runs in results.items():

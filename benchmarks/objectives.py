@@ -30,21 +30,49 @@ from benchmarks.preset_runs import train  # noqa: E402
 # The settings each paper gives (ppo.* in cluster/config/schema.py says where they come from).
 OBJECTIVES = {
     "grpo": [],
-    "gspo": ["ppo.policy_loss=gspo", "ppo.clip_eps=0.0003", "ppo.clip_eps_high=0.0004", "ppo.loss_agg=seq_mean_token_mean"],
+    "gspo": [
+        "ppo.policy_loss=gspo",
+        "ppo.clip_eps=0.0003",
+        "ppo.clip_eps_high=0.0004",
+        "ppo.loss_agg=seq_mean_token_mean",
+    ],
     "cispo": ["ppo.policy_loss=cispo", "ppo.clip_eps=1.0", "ppo.clip_eps_high=0.28"],
-    "dapo": ["ppo.clip_eps_high=0.28", "rollout.dynamic_sampling=8", "rollout.dynamic_sampling_max_draws=3",
-             "ppo.overlong_buffer=12", "ppo.overlong_penalty=1.0"],
+    "dapo": [
+        "ppo.clip_eps_high=0.28",
+        "rollout.dynamic_sampling=8",
+        "rollout.dynamic_sampling_max_draws=3",
+        "ppo.overlong_buffer=12",
+        "ppo.overlong_penalty=1.0",
+    ],
 }
 CRITICS = {"shared": [], "separate": ["ppo.critic=separate"]}
 # The Q-learning preset is calibrated, centered Q; "raw" is the earlier preset (the logits as Q,
 # the floor term, one-step backups, lr 2e-6, a 1024-sequence buffer); "calibrated" and
 # "calibrated_scale5" are the first calibrated trials (soft one-step backups, no centering).
-RAW = ["qlearn.calibration=none", "qlearn.conservative=floor", "train.reference=actor", "train.lr=2e-6",
-       "qlearn.n_step=1", "qlearn.reward_baseline=none", "qlearn.buffer_capacity=1024"]
-CALIBRATED = ["qlearn.calibration=reference", "qlearn.conservative=logsumexp", "train.reference=learners",
-              "train.lr=2e-6", "qlearn.n_step=1", "qlearn.reward_baseline=none", "qlearn.buffer_capacity=1024"]
-QLEARN = {"raw": RAW, "calibrated": CALIBRATED, "calibrated_scale5": CALIBRATED + ["qlearn.reward_scale=5"],
-          "centered": []}
+RAW = [
+    "qlearn.calibration=none",
+    "qlearn.conservative=floor",
+    "train.reference=actor",
+    "train.lr=2e-6",
+    "qlearn.n_step=1",
+    "qlearn.reward_baseline=none",
+    "qlearn.buffer_capacity=1024",
+]
+CALIBRATED = [
+    "qlearn.calibration=reference",
+    "qlearn.conservative=logsumexp",
+    "train.reference=learners",
+    "train.lr=2e-6",
+    "qlearn.n_step=1",
+    "qlearn.reward_baseline=none",
+    "qlearn.buffer_capacity=1024",
+]
+QLEARN = {
+    "raw": RAW,
+    "calibrated": CALIBRATED,
+    "calibrated_scale5": CALIBRATED + ["qlearn.reward_scale=5"],
+    "centered": [],
+}
 
 
 def main() -> None:
@@ -53,8 +81,13 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--only", nargs="*", default=list(OBJECTIVES), choices=list(OBJECTIVES))
     ap.add_argument("--critic", action="store_true", help="also PPO shared head vs separate critic (make train preset)")
-    ap.add_argument("--qlearn", nargs="*", choices=list(QLEARN), default=None,
-                    help="also online Q-learning: raw vs calibrated Q (no names: both)")
+    ap.add_argument(
+        "--qlearn",
+        nargs="*",
+        choices=list(QLEARN),
+        default=None,
+        help="also online Q-learning: raw vs calibrated Q (no names: both)",
+    )
     ap.add_argument("--runs", default=str(ROOT / "runs" / f"objectives-{int(time.time())}"))
     ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "objectives.json"))
     a = ap.parse_args()

@@ -34,8 +34,13 @@ def _save(fig, path: Path) -> Path:
 def rollout(path: Path) -> Path:
     plt = _plt()
     res = json.loads(path.read_text())
-    names = [("hf_generate", "transformers generate"), ("bare_vllm", "bare vLLM"), ("generator", "Generator class"),
-             ("generator_actor", "Generator Ray actor"), ("pool_total", "2-actor pool (1 thread each)")]
+    names = [
+        ("hf_generate", "transformers generate"),
+        ("bare_vllm", "bare vLLM"),
+        ("generator", "Generator class"),
+        ("generator_actor", "Generator Ray actor"),
+        ("pool_total", "2-actor pool (1 thread each)"),
+    ]
     names = [(k, label) for k, label in names if any(k in r["best_tokens_per_s"] for r in res["rows"])]  # measured ones
     batches = [r["batch"] for r in res["rows"]]
     fig, ax = plt.subplots(figsize=(7, 3.8))
@@ -53,9 +58,16 @@ def rollout(path: Path) -> Path:
 def weight_sync(path: Path) -> Path:
     plt = _plt()
     res = json.loads(path.read_text())
-    labels = {"raw_copy_s": "raw copy (floor)", "pack_s": "pack to flat bf16", "pack_reused_s": "pack, reused buffer", "object_store_flat_s": "object store, flat",
-              "object_store_dict_s": "object store, dict", "vllm_load_inside_actor_s": "vLLM reload in actor",
-              "sync_end_to_end_s": "whole sync, object store", "collective_end_to_end_s": "whole sync, collective"}
+    labels = {
+        "raw_copy_s": "raw copy (floor)",
+        "pack_s": "pack to flat bf16",
+        "pack_reused_s": "pack, reused buffer",
+        "object_store_flat_s": "object store, flat",
+        "object_store_dict_s": "object store, dict",
+        "vllm_load_inside_actor_s": "vLLM reload in actor",
+        "sync_end_to_end_s": "whole sync, object store",
+        "collective_end_to_end_s": "whole sync, collective",
+    }
     keys = [k for k in labels if k in res]
     fig, ax = plt.subplots(figsize=(7, 3.5))
     ax.barh([labels[k] for k in keys], [statistics.median(res[k]) * 1e3 for k in keys])
@@ -69,8 +81,11 @@ def learner_memory(path: Path) -> Path:
     plt = _plt()
     res = json.loads(path.read_text())
     fig, (a, b) = plt.subplots(1, 2, figsize=(7, 3.2))
-    summary = res["summary"] if isinstance(res, dict) else {
-        r["mode"]: {"peak_rss_gb": r["peak_rss_gb"], "median_step_s": min(r["step_s"])} for r in res}
+    summary = (
+        res["summary"]
+        if isinstance(res, dict)
+        else {r["mode"]: {"peak_rss_gb": r["peak_rss_gb"], "median_step_s": min(r["step_s"])} for r in res}
+    )
     modes = list(summary)
     a.bar(modes, [summary[m]["peak_rss_gb"] for m in modes])
     a.set_ylabel("peak RSS (GB)")
@@ -84,7 +99,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--results", default=str(ROOT / "docs" / "results"))
     d = Path(ap.parse_args().results)
-    for name, fn in (("rollout.json", rollout), ("weight_sync.json", weight_sync), ("learner_memory.json", learner_memory)):
+    for name, fn in (
+        ("rollout.json", rollout),
+        ("weight_sync.json", weight_sync),
+        ("learner_memory.json", learner_memory),
+    ):
         if (d / name).exists():
             print(f"wrote {fn(d / name)}")
 

@@ -34,8 +34,11 @@ def matmul_gflops(repeats: int = 10) -> dict[str, float]:
     torch.manual_seed(0)
     n, k, m = 2048, 576, 1536
     out = {}
-    for name, dtype, autocast in (("fp32", torch.float32, False), ("bf16", torch.bfloat16, False),
-                                  ("fp32_autocast_bf16", torch.float32, True)):
+    for name, dtype, autocast in (
+        ("fp32", torch.float32, False),
+        ("bf16", torch.bfloat16, False),
+        ("fp32_autocast_bf16", torch.float32, True),
+    ):
         a, w = torch.randn(n, k, dtype=dtype), torch.randn(m, k, dtype=dtype)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             for _ in range(3):
@@ -53,7 +56,11 @@ def generate_tokens_per_s(dtype: str, batch: int, new_tokens: int, repeats: int)
     from benchmarks.rollout import bench_generator, prompts
     from cluster.assets import resolve_model
 
-    gen = Generator(GeneratorConfig(resolve_model("smollm2-135m"), dtype=dtype, max_model_len=256 + new_tokens, seed=0, kv_cache_gib=2))
+    gen = Generator(
+        GeneratorConfig(
+            resolve_model("smollm2-135m"), dtype=dtype, max_model_len=256 + new_tokens, seed=0, kv_cache_gib=2
+        )
+    )
     texts = prompts(batch)
     bench_generator(gen, texts[:8], new_tokens, 1)  # warm-up
     return {"tokens_per_s": bench_generator(gen, texts, new_tokens, repeats), "startup_s": gen.startup_s}
@@ -89,16 +96,43 @@ def main() -> None:
     runs: list[dict] = []
     for r in range(a.rounds):
         for part in a.parts:
-            contenders = {"matmul": [None], "generate": ["float32", "bfloat16"], "learn": ["full_fp32", "full_autocast"]}[part]
-            for c in (contenders if r % 2 == 0 else contenders[::-1]):
+            contenders = {
+                "matmul": [None],
+                "generate": ["float32", "bfloat16"],
+                "learn": ["full_fp32", "full_autocast"],
+            }[part]
+            for c in contenders if r % 2 == 0 else contenders[::-1]:
                 if part == "matmul":
                     res = _child([me, "--child", "matmul"])
                 elif part == "generate":
-                    res = _child([me, "--child", "generate", "--dtype", c, "--batch", str(a.batch),
-                                  "--new-tokens", str(a.new_tokens), "--repeats", str(a.repeats)])
+                    res = _child(
+                        [
+                            me,
+                            "--child",
+                            "generate",
+                            "--dtype",
+                            c,
+                            "--batch",
+                            str(a.batch),
+                            "--new-tokens",
+                            str(a.new_tokens),
+                            "--repeats",
+                            str(a.repeats),
+                        ]
+                    )
                 else:
-                    res = _child([str(ROOT / "benchmarks" / "learner_memory.py"), "--child", c, "--shape", "grpo",
-                                  "--steps", str(a.learn_steps)], env={**os.environ, **KEEP_FREED_MEMORY_ENV})
+                    res = _child(
+                        [
+                            str(ROOT / "benchmarks" / "learner_memory.py"),
+                            "--child",
+                            c,
+                            "--shape",
+                            "grpo",
+                            "--steps",
+                            str(a.learn_steps),
+                        ],
+                        env={**os.environ, **KEEP_FREED_MEMORY_ENV},
+                    )
                 runs.append({"round": r, "part": part, "contender": c, **res})
                 print(runs[-1], flush=True)
                 _write(a, runs)  # after every contender: a run cut short keeps what it measured
@@ -110,7 +144,9 @@ def summarise(runs: list[dict]) -> dict:
     summary: dict = {}
     mm = [x for x in runs if x["part"] == "matmul"]
     if mm:
-        summary["matmul_gflops"] = {k: statistics.median(x[k] for x in mm) for k in ("fp32", "bf16", "fp32_autocast_bf16")}
+        summary["matmul_gflops"] = {
+            k: statistics.median(x[k] for x in mm) for k in ("fp32", "bf16", "fp32_autocast_bf16")
+        }
     for dtype in ("float32", "bfloat16"):
         tps = [t for x in runs if x["part"] == "generate" and x["contender"] == dtype for t in x["tokens_per_s"]]
         if tps:
@@ -126,12 +162,22 @@ def _write(a, runs: list[dict]) -> dict:
     from learners.training.precision import cpu_has_native_bf16, resolve_bf16, resolve_engine_dtype
 
     result = {
-        "date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "cpu_has_native_bf16": cpu_has_native_bf16(),
-        "auto_resolves_to": {"train.bf16": resolve_bf16("auto", "cpu"),
-                             "model.generator_dtype": resolve_engine_dtype("auto", uses_gpu=False)},
-        "settings": {"batch": a.batch, "new_tokens": a.new_tokens, "repeats": a.repeats, "learn_steps": a.learn_steps,
-                     "rounds": a.rounds},
-        "summary": summarise(runs), "runs": runs,
+        "date": time.strftime("%Y-%m-%d"),
+        "cpus": os.cpu_count(),
+        "cpu_has_native_bf16": cpu_has_native_bf16(),
+        "auto_resolves_to": {
+            "train.bf16": resolve_bf16("auto", "cpu"),
+            "model.generator_dtype": resolve_engine_dtype("auto", uses_gpu=False),
+        },
+        "settings": {
+            "batch": a.batch,
+            "new_tokens": a.new_tokens,
+            "repeats": a.repeats,
+            "learn_steps": a.learn_steps,
+            "rounds": a.rounds,
+        },
+        "summary": summarise(runs),
+        "runs": runs,
     }
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=1))

@@ -27,9 +27,11 @@ def summary(run_dir: Path) -> dict:
     """A finished run's figures from its ``metrics.jsonl``."""
     rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     steps = sorted(r["time/step_s"] for r in rows if r["step"] > 0 and "time/step_s" in r)
-    return {"run_dir": str(run_dir),
-            "eval_accuracy": {r["step"]: r["eval/accuracy"] for r in rows if "eval/accuracy" in r},
-            "eval_sampled_reward": {r["step"]: r["eval/sampled_reward"] for r in rows if "eval/sampled_reward" in r},
-            "train_reward": [r.get("reward/mean") for r in rows if r["step"] > 0],
-            "response_length": [r.get("response/length_mean") for r in rows if r["step"] > 0],
-            "median_step_s": steps[len(steps) // 2] if steps else None}
+    return {
+        "run_dir": str(run_dir),
+        "eval_accuracy": {r["step"]: r["eval/accuracy"] for r in rows if "eval/accuracy" in r},
+        "eval_sampled_reward": {r["step"]: r["eval/sampled_reward"] for r in rows if "eval/sampled_reward" in r},
+        "train_reward": [r.get("reward/mean") for r in rows if r["step"] > 0],
+        "response_length": [r.get("response/length_mean") for r in rows if r["step"] > 0],
+        "median_step_s": steps[len(steps) // 2] if steps else None,
+    }

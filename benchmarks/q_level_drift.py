@@ -27,10 +27,13 @@ def _action_terms(lm, ref, row) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-ratio, level drift) at each action token of one transitions row."""
     ids = torch.tensor(np.concatenate([row.prompt_ids, row.response_ids]).astype(np.int64))[None]
     n_prompt = len(row.prompt_ids)
-    actions = torch.ones(len(row.response_ids), dtype=torch.bool) if row.action_mask is None \
+    actions = (
+        torch.ones(len(row.response_ids), dtype=torch.bool)
+        if row.action_mask is None
         else torch.as_tensor(row.action_mask, dtype=torch.bool)
+    )
     with torch.no_grad():
-        a, b = (m(ids).logits[0, n_prompt - 1:-1].float() for m in (lm, ref))
+        a, b = (m(ids).logits[0, n_prompt - 1 : -1].float() for m in (lm, ref))
     taken = ids[0, n_prompt:, None]
     ratio = (a.log_softmax(-1) - b.log_softmax(-1)).gather(-1, taken)[:, 0]
     level = a.logsumexp(-1) - b.logsumexp(-1)
@@ -51,10 +54,18 @@ def drift(run_dir: Path) -> dict:
     lm = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     parts = [_action_terms(lm, ref, row) for row in pd.read_parquet(steps[-1]).itertuples()]
     ratio, level = (torch.cat(p) for p in zip(*parts))
-    return {"run": str(run_dir), "checkpoint": checkpoint.name, "episodes": steps[-1].name, "actions": len(ratio),
-            "state_value": cfg.qlearn.state_value, "value_grad": cfg.qlearn.value_grad,
-            "log_ratio_mean": float(ratio.mean()), "log_ratio_std": float(ratio.std()),
-            "level_mean": float(level.mean()), "level_std": float(level.std())}
+    return {
+        "run": str(run_dir),
+        "checkpoint": checkpoint.name,
+        "episodes": steps[-1].name,
+        "actions": len(ratio),
+        "state_value": cfg.qlearn.state_value,
+        "value_grad": cfg.qlearn.value_grad,
+        "log_ratio_mean": float(ratio.mean()),
+        "log_ratio_std": float(ratio.std()),
+        "level_mean": float(level.mean()),
+        "level_std": float(level.std()),
+    }
 
 
 def main() -> None:
@@ -65,9 +76,11 @@ def main() -> None:
     rows = [drift(r) for r in a.runs]
     a.out.write_text(json.dumps(rows, indent=1))
     for r in rows:
-        print(f"{r['run']} (state_value {r['state_value']}, value_grad {r['value_grad']}): {r['actions']} actions; "
-              f"log-ratio {r['log_ratio_mean']:+.3f} (std {r['log_ratio_std']:.3f}); "
-              f"level {r['level_mean']:+.3f} (std {r['level_std']:.3f})")
+        print(
+            f"{r['run']} (state_value {r['state_value']}, value_grad {r['value_grad']}): {r['actions']} actions; "
+            f"log-ratio {r['log_ratio_mean']:+.3f} (std {r['log_ratio_std']:.3f}); "
+            f"level {r['level_mean']:+.3f} (std {r['level_std']:.3f})"
+        )
 
 
 if __name__ == "__main__":

@@ -29,12 +29,23 @@ PLOTS = "benchmarks"  # folder next to the page, and the prefix of its links
 Row = tuple[str, str, object, object]  # contender, measure, value, ratio (None: not given)
 
 RATIO_RE = re.compile(r"ratio|speedup|_over_|_vs_|^vs_|/ratio$|_gain$")
-HOST_KEYS = ("date", "device", "machine", "cpu", "cpus", "cores", "cpu_bf16", "cpu_has_native_bf16",
-             "software", "host_total_gb")
+HOST_KEYS = (
+    "date",
+    "device",
+    "machine",
+    "cpu",
+    "cpus",
+    "cores",
+    "cpu_bf16",
+    "cpu_has_native_bf16",
+    "software",
+    "host_total_gb",
+)
 GENERIC_MAX_ROWS = 40
 
 
 # ---------------------------------------------------------------- formatting
+
 
 def fmt(v: object) -> str:
     if v is None:
@@ -119,6 +130,7 @@ def generic_rows(d: object, keys: list[str] | None = None) -> list[Row]:
 
 # ---------------------------------------------------------------- extractors
 
+
 def ex_vs_trl(d: dict) -> list[Row]:
     rows: list[Row] = []
     for name in d:
@@ -167,7 +179,7 @@ def ex_serve_throughput(d: dict) -> list[Row]:
         for c in sorted(d[key], key=_conc):
             for m in ("tokens_per_s", "p50_s"):
                 if m in d[key][c]:
-                    rows.append((key[len("ratio_"):], f"{m} @ concurrency {c}", None, d[key][c][m]))
+                    rows.append((key[len("ratio_") :], f"{m} @ concurrency {c}", None, d[key][c][m]))
     return rows
 
 
@@ -207,7 +219,7 @@ def ex_median_ratio(d: dict) -> list[Row]:
     """``median: {mode: {measure: v}}`` and ``ratio_A_over_B: {measure: r}``."""
     rows: list[Row] = []
     rkey = next((k for k in d if k.startswith("ratio_")), None)
-    num = rkey[len("ratio_"):].split("_over_")[0] if rkey else None
+    num = rkey[len("ratio_") :].split("_over_")[0] if rkey else None
     for mode, ms in d.get("median", {}).items():
         for m, v in ms.items():
             r = d[rkey].get(m) if rkey and num and mode.startswith(num) else None
@@ -248,7 +260,11 @@ def _eval_rows(name: str, run: dict, base: dict | None) -> list[Row]:
             first = _final_eval({"0": (run.get(key) or {}).get("0")}) if "0" in (run.get(key) or {}) else None
             rows.append((name, f"{key} @ step {fe[0]}" + (f" (step 0: {fmt(first[1])})" if first else ""), fe[1], None))
     if "median_step_s" in run:
-        r = run["median_step_s"] / base["median_step_s"] if base and base is not run and base.get("median_step_s") else None
+        r = (
+            run["median_step_s"] / base["median_step_s"]
+            if base and base is not run and base.get("median_step_s")
+            else None
+        )
         rows.append((name, "median_step_s", run["median_step_s"], r))
     for k in ("sampled_gain", "greedy_gain"):
         if is_number(run.get(k)):
@@ -316,8 +332,14 @@ def ex_calculator(d: dict) -> list[Row]:
     rows: list[Row] = [(k, "held-out accuracy", v.get("accuracy"), None) for k, v in d.get("results", {}).items()]
     for k in ("rl_over_base_no_tools", "rl_minus_sft"):
         if k in d:
-            rows.append(("grpo_tools", k, None if k.endswith("over_base_no_tools") else d[k],
-                         d[k] if k.endswith("over_base_no_tools") else None))
+            rows.append(
+                (
+                    "grpo_tools",
+                    k,
+                    None if k.endswith("over_base_no_tools") else d[k],
+                    d[k] if k.endswith("over_base_no_tools") else None,
+                )
+            )
     return rows
 
 
@@ -369,135 +391,237 @@ def ex_precision(d: dict) -> list[Row]:
 
 Spec = tuple[str, str, str, Callable[[dict], list[Row]]]  # title, script, description, extractor
 
-VS_TRL = ("End to end against TRL", "vs_trl.py",
-          "rayrlhf GRPO and TRL's `GRPOTrainer` on the same workload in one run: SmolLM2-135M-Instruct, "
-          "reasoning-gym basic_arithmetic, the same prompts in the same order, prompts per step, samples per "
-          "prompt, completion length, sampling, reward and learning rate. Each contender's median step time, "
-          "completions per second, train reward and held-out greedy accuracy; the ratios are rayrlhf's "
-          "throughput over TRL's (step time: TRL's over rayrlhf's, so above 1 rayrlhf is faster). Variants "
-          "(`_colocate`: TRL generating with vLLM colocated; `_compiled`, `_realtime`, `_skip_zero_advantage`: "
-          "rayrlhf options on; `_repeat`, `_epyc_avx512`: the same again, another hour or host) differ in the "
-          "settings recorded in the file.", ex_vs_trl)
+VS_TRL = (
+    "End to end against TRL",
+    "vs_trl.py",
+    "rayrlhf GRPO and TRL's `GRPOTrainer` on the same workload in one run: SmolLM2-135M-Instruct, "
+    "reasoning-gym basic_arithmetic, the same prompts in the same order, prompts per step, samples per "
+    "prompt, completion length, sampling, reward and learning rate. Each contender's median step time, "
+    "completions per second, train reward and held-out greedy accuracy; the ratios are rayrlhf's "
+    "throughput over TRL's (step time: TRL's over rayrlhf's, so above 1 rayrlhf is faster). Variants "
+    "(`_colocate`: TRL generating with vLLM colocated; `_compiled`, `_realtime`, `_skip_zero_advantage`: "
+    "rayrlhf options on; `_repeat`, `_epyc_avx512`: the same again, another hour or host) differ in the "
+    "settings recorded in the file.",
+    ex_vs_trl,
+)
 
 BENCHMARKS: dict[str, Spec] = {
     "vs_trl": VS_TRL,
-    "vs_trl_agents": ("End to end against TRL, multi-turn", "vs_trl_agents.py",
-                      "The multi-turn counterpart of `vs_trl`: rayrlhf GRPO and TRL's `GRPOTrainer` "
-                      "(`rollout_func`, vLLM colocated) on the same guessing game (1..16, four guesses, "
-                      "\"Higher.\"/\"Lower.\" after each), the same episodes per step and tokens per turn. "
-                      "Ratios: rayrlhf's throughput over TRL's.", ex_vs_trl),
-    "vs_trl_dpo": ("Offline DPO against TRL", "vs_trl_dpo.py",
-                   "rayrlhf DPO and TRL's `DPOTrainer` on the same preference pairs in the same order, pairs "
-                   "per step, precision and loss (sigmoid DPO, reference log-probs computed once). Pairs per "
-                   "second per round; the ratios are rayrlhf's over TRL's, median of the rounds; the loss "
-                   "difference checks both trained the same thing.", ex_vs_trl_dpo),
-    "rollout": ("Rollout throughput", "rollout.py",
-                "Tokens per second generating the same prompts with the same sampling and a fixed number of new "
-                "tokens: a bare vLLM engine, rayrlhf's Generator, the Generator inside a Ray actor (what "
-                "training uses) and a pool of two generator actors, each family in its own fresh process. "
-                "Ratios: the actor over the bare engine, a pool actor over a bare one-thread engine, and 1 -> 2 "
-                "replicas (`_inflight`: with in-flight weight updates; `_compiled`: `rollout.compile`).",
-                ex_rollout),
-    "weight_sync": ("Weight sync per transport", "weight_sync.py",
-                    "Seconds per weight sync of SmolLM2-135M (bf16 on the wire), per transport, next to a raw "
-                    "in-memory copy (the floor): the learner's pack, the object store (flat buffer or a dict of "
-                    "tensors), vLLM's load inside the generator actor, and the gloo collective end to end. Ratios "
-                    "against the raw copy, and the goal's ratio against the raw copy plus vLLM's own load.",
-                    ex_weight_sync),
-    "lora_sync": ("LoRA syncs, adapter-only vs merged", "lora_sync.py",
-                  "Bytes and seconds of one weight sync with LoRA on every linear layer at r = 8 and 64: the "
-                  "adapter's factors only (`lora.sync: adapter`, merged on the generator) against every merged "
-                  "weight (`lora.sync: merged`), in one process on the same cores.", ex_lora_sync),
-    "start_up": ("A run's start-up, the cyclic GC", "start_up.py",
-                 "Time to a run's first step, and the process's wall time, with `cluster.lighter_gc` on (the "
-                 "default) and off: `rayrlhf train configs/ppo_tiny.yaml` as a user runs it, the two "
-                 "alternated after a warm-up. Ratio: lighter GC over the default.", ex_median_ratio),
-    "streaming_prompts": ("A 1-million-row prompt file, streamed vs read whole", "streaming_prompts.py",
-                          "Time to the first step and the driver's peak memory with a large Parquet prompt file, "
-                          "read whole (`data.streaming=false`) or streamed with Ray Data (`data.streaming=true`), "
-                          "alternated. Ratio: streamed over whole.", ex_median_ratio),
-    "tool_sandbox": ("The python tool's sandbox", "tool_sandbox.py",
-                     "The python tool's cost per call, sandboxed with bubblewrap against the former unsandboxed "
-                     "subprocess (`env.python_sandbox: unsafe`), alternated round by round: the latency of one "
-                     "call at a time and the throughput of parallel calls.",
-                     ex_keys("latency_ms", "calls_per_s", "ratios")),
-    "agent_rollout": ("Multi-turn rollouts", "agent_rollout.py",
-                      "Multi-turn episodes per second on one engine: `continuous` (each episode's next turn joins "
-                      "vLLM's running batch as soon as its environment answered) against `lockstep` (turn k of every "
-                      "episode as one batch), and a slow tool against an instant one (`_slow_env`: a 1 s tool).",
-                      ex_keys("episodes_per_s", "continuous_over_lockstep", "slow_tool_over_instant")),
-    "agent_clients": ("Agent programs by client, and OpenEnv over WebSocket", "agent_clients.py",
-                      "Agent rollout throughput by client on one engine (threads or asyncio, chat or Responses "
-                      "API, streamed or not), every contender playing the same episodes with the same seeded "
-                      "sampling, and an OpenEnv environment over WebSocket against the same environment "
-                      "in-process.", ex_keys("episodes_per_s", "ratios")),
-    "async_overlap": ("Synchronous vs asynchronous steps", "async_overlap.py",
-                      "GRPO step time on `configs/grpo_smollm2.yaml` with `rollout.max_staleness=0` (generate, then "
-                      "learn) and 1 (generation overlapping the update, also with in-flight weight updates), one "
-                      "after the other in fresh processes; the ideal is the longer of the two phases. Ratios: the "
-                      "sync step over the async one (above 1 async is faster).", ex_async_overlap),
-    "reward_model_prefix": ("Reward model: a pair's prompt run once", "reward_model_prefix.py",
-                            "Bradley-Terry reward-model training with and without a pair's shared prompt run once "
-                            "(`train.shared_prefix`), the same pairs and steps; the loss gap checks both train the "
-                            "same thing.", ex_keys("median_step_s_after_first", "speedup", "max_loss_gap")),
-    "serve_throughput": ("Policy server throughput", "serve_throughput.py",
-                         "rayrlhf's policy server (Ray Serve) against vLLM's own OpenAI server on the same model and "
-                         "machine, the same chat requests at each concurrency (64 tokens each), several starts. "
-                         "Median tokens per second and p50 latency; ratios: the policy server over vLLM's server "
-                         "(tokens/s above 1 and p50 below 1 favour the policy server). The file name's suffix names "
-                         "the layout, host or setting of that run.", ex_serve_throughput),
-    "serve_overhead": ("Where the policy server's CPU goes", "serve_overhead.py",
-                       "The bare vLLM server and the policy server under Ray settings that change what Ray's own "
-                       "processes do while the engine serves: one round of 128 chat requests at concurrency 32 "
-                       "each, with each process's CPU seconds. Ratios: against the first contender (the bare "
-                       "server).", ex_serve_overhead),
-    "scaling": ("Scaling on paper", "scaling_model.py",
-                "A roofline model of one synchronous RL step (generate, score, reference, learn, sync) calibrated "
-                "on the measured phases of `vs_trl.json`, projected to larger models and GPU clusters: step time "
-                "and completions per second per projection. A model, not a measurement.", ex_scaling),
-    "sharded_learners": ("Sharded learners", "sharded_learners.py",
-                         "Peak memory per learner worker and step time, replicated against sharded "
-                         "(`train.sharding: fsdp`) learners of SmolLM2-135M, 1 and 2 workers on the same cores, the "
-                         "GRPO preset's batch (`_checkpointed`: with gradient checkpointing). Ratios: FSDP over "
-                         "replicated at 2 workers.", ex_summary),
-    "learner_memory": ("Memory and step time of the learner", "learner_memory.py",
-                       "Peak memory (RSS) and step time of one learner update of SmolLM2-135M, contender by "
-                       "contender in fresh processes (full fine-tuning, its options, LoRA). Ratios: against the "
-                       "first contender listed.", ex_summary),
-    "precision": ("Precision on CPUs without native bf16", "precision.py",
-                  "bf16 against fp32 on the CPU, precisions alternating round by round: a matrix multiply's "
-                  "GFLOP/s, generation tokens per second and a learner step; what `auto` precision decides "
-                  "from.", ex_precision),
-    "gpu_learner": ("The sharded learner on one GPU", "gpu_learner.py",
-                    "The sharded learner alone (no Ray, no vLLM) on one GPU: step time, GPU and host memory, and the "
-                    "largest model that trains with its state offloaded to host memory (`train.cpu_offload`).",
-                    ex_gpu_learner),
-    "calculator": ("The calculator preset", "calculator.py",
-                   "Held-out accuracy of `configs/calculator_smollm2.yaml`: the base model without tools, with the "
-                   "calculator, after the SFT stage and after multi-turn GRPO, all greedy on the same held-out "
-                   "prompts with the same checker.", ex_calculator),
-    "guess_game": ("The guessing game: GRPO and token-level Q-learning", "guess_game.py",
-                   "The guessing game learnt by multi-turn GRPO (`configs/grpo_guess_smollm2.yaml`) and token-level "
-                   "Q-learning (`configs/qlearn_guess_smollm2.yaml`) with the same seeds, steps and held-out games: "
-                   "greedy accuracy and sampled reward on the 64 held-out games, median step time. The suffix names "
-                   "the Q-learning variant tried (`--qlearn-set`).", ex_runs_eval),
-    "objectives": ("Policy objectives on the GRPO preset", "objectives.py",
-                   "GRPO, GSPO, CISPO and DAPO from the same start with the same seed, prompts and steps on "
-                   "`configs/grpo_smollm2.yaml`: held-out greedy accuracy, median step time (ratio against the "
-                   "first listed).", ex_runs_eval),
-    "critic": ("PPO: a separate critic vs the shared value head", "objectives.py",
-               "`benchmarks/objectives.py --critic`: PPO with the shared value head against a separate critic, "
-               "same start, seed and steps: held-out greedy accuracy and median step time (ratio against the "
-               "first listed).", ex_runs_eval),
-    "distill": ("On-policy distillation vs GRPO", "distill.py",
-                "A teacher (the SFT preset trained further), the student distilled from it on-policy, and GRPO, "
-                "from the same start on basic_arithmetic: held-out greedy accuracy on 128 prompts and median step "
-                "time (ratio against the teacher's).", ex_runs_eval),
+    "vs_trl_agents": (
+        "End to end against TRL, multi-turn",
+        "vs_trl_agents.py",
+        "The multi-turn counterpart of `vs_trl`: rayrlhf GRPO and TRL's `GRPOTrainer` "
+        "(`rollout_func`, vLLM colocated) on the same guessing game (1..16, four guesses, "
+        '"Higher."/"Lower." after each), the same episodes per step and tokens per turn. '
+        "Ratios: rayrlhf's throughput over TRL's.",
+        ex_vs_trl,
+    ),
+    "vs_trl_dpo": (
+        "Offline DPO against TRL",
+        "vs_trl_dpo.py",
+        "rayrlhf DPO and TRL's `DPOTrainer` on the same preference pairs in the same order, pairs "
+        "per step, precision and loss (sigmoid DPO, reference log-probs computed once). Pairs per "
+        "second per round; the ratios are rayrlhf's over TRL's, median of the rounds; the loss "
+        "difference checks both trained the same thing.",
+        ex_vs_trl_dpo,
+    ),
+    "rollout": (
+        "Rollout throughput",
+        "rollout.py",
+        "Tokens per second generating the same prompts with the same sampling and a fixed number of new "
+        "tokens: a bare vLLM engine, rayrlhf's Generator, the Generator inside a Ray actor (what "
+        "training uses) and a pool of two generator actors, each family in its own fresh process. "
+        "Ratios: the actor over the bare engine, a pool actor over a bare one-thread engine, and 1 -> 2 "
+        "replicas (`_inflight`: with in-flight weight updates; `_compiled`: `rollout.compile`).",
+        ex_rollout,
+    ),
+    "weight_sync": (
+        "Weight sync per transport",
+        "weight_sync.py",
+        "Seconds per weight sync of SmolLM2-135M (bf16 on the wire), per transport, next to a raw "
+        "in-memory copy (the floor): the learner's pack, the object store (flat buffer or a dict of "
+        "tensors), vLLM's load inside the generator actor, and the gloo collective end to end. Ratios "
+        "against the raw copy, and the goal's ratio against the raw copy plus vLLM's own load.",
+        ex_weight_sync,
+    ),
+    "lora_sync": (
+        "LoRA syncs, adapter-only vs merged",
+        "lora_sync.py",
+        "Bytes and seconds of one weight sync with LoRA on every linear layer at r = 8 and 64: the "
+        "adapter's factors only (`lora.sync: adapter`, merged on the generator) against every merged "
+        "weight (`lora.sync: merged`), in one process on the same cores.",
+        ex_lora_sync,
+    ),
+    "start_up": (
+        "A run's start-up, the cyclic GC",
+        "start_up.py",
+        "Time to a run's first step, and the process's wall time, with `cluster.lighter_gc` on (the "
+        "default) and off: `rayrlhf train configs/ppo_tiny.yaml` as a user runs it, the two "
+        "alternated after a warm-up. Ratio: lighter GC over the default.",
+        ex_median_ratio,
+    ),
+    "streaming_prompts": (
+        "A 1-million-row prompt file, streamed vs read whole",
+        "streaming_prompts.py",
+        "Time to the first step and the driver's peak memory with a large Parquet prompt file, "
+        "read whole (`data.streaming=false`) or streamed with Ray Data (`data.streaming=true`), "
+        "alternated. Ratio: streamed over whole.",
+        ex_median_ratio,
+    ),
+    "tool_sandbox": (
+        "The python tool's sandbox",
+        "tool_sandbox.py",
+        "The python tool's cost per call, sandboxed with bubblewrap against the former unsandboxed "
+        "subprocess (`env.python_sandbox: unsafe`), alternated round by round: the latency of one "
+        "call at a time and the throughput of parallel calls.",
+        ex_keys("latency_ms", "calls_per_s", "ratios"),
+    ),
+    "agent_rollout": (
+        "Multi-turn rollouts",
+        "agent_rollout.py",
+        "Multi-turn episodes per second on one engine: `continuous` (each episode's next turn joins "
+        "vLLM's running batch as soon as its environment answered) against `lockstep` (turn k of every "
+        "episode as one batch), and a slow tool against an instant one (`_slow_env`: a 1 s tool).",
+        ex_keys("episodes_per_s", "continuous_over_lockstep", "slow_tool_over_instant"),
+    ),
+    "agent_clients": (
+        "Agent programs by client, and OpenEnv over WebSocket",
+        "agent_clients.py",
+        "Agent rollout throughput by client on one engine (threads or asyncio, chat or Responses "
+        "API, streamed or not), every contender playing the same episodes with the same seeded "
+        "sampling, and an OpenEnv environment over WebSocket against the same environment "
+        "in-process.",
+        ex_keys("episodes_per_s", "ratios"),
+    ),
+    "async_overlap": (
+        "Synchronous vs asynchronous steps",
+        "async_overlap.py",
+        "GRPO step time on `configs/grpo_smollm2.yaml` with `rollout.max_staleness=0` (generate, then "
+        "learn) and 1 (generation overlapping the update, also with in-flight weight updates), one "
+        "after the other in fresh processes; the ideal is the longer of the two phases. Ratios: the "
+        "sync step over the async one (above 1 async is faster).",
+        ex_async_overlap,
+    ),
+    "reward_model_prefix": (
+        "Reward model: a pair's prompt run once",
+        "reward_model_prefix.py",
+        "Bradley-Terry reward-model training with and without a pair's shared prompt run once "
+        "(`train.shared_prefix`), the same pairs and steps; the loss gap checks both train the "
+        "same thing.",
+        ex_keys("median_step_s_after_first", "speedup", "max_loss_gap"),
+    ),
+    "serve_throughput": (
+        "Policy server throughput",
+        "serve_throughput.py",
+        "rayrlhf's policy server (Ray Serve) against vLLM's own OpenAI server on the same model and "
+        "machine, the same chat requests at each concurrency (64 tokens each), several starts. "
+        "Median tokens per second and p50 latency; ratios: the policy server over vLLM's server "
+        "(tokens/s above 1 and p50 below 1 favour the policy server). The file name's suffix names "
+        "the layout, host or setting of that run.",
+        ex_serve_throughput,
+    ),
+    "serve_overhead": (
+        "Where the policy server's CPU goes",
+        "serve_overhead.py",
+        "The bare vLLM server and the policy server under Ray settings that change what Ray's own "
+        "processes do while the engine serves: one round of 128 chat requests at concurrency 32 "
+        "each, with each process's CPU seconds. Ratios: against the first contender (the bare "
+        "server).",
+        ex_serve_overhead,
+    ),
+    "scaling": (
+        "Scaling on paper",
+        "scaling_model.py",
+        "A roofline model of one synchronous RL step (generate, score, reference, learn, sync) calibrated "
+        "on the measured phases of `vs_trl.json`, projected to larger models and GPU clusters: step time "
+        "and completions per second per projection. A model, not a measurement.",
+        ex_scaling,
+    ),
+    "sharded_learners": (
+        "Sharded learners",
+        "sharded_learners.py",
+        "Peak memory per learner worker and step time, replicated against sharded "
+        "(`train.sharding: fsdp`) learners of SmolLM2-135M, 1 and 2 workers on the same cores, the "
+        "GRPO preset's batch (`_checkpointed`: with gradient checkpointing). Ratios: FSDP over "
+        "replicated at 2 workers.",
+        ex_summary,
+    ),
+    "learner_memory": (
+        "Memory and step time of the learner",
+        "learner_memory.py",
+        "Peak memory (RSS) and step time of one learner update of SmolLM2-135M, contender by "
+        "contender in fresh processes (full fine-tuning, its options, LoRA). Ratios: against the "
+        "first contender listed.",
+        ex_summary,
+    ),
+    "precision": (
+        "Precision on CPUs without native bf16",
+        "precision.py",
+        "bf16 against fp32 on the CPU, precisions alternating round by round: a matrix multiply's "
+        "GFLOP/s, generation tokens per second and a learner step; what `auto` precision decides "
+        "from.",
+        ex_precision,
+    ),
+    "gpu_learner": (
+        "The sharded learner on one GPU",
+        "gpu_learner.py",
+        "The sharded learner alone (no Ray, no vLLM) on one GPU: step time, GPU and host memory, and the "
+        "largest model that trains with its state offloaded to host memory (`train.cpu_offload`).",
+        ex_gpu_learner,
+    ),
+    "calculator": (
+        "The calculator preset",
+        "calculator.py",
+        "Held-out accuracy of `configs/calculator_smollm2.yaml`: the base model without tools, with the "
+        "calculator, after the SFT stage and after multi-turn GRPO, all greedy on the same held-out "
+        "prompts with the same checker.",
+        ex_calculator,
+    ),
+    "guess_game": (
+        "The guessing game: GRPO and token-level Q-learning",
+        "guess_game.py",
+        "The guessing game learnt by multi-turn GRPO (`configs/grpo_guess_smollm2.yaml`) and token-level "
+        "Q-learning (`configs/qlearn_guess_smollm2.yaml`) with the same seeds, steps and held-out games: "
+        "greedy accuracy and sampled reward on the 64 held-out games, median step time. The suffix names "
+        "the Q-learning variant tried (`--qlearn-set`).",
+        ex_runs_eval,
+    ),
+    "objectives": (
+        "Policy objectives on the GRPO preset",
+        "objectives.py",
+        "GRPO, GSPO, CISPO and DAPO from the same start with the same seed, prompts and steps on "
+        "`configs/grpo_smollm2.yaml`: held-out greedy accuracy, median step time (ratio against the "
+        "first listed).",
+        ex_runs_eval,
+    ),
+    "critic": (
+        "PPO: a separate critic vs the shared value head",
+        "objectives.py",
+        "`benchmarks/objectives.py --critic`: PPO with the shared value head against a separate critic, "
+        "same start, seed and steps: held-out greedy accuracy and median step time (ratio against the "
+        "first listed).",
+        ex_runs_eval,
+    ),
+    "distill": (
+        "On-policy distillation vs GRPO",
+        "distill.py",
+        "A teacher (the SFT preset trained further), the student distilled from it on-policy, and GRPO, "
+        "from the same start on basic_arithmetic: held-out greedy accuracy on 128 prompts and median step "
+        "time (ratio against the teacher's).",
+        ex_runs_eval,
+    ),
 }
 
 
-for _stem in ("learner_attention", "learner_compile_option", "learner_critic_micro_batches",
-              "learner_grpo_options", "learner_options", "learner_packed", "learner_step_options"):
+for _stem in (
+    "learner_attention",
+    "learner_compile_option",
+    "learner_critic_micro_batches",
+    "learner_grpo_options",
+    "learner_options",
+    "learner_packed",
+    "learner_step_options",
+):
     BENCHMARKS[_stem] = BENCHMARKS["learner_memory"]  # the same script's contenders, another set
 
 
@@ -606,13 +730,23 @@ def render(results: Path = RESULTS, page_dir: Path | None = None) -> str:
     for g in described + ([""] if "" in groups else []):
         if g:
             title, script, desc = g.split("\0")
-            sec = [f"## {title}", "", desc, "",
-                   f"Script: `benchmarks/{script}`; rerun: `.venv/bin/python benchmarks/{script}`.", ""]
+            sec = [
+                f"## {title}",
+                "",
+                desc,
+                "",
+                f"Script: `benchmarks/{script}`; rerun: `.venv/bin/python benchmarks/{script}`.",
+                "",
+            ]
         else:
-            sec = ["## Other results", "",
-                   "Result files `benchmarks/report.py` has no description for: each table lists the file's "
-                   "scalar leaves (a ratio where the key names one). Their context is in the "
-                   "[results changelog](results-changelog.md).", ""]
+            sec = [
+                "## Other results",
+                "",
+                "Result files `benchmarks/report.py` has no description for: each table lists the file's "
+                "scalar leaves (a ratio where the key names one). Their context is in the "
+                "[results changelog](results-changelog.md).",
+                "",
+            ]
         for stem in groups[g]:
             d = data[stem]
             _, rows, left = headline(stem, d)
@@ -634,6 +768,7 @@ def write_plots(results: Path, page_dir: Path) -> int:
     """SVG bar charts of each file's ratios; 0 when matplotlib is not importable."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:

@@ -61,18 +61,27 @@ def main() -> None:
     losses: dict[bool, list[float]] = {True: [], False: []}
     for step in range(a.steps):
         part = batch.select(torch.arange(2 * step * a.pairs, 2 * (step + 1) * a.pairs))
-        for shared in ((True, False) if step % 2 == 0 else (False, True)):
+        for shared in (True, False) if step % 2 == 0 else (False, True):
             t0 = time.perf_counter()
             m = learners[shared].train_step(part)
             times[shared].append(time.perf_counter() - t0)
             losses[shared].append(m["loss/total"])
-            print(f"step {step + 1} shared={shared}: {times[shared][-1]:.2f}s loss {m['loss/total']:.5f} "
-                  f"(prompt shared by {m['learner/prefix_shared_frac']:.0%} of rows)", flush=True)
+            print(
+                f"step {step + 1} shared={shared}: {times[shared][-1]:.2f}s loss {m['loss/total']:.5f} "
+                f"(prompt shared by {m['learner/prefix_shared_frac']:.0%} of rows)",
+                flush=True,
+            )
     med = {s: statistics.median(t[1:]) for s, t in times.items()}
     result = {
-        "date": time.strftime("%Y-%m-%d"), "model": "smollm2-135m", "task": "spell_backward",
-        "pairs_per_step": a.pairs, "steps": a.steps, "bf16": resolve_bf16("auto", "cpu"),
-        "mean_prompt_tokens": prompt_tokens, "mean_reply_tokens": reply_tokens, "skipped_pairs": skipped,
+        "date": time.strftime("%Y-%m-%d"),
+        "model": "smollm2-135m",
+        "task": "spell_backward",
+        "pairs_per_step": a.pairs,
+        "steps": a.steps,
+        "bf16": resolve_bf16("auto", "cpu"),
+        "mean_prompt_tokens": prompt_tokens,
+        "mean_reply_tokens": reply_tokens,
+        "skipped_pairs": skipped,
         "step_s": {"shared": times[True], "unshared": times[False]},
         "loss": {"shared": losses[True], "unshared": losses[False]},
         "median_step_s_after_first": {"shared": med[True], "unshared": med[False]},
@@ -80,8 +89,21 @@ def main() -> None:
         "max_loss_gap": max(abs(x - y) for x, y in zip(losses[True], losses[False])),
     }
     Path(a.out).write_text(json.dumps(result, indent=1))
-    print(json.dumps({k: result[k] for k in ("median_step_s_after_first", "speedup", "max_loss_gap",
-                                             "mean_prompt_tokens", "mean_reply_tokens")}, indent=1))
+    print(
+        json.dumps(
+            {
+                k: result[k]
+                for k in (
+                    "median_step_s_after_first",
+                    "speedup",
+                    "max_loss_gap",
+                    "mean_prompt_tokens",
+                    "mean_reply_tokens",
+                )
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -47,23 +47,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 # --- hardware (vendor peaks) and the efficiencies assumed against them ---------------------------
-H100_BF16_FLOPS = 989e12      # dense bf16 tensor-core peak, SXM
-H100_HBM_BPS = 3.35e12        # HBM3 bandwidth
-NVLINK_BPS = 450e9            # NVLink 4, per GPU per direction
-IB_BPS = 50e9                 # 400 Gb/s NDR per GPU
-MFU_TRAIN = 0.40              # typical for FSDP training of dense decoders
-MFU_FORWARD = 0.50            # prefill and log-prob passes
-DECODE_BW_EFF = 0.60          # share of HBM bandwidth a decode iteration reaches
-LINK_EFF = 0.70               # NCCL broadcast vs link peak
+H100_BF16_FLOPS = 989e12  # dense bf16 tensor-core peak, SXM
+H100_HBM_BPS = 3.35e12  # HBM3 bandwidth
+NVLINK_BPS = 450e9  # NVLink 4, per GPU per direction
+IB_BPS = 50e9  # 400 Gb/s NDR per GPU
+MFU_TRAIN = 0.40  # typical for FSDP training of dense decoders
+MFU_FORWARD = 0.50  # prefill and log-prob passes
+DECODE_BW_EFF = 0.60  # share of HBM bandwidth a decode iteration reaches
+LINK_EFF = 0.70  # NCCL broadcast vs link peak
 DECODE_ITER_OVERHEAD_S = 0.002  # scheduling + kernel launches per engine iteration (CUDA graphs on)
 
 
 @dataclass
 class Arch:
     name: str
-    params: float             # N
+    params: float  # N
     layers: int
-    kv_dim: int               # kv heads x head dim
+    kv_dim: int  # kv heads x head dim
     hidden: int
     vocab: int
 
@@ -78,27 +78,27 @@ ARCHS = {
 }
 
 
-STATE_BYTES_PER_PARAM = 16     # fp32 weights + fp32 gradients + AdamW m and v (fp32)
+STATE_BYTES_PER_PARAM = 16  # fp32 weights + fp32 gradients + AdamW m and v (fp32)
 H100_MEMORY_BYTES = 80e9
-PASS_TOKENS = 16384            # tokens per micro-batch pass on a learner GPU (assumed)
+PASS_TOKENS = 16384  # tokens per micro-batch pass on a learner GPU (assumed)
 
 
 @dataclass
 class Workload:
-    completions: int          # per step (prompts x samples)
-    prompt_tokens: float      # mean
-    response_tokens: float    # mean
+    completions: int  # per step (prompts x samples)
+    prompt_tokens: float  # mean
+    response_tokens: float  # mean
     max_new_tokens: int
-    reference: bool           # KL term on: a reference forward runs
+    reference: bool  # KL term on: a reference forward runs
 
 
 @dataclass
 class Cluster:
     name: str
-    generators: int           # engines
-    gpus_per_generator: int   # tensor parallel
+    generators: int  # engines
+    gpus_per_generator: int  # tensor parallel
     learner_gpus: int
-    sync_bps: float           # slowest link weights cross
+    sync_bps: float  # slowest link weights cross
 
 
 def kv_bytes_per_token(a: Arch) -> float:
@@ -113,19 +113,29 @@ def gpu_phases(a: Arch, w: Workload, c: Cluster) -> dict[str, float]:
     prefill = 2 * n * per_engine * w.prompt_tokens / (flops_g * MFU_FORWARD)
     mean_ctx = w.prompt_tokens + w.response_tokens / 2
     read = 2 * n + per_engine * mean_ctx * kv_bytes_per_token(a)
-    iteration = max(read / (H100_HBM_BPS * c.gpus_per_generator * DECODE_BW_EFF),
-                    2 * n * per_engine / (flops_g * MFU_FORWARD))
+    iteration = max(
+        read / (H100_HBM_BPS * c.gpus_per_generator * DECODE_BW_EFF), 2 * n * per_engine / (flops_g * MFU_FORWARD)
+    )
     learn = 6 * n * tokens / (H100_BF16_FLOPS * c.learner_gpus * MFU_TRAIN)
     ref = 2 * n * tokens / (H100_BF16_FLOPS * c.learner_gpus * MFU_FORWARD) if w.reference else 0.0
     sync = 2 * n / (c.sync_bps * LINK_EFF)
-    return {"generate": prefill + w.max_new_tokens * (iteration + DECODE_ITER_OVERHEAD_S), "reference": ref, "learn": learn, "sync": sync}
+    return {
+        "generate": prefill + w.max_new_tokens * (iteration + DECODE_ITER_OVERHEAD_S),
+        "reference": ref,
+        "learn": learn,
+        "sync": sync,
+    }
 
 
 def learner_memory_rows(measured_file: Path) -> list[dict]:
     """Per-GPU learner state, replicated vs sharded, and sharding's traffic beside a pass's compute."""
     rows = []
-    for key, workers, link, link_name in (("0.5b", 8, NVLINK_BPS, "NVLink"), ("7b", 8, NVLINK_BPS, "NVLink"),
-                                          ("7b", 32, IB_BPS, "InfiniBand"), ("72b", 64, IB_BPS, "InfiniBand")):
+    for key, workers, link, link_name in (
+        ("0.5b", 8, NVLINK_BPS, "NVLink"),
+        ("7b", 8, NVLINK_BPS, "NVLink"),
+        ("7b", 32, IB_BPS, "InfiniBand"),
+        ("72b", 64, IB_BPS, "InfiniBand"),
+    ):
         a = ARCHS[key]
         # The root unit: the embeddings and the LM head (tied in the small models, two matrices otherwise).
         embed = a.vocab * a.hidden * (1 if a.params < 2e9 else 2)
@@ -135,19 +145,33 @@ def learner_memory_rows(measured_file: Path) -> list[dict]:
         # Per pass: bf16 weights gathered twice, fp32 gradients reduce-scattered; each GPU sends
         # and receives (W-1)/W of every tensor.
         traffic = (2 * 2 + 4) * a.params * (workers - 1) / workers
-        rows.append({"model": a.name, "learner_gpus": workers, "link": link_name,
-                     "replicated_gb": replicated / 1e9, "sharded_gb": sharded / 1e9,
-                     "replicated_fits_h100": replicated < H100_MEMORY_BYTES, "sharded_fits_h100": sharded < H100_MEMORY_BYTES,
-                     "pass_traffic_s": traffic / (link * LINK_EFF),
-                     "pass_compute_s": 6 * a.params * PASS_TOKENS / (H100_BF16_FLOPS * MFU_TRAIN)})
+        rows.append(
+            {
+                "model": a.name,
+                "learner_gpus": workers,
+                "link": link_name,
+                "replicated_gb": replicated / 1e9,
+                "sharded_gb": sharded / 1e9,
+                "replicated_fits_h100": replicated < H100_MEMORY_BYTES,
+                "sharded_fits_h100": sharded < H100_MEMORY_BYTES,
+                "pass_traffic_s": traffic / (link * LINK_EFF),
+                "pass_compute_s": 6 * a.params * PASS_TOKENS / (H100_BF16_FLOPS * MFU_TRAIN),
+            }
+        )
     if measured_file.exists():  # the model's state bytes against the ones measured here
         res = json.loads(measured_file.read_text())["summary"]
         n = ARCHS["smollm2-135m"].params
-        rows.append({"model": "SmolLM2-135M (measured here, 2 CPU workers)", "learner_gpus": 2, "link": "gloo",
-                     "replicated_gb": res["replicated x2 returning"]["state_gb_per_worker"] * 2**30 / 1e9,
-                     "sharded_gb": res["fsdp x2 returning"]["state_gb_per_worker"] * 2**30 / 1e9,
-                     "predicted_replicated_gb": STATE_BYTES_PER_PARAM * n / 1e9,
-                     "predicted_sharded_state_gb": STATE_BYTES_PER_PARAM * n / 2 / 1e9})
+        rows.append(
+            {
+                "model": "SmolLM2-135M (measured here, 2 CPU workers)",
+                "learner_gpus": 2,
+                "link": "gloo",
+                "replicated_gb": res["replicated x2 returning"]["state_gb_per_worker"] * 2**30 / 1e9,
+                "sharded_gb": res["fsdp x2 returning"]["state_gb_per_worker"] * 2**30 / 1e9,
+                "predicted_replicated_gb": STATE_BYTES_PER_PARAM * n / 1e9,
+                "predicted_sharded_state_gb": STATE_BYTES_PER_PARAM * n / 2 / 1e9,
+            }
+        )
     return rows
 
 
@@ -170,13 +194,21 @@ def gpu_learner_rows(measured_file: Path) -> list[dict]:
         gathered = 4 * (embed + 2 * (n - embed) / shape["num_hidden_layers"])
         state = STATE_BYTES_PER_PARAM * n
         passes = 6 + 2 + (2 if r["batch"]["ckpt"] else 0)
-        rows.append({"case": r["case"], "params_b": n / 1e9, "tokens_per_step": tokens, "offload": r["offload"],
-                     "predicted_learn_s": 6 * n * tokens / (H100_BF16_FLOPS * MFU_TRAIN), "measured_step_s": step,
-                     "measured_mfu": passes * n * tokens / (step * H100_BF16_FLOPS),
-                     "predicted_gpu_state_gb": (gathered if r["offload"] else state + gathered) / 1e9,
-                     "measured_gpu_peak_gb": r["gpu_peak_allocated_gb"],
-                     "predicted_host_state_gb": state / 1e9 if r["offload"] else 0.0,
-                     "measured_host_peak_gb": r["host_peak_rss_gb"]})
+        rows.append(
+            {
+                "case": r["case"],
+                "params_b": n / 1e9,
+                "tokens_per_step": tokens,
+                "offload": r["offload"],
+                "predicted_learn_s": 6 * n * tokens / (H100_BF16_FLOPS * MFU_TRAIN),
+                "measured_step_s": step,
+                "measured_mfu": passes * n * tokens / (step * H100_BF16_FLOPS),
+                "predicted_gpu_state_gb": (gathered if r["offload"] else state + gathered) / 1e9,
+                "measured_gpu_peak_gb": r["gpu_peak_allocated_gb"],
+                "predicted_host_state_gb": state / 1e9 if r["offload"] else 0.0,
+                "measured_host_peak_gb": r["host_peak_rss_gb"],
+            }
+        )
     return rows
 
 
@@ -187,8 +219,11 @@ def calibrate(measured: dict, a: Arch, w: Workload) -> dict[str, float]:
     eff_train = learn_flops / measured["learn"]
     # Decode: the same max_new_tokens iterations; one effective seconds-per-iteration.
     per_iter = measured["generate"] / w.max_new_tokens
-    return {"train_flops_per_s": eff_train, "decode_s_per_iteration": per_iter,
-            "measured_step_s": sum(measured.values())}
+    return {
+        "train_flops_per_s": eff_train,
+        "decode_s_per_iteration": per_iter,
+        "measured_step_s": sum(measured.values()),
+    }
 
 
 def prompt_tokens_of_task() -> float:
@@ -203,8 +238,12 @@ def prompt_tokens_of_task() -> float:
     tok = AutoTokenizer.from_pretrained(resolve_model(cfg.model.path, cfg.model.cache_dir or None))
     rows, _ = load_prompts(cfg.data.task, 64, 0, 0, cfg.data.task_kwargs, cfg.data.instruction_for(cfg.data.task))
     return statistics.fmean(
-        len(tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True,
-                                    tokenize=True, return_dict=False)) for r in rows.rows
+        len(
+            tok.apply_chat_template(
+                [{"role": "user", "content": r["prompt"]}], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
+        for r in rows.rows
     )
 
 
@@ -216,9 +255,17 @@ def main() -> int:
     res = json.loads(Path(args.measured).read_text())
     s = res["settings"]
     steps = res["rayrlhf"]["steps"][1:]  # the first step includes one-off warm-up
-    measured = {k: statistics.median(st["phases"][k] for st in steps) for k in ("generate", "score", "reference", "learn", "sync")}
-    small = Workload(s["prompts_per_step"] * s["samples_per_prompt"], prompt_tokens_of_task(),
-                     res["rayrlhf"]["summary"]["response_length_mean"], s["max_new_tokens"], reference=s["beta"] != 0)
+    measured = {
+        k: statistics.median(st["phases"][k] for st in steps)
+        for k in ("generate", "score", "reference", "learn", "sync")
+    }
+    small = Workload(
+        s["prompts_per_step"] * s["samples_per_prompt"],
+        prompt_tokens_of_task(),
+        res["rayrlhf"]["summary"]["response_length_mean"],
+        s["max_new_tokens"],
+        reference=s["beta"] != 0,
+    )
     cpu = calibrate(measured, ARCHS["smollm2-135m"], small)
     # Validation on a workload the calibration did not see: the learner benchmark's update
     # (16 sequences x 108 tokens, separate process, benchmarks/learner_memory.py).
@@ -247,59 +294,90 @@ def main() -> int:
         a = ARCHS[arch_key]
         ph = gpu_phases(a, w, c)
         sync_step = sum(ph.values())
-        rows.append({
-            "model": a.name, "cluster": c.name, "completions": w.completions,
-            "tokens_per_step": w.completions * (w.prompt_tokens + w.response_tokens),
-            **{f"{k}_s": v for k, v in ph.items()},
-            "step_s": sync_step,
-            "step_s_async": max(ph["generate"], ph["reference"] + ph["learn"]) + ph["sync"],
-            "completions_per_s": w.completions / sync_step,
-        })
+        rows.append(
+            {
+                "model": a.name,
+                "cluster": c.name,
+                "completions": w.completions,
+                "tokens_per_step": w.completions * (w.prompt_tokens + w.response_tokens),
+                **{f"{k}_s": v for k, v in ph.items()},
+                "step_s": sync_step,
+                "step_s_async": max(ph["generate"], ph["reference"] + ph["learn"]) + ph["sync"],
+                "completions_per_s": w.completions / sync_step,
+            }
+        )
     out = {
-        "measured_cpu_phases_s": measured, "cpu_calibration": cpu, "small_workload": asdict(small),
+        "measured_cpu_phases_s": measured,
+        "cpu_calibration": cpu,
+        "small_workload": asdict(small),
         "big_workload": asdict(big),
-        "assumptions": {"H100_BF16_FLOPS": H100_BF16_FLOPS, "H100_HBM_BPS": H100_HBM_BPS, "NVLINK_BPS": NVLINK_BPS,
-                        "IB_BPS": IB_BPS, "MFU_TRAIN": MFU_TRAIN, "MFU_FORWARD": MFU_FORWARD,
-                        "DECODE_BW_EFF": DECODE_BW_EFF, "LINK_EFF": LINK_EFF,
-                        "DECODE_ITER_OVERHEAD_S": DECODE_ITER_OVERHEAD_S},
+        "assumptions": {
+            "H100_BF16_FLOPS": H100_BF16_FLOPS,
+            "H100_HBM_BPS": H100_HBM_BPS,
+            "NVLINK_BPS": NVLINK_BPS,
+            "IB_BPS": IB_BPS,
+            "MFU_TRAIN": MFU_TRAIN,
+            "MFU_FORWARD": MFU_FORWARD,
+            "DECODE_BW_EFF": DECODE_BW_EFF,
+            "LINK_EFF": LINK_EFF,
+            "DECODE_ITER_OVERHEAD_S": DECODE_ITER_OVERHEAD_S,
+        },
         "projections": rows,
         "learner_memory": learner_memory_rows(ROOT / "docs" / "results" / "sharded_learners.json"),
         "gpu_learner_check": gpu_learner_rows(ROOT / "docs" / "results" / "gpu_learner.json"),
     }
     Path(args.out).write_text(json.dumps(out, indent=1))
-    print(f"CPU calibration: training at {cpu['train_flops_per_s'] / 1e9:.0f} GFLOP/s effective, "
-          f"{cpu['decode_s_per_iteration'] * 1e3:.0f} ms per decode iteration; measured step {cpu['measured_step_s']:.1f} s")
+    print(
+        f"CPU calibration: training at {cpu['train_flops_per_s'] / 1e9:.0f} GFLOP/s effective, "
+        f"{cpu['decode_s_per_iteration'] * 1e3:.0f} ms per decode iteration; measured step {cpu['measured_step_s']:.1f} s"
+    )
     if "check_learner_benchmark" in cpu:
         chk = cpu["check_learner_benchmark"]
-        print(f"check: learner benchmark update predicted {chk['predicted_s']:.1f} s, measured {chk['measured_s']:.1f} s")
-    print("| model | cluster | completions | generate s | reference s | learn s | sync s | step s | step s, async | completions/s |")
+        print(
+            f"check: learner benchmark update predicted {chk['predicted_s']:.1f} s, measured {chk['measured_s']:.1f} s"
+        )
+    print(
+        "| model | cluster | completions | generate s | reference s | learn s | sync s | step s | step s, async | completions/s |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['model']} | {r['cluster']} | {r['completions']} | {r['generate_s']:.3g} | {r['reference_s']:.3g} | "
-              f"{r['learn_s']:.3g} | {r['sync_s']:.2g} | {r['step_s']:.3g} | {r['step_s_async']:.3g} | {r['completions_per_s']:.3g} |")
-    print("\n| model | learner GPUs | state per GPU, replicated GB | sharded GB | fits an H100 (replicated / sharded) | "
-          "sharding traffic per pass s | pass compute s |")
+        print(
+            f"| {r['model']} | {r['cluster']} | {r['completions']} | {r['generate_s']:.3g} | {r['reference_s']:.3g} | "
+            f"{r['learn_s']:.3g} | {r['sync_s']:.2g} | {r['step_s']:.3g} | {r['step_s_async']:.3g} | {r['completions_per_s']:.3g} |"
+        )
+    print(
+        "\n| model | learner GPUs | state per GPU, replicated GB | sharded GB | fits an H100 (replicated / sharded) | "
+        "sharding traffic per pass s | pass compute s |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in out["learner_memory"]:
         if "pass_traffic_s" not in r:
-            print(f"| {r['model']} | {r['learner_gpus']} | {r['replicated_gb']:.2f} (model {r['predicted_replicated_gb']:.2f}) "
-                  f"| {r['sharded_gb']:.2f} (model, state only: {r['predicted_sharded_state_gb']:.2f}) | | | |")
+            print(
+                f"| {r['model']} | {r['learner_gpus']} | {r['replicated_gb']:.2f} (model {r['predicted_replicated_gb']:.2f}) "
+                f"| {r['sharded_gb']:.2f} (model, state only: {r['predicted_sharded_state_gb']:.2f}) | | | |"
+            )
             continue
-        print(f"| {r['model']} | {r['learner_gpus']} ({r['link']}) | {r['replicated_gb']:.1f} | {r['sharded_gb']:.1f} | "
-              f"{'yes' if r['replicated_fits_h100'] else 'no'} / {'yes' if r['sharded_fits_h100'] else 'no'} | "
-              f"{r['pass_traffic_s']:.3g} | {r['pass_compute_s']:.3g} |")
+        print(
+            f"| {r['model']} | {r['learner_gpus']} ({r['link']}) | {r['replicated_gb']:.1f} | {r['sharded_gb']:.1f} | "
+            f"{'yes' if r['replicated_fits_h100'] else 'no'} / {'yes' if r['sharded_fits_h100'] else 'no'} | "
+            f"{r['pass_traffic_s']:.3g} | {r['pass_compute_s']:.3g} |"
+        )
     print_gpu_check(out["gpu_learner_check"])
     return 0
 
 
 def print_gpu_check(rows: list[dict]) -> None:
-    print("\n| H100 case | params | tokens | learn s, model | step s, measured | MFU reached | GPU GB, model (state) "
-          "| GPU GB, peak | host GB, model (state) | host GB, peak |")
+    print(
+        "\n| H100 case | params | tokens | learn s, model | step s, measured | MFU reached | GPU GB, model (state) "
+        "| GPU GB, peak | host GB, model (state) | host GB, peak |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['case']} | {r['params_b']:.2f}B | {r['tokens_per_step']} | {r['predicted_learn_s']:.2f} | "
-              f"{r['measured_step_s']:.2f} | {r['measured_mfu']:.0%} | {r['predicted_gpu_state_gb']:.1f} | "
-              f"{r['measured_gpu_peak_gb']:.1f} | {r['predicted_host_state_gb']:.1f} | {r['measured_host_peak_gb']:.1f} |")
+        print(
+            f"| {r['case']} | {r['params_b']:.2f}B | {r['tokens_per_step']} | {r['predicted_learn_s']:.2f} | "
+            f"{r['measured_step_s']:.2f} | {r['measured_mfu']:.0%} | {r['predicted_gpu_state_gb']:.1f} | "
+            f"{r['measured_gpu_peak_gb']:.1f} | {r['predicted_host_state_gb']:.1f} | {r['measured_host_peak_gb']:.1f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -66,8 +66,8 @@ def cpu_seconds() -> dict[str, tuple[str, float]]:
             except OSError:
                 continue
             end = stat.rfind(")")
-            fields = stat[end + 2:].split()
-            out[p.name] = (stat[stat.find("(") + 1:end], (int(fields[11]) + int(fields[12])) / tick)
+            fields = stat[end + 2 :].split()
+            out[p.name] = (stat[stat.find("(") + 1 : end], (int(fields[11]) + int(fields[12])) / tick)
     return out
 
 
@@ -109,8 +109,13 @@ def one_round(name: str, model: str, texts: list[str], args: argparse.Namespace)
     finally:
         os.environ.clear()
         os.environ.update(saved)
-    return {"contender": name, "url": url, **{k: run[k] for k in ("tokens_per_s", "wall_s", "errors")},
-            "cpu_s_all": round(sum(spent.values()), 2), "cpu_s": spent}
+    return {
+        "contender": name,
+        "url": url,
+        **{k: run[k] for k in ("tokens_per_s", "wall_s", "errors")},
+        "cpu_s_all": round(sum(spent.values()), 2),
+        "cpu_s": spent,
+    }
 
 
 def main() -> None:

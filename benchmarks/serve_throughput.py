@@ -63,9 +63,17 @@ async def load(url: str, model: str, texts: list[str], concurrency: int, max_tok
         nonlocal tokens, errors
         async with sem:
             t0 = time.perf_counter()
-            r = await client.post(f"{url}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, json={
-                "model": model, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
-                "temperature": 1.0, "ignore_eos": True})
+            r = await client.post(
+                f"{url}/v1/chat/completions",
+                headers={"Authorization": f"Bearer {KEY}"},
+                json={
+                    "model": model,
+                    "messages": [{"role": "user", "content": text}],
+                    "max_tokens": max_tokens,
+                    "temperature": 1.0,
+                    "ignore_eos": True,
+                },
+            )
             latencies.append(time.perf_counter() - t0)
             if r.status_code != 200:
                 errors += 1
@@ -77,9 +85,16 @@ async def load(url: str, model: str, texts: list[str], concurrency: int, max_tok
         await asyncio.gather(*(one(client, t) for t in texts))
         wall = time.perf_counter() - t0
     lat = sorted(latencies)
-    return {"requests": len(texts), "errors": errors, "wall_s": wall, "requests_per_s": len(texts) / wall,
-            "tokens": tokens, "tokens_per_s": tokens / wall, "p50_s": lat[len(lat) // 2],
-            "p99_s": lat[min(len(lat) - 1, int(0.99 * len(lat)))]}
+    return {
+        "requests": len(texts),
+        "errors": errors,
+        "wall_s": wall,
+        "requests_per_s": len(texts) / wall,
+        "tokens": tokens,
+        "tokens_per_s": tokens / wall,
+        "p50_s": lat[len(lat) // 2],
+        "p99_s": lat[min(len(lat) - 1, int(0.99 * len(lat)))],
+    }
 
 
 def wait_up(url: str, timeout: float = 600) -> None:
@@ -100,29 +115,73 @@ def engine_env() -> dict:
     # Every core for the engine's OpenMP threads (vLLM's 'auto' leaves one of two cores idle).
     cores = os.cpu_count() or 1
     bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{cores - 1}" if cores > 1 else "0")
-    return {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": bind,
-            "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false"}
+    return {
+        "VLLM_CPU_KVCACHE_SPACE": "2",
+        "VLLM_CPU_OMP_THREADS_BIND": bind,
+        "VLLM_LOGGING_LEVEL": "WARNING",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
 
 
 def start_vllm(model_path: str, args: argparse.Namespace, port: int) -> subprocess.Popen:
     env = {**os.environ, **engine_env()}
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path, "--served-model-name",
-           "policy", "--enforce-eager", "--max-model-len", str(args.max_model_len), "--dtype", args.dtype,
-           "--api-key", KEY, "--host", "127.0.0.1", "--port", str(port), "--seed", "0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model_path,
+        "--served-model-name",
+        "policy",
+        "--enforce-eager",
+        "--max-model-len",
+        str(args.max_model_len),
+        "--dtype",
+        args.dtype,
+        "--api-key",
+        KEY,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--seed",
+        "0",
+    ]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def start_rayrlhf(model_path: str, args: argparse.Namespace, port: int, ingress: str = "auto",
-                  extra_env: dict | None = None) -> subprocess.Popen:
+def start_rayrlhf(
+    model_path: str, args: argparse.Namespace, port: int, ingress: str = "auto", extra_env: dict | None = None
+) -> subprocess.Popen:
     """``rayrlhf serve policy`` in a process of its own, as a user starts it (its own local Ray
     cluster with ``serving.common.SERVER_CLUSTER_ENV``; one replica, so the replica itself answers
     on ``port``, unless ``ingress`` is "proxy"): the load client is then no Ray driver, as it is no
     part of the bare vLLM server either."""
     env = {**os.environ, **engine_env(), "RAYRLHF_BENCH_KEY": KEY, **(extra_env or {})}
-    cmd = [sys.executable, "-m", "cluster.cli", "serve", "policy", model_path, "--port", str(port),
-           "--max-model-len", str(args.max_model_len), "--dtype", args.dtype, "--kv-cache-gib", "2",
-           "--api-key-env", "RAYRLHF_BENCH_KEY", "--max-tokens", str(args.max_tokens), "--max-n", "8",
-           "--ingress", ingress]
+    cmd = [
+        sys.executable,
+        "-m",
+        "cluster.cli",
+        "serve",
+        "policy",
+        model_path,
+        "--port",
+        str(port),
+        "--max-model-len",
+        str(args.max_model_len),
+        "--dtype",
+        args.dtype,
+        "--kv-cache-gib",
+        "2",
+        "--api-key-env",
+        "RAYRLHF_BENCH_KEY",
+        "--max-tokens",
+        str(args.max_tokens),
+        "--max-n",
+        "8",
+        "--ingress",
+        ingress,
+    ]
     return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -131,12 +190,19 @@ def requests_at(concurrency: int) -> int:
     return min(256, max(16, 4 * concurrency))
 
 
-def _rounds(name: str, url: str, texts: list[str], args: argparse.Namespace, results: dict, n: int,
-            levels: list[int] | None = None) -> None:
+def _rounds(
+    name: str,
+    url: str,
+    texts: list[str],
+    args: argparse.Namespace,
+    results: dict,
+    n: int,
+    levels: list[int] | None = None,
+) -> None:
     """``n`` rounds at every concurrency level (in ``levels``' order, default ``args.levels``)."""
     for c in levels or args.levels:
         for _ in range(n):
-            run = asyncio.run(load(url, "policy", texts[:requests_at(c)], c, args.max_tokens))
+            run = asyncio.run(load(url, "policy", texts[: requests_at(c)], c, args.max_tokens))
             results[name].setdefault(str(c), []).append(run)
             print(name, f"concurrency {c}:", round(run["tokens_per_s"], 1), "tokens/s", flush=True)
 
@@ -199,8 +265,9 @@ def alone(model: str, texts: list[str], args: argparse.Namespace, urls: dict, re
             _alone_start(name, model, texts, args, urls[name], results, levels)
 
 
-def _alone_start(name: str, model: str, texts: list[str], args: argparse.Namespace, url: str, results: dict,
-                 levels: list[int]) -> None:
+def _alone_start(
+    name: str, model: str, texts: list[str], args: argparse.Namespace, url: str, results: dict, levels: list[int]
+) -> None:
     with server(name, model, args, _port(url)):
         _warm_up(url, texts, args)
         _rounds(name, url, texts, args, results, args.rounds_per_start, levels)
@@ -249,13 +316,23 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", help="auto: bfloat16 where the CPU computes it natively, else float32")
     ap.add_argument("--starts", type=int, default=2, help="times each server is started (alone) / round pairs")
     ap.add_argument("--rounds-per-start", type=int, default=1)
-    ap.add_argument("--layout", choices=("alone", "together"), default="alone",
-                    help="alone: each server by itself, A B A B; together: both up, rounds alternating")
-    ap.add_argument("--with-proxy", action="store_true",
-                    help="a third contender: rayrlhf's policy server through Serve's proxy (--ingress proxy)")
-    ap.add_argument("--with-one-loop", action="store_true",
-                    help="a contender: rayrlhf's policy server with the deployment's code on the replica's own "
-                         "event loop (RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0)")
+    ap.add_argument(
+        "--layout",
+        choices=("alone", "together"),
+        default="alone",
+        help="alone: each server by itself, A B A B; together: both up, rounds alternating",
+    )
+    ap.add_argument(
+        "--with-proxy",
+        action="store_true",
+        help="a third contender: rayrlhf's policy server through Serve's proxy (--ingress proxy)",
+    )
+    ap.add_argument(
+        "--with-one-loop",
+        action="store_true",
+        help="a contender: rayrlhf's policy server with the deployment's code on the replica's own "
+        "event loop (RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0)",
+    )
     ap.add_argument("--out", default=None, help="default docs/results/serve_throughput_<layout>.json")
     args = ap.parse_args()
     args.levels = [int(c) for c in args.concurrency.split(",")]
@@ -273,18 +350,32 @@ def main() -> None:
     run = together if args.layout == "together" else alone
     run(model, texts, args, urls, results)
     med = {name: {c: summary(runs) for c, runs in levels.items()} for name, levels in results.items()}
+
     def over_bare(name: str) -> dict:
-        return {c: {k: med[name][c][k] / med["vllm_openai_server"][c][k]
-                    for k in ("requests_per_s", "tokens_per_s", "p50_s", "p99_s")} for c in med["vllm_openai_server"]}
+        return {
+            c: {
+                k: med[name][c][k] / med["vllm_openai_server"][c][k]
+                for k in ("requests_per_s", "tokens_per_s", "p50_s", "p99_s")
+            }
+            for c in med["vllm_openai_server"]
+        }
 
     ratio = over_bare("rayrlhf_policy_server")
-    out = {"settings": {k: v for k, v in vars(args).items() if k != "levels"}, "engine_env": engine_env(),
-           "model": "SmolLM2-135M-Instruct",
-           "cpu_bf16": args.dtype == "bfloat16", "runs": results, "median": med, "ratio_rayrlhf_over_vllm": ratio}
+    out = {
+        "settings": {k: v for k, v in vars(args).items() if k != "levels"},
+        "engine_env": engine_env(),
+        "model": "SmolLM2-135M-Instruct",
+        "cpu_bf16": args.dtype == "bfloat16",
+        "runs": results,
+        "median": med,
+        "ratio_rayrlhf_over_vllm": ratio,
+    }
     for name in urls:
         if name.startswith("rayrlhf_policy_server_"):
             out[f"ratio_{name.removeprefix('rayrlhf_policy_server_')}_over_vllm"] = over_bare(name)
-    Path(args.out or ROOT / "docs" / "results" / f"serve_throughput_{args.layout}.json").write_text(json.dumps(out, indent=1))
+    Path(args.out or ROOT / "docs" / "results" / f"serve_throughput_{args.layout}.json").write_text(
+        json.dumps(out, indent=1)
+    )
     print(json.dumps({"median": med, "ratio": ratio}, indent=1))
 
 

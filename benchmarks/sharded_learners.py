@@ -38,8 +38,13 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CONTENDERS = [("replicated", 1, "product"), ("replicated", 2, "product"), ("fsdp", 2, "product"),
-              ("replicated", 2, "returning"), ("fsdp", 2, "returning")]
+CONTENDERS = [
+    ("replicated", 1, "product"),
+    ("replicated", 2, "product"),
+    ("fsdp", 2, "product"),
+    ("replicated", 2, "returning"),
+    ("fsdp", 2, "returning"),
+]
 RETURNING_ENV = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
@@ -72,8 +77,18 @@ class _PeakSampler:
         self._thread.join()
 
 
-def worker(rank: int, world: int, mode: str, model: str, steps: int, threads: int, micro: int = 8,
-           checkpointing: bool = False, fused: bool = False, chunk: int = 1024) -> dict:
+def worker(
+    rank: int,
+    world: int,
+    mode: str,
+    model: str,
+    steps: int,
+    threads: int,
+    micro: int = 8,
+    checkpointing: bool = False,
+    fused: bool = False,
+    chunk: int = 1024,
+) -> dict:
     import torch
 
     sys.path.insert(0, str(ROOT))
@@ -86,8 +101,15 @@ def worker(rank: int, world: int, mode: str, model: str, steps: int, threads: in
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    train = TrainConfig(num_minibatches=1, micro_batch_size=micro, bf16="auto", sharding=mode,
-                        gradient_checkpointing=checkpointing, fused_logprobs=fused, logprob_chunk=chunk)
+    train = TrainConfig(
+        num_minibatches=1,
+        micro_batch_size=micro,
+        bf16="auto",
+        sharding=mode,
+        gradient_checkpointing=checkpointing,
+        fused_logprobs=fused,
+        logprob_chunk=chunk,
+    )
     base = _rss_gb()  # the process before the model: torch, transformers, the gloo group
     hp = PPOConfig(advantage_estimator="grpo", kl_coef=0.0, loss_agg="token_mean")
     learner = PPOLearner.build(LearnerContext(model_path=resolve_model(model), comm=default_collective()), train, hp)
@@ -101,14 +123,31 @@ def worker(rank: int, world: int, mode: str, model: str, steps: int, threads: in
     local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
     state = [p for p in learner.model.parameters()] + [p.grad for p in learner.model.parameters() if p.grad is not None]
     state += [v for s in learner.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]
-    return {"mode": mode, "world": world, "rank": rank, "step_s": times, "train_peak_gb": sampler.peak,
-            "base_gb": base, "train_peak_above_base_gb": sampler.peak - base,
-            "after_gb": _rss_gb(), "state_gb": sum(local(t).numel() * t.element_size() for t in state) / 2**30,
-            "life_peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    return {
+        "mode": mode,
+        "world": world,
+        "rank": rank,
+        "step_s": times,
+        "train_peak_gb": sampler.peak,
+        "base_gb": base,
+        "train_peak_above_base_gb": sampler.peak - base,
+        "after_gb": _rss_gb(),
+        "state_gb": sum(local(t).numel() * t.element_size() for t in state) / 2**30,
+        "life_peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+    }
 
 
-def run(mode: str, world: int, malloc: str, model: str, steps: int, micro: int = 8,
-        checkpointing: bool = False, fused: bool = False, chunk: int = 1024) -> list[dict]:
+def run(
+    mode: str,
+    world: int,
+    malloc: str,
+    model: str,
+    steps: int,
+    micro: int = 8,
+    checkpointing: bool = False,
+    fused: bool = False,
+    chunk: int = 1024,
+) -> list[dict]:
     sys.path.insert(0, str(ROOT))
     from cluster.config.role_settings import KEEP_FREED_MEMORY_ENV
     from tests.helpers.ranks import run_processes
@@ -117,8 +156,9 @@ def run(mode: str, world: int, malloc: str, model: str, steps: int, micro: int =
     # glibc reads these when a process starts: the ranks are spawned with them.
     os.environ.update(KEEP_FREED_MEMORY_ENV if malloc == "product" else RETURNING_ENV)
     try:
-        ranks = run_processes(world, worker, mode, model, steps, 2 // world, micro, checkpointing, fused,
-                              chunk, timeout_s=1800)
+        ranks = run_processes(
+            world, worker, mode, model, steps, 2 // world, micro, checkpointing, fused, chunk, timeout_s=1800
+        )
     finally:
         os.environ.clear()
         os.environ.update(saved)
@@ -141,8 +181,9 @@ def main() -> None:
     runs = []
     for _ in range(a.rounds):
         for mode, world, malloc in contenders:
-            ranks = run(mode, world, malloc, a.model, a.steps, a.micro_batch, a.checkpointing,
-                        a.fused_logprobs, a.logprob_chunk)
+            ranks = run(
+                mode, world, malloc, a.model, a.steps, a.micro_batch, a.checkpointing, a.fused_logprobs, a.logprob_chunk
+            )
             runs.extend(ranks)
             print(json.dumps(ranks[0]), flush=True)
     summary = {}
@@ -150,25 +191,53 @@ def main() -> None:
         mine = [r for r in runs if (r["mode"], r["world"], r["malloc"]) == (mode, world, malloc)]
         summary[f"{mode} x{world} {malloc}"] = {
             "median_step_s": statistics.median(t for r in mine for t in r["step_s"][1:]),
-            **{f"{k}_per_worker": max(r[k] for r in mine) for k in ("train_peak_gb", "after_gb", "state_gb", "life_peak_gb",
-                                                                     "base_gb", "train_peak_above_base_gb")},
+            **{
+                f"{k}_per_worker": max(r[k] for r in mine)
+                for k in (
+                    "train_peak_gb",
+                    "after_gb",
+                    "state_gb",
+                    "life_peak_gb",
+                    "base_gb",
+                    "train_peak_above_base_gb",
+                )
+            },
         }
     ratios = {}
     for malloc in ("product", "returning"):
         if f"replicated x2 {malloc}" not in summary or f"fsdp x2 {malloc}" not in summary:
             continue
         base, fsdp = summary[f"replicated x2 {malloc}"], summary[f"fsdp x2 {malloc}"]
-        for k in ("train_peak_gb_per_worker", "train_peak_above_base_gb_per_worker", "after_gb_per_worker",
-                  "state_gb_per_worker", "median_step_s"):
+        for k in (
+            "train_peak_gb_per_worker",
+            "train_peak_above_base_gb_per_worker",
+            "after_gb_per_worker",
+            "state_gb_per_worker",
+            "median_step_s",
+        ):
             ratios[f"fsdp_vs_replicated_x2_{malloc}_{k}"] = fsdp[k] / base[k]
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps({"model": a.model, "steps": a.steps, "micro_batch_size": a.micro_batch,
-                                       "gradient_checkpointing": a.checkpointing,
-                                       "fused_logprobs": a.fused_logprobs, "logprob_chunk": a.logprob_chunk, "runs": runs, "summary": summary,
-                                       "ratios": ratios}, indent=1))
+    Path(a.out).write_text(
+        json.dumps(
+            {
+                "model": a.model,
+                "steps": a.steps,
+                "micro_batch_size": a.micro_batch,
+                "gradient_checkpointing": a.checkpointing,
+                "fused_logprobs": a.fused_logprobs,
+                "logprob_chunk": a.logprob_chunk,
+                "runs": runs,
+                "summary": summary,
+                "ratios": ratios,
+            },
+            indent=1,
+        )
+    )
     for name, v in summary.items():
-        print(f"{name:28s} step {v['median_step_s']:.2f} s  per worker: peak {v['train_peak_gb_per_worker']:.2f} GB, "
-              f"after {v['after_gb_per_worker']:.2f} GB, state {v['state_gb_per_worker']:.2f} GB")
+        print(
+            f"{name:28s} step {v['median_step_s']:.2f} s  per worker: peak {v['train_peak_gb_per_worker']:.2f} GB, "
+            f"after {v['after_gb_per_worker']:.2f} GB, state {v['state_gb_per_worker']:.2f} GB"
+        )
     print(json.dumps(ratios, indent=1))
 
 

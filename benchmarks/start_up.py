@@ -36,19 +36,42 @@ def start_head(temp: Path) -> tuple[dict, str]:
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token), "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("RAY_ADDRESS", None)
     port = 6390 + secrets.randbelow(50)
-    subprocess.run([str(Path(sys.executable).parent / "ray"), "start", "--head", f"--port={port}", "--num-cpus=8",
-                    "--dashboard-host=127.0.0.1", f"--temp-dir={temp}", "--disable-usage-stats"],
-                   env=env, check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [
+            str(Path(sys.executable).parent / "ray"),
+            "start",
+            "--head",
+            f"--port={port}",
+            "--num-cpus=8",
+            "--dashboard-host=127.0.0.1",
+            f"--temp-dir={temp}",
+            "--disable-usage-stats",
+        ],
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     return env, f"127.0.0.1:{port}"
 
 
 def first_step(env: dict, address: str, mode: str, run_dir: Path) -> dict:
     from benchmarks.streaming_prompts import first_step_logged
 
-    args = [str(Path(sys.executable).parent / "rayrlhf"), "train", str(ROOT / "configs" / "ppo_tiny.yaml"),
-            "--run-dir", str(run_dir)]
-    for o in (f"cluster.address={address}", f"cluster.lighter_gc={MODES[mode]}", "run.steps=2", "run.plot=false",
-              "cluster.metrics_export=false"):
+    args = [
+        str(Path(sys.executable).parent / "rayrlhf"),
+        "train",
+        str(ROOT / "configs" / "ppo_tiny.yaml"),
+        "--run-dir",
+        str(run_dir),
+    ]
+    for o in (
+        f"cluster.address={address}",
+        f"cluster.lighter_gc={MODES[mode]}",
+        "run.steps=2",
+        "run.plot=false",
+        "cluster.metrics_export=false",
+    ):
         args += ["--set", o]
     shutil.rmtree(run_dir, ignore_errors=True)
     t0 = time.perf_counter()
@@ -82,11 +105,19 @@ def main() -> None:
 
         _stop_cluster(str(temp), int(address.rsplit(":", 1)[1]))
         shutil.rmtree(temp, ignore_errors=True)
-    median = {m: {key: statistics.median(r[key] for r in runs if r["mode"] == m) for key in ("first_step_s", "process_s")}
-              for m in MODES}
-    result = {"cpu": _cpu(), "cores": os.cpu_count(), "runs": runs, "median": median,
-              "ratio_lighter_over_default": {key: median["lighter_gc"][key] / median["default_gc"][key]
-                                             for key in median["default_gc"]}}
+    median = {
+        m: {key: statistics.median(r[key] for r in runs if r["mode"] == m) for key in ("first_step_s", "process_s")}
+        for m in MODES
+    }
+    result = {
+        "cpu": _cpu(),
+        "cores": os.cpu_count(),
+        "runs": runs,
+        "median": median,
+        "ratio_lighter_over_default": {
+            key: median["lighter_gc"][key] / median["default_gc"][key] for key in median["default_gc"]
+        },
+    }
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({"median": median, "ratio": result["ratio_lighter_over_default"]}, indent=1))
 

@@ -39,8 +39,14 @@ def write_prompts(path: Path, rows: int) -> None:
     with pq.ParquetWriter(path, pa.schema([("prompt", pa.string()), ("answer", pa.string())])) as w:
         for start in range(0, rows, chunk):
             ids = range(start, min(rows, start + chunk))
-            w.write_table(pa.table({"prompt": [f"What is {i % 997} + {i // 997}?" for i in ids],
-                                    "answer": [str(i % 997 + i // 997) for i in ids]}))
+            w.write_table(
+                pa.table(
+                    {
+                        "prompt": [f"What is {i % 997} + {i // 997}?" for i in ids],
+                        "answer": [str(i % 997 + i // 997) for i in ids],
+                    }
+                )
+            )
 
 
 def first_step_logged(metrics: Path) -> bool:
@@ -52,10 +58,21 @@ def first_step_logged(metrics: Path) -> bool:
 
 
 def first_step(data: Path, mode: str, run_dir: Path) -> dict:
-    args = [str(ROOT / ".venv" / "bin" / "rayrlhf"), "train", str(ROOT / "configs" / "ppo_tiny.yaml"),
-            "--run-dir", str(run_dir)]
-    for o in (f"data.task={data}", f"data.streaming={MODES[mode]}", "data.instruction=", "run.steps=1",
-              "run.plot=false", "cluster.metrics_export=false"):
+    args = [
+        str(ROOT / ".venv" / "bin" / "rayrlhf"),
+        "train",
+        str(ROOT / "configs" / "ppo_tiny.yaml"),
+        "--run-dir",
+        str(run_dir),
+    ]
+    for o in (
+        f"data.task={data}",
+        f"data.streaming={MODES[mode]}",
+        "data.instruction=",
+        "run.steps=1",
+        "run.plot=false",
+        "cluster.metrics_export=false",
+    ):
         args += ["--set", o]
     shutil.rmtree(run_dir, ignore_errors=True)
     t0 = time.perf_counter()
@@ -72,8 +89,12 @@ def first_step(data: Path, mode: str, run_dir: Path) -> dict:
         time.sleep(0.2)
     if proc.returncode != 0:
         raise RuntimeError(f"{mode}: rayrlhf train exited {proc.returncode} ({run_dir / 'train.log'})")
-    return {"mode": mode, "first_step_s": first, "process_s": time.perf_counter() - t0,
-            "driver_peak_rss_mib": peak / 2**20}
+    return {
+        "mode": mode,
+        "first_step_s": first,
+        "process_s": time.perf_counter() - t0,
+        "driver_peak_rss_mib": peak / 2**20,
+    }
 
 
 def main() -> None:
@@ -91,11 +112,20 @@ def main() -> None:
         for mode in MODES:
             runs.append(first_step(data, mode, work / f"{mode}-{k}"))
             print(json.dumps(runs[-1]), flush=True)
-    median = {m: {key: statistics.median(r[key] for r in runs if r["mode"] == m)
-                  for key in ("first_step_s", "process_s", "driver_peak_rss_mib")} for m in MODES}
-    result = {"rows": args.rows, "file_mib": data.stat().st_size / 2**20, "runs": runs, "median": median,
-              "ratio_streamed_over_whole": {key: median["streamed"][key] / median["whole"][key]
-                                            for key in median["whole"]}}
+    median = {
+        m: {
+            key: statistics.median(r[key] for r in runs if r["mode"] == m)
+            for key in ("first_step_s", "process_s", "driver_peak_rss_mib")
+        }
+        for m in MODES
+    }
+    result = {
+        "rows": args.rows,
+        "file_mib": data.stat().st_size / 2**20,
+        "runs": runs,
+        "median": median,
+        "ratio_streamed_over_whole": {key: median["streamed"][key] / median["whole"][key] for key in median["whole"]},
+    }
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({"median": median, "ratio": result["ratio_streamed_over_whole"]}, indent=1))
 

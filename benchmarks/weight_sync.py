@@ -81,6 +81,7 @@ def main() -> None:
 
     ray.init(num_cpus=4, include_dashboard=False)
     try:
+
         @ray.remote(num_cpus=1)
         class Reader:
             def touch(self, obj) -> int:
@@ -140,7 +141,9 @@ def main() -> None:
     res["ratios_vs_raw_copy"] = {k: v / med["raw_copy_s"] for k, v in med.items()}
     floor = med["raw_copy_s"] + med["vllm_load_inside_actor_s"]
     res["goal_ratio_vs_raw_copy_plus_vllm_load"] = {
-        "object_store": med["sync_end_to_end_s"] / floor, "collective": med["collective_end_to_end_s"] / floor}
+        "object_store": med["sync_end_to_end_s"] / floor,
+        "collective": med["collective_end_to_end_s"] / floor,
+    }
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=1))
     for k, v in med.items():

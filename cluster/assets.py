@@ -183,13 +183,18 @@ def build_tiny(cache: Path) -> Path:
         bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         bpe.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(
-            vocab_size=512, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            vocab_size=512,
+            special_tokens=specials,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
             show_progress=False,
         )
         bpe.train_from_iterator(_tiny_corpus(), trainer=trainer)
         tok = PreTrainedTokenizerFast(
-            tokenizer_object=bpe, bos_token="<|im_start|>", eos_token="<|im_end|>",
-            pad_token="<|endoftext|>", unk_token="<|endoftext|>",
+            tokenizer_object=bpe,
+            bos_token="<|im_start|>",
+            eos_token="<|im_end|>",
+            pad_token="<|endoftext|>",
+            unk_token="<|endoftext|>",
         )
         tok.chat_template = CHATML_TEMPLATE
         tok.save_pretrained(str(tmp))
@@ -197,10 +202,19 @@ def build_tiny(cache: Path) -> Path:
         torch.manual_seed(0)
         vocab = ((len(tok) + 63) // 64) * 64
         cfg = LlamaConfig(
-            vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
-            tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id, rms_norm_eps=1e-5, initializer_range=0.02,
+            vocab_size=vocab,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=1024,
+            tie_word_embeddings=True,
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+            rms_norm_eps=1e-5,
+            initializer_range=0.02,
         )
         model = LlamaForCausalLM(cfg).to(torch.float32)
         with torch.no_grad():

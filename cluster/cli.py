@@ -40,29 +40,52 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rayrlhf", description="RL post-training of language models on Ray.")
     sub = parser.add_subparsers(dest="command", required=True)
     tr = sub.add_parser("train", help="run a training job (starts or joins a Ray cluster)")
-    tr.add_argument("config", nargs="?", help="YAML preset, e.g. configs/ppo_smollm2.yaml (default: built-in "
-                                              "defaults, or the resumed run's config)")
-    tr.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                    help="override a config field, e.g. --set run.steps=5 (repeatable)")
+    tr.add_argument(
+        "config",
+        nargs="?",
+        help="YAML preset, e.g. configs/ppo_smollm2.yaml (default: built-in defaults, or the resumed run's config)",
+    )
+    tr.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field, e.g. --set run.steps=5 (repeatable)",
+    )
     tr.add_argument("--run-dir", default=None, help="exact run directory (default: <output_dir>/<name>-<timestamp>)")
-    tr.add_argument("--resume", default=None, metavar="RUN_DIR",
-                    help="continue RUN_DIR from its latest checkpoint (its config, with --set changes)")
-    tr.add_argument("--dry-run", action="store_true",
-                    help="load and check the config (and --resume's), print it as the run would use it, start nothing")
-    tr.add_argument("--verbose", action="store_true",
-                    help="show every library's output on the console too (it is always in <run dir>/train.log)")
+    tr.add_argument(
+        "--resume",
+        default=None,
+        metavar="RUN_DIR",
+        help="continue RUN_DIR from its latest checkpoint (its config, with --set changes)",
+    )
+    tr.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="load and check the config (and --resume's), print it as the run would use it, start nothing",
+    )
+    tr.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show every library's output on the console too (it is always in <run dir>/train.log)",
+    )
     st = sub.add_parser("status", help="summarise a run: step, reward, last checkpoint, prompt ledger")
     st.add_argument("run_dir")
     st.add_argument("--json", action="store_true", help="print the summary as JSON")
     co = sub.add_parser("config", help="print every config field with its default and meaning")
     co.add_argument("--schema", action="store_true", help="print the JSON schema instead")
-    co.add_argument("--markdown", action="store_true", help="print the reference as Markdown (docs/reference/config.md)")
+    co.add_argument(
+        "--markdown", action="store_true", help="print the reference as Markdown (docs/reference/config.md)"
+    )
     va = sub.add_parser("validate", help="check a config file without running it")
     va.add_argument("config")
     va.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     da = sub.add_parser("data", help="look at a run's data as the model will see it")
     da_sub = da.add_subparsers(dest="data_command", required=True)
-    di = da_sub.add_parser("inspect", help="the first prompts after the chat template, token counts, rows skipped and why")
+    di = da_sub.add_parser(
+        "inspect", help="the first prompts after the chat template, token counts, rows skipped and why"
+    )
     di.add_argument("source", nargs="?", help="a task name or data file/folder (replaces data.task / data.mix)")
     di.add_argument("--config", default=None, help="the run's YAML preset (keys, mixture, model, budgets)")
     di.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -158,7 +181,11 @@ def _dry_run(args: argparse.Namespace) -> int:
     import yaml
 
     try:
-        cfg = _resume_config(args.resume, args.config, args.overrides) if args.resume else load_config(args.config, args.overrides)
+        cfg = (
+            _resume_config(args.resume, args.config, args.overrides)
+            if args.resume
+            else load_config(args.config, args.overrides)
+        )
     except (ConfigError, UserError) as e:
         print(f"rayrlhf: config error: {e}", file=sys.stderr)
         return 2

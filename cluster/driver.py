@@ -73,15 +73,9 @@ def with_prompt_offset(cfg: Config, earlier: list[tuple[Path, Config]]) -> Confi
     return cfg.model_copy(update={"dpo": cfg.dpo.model_copy(update={"prompt_offset": offset})})
 
 
-def train_stages(cfg: Config, run_dir: str | Path | None = None, resume: bool = False) -> RunResult:
-    """Runs the stages one after another in ``<run dir>/stages/<NN>-<name>/``; each starts from
-    the previous stage's final checkpoint (which is also its reference model). On resume,
-    finished stages are skipped, a stage with a checkpoint continues from it, the rest start."""
-    t0 = time.time()
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    root = Path(run_dir) if run_dir else Path(cfg.run.output_dir) / f"{cfg.run.name}-{stamp}"
-    stages = stage_configs(cfg)
-    # Every stage's data and reward are checked before anything starts; the first stage's model too.
+def _load_stages(stages: list) -> list[tuple]:
+    """Each stage's (model path, train set, held-out set, description); the first stage's
+    preflight checks its model, the others' model is the stage before's checkpoint."""
     loaded = []
     for i, (name, scfg) in enumerate(stages):
         recipe = recipe_module(scfg.run.algorithm)
@@ -91,11 +85,27 @@ def train_stages(cfg: Config, run_dir: str | Path | None = None, resume: bool = 
             model_path = None
             train_set, eval_set, description = recipe.load_data(scfg)
         loaded.append((model_path, train_set, eval_set, description))
+    return loaded
+
+
+def train_stages(cfg: Config, run_dir: str | Path | None = None, resume: bool = False) -> RunResult:
+    """Runs the stages one after another in ``<run dir>/stages/<NN>-<name>/``; each starts from
+    the previous stage's final checkpoint (which is also its reference model). On resume,
+    finished stages are skipped, a stage with a checkpoint continues from it, the rest start."""
+    t0 = time.time()
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    root = Path(run_dir) if run_dir else Path(cfg.run.output_dir) / f"{cfg.run.name}-{stamp}"
+    stages = stage_configs(cfg)
+    # Every stage's data and reward are checked before anything starts; the first stage's model too.
+    loaded = _load_stages(stages)
     root.mkdir(parents=True, exist_ok=True)
     attach_run_dir(root)
     (root / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    print(f"[rayrlhf] run directory: {root.resolve()} ({len(stages)} stages: "
-          f"{' -> '.join(f'{n} ({c.run.algorithm})' for n, c in stages)})", flush=True)
+    print(
+        f"[rayrlhf] run directory: {root.resolve()} ({len(stages)} stages: "
+        f"{' -> '.join(f'{n} ({c.run.algorithm})' for n, c in stages)})",
+        flush=True,
+    )
     results: list[RunResult] = []
     previous: Path | None = None
     ctx = None
@@ -115,8 +125,11 @@ def train_stages(cfg: Config, run_dir: str | Path | None = None, resume: bool = 
             partial = latest_checkpoint(stage_dir) is not None
             if partial:
                 check_resume_compatible(load_config(stage_dir / "config.yaml"), scfg)
-            print(f"[rayrlhf] stage {i} ({name}, {scfg.run.algorithm}): {'resuming' if partial else 'starting'} "
-                  f"from {model_path}; {description}", flush=True)
+            print(
+                f"[rayrlhf] stage {i} ({name}, {scfg.run.algorithm}): {'resuming' if partial else 'starting'} "
+                f"from {model_path}; {description}",
+                flush=True,
+            )
             stage_ctx = RunContext(scfg, stage_dir, resume=partial)
             if ctx is None:
                 ctx = stage_ctx

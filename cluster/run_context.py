@@ -143,10 +143,18 @@ class RunContext:
         if cfg.run.trackers:
             from cluster.ops.trackers import start_trackers
 
-            self.runlog.sinks += start_trackers(cfg.run.trackers, self.dir, cfg.to_dict(), wandb_project=cfg.run.wandb_project,
-                                                mlflow_uri=cfg.run.mlflow_tracking_uri, mlflow_experiment=cfg.run.mlflow_experiment)
+            self.runlog.sinks += start_trackers(
+                cfg.run.trackers,
+                self.dir,
+                cfg.to_dict(),
+                wandb_project=cfg.run.wandb_project,
+                mlflow_uri=cfg.run.mlflow_tracking_uri,
+                mlflow_experiment=cfg.run.mlflow_experiment,
+            )
         # Early stopping: best value, its step, evaluations since (carried by checkpoints).
-        self.early = dict(self.run_state.get("early_stop") or {"best": None, "best_step": None, "bad": 0, "stopped": False})
+        self.early = dict(
+            self.run_state.get("early_stop") or {"best": None, "best_step": None, "bad": 0, "stopped": False}
+        )
         self.final_checkpoint: Path | None = None
         self._last_version = int(self.run_state["version"])
         self.times: dict[str, float] = {}
@@ -182,7 +190,8 @@ class RunContext:
         # Job-wide default for every worker, Ray Train's included: Ray would otherwise pin each
         # process's OpenMP pool to its reserved CPUs (often 1); the roles work one phase at a time.
         env_vars = {
-            "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false",
+            "RAY_USAGE_STATS_ENABLED": "0",
+            "TOKENIZERS_PARALLELISM": "false",
             "OMP_NUM_THREADS": str(cfg.cluster.threads or os.cpu_count() or 1),
         }
         runtime_env = job_runtime_env(env_vars, lighter_gc=cfg.cluster.lighter_gc)
@@ -190,14 +199,18 @@ class RunContext:
         if not address:
             address = running_local_cluster(cfg.cluster.temp_dir or None) or ""
             if address:  # a head started by `ray start` on this machine: join it, as `ray job submit` runs do
-                self.join_reason = (f"joined the cluster `ray start` left at {address}; "
-                                    "cluster.address=local starts a run's own instead")
+                self.join_reason = (
+                    f"joined the cluster `ray start` left at {address}; "
+                    "cluster.address=local starts a run's own instead"
+                )
         if address and address != "local":
             self.dashboard_url = ray.init(address=address, runtime_env=runtime_env, log_to_driver=True).dashboard_url
             return
         kwargs: dict[str, Any] = dict(
-            address="local", num_cpus=cfg.cluster.num_cpus or max(os.cpu_count() or 1, math.ceil(needed_cpus)),
-            include_dashboard=cfg.cluster.include_dashboard, dashboard_host=cfg.cluster.dashboard_host,
+            address="local",
+            num_cpus=cfg.cluster.num_cpus or max(os.cpu_count() or 1, math.ceil(needed_cpus)),
+            include_dashboard=cfg.cluster.include_dashboard,
+            dashboard_host=cfg.cluster.dashboard_host,
             runtime_env=runtime_env,
         )
         if cfg.cluster.temp_dir:
@@ -213,11 +226,14 @@ class RunContext:
         cpus = sum(n["Resources"].get("CPU", 0) for n in nodes)
         ports = sorted({n.get("MetricsExportPort") for n in nodes if n.get("MetricsExportPort")})
         url = self.dashboard_url
-        print(f"[rayrlhf] Ray cluster: {len(nodes)} node(s), {cpus:g} CPUs"
-              + (f"; dashboard http://{url}" if url else "")
-              + (f"; Prometheus metrics on port {', '.join(map(str, ports))}" if ports else "")
-              + ("" if self.started_cluster else f" (joined{': ' + self.join_reason if self.join_reason else ''})")
-              + (" (started for this run)" if self.started_cluster else ""), flush=True)
+        print(
+            f"[rayrlhf] Ray cluster: {len(nodes)} node(s), {cpus:g} CPUs"
+            + (f"; dashboard http://{url}" if url else "")
+            + (f"; Prometheus metrics on port {', '.join(map(str, ports))}" if ports else "")
+            + ("" if self.started_cluster else f" (joined{': ' + self.join_reason if self.join_reason else ''})")
+            + (" (started for this run)" if self.started_cluster else ""),
+            flush=True,
+        )
 
     def close(self) -> None:
         """Closes the run's log; leaves the cluster if this run connected (a caller's own
@@ -270,7 +286,9 @@ class RunContext:
         value = row.get(metric)
         if not metric or value is None or isinstance(value, (list, dict)) or math.isnan(float(value)):
             return False
-        lower = run.early_stop_mode == "min" or (run.early_stop_mode == "auto" and ("loss" in metric or "nll" in metric))
+        lower = run.early_stop_mode == "min" or (
+            run.early_stop_mode == "auto" and ("loss" in metric or "nll" in metric)
+        )
         if e["best"] is None or (value < e["best"] if lower else value > e["best"]):
             e.update(best=float(value), best_step=row["step"], bad=0)
             if run.early_stop_keep_best:
@@ -281,9 +299,12 @@ class RunContext:
             return False
         e["stopped"] = True
         step = row["step"]
-        print(f"[rayrlhf] early stop at step {step}: {metric} has not improved for {e['bad']} evaluations "
-              f"(best {e['best']:.4f} at step {e['best_step']}, now {float(value):.4f})"
-              + (f"; keeping the best checkpoint {e['best_checkpoint']}" if e.get("best_checkpoint") else ""), flush=True)
+        print(
+            f"[rayrlhf] early stop at step {step}: {metric} has not improved for {e['bad']} evaluations "
+            f"(best {e['best']:.4f} at step {e['best_step']}, now {float(value):.4f})"
+            + (f"; keeping the best checkpoint {e['best_checkpoint']}" if e.get("best_checkpoint") else ""),
+            flush=True,
+        )
         if e.get("best_checkpoint"):
             self._keep_best(Path(e["best_checkpoint"]))
         else:
@@ -327,16 +348,24 @@ class RunContext:
         row = {"step": 0, **metrics, **self.times}
         self.times = {}
         self.runlog.log(row)
-        print(f"[rayrlhf] before training: held-out {self.runlog.eval_label} "
-              f"{metrics.get('eval/accuracy', float('nan')):.3f} ({int(metrics.get('eval/n', 0))} held out)", flush=True)
+        print(
+            f"[rayrlhf] before training: held-out {self.runlog.eval_label} "
+            f"{metrics.get('eval/accuracy', float('nan')):.3f} ({int(metrics.get('eval/n', 0))} held out)",
+            flush=True,
+        )
 
     def finish_checkpoint(self, folder: str, step: int, sampler: PromptSampler, version: int) -> None:
         """Adds the run's state to a checkpoint the learner wrote, then prunes old ones."""
         state_dir = Path(folder) / "trainer_state"
         state_dir.mkdir(parents=True, exist_ok=True)
         (state_dir / "config.yaml").write_text(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
-        state = {"step": step, "sampler": sampler.state_dict(), "version": version,
-                 "python_rng": random.getstate(), "early_stop": dict(self.early)}
+        state = {
+            "step": step,
+            "sampler": sampler.state_dict(),
+            "version": version,
+            "python_rng": random.getstate(),
+            "early_stop": dict(self.early),
+        }
         self._last_version = version
         tmp = state_dir / (RUN_STATE_FILE + ".tmp")
         tmp.write_text(json.dumps(state))
@@ -371,10 +400,15 @@ class RunContext:
 
         evals = [r["eval/accuracy"] for r in self.runlog.rows if r.get("eval/accuracy") is not None]
         if len(evals) > 1:
-            print(f"[rayrlhf] held-out {self.runlog.eval_label}: {evals[0]:.3f} (first evaluation) -> {evals[-1]:.3f} (last)",
-                  flush=True)
-        print(f"[rayrlhf] done in {seconds:.0f}s; metrics: {self.runlog.path}"
-              + (f"; checkpoint: {self.final_checkpoint}" if self.final_checkpoint else ""), flush=True)
+            print(
+                f"[rayrlhf] held-out {self.runlog.eval_label}: {evals[0]:.3f} (first evaluation) -> {evals[-1]:.3f} (last)",
+                flush=True,
+            )
+        print(
+            f"[rayrlhf] done in {seconds:.0f}s; metrics: {self.runlog.path}"
+            + (f"; checkpoint: {self.final_checkpoint}" if self.final_checkpoint else ""),
+            flush=True,
+        )
         learned = learned_line(self.runlog.rows, self.runlog.eval_label)
         if learned:  # the last line: what the run learned, with its uncertainty
             print(learned, flush=True)
@@ -393,12 +427,20 @@ def held_out_eval(rollout: Any, rows: list[dict], sampled_seed: int | None = Non
     greedy = rollout.submit(rows, ids, greedy=True)
     sampled = rollout.submit(rows, ids, seed=sampled_seed) if sampled_seed is not None else None
     scores = _scores(rollout, rollout.collect(greedy)[0])
-    row = {"eval/accuracy": _solved(scores), "eval/mean_score": sum(scores) / max(len(scores), 1),
-           "eval/n": float(len(scores))}
+    row = {
+        "eval/accuracy": _solved(scores),
+        "eval/mean_score": sum(scores) / max(len(scores), 1),
+        "eval/n": float(len(scores)),
+    }
     if sampled is not None:
         samples = _scores(rollout, rollout.collect(sampled)[0])
-        row.update({"eval/sampled_reward": sum(samples) / max(len(samples), 1),
-                    "eval/sampled_accuracy": _solved(samples), "eval/sampled_n": float(len(samples))})
+        row.update(
+            {
+                "eval/sampled_reward": sum(samples) / max(len(samples), 1),
+                "eval/sampled_accuracy": _solved(samples),
+                "eval/sampled_n": float(len(samples)),
+            }
+        )
     return row
 
 

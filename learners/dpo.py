@@ -26,8 +26,15 @@ from learners.objectives.preference_losses import preference_loss, preference_me
 from learners.training.modeling import autocast, shared_weight_casts
 from learners.policy import PolicyLearner
 
-_STATS = ("loss/total", "rewards/accuracy", "rewards/margin", "rewards/chosen", "rewards/rejected",
-          "logps/chosen", "logps/rejected")
+_STATS = (
+    "loss/total",
+    "rewards/accuracy",
+    "rewards/margin",
+    "rewards/chosen",
+    "rewards/rejected",
+    "logps/chosen",
+    "logps/rejected",
+)
 
 
 class DPOParams(Protocol):
@@ -65,9 +72,14 @@ def preference_pairs(group_ids: torch.Tensor, scores: torch.Tensor) -> tuple[tor
     return torch.tensor(chosen, dtype=torch.long, device=dev), torch.tensor(rejected, dtype=torch.long, device=dev), bad
 
 
-def evaluate_pairs(batch: Experience, comm: Any, micro_pairs: int, stats: tuple[str, ...],
-                   micro_step: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor],
-                   passes: Callable[[Any], Any] = lambda micros: micros) -> dict[str, float]:
+def evaluate_pairs(
+    batch: Experience,
+    comm: Any,
+    micro_pairs: int,
+    stats: tuple[str, ...],
+    micro_step: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor],
+    passes: Callable[[Any], Any] = lambda micros: micros,
+) -> dict[str, float]:
     """Held-out metrics of a pairwise learner under ``eval/``: each rank runs every ``world``-th
     pair through ``micro_step(chosen, rejected, global_pairs)`` (no gradient), which returns its
     pairs' sums of ``stats``; the loss (first stat) is already a mean, the others become one.
@@ -99,14 +111,18 @@ class DPOLearner(PolicyLearner):
     def check_batch(self, batch: Experience) -> None:
         super().check_batch(batch)
         if self.hp.uses_reference and batch.ref_logprobs is None and not self.reference_in_learner:
-            raise ExperienceError(f"dpo.loss={self.hp.loss} needs ref_logprobs in every batch "
-                                  "(computed by the Reference actor, or in the learner with LoRA or train.reference=learners)")
+            raise ExperienceError(
+                f"dpo.loss={self.hp.loss} needs ref_logprobs in every batch "
+                "(computed by the Reference actor, or in the learner with LoRA or train.reference=learners)"
+            )
 
     def _sequence_logps(self, part: Experience) -> torch.Tensor:
         """(b,) summed response log-probs of the policy, with gradient."""
         with autocast(self.tr.bf16, self.device):
             out = self.model(
-                part.input_ids, part.attention_mask, part.response_mask,
+                part.input_ids,
+                part.attention_mask,
+                part.response_mask,
                 chunk=self.tr.logprob_chunk,
                 group_ids=part.group_ids if self.tr.shared_prefix else None,
             )
@@ -136,24 +152,30 @@ class DPOLearner(PolicyLearner):
             self.optimizer.zero_grad(set_to_none=True)
             with shared_weight_casts(tr.bf16, self.device):
                 for micro in self.rank_passes(torch.split(mine, pairs_per_micro), grad=True):
-                    totals += self._micro_step(batch, chosen[micro], rejected[micro], ref_seq, lengths, max(len(mini), 1))
+                    totals += self._micro_step(
+                        batch, chosen[micro], rejected[micro], ref_seq, lengths, max(len(mini), 1)
+                    )
             grad_norms.append(self._optimizer_step())
         self.version += 1
         summed = comm.all_reduce_sum(totals)
         n_updates = tr.epochs * tr.num_minibatches
         # Loss: mean over updates of each minibatch's mean; the others: mean over pairs and epochs.
-        metrics = {k: float(v) / (n_updates if k == "loss/total" else n_pairs * tr.epochs) for k, v in zip(_STATS, summed)}
-        metrics.update({
-            "learner/lr": lr,
-            "learner/pairs": float(n_pairs),
-            "learner/malformed_pairs": float(malformed),
-            "learner/local_pairs": float(local_pairs),
-            "learner/trainable_fraction": self.trainable_fraction,
-            "learner/prefix_shared_frac": self.model.rows_shared / max(self.model.rows_total, 1),
-            "learner/update_s": time.perf_counter() - t0,
-            "policy/grad_norm": sum(grad_norms) / len(grad_norms),
-            "response/length_mean": float(lengths[torch.cat([chosen, rejected])].mean()),
-        })
+        metrics = {
+            k: float(v) / (n_updates if k == "loss/total" else n_pairs * tr.epochs) for k, v in zip(_STATS, summed)
+        }
+        metrics.update(
+            {
+                "learner/lr": lr,
+                "learner/pairs": float(n_pairs),
+                "learner/malformed_pairs": float(malformed),
+                "learner/local_pairs": float(local_pairs),
+                "learner/trainable_fraction": self.trainable_fraction,
+                "learner/prefix_shared_frac": self.model.rows_shared / max(self.model.rows_total, 1),
+                "learner/update_s": time.perf_counter() - t0,
+                "policy/grad_norm": sum(grad_norms) / len(grad_norms),
+                "response/length_mean": float(lengths[torch.cat([chosen, rejected])].mean()),
+            }
+        )
         return metrics
 
     def _reference_sums(self, batch: Experience) -> torch.Tensor | None:
@@ -173,13 +195,25 @@ class DPOLearner(PolicyLearner):
         ref_seq = self._reference_sums(batch)
         lengths = batch.response_mask.sum(1).float()
         self.model.eval()
-        return evaluate_pairs(batch, self.comm, self.tr.micro_batch_size // 2, _STATS,
-                              lambda c, r, n: self._micro_step(batch, c, r, ref_seq, lengths, n, grad=False),
-                              passes=lambda micros: self.rank_passes(micros, grad=False))
+        return evaluate_pairs(
+            batch,
+            self.comm,
+            self.tr.micro_batch_size // 2,
+            _STATS,
+            lambda c, r, n: self._micro_step(batch, c, r, ref_seq, lengths, n, grad=False),
+            passes=lambda micros: self.rank_passes(micros, grad=False),
+        )
 
-    def _micro_step(self, batch: Experience, chosen: torch.Tensor, rejected: torch.Tensor,
-                    ref_seq: torch.Tensor | None, lengths: torch.Tensor, global_pairs: int,
-                    grad: bool = True) -> torch.Tensor:
+    def _micro_step(
+        self,
+        batch: Experience,
+        chosen: torch.Tensor,
+        rejected: torch.Tensor,
+        ref_seq: torch.Tensor | None,
+        lengths: torch.Tensor,
+        global_pairs: int,
+        grad: bool = True,
+    ) -> torch.Tensor:
         """Forward/backward of a few pairs (each pair's rows side by side, so they share their
         prompt's forward pass); returns their contribution to ``_STATS``."""
         hp = self.hp
@@ -190,16 +224,27 @@ class DPOLearner(PolicyLearner):
         ref_w = ref_seq[chosen] if ref_seq is not None else None
         ref_l = ref_seq[rejected] if ref_seq is not None else None
         len_w, len_l = lengths[chosen], lengths[rejected]
-        losses = preference_loss(pi_w, pi_l, ref_w, ref_l, kind=hp.loss, beta=hp.beta,
-                                 label_smoothing=hp.label_smoothing, chosen_lengths=len_w,
-                                 rejected_lengths=len_l, simpo_gamma=hp.simpo_gamma)
+        losses = preference_loss(
+            pi_w,
+            pi_l,
+            ref_w,
+            ref_l,
+            kind=hp.loss,
+            beta=hp.beta,
+            label_smoothing=hp.label_smoothing,
+            chosen_lengths=len_w,
+            rejected_lengths=len_l,
+            simpo_gamma=hp.simpo_gamma,
+        )
         loss = losses.sum() / global_pairs
         if not torch.isfinite(loss):
             raise FloatingPointError(f"non-finite {hp.loss} loss: {float(loss)}")
         if grad:
             loss.backward()
-        r_w, r_l = preference_rewards(pi_w, pi_l, ref_w, ref_l, beta=hp.beta, chosen_lengths=len_w,
-                                      rejected_lengths=len_l)
+        r_w, r_l = preference_rewards(
+            pi_w, pi_l, ref_w, ref_l, beta=hp.beta, chosen_lengths=len_w, rejected_lengths=len_l
+        )
         m = preference_metrics(r_w, r_l, pi_w, pi_l)
-        return torch.tensor([float(loss.detach()), *(float(m[k]) for k in _STATS[1:])], dtype=torch.float64,
-                            device=self.device)
+        return torch.tensor(
+            [float(loss.detach()), *(float(m[k]) for k in _STATS[1:])], dtype=torch.float64, device=self.device
+        )

@@ -106,8 +106,10 @@ class Experience:
                 raise ExperienceError("token_versions must be int64")
             sampled = self.token_versions[self.response_mask]
             if len(sampled) and int(sampled.min()) < self.policy_version:
-                raise ExperienceError(f"token_versions hold version {int(sampled.min())}, older than the "
-                                      f"record's policy_version {self.policy_version}")
+                raise ExperienceError(
+                    f"token_versions hold version {int(sampled.min())}, older than the "
+                    f"record's policy_version {self.policy_version}"
+                )
         for name in ("group_ids", "truncated", "scores"):
             t = getattr(self, name)
             if t is not None and tuple(t.shape) != (b,):
@@ -143,8 +145,11 @@ class Experience:
             return self
         return dataclasses.replace(
             self,
-            **{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
-               if isinstance(getattr(self, f.name), torch.Tensor)},
+            **{
+                f.name: getattr(self, f.name).to(device)
+                for f in dataclasses.fields(self)
+                if isinstance(getattr(self, f.name), torch.Tensor)
+            },
         )
 
     def trimmed(self) -> "Experience":
@@ -156,8 +161,11 @@ class Experience:
             return self
         return dataclasses.replace(
             self,
-            **{f.name: getattr(self, f.name)[:, :length] for f in dataclasses.fields(self)
-               if isinstance(getattr(self, f.name), torch.Tensor) and getattr(self, f.name).dim() == 2},
+            **{
+                f.name: getattr(self, f.name)[:, :length]
+                for f in dataclasses.fields(self)
+                if isinstance(getattr(self, f.name), torch.Tensor) and getattr(self, f.name).dim() == 2
+            },
         )
 
     @staticmethod

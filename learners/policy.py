@@ -71,8 +71,12 @@ def _with_resolved_bf16(train: TrainParams, device: str) -> TrainParams:
         return train
     resolved = copy.copy(train)
     resolved.bf16 = resolve_bf16(train.bf16, device)
-    log.info("train.bf16=%s on %s: %s", train.bf16, device,
-             "bf16 autocast" if resolved.bf16 else "fp32 (no native bf16 on this device)")
+    log.info(
+        "train.bf16=%s on %s: %s",
+        train.bf16,
+        device,
+        "bf16 autocast" if resolved.bf16 else "fp32 (no native bf16 on this device)",
+    )
     return resolved
 
 
@@ -104,8 +108,14 @@ class PolicyLearner(Learner):
 
             lm = get_peft_model(
                 lm,
-                LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                           target_modules=list(lora.target_modules), task_type="CAUSAL_LM", bias="none"),
+                LoraConfig(
+                    r=lora.r,
+                    lora_alpha=lora.alpha,
+                    lora_dropout=lora.dropout,
+                    target_modules=list(lora.target_modules),
+                    task_type="CAUSAL_LM",
+                    bias="none",
+                ),
             )
         if train.gradient_checkpointing:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -165,15 +175,19 @@ class PolicyLearner(Learner):
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             [{"params": policy_params, "lr": tr.lr}, *extra_param_groups],
-            weight_decay=tr.weight_decay, betas=tuple(tr.adam_betas),
+            weight_decay=tr.weight_decay,
+            betas=tuple(tr.adam_betas),
             # The same update as one fused kernel over all parameters. On CPU tensors PyTorch
             # otherwise loops tensor by tensor: for SmolLM2-135M 0.16-0.21 s against 0.06-0.07 s a
             # step (0.41-0.49 s against 0.04 s without cluster.keep_freed_memory).
             fused=self.device.type in _FUSED_ADAMW_DEVICES or None,
         )
         self.scheduler = make_scheduler(
-            self.optimizer, schedule=tr.lr_schedule, warmup_steps=tr.warmup_steps,
-            total_steps=self.ctx.total_steps * updates_per_step, min_ratio=tr.min_lr_ratio,
+            self.optimizer,
+            schedule=tr.lr_schedule,
+            warmup_steps=tr.warmup_steps,
+            total_steps=self.ctx.total_steps * updates_per_step,
+            min_ratio=tr.min_lr_ratio,
         )
 
     def _shard(self, extra_param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -185,8 +199,10 @@ class PolicyLearner(Learner):
 
             unsupported = unsupported_adapters(self.model.lm)
             if unsupported:  # _merged_shards merges s B A shard by shard: linear adapters only
-                raise ValueError(f"train.sharding=fsdp with LoRA adapts linear layers only, not {unsupported[:3]} "
-                                 "(lora.target_modules)")
+                raise ValueError(
+                    f"train.sharding=fsdp with LoRA adapts linear layers only, not {unsupported[:3]} "
+                    "(lora.target_modules)"
+                )
         names = {id(p): n for n, p in self.model.named_parameters()}
         wanted = [[names[id(p)] for p in g["params"]] for g in extra_param_groups]
         layers = list(decoder_layers(self.model.lm))
@@ -209,8 +225,12 @@ class PolicyLearner(Learner):
         ``train.cpu_offload``; then, over several ranks, rank 0's weights into everyone's shards
         (the other ranks built ``root`` empty: ``load_causal_lm``)."""
         weights = root.state_dict() if self.from_rank0 and shard_group_rank() == 0 else {}
-        shard_policy(root, layers, param_dtype=torch.bfloat16 if self.tr.bf16 is True else None,
-                     offload=bool(getattr(self.tr, "cpu_offload", False)))
+        shard_policy(
+            root,
+            layers,
+            param_dtype=torch.bfloat16 if self.tr.bf16 is True else None,
+            offload=bool(getattr(self.tr, "cpu_offload", False)),
+        )
         if self.from_rank0:
             receive_weights_from_rank0(root, weights, self.device)
 
@@ -269,8 +289,9 @@ class PolicyLearner(Learner):
         # Networks trained side by side (a separate critic) are clipped each on its own norm, so one
         # network's large gradients never shrink the other's step; the first group's norm is reported.
         groups = getattr(self, "clip_groups", None) or [self.trainable]
-        norms = [torch.nn.utils.clip_grad_norm_([p for p in g if p.grad is not None], self.tr.max_grad_norm)
-                 for g in groups]
+        norms = [
+            torch.nn.utils.clip_grad_norm_([p for p in g if p.grad is not None], self.tr.max_grad_norm) for g in groups
+        ]
         norm = norms[0]
         self.optimizer.step()
         # bf16 casts of the old weights (learners.training.modeling.shared_weight_casts) are stale now.
@@ -279,29 +300,53 @@ class PolicyLearner(Learner):
         return float(norm)
 
     @torch.no_grad()
-    def base_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor,
-                      group_ids: torch.Tensor | None, temperature: float = 1.0) -> torch.Tensor:
+    def base_logprobs(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        positions: torch.Tensor,
+        group_ids: torch.Tensor | None,
+        temperature: float = 1.0,
+    ) -> torch.Tensor:
         """(B, L) log-probs of the frozen initial model: the LoRA policy with its adapter disabled
         (no second copy of the weights), or with ``train.reference=learners`` the learner's own
         frozen copy. Sharded ranks run aligned passes."""
+
         def logprobs(lm, ids, att, pos, groups):
             return sequence_logprobs(
-                lm, ids, att, pos, temperature=temperature, micro_batch_size=self.tr.micro_batch_size,
-                chunk=self.tr.logprob_chunk, bf16=self.tr.bf16,
+                lm,
+                ids,
+                att,
+                pos,
+                temperature=temperature,
+                micro_batch_size=self.tr.micro_batch_size,
+                chunk=self.tr.logprob_chunk,
+                bf16=self.tr.bf16,
                 # Sharded: every row in full, so each pass is one decoder call on every rank.
-                group_ids=groups if self.tr.shared_prefix and not self.sharded else None)
+                group_ids=groups if self.tr.shared_prefix and not self.sharded else None,
+            )
 
         return self._base_passes(logprobs, input_ids, attention_mask, positions, group_ids)
 
     @torch.no_grad()
-    def base_logit_terms(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, states: torch.Tensor,
-                         actions: torch.Tensor) -> dict[str, torch.Tensor]:
+    def base_logit_terms(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, states: torch.Tensor, actions: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
         """The frozen initial model's log-normaliser at ``states`` and its logit of each taken
         token at ``actions`` (``modeling.reference_logit_terms``), from the same model as
         ``base_logprobs``."""
+
         def terms(lm, ids, att, pos, groups, acts):
-            return reference_logit_terms(lm, ids, att, pos, acts, micro_batch_size=self.tr.micro_batch_size,
-                                         chunk=self.tr.logprob_chunk, bf16=self.tr.bf16)
+            return reference_logit_terms(
+                lm,
+                ids,
+                att,
+                pos,
+                acts,
+                micro_batch_size=self.tr.micro_batch_size,
+                chunk=self.tr.logprob_chunk,
+                bf16=self.tr.bf16,
+            )
 
         return self._base_passes(terms, input_ids, attention_mask, states, None, actions)
 
@@ -310,6 +355,7 @@ class PolicyLearner(Learner):
         """(B, L, H) the frozen initial model's last hidden states (``modeling.reference_states``),
         from the same model as ``base_logprobs``: with its LM head weight (``base_head_weight``)
         they give its whole next-token distribution wherever the policy's is needed."""
+
         def states(lm, ids, att, pos, groups):
             return reference_states(lm, ids, att, micro_batch_size=self.tr.micro_batch_size, bf16=self.tr.bf16)
 
@@ -330,14 +376,23 @@ class PolicyLearner(Learner):
                 self._base_head = weight.clone() if self.sharded else weight
         return self._base_head
 
-    def _base_passes(self, fn, input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor,
-                     group_ids: torch.Tensor | None, *masks: torch.Tensor) -> torch.Tensor:
+    def _base_passes(
+        self,
+        fn,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        positions: torch.Tensor,
+        group_ids: torch.Tensor | None,
+        *masks: torch.Tensor,
+    ) -> torch.Tensor:
         """``fn(lm, ids, att, positions, group_ids, *masks)`` on the frozen initial model, one pass
         per micro-batch; sharded ranks then run idle passes up to the most any rank runs (on a
         two-token row, its positions standing in for every mask)."""
         if not self.reference_in_learner:
-            raise RuntimeError("reference log-probs in the learner: needs LoRA or train.reference=learners "
-                               "(else a Reference actor serves them)")
+            raise RuntimeError(
+                "reference log-probs in the learner: needs LoRA or train.reference=learners "
+                "(else a Reference actor serves them)"
+            )
         if self.lora:
             root, off = self.model, self.model.lm.disable_adapter()
         else:
@@ -413,8 +468,10 @@ class PolicyLearner(Learner):
                 yield adapter_factors(self.model.lm)
                 return
             if not getattr(self, "_warned_merged_sync", False):  # once per learner
-                log.warning("lora.sync=adapter: the adapters of %s are not plain linear LoRA; syncing merged "
-                            "weights instead", unsupported[:3])
+                log.warning(
+                    "lora.sync=adapter: the adapters of %s are not plain linear LoRA; syncing merged weights instead",
+                    unsupported[:3],
+                )
                 self._warned_merged_sync = True
         with self.policy_weights() as sd:
             yield sd
@@ -435,8 +492,9 @@ class PolicyLearner(Learner):
                 a = full_tensor(module.lora_A[adapter].weight)
                 b = module.lora_B[adapter].weight
                 local = w.to_local() + (b.to_local() @ a) * module.scaling[adapter]
-                merged[f"{name}.weight"] = DTensor.from_local(local, w.device_mesh, w.placements, shape=w.shape,
-                                                              stride=w.stride())
+                merged[f"{name}.weight"] = DTensor.from_local(
+                    local, w.device_mesh, w.placements, shape=w.shape, stride=w.stride()
+                )
         sd = {}
         for k, v in base.state_dict().items():
             name = k.replace(".base_layer.", ".")
@@ -490,8 +548,10 @@ class PolicyLearner(Learner):
         if bool(state.get("lora")) != self.lora:
             raise ValueError(f"checkpoint was trained with lora={state.get('lora')}, this learner has lora={self.lora}")
         if bool(state.get("sharded")) != self.sharded:
-            raise ValueError(f"checkpoint was trained with train.sharding={'fsdp' if state.get('sharded') else 'replicated'}"
-                             f", this learner has train.sharding={'fsdp' if self.sharded else 'replicated'}")
+            raise ValueError(
+                f"checkpoint was trained with train.sharding={'fsdp' if state.get('sharded') else 'replicated'}"
+                f", this learner has train.sharding={'fsdp' if self.sharded else 'replicated'}"
+            )
         self.version = int(state["version"])
         if not self.sharded:  # (sharded: ``load_trainer_state`` loaded the shards)
             self.optimizer.load_state_dict(state["optimizer"])
@@ -526,8 +586,11 @@ class PolicyLearner(Learner):
         base = self.model.lm.get_base_model() if self.lora else self.model.lm
         weights = self.policy_state_dict(keep=writes)
         # The adapter's own tensors (sharded: gathered; None: peft reads its model's own).
-        adapter = ({k: full_tensor(v) for k, v in self.model.lm.state_dict().items() if "lora_" in k}
-                   if self.lora and self.sharded else None)
+        adapter = (
+            {k: full_tensor(v) for k, v in self.model.lm.state_dict().items() if "lora_" in k}
+            if self.lora and self.sharded
+            else None
+        )
         state = self.save_trainer_state(folder)
         self.save_extra(folder)  # sharded: gathers on every rank, writes on rank 0
         if not writes:

@@ -84,13 +84,31 @@ class PPOParams(Protocol):
 
 # Metrics accumulated over micro-batches; every rank reports all of them (zeros where it had no
 # rows) so that one all-reduce turns them into global values.
-_STATS = ("loss/policy", "loss/value", "loss/total", "policy/entropy", "policy/clip_frac", "policy/approx_kl",
-          "value/clip_frac", "rollout_is/weight_mean", "rollout_is/corrected_frac", "kl/loss_term")
+_STATS = (
+    "loss/policy",
+    "loss/value",
+    "loss/total",
+    "policy/entropy",
+    "policy/clip_frac",
+    "policy/approx_kl",
+    "value/clip_frac",
+    "rollout_is/weight_mean",
+    "rollout_is/corrected_frac",
+    "kl/loss_term",
+)
 
 
 # Statistics of the policy on the rows that ran a pass (absent when none did).
-_MEASURED_ON_RUN_ROWS = ("policy/entropy", "policy/clip_frac", "policy/approx_kl", "rollout_is/weight_mean",
-                         "rollout_is/corrected_frac", "logprob_gap/mean_abs", "logprob_gap/max_abs", "logprob_gap/kl_k3")
+_MEASURED_ON_RUN_ROWS = (
+    "policy/entropy",
+    "policy/clip_frac",
+    "policy/approx_kl",
+    "rollout_is/weight_mean",
+    "rollout_is/corrected_frac",
+    "logprob_gap/mean_abs",
+    "logprob_gap/max_abs",
+    "logprob_gap/kl_k3",
+)
 
 
 class _Shares(NamedTuple):
@@ -186,13 +204,23 @@ class PPOLearner(PolicyLearner):
             from learners.training.critic import build_critic
 
             empty = self.from_rank0 and shard_group_rank() != 0
-            self.model.critic = build_critic(ctx.model_path, hp.critic_init, lora=ctx.lora, lora_r=hp.critic_lora_r,
-                                             seed=ctx.seed, gradient_checkpointing=train.gradient_checkpointing,
-                                             pooling=hp.critic_pooling, empty=empty and not hp.critic_init)
+            self.model.critic = build_critic(
+                ctx.model_path,
+                hp.critic_init,
+                lora=ctx.lora,
+                lora_r=hp.critic_lora_r,
+                seed=ctx.seed,
+                gradient_checkpointing=train.gradient_checkpointing,
+                pooling=hp.critic_pooling,
+                empty=empty and not hp.critic_init,
+            )
             if not empty or hp.critic_init:
                 self.model.critic.to(self.device)
-            group = {"params": [p for p in self.model.critic.parameters() if p.requires_grad], "lr": hp.critic_lr,
-                     "weight_decay": hp.critic_weight_decay}
+            group = {
+                "params": [p for p in self.model.critic.parameters() if p.requires_grad],
+                "lr": hp.critic_lr,
+                "weight_decay": hp.critic_weight_decay,
+            }
         self._init_optimizer([group], updates_per_step=train.epochs * train.num_minibatches)
         if self.separate_critic:
             # The critic's group as the optimiser holds it (sharding replaced the parameters).
@@ -201,19 +229,42 @@ class PPOLearner(PolicyLearner):
             self.clip_groups = [[p for p in self.trainable if id(p) not in critic], critic_params]
 
     # -- forward helpers -------------------------------------------------------------------------
-    def _forward(self, exp: Experience, *, grad: bool, ref_states: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        return self._pass(exp.input_ids, exp.attention_mask, exp.response_mask,
-                          exp.group_ids if self.tr.shared_prefix else None, grad=grad, ref_states=ref_states)
+    def _forward(
+        self, exp: Experience, *, grad: bool, ref_states: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
+        return self._pass(
+            exp.input_ids,
+            exp.attention_mask,
+            exp.response_mask,
+            exp.group_ids if self.tr.shared_prefix else None,
+            grad=grad,
+            ref_states=ref_states,
+        )
 
-    def _pass(self, ids: torch.Tensor, att: torch.Tensor, positions: torch.Tensor, group_ids: torch.Tensor | None,
-              *, grad: bool, ref_states: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    def _pass(
+        self,
+        ids: torch.Tensor,
+        att: torch.Tensor,
+        positions: torch.Tensor,
+        group_ids: torch.Tensor | None,
+        *,
+        grad: bool,
+        ref_states: torch.Tensor | None = None,
+    ) -> dict[str, torch.Tensor]:
         """The policy's pass; with ``ref_states`` (the frozen model's hidden states over the same
         rows) also the exact KL to it over the vocabulary (``kl_full``)."""
         ref = {"ref_states": ref_states, "ref_head": self.base_head_weight()} if ref_states is not None else {}
         with torch.set_grad_enabled(grad), autocast(self.tr.bf16, self.device):
             return self.model(
-                ids, att, positions, temperature=self.temperature, chunk=self.tr.logprob_chunk,
-                with_values=self.use_critic, with_entropy=True, group_ids=group_ids, fused=self.tr.fused_logprobs,
+                ids,
+                att,
+                positions,
+                temperature=self.temperature,
+                chunk=self.tr.logprob_chunk,
+                with_values=self.use_critic,
+                with_entropy=True,
+                group_ids=group_ids,
+                fused=self.tr.fused_logprobs,
                 **ref,
             )
 
@@ -259,8 +310,9 @@ class PPOLearner(PolicyLearner):
     def reference_logprobs(self, exp: Experience) -> torch.Tensor:
         """(B, L) log-probs of the frozen initial model (LoRA: the adapter disabled; else the
         learner's own copy, ``train.reference=learners``)."""
-        return self.base_logprobs(exp.input_ids, exp.attention_mask, exp.response_mask, exp.group_ids,
-                                  temperature=self.temperature)
+        return self.base_logprobs(
+            exp.input_ids, exp.attention_mask, exp.response_mask, exp.group_ids, temperature=self.temperature
+        )
 
     def _gather(self, local: torch.Tensor, rows: list[int], shape: tuple[int, int]) -> torch.Tensor:
         """Global (B, L) tensor from each rank's (n_local, <=L) rows."""
@@ -274,8 +326,12 @@ class PPOLearner(PolicyLearner):
         if not self.hp.overlong_buffer:
             return exp
         lengths = exp.response_mask.sum(1)
-        return exp.replace(scores=exp.scores + overlong_penalty(
-            lengths, self.ctx.max_new_tokens, self.hp.overlong_buffer, self.hp.overlong_penalty).to(exp.scores.device))
+        return exp.replace(
+            scores=exp.scores
+            + overlong_penalty(lengths, self.ctx.max_new_tokens, self.hp.overlong_buffer, self.hp.overlong_penalty).to(
+                exp.scores.device
+            )
+        )
 
     def _apply_truncation(self, exp: Experience) -> Experience:
         """Responses cut at the length limit: kept, penalised, or left out of the loss."""
@@ -287,28 +343,42 @@ class PPOLearner(PolicyLearner):
         return exp.replace(response_mask=rm)
 
     def _advantages(
-        self, exp: Experience, old_logprobs: torch.Tensor, old_values: torch.Tensor, ref_logprobs: torch.Tensor,
+        self,
+        exp: Experience,
+        old_logprobs: torch.Tensor,
+        old_values: torch.Tensor,
+        ref_logprobs: torch.Tensor,
         kl_coef: float,
     ) -> Estimate:
         """(advantages, returns, per-token KL) over the global batch, all (B, L): the registered
         estimator ``ppo.advantage_estimator``, weighted by ``task_coef``, plus the teacher's term."""
         hp, mask = self.hp, exp.response_mask
-        est = self.estimator.fn(AdvantageInputs(
-            exp.scores, exp.group_ids, mask, old_logprobs, ref_logprobs, old_values, kl_coef,
-            kl_estimator=hp.kl_estimator, reward_clip=hp.reward_clip, gamma=hp.gamma, lam=hp.lam,
-            whiten=hp.whiten_advantages,
-        ))
+        est = self.estimator.fn(
+            AdvantageInputs(
+                exp.scores,
+                exp.group_ids,
+                mask,
+                old_logprobs,
+                ref_logprobs,
+                old_values,
+                kl_coef,
+                kl_estimator=hp.kl_estimator,
+                reward_clip=hp.reward_clip,
+                gamma=hp.gamma,
+                lam=hp.lam,
+                whiten=hp.whiten_advantages,
+            )
+        )
         advantages = est.advantages
         if hp.task_coef != 1.0:
             advantages = hp.task_coef * advantages
         if hp.distill_coef:  # on-policy distillation: the reference holds the teacher (ppo.teacher)
             advantages = advantages + hp.distill_coef * teacher_advantages(
-                old_logprobs, ref_logprobs, mask, hp.distill_discount, hp.distill_center)
+                old_logprobs, ref_logprobs, mask, hp.distill_discount, hp.distill_center
+            )
         return est._replace(advantages=advantages)
 
-    def _inert_rows(
-        self, exp: Experience,
-    ) -> tuple[torch.Tensor | None, Estimate | None]:
+    def _inert_rows(self, exp: Experience) -> tuple[torch.Tensor | None, Estimate | None]:
         """((B,) rows whose advantage is 0 at every response token, the (advantages, returns, KL)
         of ``_advantages``, which then read the scores alone), or (None, None) where leaving rows
         out would change the step.
@@ -321,8 +391,14 @@ class PPOLearner(PolicyLearner):
         hp = self.hp
         # uses_reference covers every KL term (reward, loss, adaptive controller); reference
         # log-probs would feed KL statistics over every row.
-        if (not hp.skip_zero_advantage or self.use_critic or hp.uses_reference or hp.entropy_coef
-                or self.tr.num_minibatches != 1 or exp.ref_logprobs is not None):
+        if (
+            not hp.skip_zero_advantage
+            or self.use_critic
+            or hp.uses_reference
+            or hp.entropy_coef
+            or self.tr.num_minibatches != 1
+            or exp.ref_logprobs is not None
+        ):
             return None, None
         # No KL term: the advantages read the scores only (the log-probs enter multiplied by 0).
         zeros = torch.zeros(exp.input_ids.shape, device=self.device)
@@ -347,8 +423,9 @@ class PPOLearner(PolicyLearner):
         old = self._old_policy(step)
         # No KL term (beta = 0, no KL loss): no reference pass ran, and the penalty is an exact 0.
         ref_logprobs = step.batch.ref_logprobs if step.batch.ref_logprobs is not None else old.logprobs
-        est = Estimate(*(step.scored or self._advantages(step.batch, old.logprobs, old.values, ref_logprobs,
-                                                         step.kl_coef)))
+        est = Estimate(
+            *(step.scored or self._advantages(step.batch, old.logprobs, old.values, ref_logprobs, step.kl_coef))
+        )
         t_prep = time.perf_counter() - t0
         stats, grad_norms, old_logprobs = self._run_update(step, old, est)
         self.version += 1
@@ -382,8 +459,9 @@ class PPOLearner(PolicyLearner):
             trained = batch.select(active)
             shards = [[active[i] for i in trained.shard_rows(r, comm.world)] for r in range(comm.world)]
             rows = shards[comm.rank]
-        return _Step(batch, shards, rows, batch.select(rows), kl_coef, inert, scored, normalisers, n_truncated,
-                     t0, t_ref, lr)
+        return _Step(
+            batch, shards, rows, batch.select(rows), kl_coef, inert, scored, normalisers, n_truncated, t0, t_ref, lr
+        )
 
     def _old_pass_kind(self, step: _Step) -> tuple[str, bool, bool]:
         """``(kind, on_policy, fresh)``: how this step gets the old policy's log-probs and values,
@@ -409,12 +487,14 @@ class PPOLearner(PolicyLearner):
         """The old policy's global log-probs and values, by the pass ``_old_pass_kind`` chose."""
         kind, on_policy, fresh = self._old_pass_kind(step)
         ref_states = self._local_ref_states(step.local)
-        run = {"fused": self._fused_old_pass, "streamed": self._streamed_old_pass,
-               "separate": self._separate_old_pass}[kind]
+        run = {"fused": self._fused_old_pass, "streamed": self._streamed_old_pass, "separate": self._separate_old_pass}[
+            kind
+        ]
         return _OldPolicy(kind, on_policy, fresh, ref_states, *run(step, ref_states))
 
-    def _fused_old_pass(self, step: _Step, ref_states: torch.Tensor | None) -> tuple[
-            torch.Tensor, torch.Tensor, dict[str, torch.Tensor] | None, dict[str, torch.Tensor] | None]:
+    def _fused_old_pass(
+        self, step: _Step, ref_states: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor] | None, dict[str, torch.Tensor] | None]:
         """The training forward pass over this rank's rows, run now (the update backpropagates
         it); its detached log-probs and values are the old ones. A sharded rank without rows runs
         an idle pass beside the others'."""
@@ -428,14 +508,16 @@ class PPOLearner(PolicyLearner):
         vals = fused_out["values"].detach() if fused_out and self.use_critic else torch.zeros_like(lp)
         return self._gather(lp, rows, shape), self._gather(vals, rows, shape), fused_out, idle_out
 
-    def _streamed_old_pass(self, step: _Step, ref_states: torch.Tensor | None) -> tuple[
-            torch.Tensor, torch.Tensor, None, None]:
+    def _streamed_old_pass(
+        self, step: _Step, ref_states: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, None, None]:
         """Zeros, filled micro-batch by micro-batch during the update (``_run_update``); until
         then the advantages read them only multiplied by kl_coef = 0."""
         return torch.zeros(step.shape, device=self.device), torch.zeros(step.shape, device=self.device), None, None
 
-    def _separate_old_pass(self, step: _Step, ref_states: torch.Tensor | None) -> tuple[
-            torch.Tensor, torch.Tensor, None, None]:
+    def _separate_old_pass(
+        self, step: _Step, ref_states: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, None, None]:
         """A pass without gradient over this rank's rows (``evaluate_old``) before any update."""
         rows, shape = step.rows, step.shape
         empty = self._no_rows(step)
@@ -448,23 +530,40 @@ class PPOLearner(PolicyLearner):
         """A rank's (0, L) per-token tensor when it has no rows."""
         return torch.zeros(0, step.batch.seq_len, device=self.device)
 
-    def _run_update(self, step: _Step, old: _OldPolicy, est: Estimate,
-                    ) -> tuple[dict[str, float], list[float], torch.Tensor]:
+    def _run_update(
+        self, step: _Step, old: _OldPolicy, est: Estimate
+    ) -> tuple[dict[str, float], list[float], torch.Tensor]:
         """The minibatch epochs over this rank's rows (``_update``); returns their statistics,
         grad norms and the old policy's global log-probs (a streamed pass's, from the update)."""
         rows = step.rows
         trained = sorted(i for shard in step.shards for i in shard)
         with shared_weight_casts(self.tr.bf16, self.device):
             stats, grad_norms, local_old = self._update(
-                step.local, old.logprobs[rows], old.values[rows], est.advantages[rows], est.returns[rows],
-                fused_out=old.fused_out, streamed=old.streamed, normalisers=step.normalisers, idle_out=old.idle_out,
-                ref_states=old.ref_states, minibatches=self._minibatches(rows, trained, old.on_policy),
+                step.local,
+                old.logprobs[rows],
+                old.values[rows],
+                est.advantages[rows],
+                est.returns[rows],
+                fused_out=old.fused_out,
+                streamed=old.streamed,
+                normalisers=step.normalisers,
+                idle_out=old.idle_out,
+                ref_states=old.ref_states,
+                minibatches=self._minibatches(rows, trained, old.on_policy),
             )
         old_logprobs = self._gather(local_old, rows, step.shape) if old.streamed else old.logprobs
         return stats, grad_norms, old_logprobs
 
-    def _step_metrics(self, step: _Step, old: _OldPolicy, old_logprobs: torch.Tensor, est: Estimate,
-                      stats: dict[str, float], grad_norms: list[float], t_prep: float) -> dict[str, float]:
+    def _step_metrics(
+        self,
+        step: _Step,
+        old: _OldPolicy,
+        old_logprobs: torch.Tensor,
+        est: Estimate,
+        stats: dict[str, float],
+        grad_norms: list[float],
+        t_prep: float,
+    ) -> dict[str, float]:
         """The step's metrics: the update's statistics, the KL to the reference (which moves the
         KL controller), the log-prob gap to the rollout policy, advantages, values and timings."""
         batch, inert, kl_coef = step.batch, step.inert, step.kl_coef
@@ -477,32 +576,43 @@ class PPOLearner(PolicyLearner):
         gap = (old_logprobs - batch.rollout_logprobs).abs()
         _, gap_stats = rollout_importance_weights(old_logprobs, batch.rollout_logprobs, ran, "none")
         resp = mask.sum(1).float()
-        metrics.update({
-            "kl/coef": kl_coef,
-            "kl/coef_next": float(self.kl_ctl.value),
-            "response/truncated": float(step.n_truncated),
-            "learner/ref_s": step.t_ref,
-            "learner/trainable_fraction": self.trainable_fraction,
-            "learner/lr": step.lr,
-            "policy/grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
-            "kl/penalty_per_seq": float((est.kl * mask).sum(1).mean()) * kl_coef,
-            "logprob_gap/mean_abs": float(masked_mean(gap, ran)),
-            "logprob_gap/max_abs": float(gap[ran].max()) if bool(ran.any()) else 0.0,
-            # KL(rollout policy || old policy), k3 from the rollout's tokens: the off-policy gap.
-            "logprob_gap/kl_k3": float(gap_stats["kl_k3"]),
-            "advantage/mean": float(masked_mean(est.advantages, mask)),
-            "response/length_mean": float(resp.mean()),
-            "learner/prep_s": t_prep,
-            "learner/update_s": time.perf_counter() - step.t0 - t_prep,
-            "learner/tokens": float(mask.sum()),
-            "learner/trained_tokens": float(ran.sum()),
-            "learner/fused_old_pass": float(old.kind == "fused"),
-            "learner/streamed_old_pass": float(old.streamed),
-            "learner/stale_batch": float(not old.fresh),
-            "learner/prefix_shared_frac": self.model.rows_shared / max(self.model.rows_total, 1),
-            "learner/sequences": float(batch.batch_size),
-            "learner/local_sequences": float(len(step.rows)),
-        })
+        metrics.update(
+            {
+                "kl/coef": kl_coef,
+                "kl/coef_next": float(self.kl_ctl.value),
+                "response/truncated": float(step.n_truncated),
+                "learner/ref_s": step.t_ref,
+                "learner/trainable_fraction": self.trainable_fraction,
+                "learner/lr": step.lr,
+                "policy/grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
+                "kl/penalty_per_seq": float((est.kl * mask).sum(1).mean()) * kl_coef,
+                "logprob_gap/mean_abs": float(masked_mean(gap, ran)),
+                "logprob_gap/max_abs": float(gap[ran].max()) if bool(ran.any()) else 0.0,
+                # KL(rollout policy || old policy), k3 from the rollout's tokens: the off-policy gap.
+                "logprob_gap/kl_k3": float(gap_stats["kl_k3"]),
+                "advantage/mean": float(masked_mean(est.advantages, mask)),
+                "response/length_mean": float(resp.mean()),
+                "learner/prep_s": t_prep,
+                "learner/update_s": time.perf_counter() - step.t0 - t_prep,
+                "learner/tokens": float(mask.sum()),
+                "learner/trained_tokens": float(ran.sum()),
+                "learner/fused_old_pass": float(old.kind == "fused"),
+                "learner/streamed_old_pass": float(old.streamed),
+                "learner/stale_batch": float(not old.fresh),
+                "learner/prefix_shared_frac": self.model.rows_shared / max(self.model.rows_total, 1),
+                "learner/sequences": float(batch.batch_size),
+                "learner/local_sequences": float(len(step.rows)),
+            }
+        )
+        self._skip_and_value_metrics(metrics, step, old, est, ran)
+        return metrics
+
+    def _skip_and_value_metrics(
+        self, metrics: dict[str, float], step: _Step, old: _OldPolicy, est: Estimate, ran: torch.Tensor
+    ) -> None:
+        """Into ``metrics``: the rows the zero-advantage skip left out (and, when none ran, no
+        measurements that read as zeros), and the critic's values and their fit."""
+        mask, inert = step.batch.response_mask, step.inert
         if inert is not None:
             # Rows left out because their advantage is 0 (rows with no response token, e.g. masked
             # truncations, run no pass either way and are not counted).
@@ -512,15 +622,17 @@ class PPOLearner(PolicyLearner):
                 for key in _MEASURED_ON_RUN_ROWS:
                     metrics.pop(key, None)
         if self.use_critic:
-            metrics.update({
-                "value/mean": float(masked_mean(old.values, mask)),
-                "value/returns_mean": float(masked_mean(est.returns, mask)),
-                "value/explained_var": _explained_variance(old.values, est.returns, mask),
-            })
-        return metrics
+            metrics.update(
+                {
+                    "value/mean": float(masked_mean(old.values, mask)),
+                    "value/returns_mean": float(masked_mean(est.returns, mask)),
+                    "value/explained_var": _explained_variance(old.values, est.returns, mask),
+                }
+            )
 
-    def _reference_kl(self, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
-                      mask: torch.Tensor) -> dict[str, float]:
+    def _reference_kl(
+        self, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor
+    ) -> dict[str, float]:
         """The old policy's KL to the reference over the global batch; the KL controller's
         measurement (one of the global batch: every rank's controller moves the same way)."""
         seq_kl = float((kl_penalty(old_logprobs, ref_logprobs, "k1") * mask).sum(1).mean())
@@ -550,28 +662,31 @@ class PPOLearner(PolicyLearner):
                 yield torch.tensor(mine, dtype=torch.long, device=self.device)
 
     def _update(
-        self, local: Experience, old_logprobs: torch.Tensor, old_values: torch.Tensor, advantages: torch.Tensor,
-        returns: torch.Tensor, *, fused_out: dict[str, torch.Tensor] | None, streamed: bool,
-        minibatches: Iterator[torch.Tensor], normalisers: tuple[float, float] | None = None,
-        idle_out: dict[str, torch.Tensor] | None = None, ref_states: torch.Tensor | None = None,
+        self,
+        local: Experience,
+        old_logprobs: torch.Tensor,
+        old_values: torch.Tensor,
+        advantages: torch.Tensor,
+        returns: torch.Tensor,
+        *,
+        fused_out: dict[str, torch.Tensor] | None,
+        streamed: bool,
+        minibatches: Iterator[torch.Tensor],
+        normalisers: tuple[float, float] | None = None,
+        idle_out: dict[str, torch.Tensor] | None = None,
+        ref_states: torch.Tensor | None = None,
     ) -> tuple[dict[str, float], list[float], torch.Tensor]:
         """Minibatch epochs over this rank's rows (``minibatches``: its share of each global
         minibatch); returns global stats, grad norms and (streamed) the old log-probs the training
         passes produced. ``normalisers`` (global tokens, sequences) replace the rows' own counts
         in the losses when rows with no gradient were left out (one minibatch); the statistics
         stay means over the rows that ran."""
-        hp, tr, comm = self.hp, self.tr, self.comm
+        tr = self.tr
         mask = local.response_mask
         totals = {k: torch.zeros((), dtype=torch.float64, device=self.device) for k in _STATS}
         grad_norms: list[float] = []
         for mini in minibatches:
-            # Normalisers of the *global* minibatch: every rank's share of it, summed.
-            counts = torch.tensor([float(mask[mini].sum()), float(mask[mini].any(1).sum())], dtype=torch.float64,
-                                  device=self.device)
-            g_tokens, g_seqs = (max(float(c), 1.0) for c in comm.all_reduce_sum(counts))
-            s_tokens = g_tokens  # statistics: means over the tokens that ran
-            if normalisers is not None:
-                g_tokens, g_seqs = normalisers
+            g_tokens, g_seqs, s_tokens = self._minibatch_normalisers(mask[mini], normalisers)
             self.optimizer.zero_grad(set_to_none=True)
             if fused_out is None and len(mini):
                 # Micro-batches of similar length, each trimmed to its longest row, with a
@@ -586,14 +701,13 @@ class PPOLearner(PolicyLearner):
                 out = fused_out if fused_out is not None else self._forward(part, grad=True, ref_states=refs)
                 if streamed:
                     old_logprobs[micro, :width] = out["logprobs"].detach()
-                shares = _Shares(tok=float(mmask.sum()) / g_tokens, stat=float(mmask.sum()) / s_tokens,
-                                 # The policy loss's share of its minibatch: by tokens or by sequences
-                                 # (loss_agg), so the sum over micro-batches and ranks is the global
-                                 # minibatch aggregate.
-                                 agg=float(mmask.sum()) / g_tokens if hp.loss_agg == "token_mean"
-                                 else float(mmask.any(1).sum()) / g_seqs)
-                fixed = _Fixed(old_logprobs[micro, :width], old_values[micro, :width], advantages[micro, :width],
-                               returns[micro, :width])
+                shares = self._shares(mmask, g_tokens, g_seqs, s_tokens)
+                fixed = _Fixed(
+                    old_logprobs[micro, :width],
+                    old_values[micro, :width],
+                    advantages[micro, :width],
+                    returns[micro, :width],
+                )
                 loss = self._micro_loss(out, part, fixed, shares, totals, full_kl=ref_states is not None)
                 loss.backward()
             self._pad_passes(idle, idle_out)
@@ -602,8 +716,39 @@ class PPOLearner(PolicyLearner):
             grad_norms.append(self._optimizer_step())
         return self._global_stats(totals), grad_norms, old_logprobs
 
-    def _micro_loss(self, out: dict[str, torch.Tensor], part: Experience, fixed: "_Fixed", shares: "_Shares",
-                    totals: dict[str, torch.Tensor], full_kl: bool) -> torch.Tensor:
+    def _minibatch_normalisers(
+        self, mask: torch.Tensor, normalisers: tuple[float, float] | None
+    ) -> tuple[float, float, float]:
+        """Normalisers of the *global* minibatch (every rank's share of it, summed; one collective):
+        its tokens and sequences in the losses (``normalisers`` when given) and its tokens that ran,
+        for the statistics."""
+        counts = torch.tensor([float(mask.sum()), float(mask.any(1).sum())], dtype=torch.float64, device=self.device)
+        g_tokens, g_seqs = (max(float(c), 1.0) for c in self.comm.all_reduce_sum(counts))
+        s_tokens = g_tokens  # statistics: means over the tokens that ran
+        if normalisers is not None:
+            g_tokens, g_seqs = normalisers
+        return g_tokens, g_seqs, s_tokens
+
+    def _shares(self, mmask: torch.Tensor, g_tokens: float, g_seqs: float, s_tokens: float) -> "_Shares":
+        """A micro-batch's shares of its minibatch. The policy loss's is by tokens or by sequences
+        (loss_agg), so the sum over micro-batches and ranks is the global minibatch aggregate."""
+        return _Shares(
+            tok=float(mmask.sum()) / g_tokens,
+            stat=float(mmask.sum()) / s_tokens,
+            agg=float(mmask.sum()) / g_tokens
+            if self.hp.loss_agg == "token_mean"
+            else float(mmask.any(1).sum()) / g_seqs,
+        )
+
+    def _micro_loss(
+        self,
+        out: dict[str, torch.Tensor],
+        part: Experience,
+        fixed: "_Fixed",
+        shares: "_Shares",
+        totals: dict[str, torch.Tensor],
+        full_kl: bool,
+    ) -> torch.Tensor:
         """One micro-batch's weighted loss (policy, value, entropy bonus and KL terms), its
         statistics added to ``totals``. ``full_kl``: the KL term is the full-vocabulary one the
         forward pass computed against the reference's states."""
@@ -611,20 +756,33 @@ class PPOLearner(PolicyLearner):
         is_weights = None
         if self.rollout_correction != "none":
             is_weights, is_stats = rollout_importance_weights(
-                fixed.old_logprobs, part.rollout_logprobs, mmask, self.rollout_correction,
-                cap=hp.rollout_is_cap, low=hp.rollout_is_low, high=hp.rollout_is_high,
+                fixed.old_logprobs,
+                part.rollout_logprobs,
+                mmask,
+                self.rollout_correction,
+                cap=hp.rollout_is_cap,
+                low=hp.rollout_is_low,
+                high=hp.rollout_is_high,
             )
             totals["rollout_is/weight_mean"] += float(is_stats["weight_mean"]) * shares.stat
             totals["rollout_is/corrected_frac"] += float(is_stats["corrected_frac"]) * shares.stat
         pg_loss, pg_stats = policy_loss(
-            hp.policy_loss, out["logprobs"], fixed.old_logprobs, fixed.advantages, mmask,
-            clip_eps=hp.clip_eps, clip_eps_high=hp.clip_eps_high or None, loss_agg=hp.loss_agg,
-            loss_agg_constant=self.loss_agg_constant, weights=is_weights,
+            hp.policy_loss,
+            out["logprobs"],
+            fixed.old_logprobs,
+            fixed.advantages,
+            mmask,
+            clip_eps=hp.clip_eps,
+            clip_eps_high=hp.clip_eps_high or None,
+            loss_agg=hp.loss_agg,
+            loss_agg_constant=self.loss_agg_constant,
+            weights=is_weights,
         )
         loss = pg_loss * shares.agg
         if self.use_critic:
-            vf_loss, vf_stats = value_loss_clipped(out["values"], fixed.old_values, fixed.returns, mmask,
-                                                   clip_eps=hp.value_clip_eps)
+            vf_loss, vf_stats = value_loss_clipped(
+                out["values"], fixed.old_values, fixed.returns, mmask, clip_eps=hp.value_clip_eps
+            )
             loss = loss + hp.vf_coef * vf_loss * shares.tok
             totals["loss/value"] += float(vf_loss.detach()) * shares.tok
             totals["value/clip_frac"] += float(vf_stats["vf_clip_frac"]) * shares.tok
@@ -652,9 +810,11 @@ class PPOLearner(PolicyLearner):
         keys = list(_STATS)
         summed = self.comm.all_reduce_sum(torch.stack([totals[k] for k in keys]))
         stats = {k: float(v) / n_updates for k, v in zip(keys, summed)}
-        unused = (["loss/value", "value/clip_frac"] if not self.use_critic else []) \
-            + (["kl/loss_term"] if not self.hp.kl_loss_coef else []) \
+        unused = (
+            (["loss/value", "value/clip_frac"] if not self.use_critic else [])
+            + (["kl/loss_term"] if not self.hp.kl_loss_coef else [])
             + (["rollout_is/weight_mean", "rollout_is/corrected_frac"] if self.rollout_correction == "none" else [])
+        )
         for k in unused:
             stats.pop(k)
         return stats
@@ -687,8 +847,10 @@ class PPOLearner(PolicyLearner):
         if self.separate_critic:
             path = folder / CRITIC_DIR / "critic.safetensors"
             if not path.is_file():
-                raise ValueError(f"{folder} holds no separate critic ({CRITIC_DIR}/critic.safetensors): it was saved "
-                                 "with ppo.critic=shared")
+                raise ValueError(
+                    f"{folder} holds no separate critic ({CRITIC_DIR}/critic.safetensors): it was saved "
+                    "with ppo.critic=shared"
+                )
             saved = load_file(str(path))
             missing = set(self.model.critic.trainable_state()) - set(saved)
             if missing:
@@ -701,8 +863,9 @@ class PPOLearner(PolicyLearner):
         critic = folder / CRITIC_DIR / "value_head.safetensors"
         if self.use_critic and critic.is_file():
             if self.sharded:
-                load_full_weights(self.model, {f"value_head.{k}": v for k, v in load_file(str(critic)).items()},
-                                  strict=False)
+                load_full_weights(
+                    self.model, {f"value_head.{k}": v for k, v in load_file(str(critic)).items()}, strict=False
+                )
             else:
                 self.model.value_head.load_state_dict(load_file(str(critic)))
 

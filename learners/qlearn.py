@@ -44,8 +44,13 @@ from typing import Any, Iterator, Protocol
 
 import torch
 
-from learners.objectives.advantages import (bootstrap_positions, episode_mask, q_learning_targets, reads_bootstrap,
-                                 token_rewards_from_scores)
+from learners.objectives.advantages import (
+    bootstrap_positions,
+    episode_mask,
+    q_learning_targets,
+    reads_bootstrap,
+    token_rewards_from_scores,
+)
 from learners.base import LearnerContext, TrainParams
 from learners.experience import Experience, ExperienceError
 from learners.objectives.losses import kl_penalty
@@ -86,8 +91,18 @@ class QLearnParams(Protocol):
 
 
 # Sums over micro-batches (all-reduced, then divided by the action count): losses, Q statistics.
-_SUMS = ("loss/td", "loss/conservative", "loss/kl", "q/taken", "q/target", "q/unseen_mean", "q/max",
-         "q/abs_td_error", "q/mc_bound_active", "kl/ref_k3")
+_SUMS = (
+    "loss/td",
+    "loss/conservative",
+    "loss/kl",
+    "q/taken",
+    "q/target",
+    "q/unseen_mean",
+    "q/max",
+    "q/abs_td_error",
+    "q/mc_bound_active",
+    "kl/ref_k3",
+)
 
 
 class QLearner(PolicyLearner):
@@ -116,8 +131,10 @@ class QLearner(PolicyLearner):
         # global batch, so every rank runs the same passes (sharded ranks must).
         self.reads_target = True
         if hp.calibration != "none" and hp.conservative == "floor" and hp.conservative_weight:
-            raise ValueError("qlearn.calibration=reference needs conservative=logsumexp or conservative_weight=0 "
-                             "(the floor term would need the reference's logit of every token)")
+            raise ValueError(
+                "qlearn.calibration=reference needs conservative=logsumexp or conservative_weight=0 "
+                "(the floor term would need the reference's logit of every token)"
+            )
         if hp.state_value == "reference" and (hp.calibration == "none" or hp.value_grad != 0):
             raise ValueError("qlearn.state_value=reference needs calibration=reference and value_grad=0")
 
@@ -126,8 +143,10 @@ class QLearner(PolicyLearner):
         if batch.scores is None and batch.token_rewards is None:
             raise ExperienceError("the qlearn learner needs scores or token_rewards in every batch")
         if self.hp.uses_reference and batch.ref_logprobs is None and not self.reference_in_learner:
-            raise ExperienceError("qlearn.kl_coef > 0 needs ref_logprobs in every batch "
-                                  "(computed by the Reference actor, or in the learner with LoRA or train.reference=learners)")
+            raise ExperienceError(
+                "qlearn.kl_coef > 0 needs ref_logprobs in every batch "
+                "(computed by the Reference actor, or in the learner with LoRA or train.reference=learners)"
+            )
 
     def episodes(self, batch: Experience) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(actions mask, rewards, done) of the global batch: actions stop at the first EOS; a
@@ -197,8 +216,9 @@ class QLearner(PolicyLearner):
             super().idle_passes(1, grad=grad)
 
     def _hidden(self, part: Experience) -> torch.Tensor:
-        return self.model.hidden(part.input_ids, part.attention_mask, part.response_mask,
-                                 part.group_ids if self.tr.shared_prefix else None)
+        return self.model.hidden(
+            part.input_ids, part.attention_mask, part.response_mask, part.group_ids if self.tr.shared_prefix else None
+        )
 
     def _update_target(self) -> None:
         """After optimiser update ``self.updates``: a copy until ``target_start_step``, then an EMA
@@ -220,8 +240,9 @@ class QLearner(PolicyLearner):
         brought none (LoRA: the base model with the adapter disabled, every row at once)."""
         if not self.hp.uses_reference or batch.ref_logprobs is not None:
             return batch
-        ref = self.base_logprobs(batch.input_ids, batch.attention_mask, batch.response_mask, batch.group_ids,
-                                 temperature=self.temperature)
+        ref = self.base_logprobs(
+            batch.input_ids, batch.attention_mask, batch.response_mask, batch.group_ids, temperature=self.temperature
+        )
         return batch.replace(ref_logprobs=ref)
 
     def _calibration(self, batch: Experience, mask: torch.Tensor, rows: torch.Tensor) -> dict[str, torch.Tensor] | None:
@@ -235,8 +256,10 @@ class QLearner(PolicyLearner):
         before = torch.cat([mask[:, 1:], torch.zeros_like(mask[:, :1])], dim=1)
         states = before | bootstrap_positions(mask)
         terms = self.base_logit_terms(batch.input_ids[rows], batch.attention_mask[rows], states[rows], mask[rows])
-        return {k: torch.zeros((batch.batch_size, *v.shape[1:]), dtype=v.dtype, device=v.device).index_copy_(0, rows, v)
-                for k, v in terms.items()}
+        return {
+            k: torch.zeros((batch.batch_size, *v.shape[1:]), dtype=v.dtype, device=v.device).index_copy_(0, rows, v)
+            for k, v in terms.items()
+        }
 
     # -- the update ------------------------------------------------------------------------------
     def _prepare(self, batch: Experience) -> tuple[Experience, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -248,8 +271,9 @@ class QLearner(PolicyLearner):
         self.reads_target = self.hp.state_value == "model" and reads_bootstrap(mask, done, self.hp.n_step)
         return batch, mask, rewards, done
 
-    def _targets(self, part: Experience, r: torch.Tensor, done: torch.Tensor, after: torch.Tensor
-                 ) -> tuple[torch.Tensor, float]:
+    def _targets(
+        self, part: Experience, r: torch.Tensor, done: torch.Tensor, after: torch.Tensor
+    ) -> tuple[torch.Tensor, float]:
         """(targets of ``part``'s actions, how many of them the Monte-Carlo bound lifted); ``after``:
         the reference's log-normaliser at each bootstrap state (0 uncalibrated)."""
         hp, m = self.hp, part.response_mask
@@ -257,8 +281,9 @@ class QLearner(PolicyLearner):
             next_max = self._bootstrap_values(part, after)
         else:  # every window ends its episode (Monte-Carlo targets), or V is the reference's 0: no pass
             next_max = torch.zeros(m.shape, dtype=torch.float32, device=m.device)
-        targets = q_learning_targets(r, next_max, m, done, gamma=hp.gamma, n_step=hp.n_step,
-                                     mc_lower_bound=hp.mc_lower_bound)
+        targets = q_learning_targets(
+            r, next_max, m, done, gamma=hp.gamma, n_step=hp.n_step, mc_lower_bound=hp.mc_lower_bound
+        )
         raised = 0.0
         if hp.mc_lower_bound:
             plain = q_learning_targets(r, next_max, m, done, gamma=hp.gamma, n_step=hp.n_step)
@@ -273,31 +298,46 @@ class QLearner(PolicyLearner):
         try:
             with torch.no_grad(), self.target_network(), autocast(self.tr.bf16, self.device):
                 boot = bootstrap_positions(part.response_mask)
-                return self.model(run=lambda: max_q_after_positions(
-                    self._hidden(part), boot, head, chunk=self.tr.logprob_chunk,
-                    soft=self.hp.calibration != "none")) - after * boot
+                return (
+                    self.model(
+                        run=lambda: max_q_after_positions(
+                            self._hidden(part),
+                            boot,
+                            head,
+                            chunk=self.tr.logprob_chunk,
+                            soft=self.hp.calibration != "none",
+                        )
+                    )
+                    - after * boot
+                )
         finally:
             self.model.train(was_training)
 
-    def _micro(self, batch: Experience, idx: torch.Tensor, mask: torch.Tensor, rewards: torch.Tensor,
-               done: torch.Tensor, n_actions: int, grad: bool, ref: dict | None = None) -> torch.Tensor:
+    def _micro(
+        self,
+        batch: Experience,
+        idx: torch.Tensor,
+        mask: torch.Tensor,
+        rewards: torch.Tensor,
+        done: torch.Tensor,
+        n_actions: int,
+        grad: bool,
+        ref: dict | None = None,
+    ) -> torch.Tensor:
         """Forward (online and target) and backward of rows ``idx``; returns their ``_SUMS``.
         ``ref``: the calibration's reference terms (``_calibration``), or None."""
         hp = self.hp
         part = batch.select(idx).replace(response_mask=mask[idx]).trimmed()
         m, r = part.response_mask, rewards[idx, : part.seq_len]
         zero = torch.zeros_like(r)
-        ref = {k: v[idx, : part.seq_len] for k, v in ref.items()} if ref is not None else {"logsumexp": zero, "taken": zero}
+        ref = (
+            {k: v[idx, : part.seq_len] for k, v in ref.items()}
+            if ref is not None
+            else {"logsumexp": zero, "taken": zero}
+        )
         targets, raised = self._targets(part, r, done[idx], ref["logsumexp"])
         floor = hp.q_floor * hp.reward_scale
-        terms = (*(("logsumexp",) if hp.conservative == "logsumexp" or hp.value_grad < 1 else ()),
-                 *(("sq_dev_sum",) if hp.conservative == "floor" else ()),
-                 *(("logprobs",) if hp.uses_reference else ()))
-        head = self.model.lm.get_output_embeddings()
-        with torch.set_grad_enabled(grad), autocast(self.tr.bf16, self.device):
-            out = self.model(run=lambda: q_heads_at_positions(
-                self._hidden(part), part.input_ids, m, head, floor=floor, temperature=self.temperature,
-                chunk=self.tr.logprob_chunk, terms=terms))
+        out = self._q_heads(part, m, floor, grad)
         mf = m.float()
         q = out["q"] - ref["taken"]  # calibrated: minus the reference's logit (0 without calibration)
         if hp.state_value == "reference":  # V(s) the reference's: the log-ratio, its gradient the log-prob's
@@ -315,14 +355,47 @@ class QLearner(PolicyLearner):
             kl = (kl_penalty(out["logprobs"], part.ref_logprobs, "k3") * mf).sum() / n_actions
         loss = td + hp.conservative_weight * cons + hp.kl_coef * kl
         if not torch.isfinite(loss):
-            raise FloatingPointError(f"non-finite Q-learning loss: td {float(td)}, conservative {float(cons)}, kl {float(kl)}")
+            raise FloatingPointError(
+                f"non-finite Q-learning loss: td {float(td)}, conservative {float(cons)}, kl {float(kl)}"
+            )
         if grad:
             loss.backward()
         return self._sums(out, q, targets, ref["logsumexp"], m, (td, cons, kl, raised), n_actions)
 
+    def _q_heads(self, part: Experience, m: torch.Tensor, floor: float, grad: bool) -> dict[str, torch.Tensor]:
+        """The online model's Q of each taken action and the terms the losses need of the vocabulary."""
+        terms = (
+            *(("logsumexp",) if self.hp.conservative == "logsumexp" or self.hp.value_grad < 1 else ()),
+            *(("sq_dev_sum",) if self.hp.conservative == "floor" else ()),
+            *(("logprobs",) if self.hp.uses_reference else ()),
+        )
+        head = self.model.lm.get_output_embeddings()
+        with torch.set_grad_enabled(grad), autocast(self.tr.bf16, self.device):
+            out = self.model(
+                run=lambda: q_heads_at_positions(
+                    self._hidden(part),
+                    part.input_ids,
+                    m,
+                    head,
+                    floor=floor,
+                    temperature=self.temperature,
+                    chunk=self.tr.logprob_chunk,
+                    terms=terms,
+                )
+            )
+        return out
+
     @torch.no_grad()
-    def _sums(self, out: dict, q: torch.Tensor, targets: torch.Tensor, after: torch.Tensor, m: torch.Tensor,
-              counts: tuple, n_actions: int) -> torch.Tensor:
+    def _sums(
+        self,
+        out: dict,
+        q: torch.Tensor,
+        targets: torch.Tensor,
+        after: torch.Tensor,
+        m: torch.Tensor,
+        counts: tuple,
+        n_actions: int,
+    ) -> torch.Tensor:
         """One micro-batch's ``_SUMS``: losses times the action count, Q statistics summed over actions
         (``after`` shifted one token gives the reference's log-normaliser of each action's state);
         ``counts``: the TD, conservative and KL losses and the actions whose target the Monte-Carlo
@@ -333,11 +406,22 @@ class QLearner(PolicyLearner):
         q = q.detach()
         unseen = (out["q_mean"] * self.vocab_size - out["q"]) / (self.vocab_size - 1) - before * mf
         n = float(n_actions)
-        return torch.tensor([
-            td * n, cons * n, kl * n, float((q * mf).sum()), float((targets * mf).sum()),
-            float((unseen * mf).sum()), float(((out["q_max"] - before) * mf).sum()), float(((q - targets).abs() * mf).sum()),
-            raised, kl * n,
-        ], dtype=torch.float64, device=self.device)
+        return torch.tensor(
+            [
+                td * n,
+                cons * n,
+                kl * n,
+                float((q * mf).sum()),
+                float((targets * mf).sum()),
+                float((unseen * mf).sum()),
+                float(((out["q_max"] - before) * mf).sum()),
+                float(((q - targets).abs() * mf).sum()),
+                raised,
+                kl * n,
+            ],
+            dtype=torch.float64,
+            device=self.device,
+        )
 
     def train_step(self, batch: Experience) -> dict[str, float]:
         """``train.epochs`` x ``train.num_minibatches`` Q updates on the global batch."""
@@ -370,30 +454,36 @@ class QLearner(PolicyLearner):
         self.version += 1
         summed = comm.all_reduce_sum(totals)
         metrics = {k: float(v) / max(actions, 1) for k, v in zip(_SUMS, summed)}
-        metrics["loss/total"] = (metrics["loss/td"] + self.hp.conservative_weight * metrics["loss/conservative"]
-                                 + self.hp.kl_coef * metrics["loss/kl"])
+        metrics["loss/total"] = (
+            metrics["loss/td"]
+            + self.hp.conservative_weight * metrics["loss/conservative"]
+            + self.hp.kl_coef * metrics["loss/kl"]
+        )
         resp = mask.sum(1).float()
-        metrics.update({
-            "learner/lr": lr,
-            "learner/updates": float(self.updates),
-            "learner/target_updates": float(self.target_updates),
-            "learner/target_pass": float(self.reads_target),
-            "learner/trainable_fraction": self.trainable_fraction,
-            "learner/prefix_shared_frac": self.model.rows_shared / max(self.model.rows_total, 1),
-            "learner/tokens": float(mask.sum()),
-            "learner/sequences": float(batch.batch_size),
-            "learner/update_s": time.perf_counter() - t0,
-            "learner/stale_versions": float(self.version - 1 - batch.policy_version),
-            "policy/grad_norm": sum(grad_norms) / len(grad_norms),
-            "rewards/sequence_mean": float((rewards.sum(1) / self.hp.reward_scale).mean()),
-            "response/length_mean": float(resp.mean()),
-            "response/done_frac": float(done.float().mean()),
-            **uniform,
-        })
+        metrics.update(
+            {
+                "learner/lr": lr,
+                "learner/updates": float(self.updates),
+                "learner/target_updates": float(self.target_updates),
+                "learner/target_pass": float(self.reads_target),
+                "learner/trainable_fraction": self.trainable_fraction,
+                "learner/prefix_shared_frac": self.model.rows_shared / max(self.model.rows_total, 1),
+                "learner/tokens": float(mask.sum()),
+                "learner/sequences": float(batch.batch_size),
+                "learner/update_s": time.perf_counter() - t0,
+                "learner/stale_versions": float(self.version - 1 - batch.policy_version),
+                "policy/grad_norm": sum(grad_norms) / len(grad_norms),
+                "rewards/sequence_mean": float((rewards.sum(1) / self.hp.reward_scale).mean()),
+                "response/length_mean": float(resp.mean()),
+                "response/done_frac": float(done.float().mean()),
+                **uniform,
+            }
+        )
         return metrics
 
-    def _signal_rows(self, batch: Experience, mask: torch.Tensor, rewards: torch.Tensor, done: torch.Tensor,
-                     backups: torch.Tensor) -> tuple[Experience, tuple[torch.Tensor, ...], dict[str, float]]:
+    def _signal_rows(
+        self, batch: Experience, mask: torch.Tensor, rewards: torch.Tensor, done: torch.Tensor, backups: torch.Tensor
+    ) -> tuple[Experience, tuple[torch.Tensor, ...], dict[str, float]]:
         """``skip_uniform_groups``: the batch and its per-row tensors restricted to the groups
         whose centered rewards are not all 0 (``groups_with_signal``; whole groups, so the kept rows'
         centering is unchanged), and the count of rows left out; everything as it is otherwise."""

@@ -66,21 +66,30 @@ class RewardModelLearner(PolicyLearner):
         with torch.no_grad():
             head.weight.copy_(torch.randn(head.weight.shape, generator=gen, device="cpu") * std)
         head.bias.requires_grad_(False)  # stays 0: the saved head has no bias
-        self._init_optimizer([{"params": [head.weight], "lr": hp.head_lr or train.lr}],
-                             updates_per_step=train.epochs * train.num_minibatches)
+        self._init_optimizer(
+            [{"params": [head.weight], "lr": hp.head_lr or train.lr}],
+            updates_per_step=train.epochs * train.num_minibatches,
+        )
 
     def rewards(self, part: Experience) -> torch.Tensor:
         """(B,) rewards of whole sequences (prompt and response). A pair's two rows run their
         shared prompt once (``train.shared_prefix``)."""
-        return self._rewards(part.input_ids, part.attention_mask, part.response_mask,
-                             part.group_ids if self.tr.shared_prefix else None)
+        return self._rewards(
+            part.input_ids, part.attention_mask, part.response_mask, part.group_ids if self.tr.shared_prefix else None
+        )
 
-    def _rewards(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor,
-                 group_ids: torch.Tensor | None) -> torch.Tensor:
+    def _rewards(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        positions: torch.Tensor,
+        group_ids: torch.Tensor | None,
+    ) -> torch.Tensor:
         def run() -> torch.Tensor:
             with autocast(self.tr.bf16, self.device):
-                h, shared = last_token_hidden(self.model.lm.get_decoder(), input_ids, attention_mask, positions,
-                                              group_ids, one_call=self.sharded)
+                h, shared = last_token_hidden(
+                    self.model.lm.get_decoder(), input_ids, attention_mask, positions, group_ids, one_call=self.sharded
+                )
             self.model.rows_shared += input_ids.shape[0] if shared else 0
             self.model.rows_total += input_ids.shape[0]
             return self.model.value_head(h.float()).squeeze(-1)
@@ -113,13 +122,19 @@ class RewardModelLearner(PolicyLearner):
         self.version += 1
         summed = comm.all_reduce_sum(totals)
         n_updates = tr.epochs * tr.num_minibatches
-        metrics = {k: float(v) / (n_updates if k == "loss/total" else len(chosen) * tr.epochs)
-                   for k, v in zip(_STATS, summed)}
-        metrics.update({
-            "learner/lr": lr, "learner/pairs": float(len(chosen)), "learner/malformed_pairs": float(malformed),
-            "learner/update_s": time.perf_counter() - t0, "policy/grad_norm": sum(grad_norms) / len(grad_norms),
-            "learner/prefix_shared_frac": self.model.rows_shared / max(self.model.rows_total, 1),
-        })
+        metrics = {
+            k: float(v) / (n_updates if k == "loss/total" else len(chosen) * tr.epochs) for k, v in zip(_STATS, summed)
+        }
+        metrics.update(
+            {
+                "learner/lr": lr,
+                "learner/pairs": float(len(chosen)),
+                "learner/malformed_pairs": float(malformed),
+                "learner/update_s": time.perf_counter() - t0,
+                "policy/grad_norm": sum(grad_norms) / len(grad_norms),
+                "learner/prefix_shared_frac": self.model.rows_shared / max(self.model.rows_total, 1),
+            }
+        )
         return metrics
 
     @torch.no_grad()
@@ -128,12 +143,18 @@ class RewardModelLearner(PolicyLearner):
         self.check_batch(batch)
         batch = self.on_device(batch)
         self.model.eval()
-        return evaluate_pairs(batch, self.comm, self.tr.micro_batch_size // 2, _STATS,
-                              lambda c, r, n: self._micro_step(batch, c, r, n, grad=False),
-                              passes=lambda micros: self.rank_passes(micros, grad=False))
+        return evaluate_pairs(
+            batch,
+            self.comm,
+            self.tr.micro_batch_size // 2,
+            _STATS,
+            lambda c, r, n: self._micro_step(batch, c, r, n, grad=False),
+            passes=lambda micros: self.rank_passes(micros, grad=False),
+        )
 
-    def _micro_step(self, batch: Experience, chosen: torch.Tensor, rejected: torch.Tensor, global_pairs: int,
-                    grad: bool = True) -> torch.Tensor:
+    def _micro_step(
+        self, batch: Experience, chosen: torch.Tensor, rejected: torch.Tensor, global_pairs: int, grad: bool = True
+    ) -> torch.Tensor:
         """Forward/backward of a few pairs; returns their contribution to ``_STATS``."""
         rows = torch.stack([chosen, rejected], 1).reshape(-1)
         part = batch.select(rows).trimmed()
@@ -145,8 +166,17 @@ class RewardModelLearner(PolicyLearner):
         if grad:
             loss.backward()
         d = (r_w - r_l).detach()
-        return torch.tensor([float(loss.detach()), float((d > 0).sum()), float(d.sum()), float(r_w.detach().sum()),
-                             float(r_l.detach().sum())], dtype=torch.float64, device=self.device)
+        return torch.tensor(
+            [
+                float(loss.detach()),
+                float((d > 0).sum()),
+                float(d.sum()),
+                float(r_w.detach().sum()),
+                float(r_l.detach().sum()),
+            ],
+            dtype=torch.float64,
+            device=self.device,
+        )
 
     # -- checkpoints: a sequence-classification model folder -------------------------------------
     @contextlib.contextmanager
@@ -172,13 +202,23 @@ class RewardModelLearner(PolicyLearner):
         folder.mkdir(parents=True, exist_ok=True)
         config = self.model.lm.config.to_dict()
         arch = type(self.model.lm).__name__.replace("ForCausalLM", "ForSequenceClassification")
-        config.update({"architectures": [arch], "num_labels": 1, "id2label": {"0": "LABEL_0"},
-                       "label2id": {"LABEL_0": 0}, "problem_type": "regression"})
+        config.update(
+            {
+                "architectures": [arch],
+                "num_labels": 1,
+                "id2label": {"0": "LABEL_0"},
+                "label2id": {"LABEL_0": 0},
+                "problem_type": "regression",
+            }
+        )
         if config.get("pad_token_id") is None:  # transformers pools the last non-pad token: it needs one
             config["pad_token_id"] = config.get("eos_token_id") if isinstance(config.get("eos_token_id"), int) else 0
         (folder / "config.json").write_text(json.dumps(config, indent=1))
-        save_file({k: v.contiguous() for k, v in weights.items()}, str(folder / "model.safetensors"),
-                  metadata={"format": "pt"})
+        save_file(
+            {k: v.contiguous() for k, v in weights.items()},
+            str(folder / "model.safetensors"),
+            metadata={"format": "pt"},
+        )
         path = save_learner_state(folder, state)
         (path.parent / "learner.json").write_text(json.dumps({"algorithm": self.name, "version": self.version}))
         if tokenizer_from:
@@ -198,7 +238,7 @@ class RewardModelLearner(PolicyLearner):
             missing, unexpected = load_full_weights(self.model, full, strict=False)
             missing = [m for m in missing if m not in ("lm.lm_head.weight", "value_head.bias")]
         else:
-            trunk = {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
+            trunk = {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
             missing, unexpected = self.model.lm.get_decoder().load_state_dict(trunk, strict=False)
             with torch.no_grad():
                 self.model.value_head.weight.copy_(head)
@@ -211,13 +251,18 @@ def load_reward_model(folder: str | Path, dtype: torch.dtype = torch.float32) ->
     """A saved reward model as ``AutoModelForSequenceClassification`` (safetensors only, no remote code)."""
     from transformers import AutoModelForSequenceClassification
 
-    return AutoModelForSequenceClassification.from_pretrained(str(folder), dtype=dtype, use_safetensors=True,
-                                                              trust_remote_code=False)
+    return AutoModelForSequenceClassification.from_pretrained(
+        str(folder), dtype=dtype, use_safetensors=True, trust_remote_code=False
+    )
 
 
-def sequence_rewards(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                     response_mask: torch.Tensor | None = None,
-                     group_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:
+def sequence_rewards(
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_mask: torch.Tensor | None = None,
+    group_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, bool]:
     """(B,) rewards of a loaded sequence-classification reward model, read at each row's last
     attended token exactly as the learner reads them (whatever the padding), and whether rows
     shared their prompt: with ``response_mask`` and ``group_ids`` (B,), rows of one group whose

@@ -51,7 +51,9 @@ class SFTLearner(PolicyLearner):
             for micro in self.rank_passes(torch.split(mine, self.tr.micro_batch_size), grad=False):
                 part = batch.select(micro).trimmed()
                 with autocast(self.tr.bf16, self.device):
-                    out = self.model(part.input_ids, part.attention_mask, part.response_mask, chunk=self.tr.logprob_chunk)
+                    out = self.model(
+                        part.input_ids, part.attention_mask, part.response_mask, chunk=self.tr.logprob_chunk
+                    )
                 nll += float(-(out["logprobs"].float() * part.response_mask).sum())
         total = max(float(tokens[rows].sum()), 1.0)
         mean = float(self.comm.all_reduce_sum(nll)) / total
@@ -77,8 +79,9 @@ class SFTLearner(PolicyLearner):
                 for micro in self.rank_passes(torch.split(mine, tr.micro_batch_size), grad=True):
                     part = batch.select(micro).trimmed()
                     with autocast(tr.bf16, self.device):
-                        out = self.model(part.input_ids, part.attention_mask, part.response_mask,
-                                         chunk=tr.logprob_chunk)
+                        out = self.model(
+                            part.input_ids, part.attention_mask, part.response_mask, chunk=tr.logprob_chunk
+                        )
                     nll = -(out["logprobs"] * part.response_mask).sum()
                     loss = nll / global_tokens
                     if not torch.isfinite(loss):

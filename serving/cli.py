@@ -22,50 +22,92 @@ import sys
 import time
 from typing import Any
 
-from serving.common import (DEFAULT_HOST, DEFAULT_PORT, direct_ingress_env, free_port, port_is_free,
-                            use_server_cluster_env)
+from serving.common import (
+    DEFAULT_HOST,
+    DEFAULT_PORT,
+    direct_ingress_env,
+    free_port,
+    port_is_free,
+    use_server_cluster_env,
+)
 
 
 def add_parser(sub: Any) -> None:
     sv = sub.add_parser("serve", help="serve a policy (OpenAI API) or a scorer (/v1/score) with Ray Serve")
     kinds = sv.add_subparsers(dest="app", required=True)
-    po = kinds.add_parser("policy", help="OpenAI-API policy server over vLLM (ray.serve.llm)")
-    po.add_argument("model_path", help="model folder or rayrlhf checkpoint")
-    po.add_argument("--model-id", default="policy", help="name clients pass as 'model'")
-    po.add_argument("--replicas", type=int, default=1, help="engine replicas")
-    po.add_argument("--max-model-len", type=int, default=1024)
-    po.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
-                    help="engine weights; auto: bfloat16 on GPUs and CPUs with native bf16, float32 elsewhere")
-    po.add_argument("--kv-cache-gib", type=int, default=1,
-                    help="the engine's KV cache on CPU, whole GiB (GPU engines size it from free memory)")
-    po.add_argument("--max-tokens", type=int, default=512, help="largest max_tokens a request may ask for")
-    po.add_argument("--max-n", type=int, default=8, help="largest n (and best-of-n) a request may ask for")
-    po.add_argument("--best-of-n-scorer", default="", metavar="FUNCTION",
-                    help="enable /v1/best_of_n ranked by this reward function (a rule, or reward_model with --scorer-model)")
-    po.add_argument("--scorer-model", default="", help="reward-model or judge folder of the best-of-n scorer")
-    po.add_argument("--ingress", choices=("auto", "direct", "proxy"), default="auto",
-                    help="direct: the replica answers HTTP on --port itself (one hop fewer per request); proxy: "
-                         "Serve's proxy on --port; auto: direct on the server's own cluster with one replica")
-    po.add_argument("--engine-metrics", action="store_true",
-                    help="export the engine's metrics through Ray's metrics too (Ray Dashboard; costs throughput)")
+    po = _add_policy_parser(kinds)
     sc = kinds.add_parser("scorer", help="/v1/score over a rule function, reward model or LLM judge")
     what = sc.add_mutually_exclusive_group(required=True)
-    what.add_argument("--function", help="rule function: a built-in (reasoning_gym, exact_match, ...) or module:function")
-    what.add_argument("--reward-model", metavar="DIR", help="a trained reward model (run.algorithm=reward_model checkpoint)")
+    what.add_argument(
+        "--function", help="rule function: a built-in (reasoning_gym, exact_match, ...) or module:function"
+    )
+    what.add_argument(
+        "--reward-model", metavar="DIR", help="a trained reward model (run.algorithm=reward_model checkpoint)"
+    )
     what.add_argument("--judge", metavar="DIR", help="an LLM judge (any causal-LM folder)")
     sc.add_argument("--replicas", type=int, default=1)
     sc.add_argument("--max-items", type=int, default=256, help="most samples per request")
     for p in (po, sc):
         p.add_argument("--host", default=DEFAULT_HOST, help="interface to bind (default loopback only)")
         p.add_argument("--port", type=int, default=DEFAULT_PORT)
-        p.add_argument("--api-key-env", default="RAYRLHF_API_KEY",
-                       help="environment variable holding the API key (unset: no key required)")
+        p.add_argument(
+            "--api-key-env",
+            default="RAYRLHF_API_KEY",
+            help="environment variable holding the API key (unset: no key required)",
+        )
         p.add_argument("--address", default="", help="Ray cluster to join (default: RAY_ADDRESS, else a local one)")
-        p.add_argument("--access-log", action="store_true", help="Serve's per-request log lines (off by default: they cost throughput)")
+        p.add_argument(
+            "--access-log",
+            action="store_true",
+            help="Serve's per-request log lines (off by default: they cost throughput)",
+        )
     rl = kinds.add_parser("reload", help="switch a running policy server to a newer checkpoint")
     rl.add_argument("url", help="the server, e.g. http://127.0.0.1:8000")
     rl.add_argument("checkpoint", help="model folder with the served model's architecture")
     rl.add_argument("--api-key-env", default="RAYRLHF_API_KEY")
+
+
+def _add_policy_parser(kinds: Any) -> Any:
+    """``rayrlhf serve policy``'s arguments (the shared ones are added beside the scorer's)."""
+    po = kinds.add_parser("policy", help="OpenAI-API policy server over vLLM (ray.serve.llm)")
+    po.add_argument("model_path", help="model folder or rayrlhf checkpoint")
+    po.add_argument("--model-id", default="policy", help="name clients pass as 'model'")
+    po.add_argument("--replicas", type=int, default=1, help="engine replicas")
+    po.add_argument("--max-model-len", type=int, default=1024)
+    po.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "bfloat16", "float16", "float32"),
+        help="engine weights; auto: bfloat16 on GPUs and CPUs with native bf16, float32 elsewhere",
+    )
+    po.add_argument(
+        "--kv-cache-gib",
+        type=int,
+        default=1,
+        help="the engine's KV cache on CPU, whole GiB (GPU engines size it from free memory)",
+    )
+    po.add_argument("--max-tokens", type=int, default=512, help="largest max_tokens a request may ask for")
+    po.add_argument("--max-n", type=int, default=8, help="largest n (and best-of-n) a request may ask for")
+    po.add_argument(
+        "--best-of-n-scorer",
+        default="",
+        metavar="FUNCTION",
+        help="enable /v1/best_of_n ranked by this reward function (a rule, or reward_model with --scorer-model)",
+    )
+    po.add_argument("--scorer-model", default="", help="reward-model or judge folder of the best-of-n scorer")
+    po.add_argument(
+        "--ingress",
+        choices=("auto", "direct", "proxy"),
+        default="auto",
+        help="direct: the replica answers HTTP on --port itself (one hop fewer per request); proxy: "
+        "Serve's proxy on --port; auto: direct on the server's own cluster with one replica",
+    )
+    po.add_argument(
+        "--engine-metrics",
+        action="store_true",
+        help="export the engine's metrics through Ray's metrics too (Ray Dashboard; costs throughput)",
+    )
+    return po
 
 
 def _scorer_args(ns: argparse.Namespace) -> dict[str, Any]:
@@ -80,20 +122,35 @@ def _reload(ns: argparse.Namespace) -> int:
     import requests
 
     key = os.environ.get(ns.api_key_env, "")
-    r = requests.post(ns.url.rstrip("/") + "/v1/admin/reload", json={"model_path": os.path.abspath(ns.checkpoint)},
-                      headers={"Authorization": f"Bearer {key}"} if key else {}, timeout=600)
+    r = requests.post(
+        ns.url.rstrip("/") + "/v1/admin/reload",
+        json={"model_path": os.path.abspath(ns.checkpoint)},
+        headers={"Authorization": f"Bearer {key}"} if key else {},
+        timeout=600,
+    )
     print(r.text)
     return 0 if r.ok else 1
 
 
 def policy_args(ns: argparse.Namespace) -> dict[str, Any]:
     """``build_policy_app``'s args from ``rayrlhf serve policy``'s flags."""
-    args: dict[str, Any] = {"model_path": ns.model_path, "model_id": ns.model_id, "num_replicas": ns.replicas,
-                            "max_model_len": ns.max_model_len, "dtype": ns.dtype, "kv_cache_gib": ns.kv_cache_gib,
-                            "api_key_env": ns.api_key_env, "limits": {"max_tokens": ns.max_tokens, "max_n": ns.max_n},
-                            "access_log": ns.access_log, "engine_metrics": ns.engine_metrics}
+    args: dict[str, Any] = {
+        "model_path": ns.model_path,
+        "model_id": ns.model_id,
+        "num_replicas": ns.replicas,
+        "max_model_len": ns.max_model_len,
+        "dtype": ns.dtype,
+        "kv_cache_gib": ns.kv_cache_gib,
+        "api_key_env": ns.api_key_env,
+        "limits": {"max_tokens": ns.max_tokens, "max_n": ns.max_n},
+        "access_log": ns.access_log,
+        "engine_metrics": ns.engine_metrics,
+    }
     if ns.best_of_n_scorer:
-        args["best_of_n_scorer"] = {"function": ns.best_of_n_scorer, **({"model": ns.scorer_model} if ns.scorer_model else {})}
+        args["best_of_n_scorer"] = {
+            "function": ns.best_of_n_scorer,
+            **({"model": ns.scorer_model} if ns.scorer_model else {}),
+        }
     return args
 
 
@@ -102,6 +159,7 @@ def stop_on_sigterm() -> None:
     does: the app deleted (Serve stops each replica and its engine), then the local cluster, exit
     status 0. The handler ``ray.init`` installs would kill the cluster's processes outright and
     exit 1 (tried: the process ended by SIGABRT); while the server starts, that one applies."""
+
     def interrupt(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
 
@@ -116,8 +174,10 @@ def choose_ingress(ns: argparse.Namespace, address: str | None) -> str:
     if wanted == "auto":
         return "direct" if address is None and ns.replicas == 1 else "proxy"
     if wanted == "direct" and address is not None:
-        raise ValueError("--ingress direct needs the server's own cluster (no --address / RAY_ADDRESS); on a cluster "
-                         "you join, Serve's direct ingress is that cluster's setting (docs/kubernetes.md)")
+        raise ValueError(
+            "--ingress direct needs the server's own cluster (no --address / RAY_ADDRESS); on a cluster "
+            "you join, Serve's direct ingress is that cluster's setting (docs/kubernetes.md)"
+        )
     if wanted == "direct" and ns.replicas != 1:
         raise ValueError(f"--ingress direct serves one replica on --port, not {ns.replicas}; use --ingress proxy")
     return wanted
@@ -132,8 +192,12 @@ def _app(ns: argparse.Namespace) -> tuple[Any, str]:
         return (lambda: build_policy_app(args)), "policy"
     from serving.scorer import build_scorer_app
 
-    args = {"scorer": _scorer_args(ns), "num_replicas": ns.replicas, "api_key_env": ns.api_key_env,
-            "limits": {"max_items": ns.max_items}}
+    args = {
+        "scorer": _scorer_args(ns),
+        "num_replicas": ns.replicas,
+        "api_key_env": ns.api_key_env,
+        "limits": {"max_items": ns.max_items},
+    }
     return (lambda: build_scorer_app(args)), "scorer"
 
 
@@ -168,8 +232,10 @@ def run(ns: argparse.Namespace) -> int:
         return 2
     key_note = f"API key from ${ns.api_key_env}" if os.environ.get(ns.api_key_env) else "no API key"
     how = f"the replica answers itself; Serve's proxy on port {proxy_port}" if ingress == "direct" else "Serve's proxy"
-    print(f"[rayrlhf] {name} server on http://{ns.host}:{ns.port} ({how}; {key_note}); Ctrl-C or SIGTERM stops it",
-          flush=True)
+    print(
+        f"[rayrlhf] {name} server on http://{ns.host}:{ns.port} ({how}; {key_note}); Ctrl-C or SIGTERM stops it",
+        flush=True,
+    )
     stop_on_sigterm()  # after ray.init, which installs its own handler
     try:
         while True:

@@ -120,15 +120,20 @@ class Guard:
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         if self.api_key and headers.get("authorization", "") != f"Bearer {self.api_key}":
-            return await reply_error(send, 401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
-                                     "authentication_error")
+            return await reply_error(
+                send, 401, "missing or invalid API key (send 'Authorization: Bearer <key>')", "authentication_error"
+            )
         try:
             declared = int(headers.get("content-length", "0") or 0)
         except ValueError:
             return await reply_error(send, 400, "malformed Content-Length header", "invalid_request_error")
         if declared > self.max_body:
-            return await reply_error(send, 413, f"request body of {declared} bytes is over the limit of "
-                                     f"{self.max_body}", "invalid_request_error")
+            return await reply_error(
+                send,
+                413,
+                f"request body of {declared} bytes is over the limit of {self.max_body}",
+                "invalid_request_error",
+            )
         seen = 0
 
         async def counted_receive() -> dict:
@@ -151,8 +156,9 @@ class Guard:
             await self.app(scope, counted_receive, tracked_send)
         except _TooLarge:
             if not started:
-                await reply_error(send, 413, f"request body over the limit of {self.max_body} bytes",
-                                  "invalid_request_error")
+                await reply_error(
+                    send, 413, f"request body over the limit of {self.max_body} bytes", "invalid_request_error"
+                )
 
 
 def add_error_handlers(app: Any, validation: bool = True) -> None:
@@ -163,17 +169,23 @@ def add_error_handlers(app: Any, validation: bool = True) -> None:
     from starlette.exceptions import HTTPException
 
     async def http_error(request: Any, exc: HTTPException) -> JSONResponse:
-        kind = "authentication_error" if exc.status_code == 401 else (
-            "not_found_error" if exc.status_code == 404 else "invalid_request_error")
-        return JSONResponse(status_code=exc.status_code,
-                            content={"error": {"message": str(exc.detail), "type": kind, "code": exc.status_code}})
+        kind = (
+            "authentication_error"
+            if exc.status_code == 401
+            else ("not_found_error" if exc.status_code == 404 else "invalid_request_error")
+        )
+        return JSONResponse(
+            status_code=exc.status_code,
+            content={"error": {"message": str(exc.detail), "type": kind, "code": exc.status_code}},
+        )
 
     async def bad_request(request: Any, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
         where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
         message = f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "invalid request")
-        return JSONResponse(status_code=400, content={"error": {"message": message, "type": "invalid_request_error",
-                                                               "code": 400}})
+        return JSONResponse(
+            status_code=400, content={"error": {"message": message, "type": "invalid_request_error", "code": 400}}
+        )
 
     app.add_exception_handler(HTTPException, http_error)
     if validation:
@@ -189,8 +201,12 @@ def add_error_handlers(app: Any, validation: bool = True) -> None:
 #: and the engine is preempted ten times less often. No idle Ray workers are kept warm (Ray keeps
 #: as many as the node has CPUs, and starts one for the first driver): each Python worker wakes
 #: 100 times a second whether it works or not, and a server starts its actors once.
-SERVER_CLUSTER_ENV = {"RAY_worker_niceness": "0", "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "1",
-                      "RAY_num_workers_soft_limit": "0", "RAY_prestart_worker_first_driver": "0"}
+SERVER_CLUSTER_ENV = {
+    "RAY_worker_niceness": "0",
+    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "1",
+    "RAY_num_workers_soft_limit": "0",
+    "RAY_prestart_worker_first_driver": "0",
+}
 
 
 def use_server_cluster_env() -> None:
@@ -213,10 +229,13 @@ def direct_ingress_env(port: int) -> dict[str, str]:
     (Serve's maximum is exclusive), so it suits one ingress replica per node; the proxy still
     starts, on a port of its own. A released port is not held back (Serve holds it 150 s for its
     HAProxy mode, which is not used): a replica that replaces a lost one takes it at once."""
-    return {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
-            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1),
-            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": str(DIRECT_INGRESS_DRAIN_S),
-            "RAY_SERVE_PORT_QUARANTINE_S": "0"}
+    return {
+        "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
+        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1),
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": str(DIRECT_INGRESS_DRAIN_S),
+        "RAY_SERVE_PORT_QUARANTINE_S": "0",
+    }
 
 
 def _tcp_socket(host: str) -> Any:

@@ -145,8 +145,16 @@ class RequestRules:
 class PolicyServer(LLMServer):
     """``LLMServer`` with rayrlhf's rules, routes and reload (see module doc)."""
 
-    async def __init__(self, llm_config: Any, *, limits: Limits | None = None, api_key: str = "", scorer: Any = None,
-                       model_path: str = "", **server_kwargs: Any) -> None:
+    async def __init__(
+        self,
+        llm_config: Any,
+        *,
+        limits: Limits | None = None,
+        api_key: str = "",
+        scorer: Any = None,
+        model_path: str = "",
+        **server_kwargs: Any,
+    ) -> None:
         self.limits = limits or Limits()
         configure_guard(GUARD, api_key, self.limits.max_body_bytes)
         self.scorer = scorer
@@ -184,8 +192,11 @@ class PolicyServer(LLMServer):
             body["max_tokens"] = self.limits.max_tokens  # not "up to the context": the limit
             changed = True
         messages, tools = body.get("messages"), body.get("tools")
-        if isinstance(messages, list) and all(isinstance(m, dict) for m in messages) and (
-                tools or any(_tool_turn(m) for m in messages)):
+        if (
+            isinstance(messages, list)
+            and all(isinstance(m, dict) for m in messages)
+            and (tools or any(_tool_turn(m) for m in messages))
+        ):
             try:
                 body["messages"] = await asyncio.to_thread(self._as_trained, messages, tools)
             except (TypeError, ValueError, AttributeError) as e:
@@ -229,8 +240,13 @@ class PolicyServer(LLMServer):
             return await reply_error(send, e.status_code, str(e.detail))
         if reply is not None:
             return await _send_json(send, 200, reply)
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")],
+            }
+        )
         for event in events:
             await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -245,16 +261,33 @@ class PolicyServer(LLMServer):
         messages = await asyncio.to_thread(self._as_trained, ask.messages, ask.tools)
         # tool_choice only with tools: given as None vLLM would not default it to auto (no parsing).
         tooling = {"tools": ask.tools, "tool_choice": ask.tool_choice} if ask.tools else {}
-        req = ChatCompletionRequest(model=model, messages=messages, stream=False, logprobs=True, return_token_ids=True,
-                                    max_tokens=ask.max_tokens or self.limits.max_tokens,
-                                    temperature=body.get("temperature"), top_p=body.get("top_p"), **tooling)
+        req = ChatCompletionRequest(
+            model=model,
+            messages=messages,
+            stream=False,
+            logprobs=True,
+            return_token_ids=True,
+            max_tokens=ask.max_tokens or self.limits.max_tokens,
+            temperature=body.get("temperature"),
+            top_p=body.get("top_p"),
+            **tooling,
+        )
         resp = await self._one_chat(req)
         c = resp.choices[0]
         msg = c.message.model_dump(exclude_none=True)
-        message = {"role": "assistant", "content": msg.get("content"), **({"tool_calls": msg["tool_calls"]} if msg.get("tool_calls") else {})}
+        message = {
+            "role": "assistant",
+            "content": msg.get("content"),
+            **({"tool_calls": msg["tool_calls"]} if msg.get("tool_calls") else {}),
+        }
         lps = [t.logprob for t in c.logprobs.content] if c.logprobs and c.logprobs.content else []
-        choice = Choice(msg.get("content") or "", message, list(c.token_ids or []), lps,
-                        finish_reason(message, c.finish_reason == "length"))
+        choice = Choice(
+            msg.get("content") or "",
+            message,
+            list(c.token_ids or []),
+            lps,
+            finish_reason(message, c.finish_reason == "length"),
+        )
         response_id = f"resp_{uuid.uuid4().hex}"
         self._responses[response_id] = ask.messages + [message]
         while len(self._responses) > KEPT_RESPONSES:
@@ -276,10 +309,18 @@ class PolicyServer(LLMServer):
     async def _candidates(self, body: BestOfNRequest) -> Any:
         """One chat response holding the n candidates. With a seed, n requests seeded seed, seed+1,
         ...: one seeded request with n > 1 would give n copies of one sample."""
+
         def request(n: int, seed: int | None) -> ChatCompletionRequest:
-            return ChatCompletionRequest(model=self._llm_config.model_id, messages=body.messages, n=n, seed=seed,
-                                         stream=False, max_tokens=body.max_tokens or self.limits.max_tokens,
-                                         temperature=body.temperature, top_p=body.top_p)
+            return ChatCompletionRequest(
+                model=self._llm_config.model_id,
+                messages=body.messages,
+                n=n,
+                seed=seed,
+                stream=False,
+                max_tokens=body.max_tokens or self.limits.max_tokens,
+                temperature=body.temperature,
+                top_p=body.top_p,
+            )
 
         if body.seed is None:
             return await self._one_chat(request(body.n, None))
@@ -302,18 +343,25 @@ class PolicyServer(LLMServer):
         response = await self._candidates(body)
         candidates = [c.message.content or "" for c in response.choices]
         prompt = next((str(m.get("content", "")) for m in reversed(body.messages) if m.get("role") == "user"), "")
-        scored = await self.scorer.score.remote([prompt] * len(candidates), candidates,
-                                                [dict(body.meta or {}) for _ in candidates])
+        scored = await self.scorer.score.remote(
+            [prompt] * len(candidates), candidates, [dict(body.meta or {}) for _ in candidates]
+        )
         scores = scored["scores"]
         valid = [i for i, s in enumerate(scores) if s is not None]
         if not valid:
-            raise HTTPException(502, f"the scorer could not score any of the {len(candidates)} candidates "
-                                f"({scored.get('skipped')})")
+            raise HTTPException(
+                502, f"the scorer could not score any of the {len(candidates)} candidates ({scored.get('skipped')})"
+            )
         best = max(valid, key=lambda i: scores[i])
         out = response.model_dump()
         out["choices"] = [dict(out["choices"][best], index=0)]
-        out["best_of_n"] = {"scores": scores, "candidates": candidates, "best_index": best,
-                            "scorer": scored.get("model"), "skipped": scored.get("skipped", {})}
+        out["best_of_n"] = {
+            "scores": scores,
+            "candidates": candidates,
+            "best_index": best,
+            "scorer": scored.get("model"),
+            "skipped": scored.get("skipped", {}),
+        }
         return JSONResponse(out)
 
     async def reload(self, body: ReloadRequest) -> JSONResponse:
@@ -343,8 +391,13 @@ class PolicyServer(LLMServer):
 
 async def _send_json(send: Any, status: int, obj: dict) -> None:
     body = json.dumps(obj).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -372,10 +425,38 @@ def _reload_replicas(broadcast: Any, handle: Any, folder: str, shown: str) -> No
         broadcast(handle, "resume")
 
 
-def llm_config(model_path: str, *, model_id: str = DEFAULT_MODEL_ID, max_model_len: int = 1024,
-               dtype: str = "auto", kv_cache_gib: float = 1.0, threads: int = 0, num_replicas: int = 1,
-               autoscaling: dict | None = None, seed: int = 0, accelerator: str = "cpu", access_log: bool = False,
-               tool_call_parser: str = "hermes", engine_metrics: bool = False) -> Any:
+def _engine_env(kv_cache_gib: float, threads: int) -> dict[str, str]:
+    """The engine replica's environment: its KV cache on CPU, threads, logging, core binding."""
+    import os
+
+    env = {
+        "VLLM_CPU_KVCACHE_SPACE": str(max(1, int(round(kv_cache_gib)))),
+        "TOKENIZERS_PARALLELISM": "false",
+        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+    }
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    if os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):  # the engine's core binding, as the caller set it
+        env["VLLM_CPU_OMP_THREADS_BIND"] = os.environ["VLLM_CPU_OMP_THREADS_BIND"]
+    return env
+
+
+def llm_config(
+    model_path: str,
+    *,
+    model_id: str = DEFAULT_MODEL_ID,
+    max_model_len: int = 1024,
+    dtype: str = "auto",
+    kv_cache_gib: float = 1.0,
+    threads: int = 0,
+    num_replicas: int = 1,
+    autoscaling: dict | None = None,
+    seed: int = 0,
+    accelerator: str = "cpu",
+    access_log: bool = False,
+    tool_call_parser: str = "hermes",
+    engine_metrics: bool = False,
+) -> Any:
     """``ray.serve.llm.LLMConfig`` of one served checkpoint (safetensors only, no remote code).
     ``access_log``: Serve's per-request log lines (off: on a small machine they cost throughput).
     ``dtype`` "auto": bfloat16 on GPUs and on CPUs with native bf16, float32 on other CPUs, decided
@@ -385,7 +466,6 @@ def llm_config(model_path: str, *, model_id: str = DEFAULT_MODEL_ID, max_model_l
     automatic tool calls off. ``engine_metrics``: the engine's per-step and per-request metrics
     also exported through Ray's metrics (the Ray Dashboard's Serve LLM panels; ``ray.serve.llm``'s
     default), at a cost in throughput (docs/benchmarks.md)."""
-    import os
 
     from ray.serve.llm import LLMConfig
 
@@ -393,33 +473,55 @@ def llm_config(model_path: str, *, model_id: str = DEFAULT_MODEL_ID, max_model_l
 
     dtype = resolve_engine_dtype(dtype, uses_gpu=accelerator != "cpu")
 
-    deployment: dict[str, Any] = {"ray_actor_options": {"num_cpus": 0}, "graceful_shutdown_timeout_s": 120,
-                                  "logging_config": {"enable_access_log": access_log}}
+    deployment: dict[str, Any] = {
+        "ray_actor_options": {"num_cpus": 0},
+        "graceful_shutdown_timeout_s": 120,
+        "logging_config": {"enable_access_log": access_log},
+    }
     if autoscaling:
         deployment["autoscaling_config"] = dict(autoscaling)
     else:
         deployment["num_replicas"] = num_replicas
-    env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, int(round(kv_cache_gib)))), "TOKENIZERS_PARALLELISM": "false",
-           "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
-    if threads:
-        env["OMP_NUM_THREADS"] = str(threads)
-    if os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):  # the engine's core binding, as the caller set it
-        env["VLLM_CPU_OMP_THREADS_BIND"] = os.environ["VLLM_CPU_OMP_THREADS_BIND"]
-    kwargs: dict[str, Any] = {"max_model_len": max_model_len, "dtype": dtype, "seed": seed,
-                              "trust_remote_code": False, "load_format": "safetensors"}
+    env = _engine_env(kv_cache_gib, threads)
+    kwargs: dict[str, Any] = {
+        "max_model_len": max_model_len,
+        "dtype": dtype,
+        "seed": seed,
+        "trust_remote_code": False,
+        "load_format": "safetensors",
+    }
     if accelerator == "cpu":
         kwargs["enforce_eager"] = True
     if tool_call_parser:
         kwargs.update(enable_auto_tool_choice=True, tool_call_parser=tool_call_parser)
-    return LLMConfig(model_loading_config={"model_id": model_id, "model_source": str(model_path)},
-                     accelerator_config={"kind": accelerator} if accelerator == "cpu" else None,
-                     engine_kwargs=kwargs, deployment_config=deployment, runtime_env={"env_vars": env},
-                     log_engine_metrics=engine_metrics)
+    return LLMConfig(
+        model_loading_config={"model_id": model_id, "model_source": str(model_path)},
+        accelerator_config={"kind": accelerator} if accelerator == "cpu" else None,
+        engine_kwargs=kwargs,
+        deployment_config=deployment,
+        runtime_env={"env_vars": env},
+        log_engine_metrics=engine_metrics,
+    )
 
 
-POLICY_ARGS = ("model_path", "model_id", "max_model_len", "dtype", "kv_cache_gib", "threads", "num_replicas",
-               "autoscaling", "seed", "accelerator", "access_log", "api_key_env", "limits", "best_of_n_scorer",
-               "tool_call_parser", "engine_metrics")
+POLICY_ARGS = (
+    "model_path",
+    "model_id",
+    "max_model_len",
+    "dtype",
+    "kv_cache_gib",
+    "threads",
+    "num_replicas",
+    "autoscaling",
+    "seed",
+    "accelerator",
+    "access_log",
+    "api_key_env",
+    "limits",
+    "best_of_n_scorer",
+    "tool_call_parser",
+    "engine_metrics",
+)
 
 
 def build_policy_app(args: dict[str, Any]) -> Any:
@@ -442,9 +544,24 @@ def build_policy_app(args: dict[str, Any]) -> Any:
     if not (Path(folder) / "config.json").is_file():
         raise ValueError(f"model_path {folder} is not a model folder (no config.json)")
     limits = Limits(**args.get("limits", {}))
-    engine = {k: args[k] for k in ("model_id", "max_model_len", "dtype", "kv_cache_gib", "threads", "num_replicas",
-                                   "autoscaling", "seed", "accelerator", "access_log", "tool_call_parser",
-                                   "engine_metrics") if k in args}
+    engine = {
+        k: args[k]
+        for k in (
+            "model_id",
+            "max_model_len",
+            "dtype",
+            "kv_cache_gib",
+            "threads",
+            "num_replicas",
+            "autoscaling",
+            "seed",
+            "accelerator",
+            "access_log",
+            "tool_call_parser",
+            "engine_metrics",
+        )
+        if k in args
+    }
     engine.setdefault("max_model_len", max(1024, limits.max_tokens + 512))
     cfg = llm_config(folder, **engine)
     scorer = None
@@ -452,13 +569,17 @@ def build_policy_app(args: dict[str, Any]) -> Any:
         from serving.scorer import ScorerBackend, scorer_spec_from_args
 
         scorer = serve.deployment(ScorerBackend, name="BestOfNScorer", ray_actor_options={"num_cpus": 0}).bind(
-            scorer_spec_from_args(dict(args["best_of_n_scorer"])))
+            scorer_spec_from_args(dict(args["best_of_n_scorer"]))
+        )
     api_key = api_key_from_env(args.get("api_key_env", "RAYRLHF_API_KEY"))
     # serve.ingress() without an app: the replica builds it (PolicyServer.__serve_build_asgi_app__)
     # once its engine runs.
-    return build_llm_deployment(cfg, name_prefix="PolicyServer:", deployment_cls=serve.ingress()(PolicyServer),
-                                bind_kwargs={"limits": limits, "api_key": api_key, "scorer": scorer,
-                                             "model_path": folder})
+    return build_llm_deployment(
+        cfg,
+        name_prefix="PolicyServer:",
+        deployment_cls=serve.ingress()(PolicyServer),
+        bind_kwargs={"limits": limits, "api_key": api_key, "scorer": scorer, "model_path": folder},
+    )
 
 
 __all__ = ["BestOfNRequest", "PolicyServer", "build_policy_app", "llm_config"]

@@ -29,7 +29,9 @@ class ScoreRequest(BaseModel):
 
     prompts: list[str] = Field(description="The prompt of each sample.")
     completions: list[str] = Field(description="The response of each sample, aligned with prompts.")
-    meta: list[dict[str, Any]] | None = Field(None, description="Per-sample metadata a rule function reads (e.g. the answer).")
+    meta: list[dict[str, Any]] | None = Field(
+        None, description="Per-sample metadata a rule function reads (e.g. the answer)."
+    )
 
 
 def check_items(req: ScoreRequest, limits: Limits) -> str | None:
@@ -86,8 +88,9 @@ class ScorerServer(ScorerBackend):
     async def score_http(self, req: ScoreRequest) -> JSONResponse:
         problem = check_items(req, self.limits)
         if problem:
-            return JSONResponse(status_code=400, content={"error": {"message": problem, "type": "invalid_request_error",
-                                                                   "code": 400}})
+            return JSONResponse(
+                status_code=400, content={"error": {"message": problem, "type": "invalid_request_error", "code": 400}}
+            )
         return JSONResponse(await self.score(req.prompts, req.completions, req.meta))
 
     @app.get("/v1/models")
@@ -110,9 +113,13 @@ def scorer_spec_from_args(args: dict[str, Any]) -> Any:
         from actors.rewards.judge import JudgeConfig
 
         spec.judge = JudgeConfig()
-        spec.judge_engine = GeneratorConfig(model_path=spec.model, max_prompt_tokens=spec.judge.max_prompt_tokens,
-                                            max_new_tokens=spec.judge.max_new_tokens, temperature=spec.judge.temperature,
-                                            max_model_len=spec.judge.max_prompt_tokens + spec.judge.max_new_tokens)
+        spec.judge_engine = GeneratorConfig(
+            model_path=spec.model,
+            max_prompt_tokens=spec.judge.max_prompt_tokens,
+            max_new_tokens=spec.judge.max_new_tokens,
+            temperature=spec.judge.temperature,
+            max_model_len=spec.judge.max_prompt_tokens + spec.judge.max_new_tokens,
+        )
     if spec.function == "remote":
         raise ValueError("a scorer server does not forward to another remote scorer")
     return spec
@@ -126,8 +133,10 @@ def build_scorer_app(args: dict[str, Any]) -> Any:
     spec = scorer_spec_from_args(dict(args.pop("scorer", {"function": "reasoning_gym"})))
     limits = Limits(**args.pop("limits", {}))
     api_key = api_key_from_env(args.pop("api_key_env", "RAYRLHF_API_KEY"))
-    options = {"num_replicas": int(args.pop("num_replicas", 1)),
-               "ray_actor_options": {"num_cpus": float(args.pop("num_cpus", 0))}}
+    options = {
+        "num_replicas": int(args.pop("num_replicas", 1)),
+        "ray_actor_options": {"num_cpus": float(args.pop("num_cpus", 0))},
+    }
     if args:
         raise ValueError(f"unknown scorer app settings {sorted(args)}")
     return ScorerServer.options(**options).bind(spec, limits, api_key)

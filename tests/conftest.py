@@ -62,8 +62,9 @@ def sdk_tool_caller(tiny_model_path, tmp_path_factory) -> str:
     from tests.helpers.sdk_agents import demonstrations
     from tests.helpers.tool_agent import train_tool_caller
 
-    folder, metrics = train_tool_caller(tiny_model_path, tmp_path_factory.mktemp("sdk_tool_caller") / "model",
-                                        steps=80, conversations=demonstrations())
+    folder, metrics = train_tool_caller(
+        tiny_model_path, tmp_path_factory.mktemp("sdk_tool_caller") / "model", steps=80, conversations=demonstrations()
+    )
     assert metrics["loss/total"] < 0.05, metrics
     return str(folder)
 
@@ -130,9 +131,16 @@ def ray_cluster(tiny_model_path):
     env.update(QUIET_CLUSTER_ENV)
     ray_bin = str(Path(bindir) / "ray")
     cmd = [
-        ray_bin, "start", "--head", f"--port={port}", "--num-cpus=8",
-        "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
-        f"--temp-dir={temp}", "--disable-usage-stats",
+        ray_bin,
+        "start",
+        "--head",
+        f"--port={port}",
+        "--num-cpus=8",
+        "--include-dashboard=true",
+        "--dashboard-host=127.0.0.1",
+        f"--dashboard-port={dash}",
+        f"--temp-dir={temp}",
+        "--disable-usage-stats",
     ]
     subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=120)
     address = f"127.0.0.1:{port}"

@@ -89,8 +89,12 @@ def test_ray_job_submit_on_a_cluster_started_as_the_readme_says(tiny_model_path,
     temp = tempfile.mkdtemp(prefix="rrj-", dir="/tmp")
     token = Path(temp) / "auth_token"
     token.write_text(secrets.token_hex(32))
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token),
-           "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")}
+    env = {
+        **os.environ,
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN_PATH": str(token),
+        "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""),
+    }
     env.pop("RAY_ADDRESS", None)
     port, dash, metrics_port, agent, client = (free_port() for _ in range(5))
     ray_bin = str(Path(sys.executable).parent / "ray")
@@ -98,11 +102,26 @@ def test_ray_job_submit_on_a_cluster_started_as_the_readme_says(tiny_model_path,
     # session's shared test cluster (the job agent's HTTP port 52365, the client server's 10001).
     # Metrics are exported every second (README: "--system-config ... 1000"), not every 10 s: a
     # 10-step tiny run can finish between two exports of Ray's default interval.
-    subprocess.run([ray_bin, "start", "--head", f"--port={port}", "--dashboard-host=127.0.0.1",
-                    f"--dashboard-port={dash}", f"--metrics-export-port={metrics_port}", f"--temp-dir={temp}",
-                    f"--dashboard-agent-listen-port={agent}", f"--ray-client-server-port={client}",
-                    '--system-config={"metrics_report_interval_ms":1000}',
-                    "--disable-usage-stats"], check=True, env=env, capture_output=True, timeout=300)
+    subprocess.run(
+        [
+            ray_bin,
+            "start",
+            "--head",
+            f"--port={port}",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={dash}",
+            f"--metrics-export-port={metrics_port}",
+            f"--temp-dir={temp}",
+            f"--dashboard-agent-listen-port={agent}",
+            f"--ray-client-server-port={client}",
+            '--system-config={"metrics_report_interval_ms":1000}',
+            "--disable-usage-stats",
+        ],
+        check=True,
+        env=env,
+        capture_output=True,
+        timeout=300,
+    )
     address = f"http://127.0.0.1:{dash}"
     scraper = _Scraper(metrics_port)
     try:
@@ -116,10 +135,34 @@ def test_ray_job_submit_on_a_cluster_started_as_the_readme_says(tiny_model_path,
         submit_deadline = time.time() + 240
         while True:
             submit = subprocess.run(
-                [ray_bin, "job", "submit", "--address", address, "--working-dir", str(ROOT), "--no-wait", "--",
-                 "rayrlhf", "train", "configs/ppo_tiny.yaml", "--set", "run.steps=10", "--set", f"run.output_dir={out_dir}",
-                 "--set", "run.name=smoke", "--set", "run.eval_every=10"],
-                env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+                [
+                    ray_bin,
+                    "job",
+                    "submit",
+                    "--address",
+                    address,
+                    "--working-dir",
+                    str(ROOT),
+                    "--no-wait",
+                    "--",
+                    "rayrlhf",
+                    "train",
+                    "configs/ppo_tiny.yaml",
+                    "--set",
+                    "run.steps=10",
+                    "--set",
+                    f"run.output_dir={out_dir}",
+                    "--set",
+                    "run.name=smoke",
+                    "--set",
+                    "run.eval_every=10",
+                ],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=300,
+                cwd=ROOT,
+            )
             if "No available agent" not in submit.stdout + submit.stderr or time.time() > submit_deadline:
                 break
             time.sleep(2.0)
@@ -130,8 +173,13 @@ def test_ray_job_submit_on_a_cluster_started_as_the_readme_says(tiny_model_path,
         deadline = time.time() + 600
         while time.time() < deadline:
             try:
-                status = subprocess.run([ray_bin, "job", "status", "--address", address, job_id], env=env,
-                                        capture_output=True, text=True, timeout=120).stdout.lower()
+                status = subprocess.run(
+                    [ray_bin, "job", "status", "--address", address, job_id],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    timeout=120,
+                ).stdout.lower()
             except subprocess.TimeoutExpired:  # a slowed host (once over 60 s): ask again until the deadline
                 status = ""
             if any(s in status for s in ("succeeded", "failed", "stopped")):
@@ -139,22 +187,43 @@ def test_ray_job_submit_on_a_cluster_started_as_the_readme_says(tiny_model_path,
             # Each `ray job status` is a new process importing Ray (about 2 s of CPU): polled every
             # second they took a third of this 2-core machine from the job they were watching.
             time.sleep(5.0)
-        logs = subprocess.run([ray_bin, "job", "logs", "--address", address, job_id], env=env,
-                              capture_output=True, text=True, timeout=60).stdout
+        logs = subprocess.run(
+            [ray_bin, "job", "logs", "--address", address, job_id], env=env, capture_output=True, text=True, timeout=60
+        ).stdout
         assert "succeeded" in status, status + logs[-4000:]
         # `rayrlhf train` typed on the same machine, no RAY_ADDRESS: it joins the head `ray start`
         # left running (found through Ray's address file; here in the head's temp dir) and says so.
-        own = subprocess.run([str(Path(sys.executable).parent / "rayrlhf"), "train", "configs/ppo_tiny.yaml",
-                              "--set", "run.steps=1", "--set", "run.eval_every=0", "--set", f"cluster.temp_dir={temp}",
-                              "--set", f"run.output_dir={tmp_path / 'local'}", "--set", "run.plot=false"],
-                             env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+        own = subprocess.run(
+            [
+                str(Path(sys.executable).parent / "rayrlhf"),
+                "train",
+                "configs/ppo_tiny.yaml",
+                "--set",
+                "run.steps=1",
+                "--set",
+                "run.eval_every=0",
+                "--set",
+                f"cluster.temp_dir={temp}",
+                "--set",
+                f"run.output_dir={tmp_path / 'local'}",
+                "--set",
+                "run.plot=false",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=ROOT,
+        )
     finally:
         scraper.done.set()
         _stop_cluster(temp, port)
         shutil.rmtree(temp, ignore_errors=True)
     assert own.returncode == 0, own.stdout[-3000:] + own.stderr[-3000:]
-    assert re.search(r"Ray cluster: 1 node\(s\), \d+ CPUs.*\(joined: joined the cluster `ray start` left at [\d.]+:"
-                     + str(port), own.stdout), own.stdout[-3000:]
+    assert re.search(
+        r"Ray cluster: 1 node\(s\), \d+ CPUs.*\(joined: joined the cluster `ray start` left at [\d.]+:" + str(port),
+        own.stdout,
+    ), own.stdout[-3000:]
     assert "step 1/1" in own.stdout
     # The job joined the cluster it was submitted to, which has the machine's CPUs, and fit on it.
     assert re.search(r"\[rayrlhf\] Ray cluster: 1 node\(s\), \d+ CPUs.*\(joined\)", logs), logs[-3000:]
@@ -170,7 +239,9 @@ def test_ray_job_submit_on_a_cluster_started_as_the_readme_says(tiny_model_path,
     assert (_metric(seen, "ray_rayrlhf_phase_seconds", phase="learn") or 0) > 0, seen
     # 32 prompts issued per finished step. The gauges are set one after another, so an export can
     # fall between two of them: some scrape (not necessarily every one) shows them consistent.
-    pairs = [(_metric(s, "ray_rayrlhf_step"), _metric(s, "ray_rayrlhf_prompts", event="issued")) for s in scraper.scrapes]
+    pairs = [
+        (_metric(s, "ray_rayrlhf_step"), _metric(s, "ray_rayrlhf_prompts", event="issued")) for s in scraper.scrapes
+    ]
     assert any(st is not None and st >= 1 and issued == 32 * st for st, issued in pairs), pairs
     runs = list(out_dir.glob("smoke-*"))
     assert len(runs) == 1
@@ -187,25 +258,47 @@ def test_ray_job_submit_on_a_cluster_started_as_the_readme_says(tiny_model_path,
 
 def test_cli_rejects_a_wrong_config_key_before_starting_anything(tmp_path):
     proc = subprocess.run(
-        [str(Path(sys.executable).parent / "rayrlhf"), "train", "configs/ppo_tiny.yaml", "--set", "ppo.learning_rate=1"],
-        capture_output=True, text=True, timeout=60, cwd=ROOT,
+        [
+            str(Path(sys.executable).parent / "rayrlhf"),
+            "train",
+            "configs/ppo_tiny.yaml",
+            "--set",
+            "ppo.learning_rate=1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
     )
     assert proc.returncode == 2
     assert "ppo.learning_rate" in proc.stderr and "valid keys" in proc.stderr
 
 
-@pytest.mark.parametrize("override, words", [
-    ("data.task=jsonl:/nonexistent/prompts.jsonl", "data file or folder not found"),
-    ("data.task=no_such_task", "no_such_task"),
-    ("reward.function=no_such_module:score", "cannot import module"),
-    ("model.path=/nonexistent/model", "neither a built-in asset"),
-])
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("data.task=jsonl:/nonexistent/prompts.jsonl", "data file or folder not found"),
+        ("data.task=no_such_task", "no_such_task"),
+        ("reward.function=no_such_module:score", "cannot import module"),
+        ("model.path=/nonexistent/model", "neither a built-in asset"),
+    ],
+)
 def test_cli_reports_user_errors_in_one_line(tmp_path, override, words):
     """What the user named must exist: one clear line and exit code 2, no traceback, nothing started."""
     proc = subprocess.run(
-        [str(Path(sys.executable).parent / "rayrlhf"), "train", "configs/ppo_tiny.yaml", "--set", override,
-         "--set", f"run.output_dir={tmp_path}"],
-        capture_output=True, text=True, timeout=120, cwd=ROOT,
+        [
+            str(Path(sys.executable).parent / "rayrlhf"),
+            "train",
+            "configs/ppo_tiny.yaml",
+            "--set",
+            override,
+            "--set",
+            f"run.output_dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [line for line in proc.stderr.splitlines() if line.startswith("rayrlhf:")]
@@ -219,7 +312,17 @@ def test_cli_resume_refuses_a_changed_model(tmp_path):
     run.mkdir()
     (run / "config.yaml").write_text((ROOT / "configs" / "ppo_tiny.yaml").read_text())
     proc = subprocess.run(
-        [str(Path(sys.executable).parent / "rayrlhf"), "train", "--resume", str(run), "--set", "model.path=smollm2-135m"],
-        capture_output=True, text=True, timeout=60, cwd=ROOT,
+        [
+            str(Path(sys.executable).parent / "rayrlhf"),
+            "train",
+            "--resume",
+            str(run),
+            "--set",
+            "model.path=smollm2-135m",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
     )
     assert proc.returncode == 2 and "cannot resume with a different model.path" in proc.stderr, proc.stderr

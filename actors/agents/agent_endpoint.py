@@ -37,8 +37,20 @@ from typing import Any, Callable, Iterator
 
 from actors.agents.chat_tokens import ChatTokens, from_client
 from actors.agents.openai_api import (
-    ApiError, Ask, Choice, chat_reply, chat_stream, completion_reply, completion_stream, finish_reason, parse_chat,
-    parse_completion, parse_responses, reply_message, responses_reply, responses_stream,
+    ApiError,
+    Ask,
+    Choice,
+    chat_reply,
+    chat_stream,
+    completion_reply,
+    completion_stream,
+    finish_reason,
+    parse_chat,
+    parse_completion,
+    parse_responses,
+    reply_message,
+    responses_reply,
+    responses_stream,
 )
 from actors.rollout.records import Rollout, Sampled, token_versions
 
@@ -67,8 +79,14 @@ class Segment:
         return len(self.prompt_ids) + len(self.ids)
 
     def fork(self) -> "Segment":
-        return replace(self, messages=list(self.messages), ids=list(self.ids), action=list(self.action),
-                       logprobs=list(self.logprobs), versions=list(self.versions))
+        return replace(
+            self,
+            messages=list(self.messages),
+            ids=list(self.ids),
+            action=list(self.action),
+            logprobs=list(self.logprobs),
+            versions=list(self.versions),
+        )
 
 
 @dataclass
@@ -136,8 +154,15 @@ class AgentRunner:
     """Runs agent programs against the endpoint for one batch (the ``Feed`` of
     ``EngineLoop.stream``: their calls' generations join the engine's running batch)."""
 
-    def __init__(self, chat: ChatTokens, limits: Any, sampling: Callable[..., Any], pool: Any,
-                 episode_timeout_s: float, models: tuple[str, ...] = ("policy",)) -> None:
+    def __init__(
+        self,
+        chat: ChatTokens,
+        limits: Any,
+        sampling: Callable[..., Any],
+        pool: Any,
+        episode_timeout_s: float,
+        models: tuple[str, ...] = ("policy",),
+    ) -> None:
         self.chat, self.limits, self.sampling, self.pool = chat, limits, sampling, pool
         self.episode_timeout_s, self.models = episode_timeout_s, tuple(models)
         self._cv = threading.Condition()
@@ -148,10 +173,14 @@ class AgentRunner:
         self._deadline = math.inf
 
     # -- the batch -------------------------------------------------------------------------------
-    def run(self, loop: Any, endpoint: Any, agent: Callable, rows: list[dict], group_ids: list[int],
-            n: int) -> list[AgentEpisode]:
-        episodes = [AgentEpisode(k * n + j, row, g, secrets.token_urlsafe(16))
-                    for k, (row, g) in enumerate(zip(rows, group_ids)) for j in range(n)]
+    def run(
+        self, loop: Any, endpoint: Any, agent: Callable, rows: list[dict], group_ids: list[int], n: int
+    ) -> list[AgentEpisode]:
+        episodes = [
+            AgentEpisode(k * n + j, row, g, secrets.token_urlsafe(16))
+            for k, (row, g) in enumerate(zip(rows, group_ids))
+            for j in range(n)
+        ]
         self.episodes = {ep.token: ep for ep in episodes}
         self._open = len(episodes)
         endpoint.attach(self)
@@ -169,8 +198,11 @@ class AgentRunner:
 
     def _end(self, ep: AgentEpisode, status: str, reward: Any = None, error: str = "") -> None:
         if status == "done" and isinstance(reward, dict):  # {"reward": x, "components": {name: value}}
-            ep.components = {str(k): float(v) for k, v in (reward.get("components") or {}).items()
-                             if isinstance(v, (int, float)) and math.isfinite(v)}
+            ep.components = {
+                str(k): float(v)
+                for k, v in (reward.get("components") or {}).items()
+                if isinstance(v, (int, float)) and math.isfinite(v)
+            }
             reward = reward.get("reward")
         if status == "done":
             try:
@@ -238,15 +270,21 @@ class AgentRunner:
         ask = self._parse(ep, route, body)
         ep.calls += 1
         if ep.calls > self.limits.max_turns:
-            raise ApiError(f"the episode's call limit ({self.limits.max_turns}, env.max_turns) is reached",
-                           code="episode_call_limit")
+            raise ApiError(
+                f"the episode's call limit ({self.limits.max_turns}, env.max_turns) is reached",
+                code="episode_call_limit",
+            )
         seg, delta = self._continued(ep, ask)
         new = seg is None
         seg = seg or self._new_segment(ask)
-        room = min(self.limits.max_new_tokens, ask.max_tokens or 10**9, self.limits.max_tokens - seg.length - len(delta))
+        room = min(
+            self.limits.max_new_tokens, ask.max_tokens or 10**9, self.limits.max_tokens - seg.length - len(delta)
+        )
         if room < 1:
-            raise ApiError(f"the episode's token budget ({self.limits.max_tokens}, env.max_tokens) is spent",
-                           code="episode_token_limit")
+            raise ApiError(
+                f"the episode's token budget ({self.limits.max_tokens}, env.max_tokens) is spent",
+                code="episode_token_limit",
+            )
         context = seg.prompt_ids + seg.ids + delta
         output = await self._generate(context, self.sampling(room, ep.key, ep.calls, n=ask.n, stop=ask.stop))
         choices = [self._choice(ask, comp) for comp in output.outputs]
@@ -277,14 +315,24 @@ class AgentRunner:
 
     def _reply(self, ep: AgentEpisode, ask: Ask, choices: list[Choice], context: list[int]) -> Answer:
         if ask.route == "chat":
-            return Answer(events=chat_stream(ask, choices, context)) if ask.stream else Answer(chat_reply(ask, choices, context))
+            return (
+                Answer(events=chat_stream(ask, choices, context))
+                if ask.stream
+                else Answer(chat_reply(ask, choices, context))
+            )
         if ask.route == "completions":
-            return (Answer(events=completion_stream(ask, choices, context)) if ask.stream
-                    else Answer(completion_reply(ask, choices, context)))
+            return (
+                Answer(events=completion_stream(ask, choices, context))
+                if ask.stream
+                else Answer(completion_reply(ask, choices, context))
+            )
         response_id = f"resp_{uuid.uuid4().hex}"
         ep.responses[response_id] = ask.messages + [choices[0].message]
-        return (Answer(events=responses_stream(ask, choices[0], context, response_id)) if ask.stream
-                else Answer(responses_reply(ask, choices[0], context, response_id)))
+        return (
+            Answer(events=responses_stream(ask, choices[0], context, response_id))
+            if ask.stream
+            else Answer(responses_reply(ask, choices[0], context, response_id))
+        )
 
     # -- trajectories ----------------------------------------------------------------------------
     def _new_segment(self, ask: Ask) -> Segment:
@@ -320,13 +368,14 @@ class AgentRunner:
     def _text_delta(self, seg: Segment, prompt: str | list[int]) -> list[int] | None:
         if isinstance(prompt, list):
             whole = seg.prompt_ids + seg.ids
-            return prompt[len(whole):] if len(prompt) > len(whole) and prompt[: len(whole)] == whole else None
+            return prompt[len(whole) :] if len(prompt) > len(whole) and prompt[: len(whole)] == whole else None
         if seg.text is None or len(prompt) <= len(seg.text) or not prompt.startswith(seg.text):
             return None
-        return list(self.chat.tok.encode(prompt[len(seg.text):], add_special_tokens=False))
+        return list(self.chat.tok.encode(prompt[len(seg.text) :], add_special_tokens=False))
 
-    def _record(self, ep: AgentEpisode, ask: Ask, seg: Segment, new: bool, delta: list[int], comps: list,
-                choices: list[Choice]) -> None:
+    def _record(
+        self, ep: AgentEpisode, ask: Ask, seg: Segment, new: bool, delta: list[int], comps: list, choices: list[Choice]
+    ) -> None:
         """The first reply extends ``seg`` (new or continued); every other one extends a copy of
         it as it was before this call."""
         before = seg.fork()
@@ -417,23 +466,50 @@ def agent_summary(episodes: list[AgentEpisode]) -> tuple[dict[str, int], dict[st
     return dropped, counts
 
 
-def play_agents(loop: Any, chat: ChatTokens, rows: list[dict], group_ids: list[int], n: int, agent: Callable,
-                endpoint: Any, limits: Any, sampling: Callable[..., Any], pool: Any, timeout_s: float = 300.0,
-                models: tuple[str, ...] = ("policy",)) -> Rollout:
+def play_agents(
+    loop: Any,
+    chat: ChatTokens,
+    rows: list[dict],
+    group_ids: list[int],
+    n: int,
+    agent: Callable,
+    endpoint: Any,
+    limits: Any,
+    sampling: Callable[..., Any],
+    pool: Any,
+    timeout_s: float = 300.0,
+    models: tuple[str, ...] = ("policy",),
+) -> Rollout:
     """The agent-program strategy over an engine loop: ``n`` episodes per row of ``agent(row,
     base_url) -> reward`` against ``endpoint`` (``AgentRunner``), one ``Sampled`` row per
     trajectory segment of a finished program (its reward in ``meta["episode"]``); failed
     programs dropped and counted. ValueError when none finished."""
-    episodes = AgentRunner(chat, limits, sampling, pool, timeout_s, models).run(loop, endpoint, agent, rows, group_ids, n)
+    episodes = AgentRunner(chat, limits, sampling, pool, timeout_s, models).run(
+        loop, endpoint, agent, rows, group_ids, n
+    )
     dropped, counts = agent_summary(episodes)
     out = []
     for ep in episodes:
         if ep.status != "done":
             continue
-        meta = {**ep.row.get("meta", {}), "episode": {"reward": ep.reward, "calls": ep.calls,
-                                                      "segments": len(ep.segments), "status": ep.status}}
-        out += [Sampled(seg.prompt_ids, seg.ids, seg.logprobs, seg.truncated, chat.tok.decode(seg.ids), meta,
-                        ep.group, seg.versions, seg.action) for seg in ep.segments]
+        meta = {
+            **ep.row.get("meta", {}),
+            "episode": {"reward": ep.reward, "calls": ep.calls, "segments": len(ep.segments), "status": ep.status},
+        }
+        out += [
+            Sampled(
+                seg.prompt_ids,
+                seg.ids,
+                seg.logprobs,
+                seg.truncated,
+                chat.tok.decode(seg.ids),
+                meta,
+                ep.group,
+                seg.versions,
+                seg.action,
+            )
+            for seg in ep.segments
+        ]
     if not out:
         errors = sorted({ep.error or str(ep.status) for ep in episodes})[:3]
         raise ValueError(f"no agent episode of a batch of {len(episodes)} finished: {dropped}; e.g. {errors}")
@@ -447,7 +523,7 @@ def resolve_agent(spec: str, args: dict | None = None, max_tokens: int = 64) -> 
     if spec.startswith("verifiers:"):
         from actors.agents.verifiers_env import VerifiersProgram
 
-        return VerifiersProgram(spec[len("verifiers:"):], args or {}, max_tokens)
+        return VerifiersProgram(spec[len("verifiers:") :], args or {}, max_tokens)
     from actors.imports import import_callable
 
     return import_callable(spec, "rollout.agent")

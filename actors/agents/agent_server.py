@@ -20,8 +20,10 @@ ROUTES = {"chat/completions": "chat", "responses": "responses", "completions": "
 def _error(status: int, message: str, param: str | None = None, code: str | None = None) -> Any:
     from starlette.responses import JSONResponse
 
-    return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": param, "code": code}},
-                        status_code=status)
+    return JSONResponse(
+        {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": code}},
+        status_code=status,
+    )
 
 
 class AgentEndpoint:
@@ -35,17 +37,26 @@ class AgentEndpoint:
         self.runner: Any = None
         self.models = tuple(models)
         routes = [Route("/episodes/{token}/v1/models", self._list_models, methods=["GET"])]
-        routes += [Route(f"/episodes/{{token}}/v1/{path}", self._handler(kind), methods=["POST"])
-                   for path, kind in ROUTES.items()]
+        routes += [
+            Route(f"/episodes/{{token}}/v1/{path}", self._handler(kind), methods=["POST"])
+            for path, kind in ROUTES.items()
+        ]
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         # Every episode's program may connect at once: a small backlog refuses some under load.
-        config = uvicorn.Config(Starlette(routes=routes), log_level="warning", lifespan="off", backlog=2048,
-                                timeout_keep_alive=60, access_log=False)
+        config = uvicorn.Config(
+            Starlette(routes=routes),
+            log_level="warning",
+            lifespan="off",
+            backlog=2048,
+            timeout_keep_alive=60,
+            access_log=False,
+        )
         self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True,
-                                       name="rayrlhf-agent-endpoint")
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True, name="rayrlhf-agent-endpoint"
+        )
         self.thread.start()
         while not self.server.started:  # listening before any base URL is handed out
             if not self.thread.is_alive():
@@ -78,8 +89,9 @@ class AgentEndpoint:
 
         if self._episode(request) is None:
             return _error(404, "no such episode", code="episode_not_found")
-        return JSONResponse({"object": "list", "data": [{"id": m, "object": "model", "owned_by": "rayrlhf"}
-                                                        for m in self.models]})
+        return JSONResponse(
+            {"object": "list", "data": [{"id": m, "object": "model", "owned_by": "rayrlhf"} for m in self.models]}
+        )
 
     def _handler(self, kind: str):
         async def handle(request: Any) -> Any:
@@ -102,8 +114,9 @@ class AgentEndpoint:
             except KeyError:
                 return _error(404, "no such episode", code="episode_not_found")
             if answer.events is not None:
-                return StreamingResponse(answer.events, media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache"})
+                return StreamingResponse(
+                    answer.events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+                )
             return JSONResponse(answer.body)
 
         return handle

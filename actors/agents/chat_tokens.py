@@ -31,8 +31,9 @@ class ChatTokens:
         self._tools_rendered: dict[str, bool] = {}
 
     def _render(self, messages: list[dict], tools: list[dict] | None = None, generation: bool = False) -> str:
-        return self.tok.apply_chat_template(messages, tools=tools or None, tokenize=False,
-                                            add_generation_prompt=generation)
+        return self.tok.apply_chat_template(
+            messages, tools=tools or None, tokenize=False, add_generation_prompt=generation
+        )
 
     def prompt(self, first: Any, tools: list[dict] | None = None) -> list[int]:
         """The first turn's prompt: system message, the first observation, the generation prompt."""
@@ -76,9 +77,9 @@ class ChatTokens:
         after = self._render(self._base + list(messages), generation=True)
         if not after.startswith(self._head):
             raise ValueError("the chat template renders an earlier turn differently once a turn follows it")
-        suffix = after[len(self._head):]
+        suffix = after[len(self._head) :]
         if reply_ended and self.eos_text and suffix.startswith(self.eos_text):
-            suffix = suffix[len(self.eos_text):]
+            suffix = suffix[len(self.eos_text) :]
         return self._encode(suffix)
 
     def _encode(self, text: str) -> list[int]:
@@ -117,7 +118,9 @@ def from_client(messages: list[Any], fmt: ToolCallFormat = ToolCallFormat()) -> 
                     pass  # what the model wrote, as it wrote it
                 calls.append(fmt.open_tag + json.dumps({"name": fn.get("name"), "arguments": args}) + fmt.close_tag)
             # Exact for a reply that is calls only; text before the calls is joined by a line break.
-            out.append({"role": "assistant", "content": "\n".join(([content.rstrip()] if content.strip() else []) + calls)})
+            out.append(
+                {"role": "assistant", "content": "\n".join(([content.rstrip()] if content.strip() else []) + calls)}
+            )
         elif m.get("role") == "tool":
             if out and out[-1].get("_answers") is not None:
                 out[-1]["_answers"].append(content)
@@ -141,6 +144,7 @@ def tool_instructions(tools: list[dict]) -> str:
     import json
 
     listing = "\n".join(json.dumps(t["function"]) for t in tools)
-    return ("You can call these tools:\n<tools>\n" + listing + "\n</tools>\nTo call one, reply with "
-            '<tool_call>{"name": <tool name>, "arguments": {...}}</tool_call> and wait for its answer.')
-
+    return (
+        "You can call these tools:\n<tools>\n" + listing + "\n</tools>\nTo call one, reply with "
+        '<tool_call>{"name": <tool name>, "arguments": {...}}</tool_call> and wait for its answer.'
+    )

@@ -29,8 +29,12 @@ def as_step(result: Any) -> Step:
     if isinstance(result, Step):
         return result
     if isinstance(result, dict):
-        return Step(result.get("observation"), float(result.get("reward") or 0.0), bool(result.get("done")),
-                    dict(result.get("info") or {}))
+        return Step(
+            result.get("observation"),
+            float(result.get("reward") or 0.0),
+            bool(result.get("done")),
+            dict(result.get("info") or {}),
+        )
     if isinstance(result, tuple) and len(result) == 5:
         obs, reward, terminated, truncated, info = result
         return Step(obs, float(reward), bool(terminated or truncated), dict(info or {}))

@@ -60,10 +60,17 @@ class GuessNumber:
         rows = []
         for _ in range(size):
             target = rng.randint(low, high)
-            prompt = (f"I am thinking of a whole number from {low} to {high}. Guess it: reply with one number. "
-                      f"I will say higher or lower. You have {max_guesses} guesses.")
-            rows.append({"prompt": prompt, "answer": str(target),
-                         "meta": {"answer": str(target), "question": prompt, "prompt": prompt}})
+            prompt = (
+                f"I am thinking of a whole number from {low} to {high}. Guess it: reply with one number. "
+                f"I will say higher or lower. You have {max_guesses} guesses."
+            )
+            rows.append(
+                {
+                    "prompt": prompt,
+                    "answer": str(target),
+                    "meta": {"answer": str(target), "question": prompt, "prompt": prompt},
+                }
+            )
         return rows
 
     def reset(self, row: dict[str, Any]) -> str:
@@ -86,8 +93,13 @@ class Feedback:
     """Answer a task; a wrong answer hears 'incorrect, try again' up to ``attempts`` times. The
     reward of a right answer at attempt k is ``discount ** (k - 1)``."""
 
-    def __init__(self, check_row: Callable[[dict], Callable[[str], float]], attempts: int = 3,
-                 discount: float = 0.5, retry_message: str = "Incorrect, try again.") -> None:
+    def __init__(
+        self,
+        check_row: Callable[[dict], Callable[[str], float]],
+        attempts: int = 3,
+        discount: float = 0.5,
+        retry_message: str = "Incorrect, try again.",
+    ) -> None:
         self.check_row, self.attempts, self.discount, self.retry = check_row, attempts, discount, retry_message
         self.check: Callable[[str], float] = lambda reply: 0.0
         self.tries = 0
@@ -110,8 +122,13 @@ class ToolUse:
     the tools' outputs (a ``tool`` message); the first reply without one is the final answer,
     scored by the verifier. More than ``max_tool_calls`` calls end the episode unanswered."""
 
-    def __init__(self, check_row: Callable[[dict], Callable[[str], float]], tools: ToolBox,
-                 max_tool_calls: int = 4, fmt: ToolCallFormat = ToolCallFormat()) -> None:
+    def __init__(
+        self,
+        check_row: Callable[[dict], Callable[[str], float]],
+        tools: ToolBox,
+        max_tool_calls: int = 4,
+        fmt: ToolCallFormat = ToolCallFormat(),
+    ) -> None:
         self.check_row, self.toolbox, self.max_tool_calls, self.fmt = check_row, tools, max_tool_calls, fmt
         self.tools = tools.schemas()
         self.check: Callable[[str], float] = lambda reply: 0.0
@@ -136,8 +153,12 @@ class ToolUse:
             result = self.toolbox.call(call)
             self.counts[result.status] = self.counts.get(result.status, 0) + 1
             answers.append(result.text)
-        return Step({"role": "tool", "content": self.fmt.wrap_response("\n".join(answers))}, 0.0, False,
-                    {"tool_calls": dict(self.counts)})
+        return Step(
+            {"role": "tool", "content": self.fmt.wrap_response("\n".join(answers))},
+            0.0,
+            False,
+            {"tool_calls": dict(self.counts)},
+        )
 
 
 # -- construction --------------------------------------------------------------------------------
@@ -214,8 +235,15 @@ def environment_factory(spec: EnvSpec) -> Callable[[], Any]:
 
         if spec.name == "feedback":
             return lambda: Feedback(check_row, **spec.args)
-        toolbox = ToolBox(resolve_tools(spec.tools or ["calculator"], spec.python_sandbox, tuple(spec.python_packages),
-                                        tuple(spec.sandbox_tools)), timeout_s=spec.tool_timeout_s)
+        toolbox = ToolBox(
+            resolve_tools(
+                spec.tools or ["calculator"],
+                spec.python_sandbox,
+                tuple(spec.python_packages),
+                tuple(spec.sandbox_tools),
+            ),
+            timeout_s=spec.tool_timeout_s,
+        )
         return lambda: ToolUse(check_row, toolbox, max_tool_calls=spec.max_tool_calls, **spec.args)
     if ":" in spec.name:
         module, attr = spec.name.split(":", 1)
@@ -228,5 +256,7 @@ def environment_factory(spec: EnvSpec) -> Callable[[], Any]:
         if is_openenv_environment_class(factory):
             return local_factory(factory, dict(spec.args), openenv_options(spec), spec.openenv.get("action_class", ""))
         return lambda: factory(**spec.args)
-    raise ValueError(f"environment {spec.name!r} is neither a built-in ({', '.join(BUILTIN_ENVIRONMENTS)}), "
-                     "an http(s):// URL nor 'module:factory'")
+    raise ValueError(
+        f"environment {spec.name!r} is neither a built-in ({', '.join(BUILTIN_ENVIRONMENTS)}), "
+        "an http(s):// URL nor 'module:factory'"
+    )

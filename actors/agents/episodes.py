@@ -64,15 +64,29 @@ class Episode:
 
 
 # What a turn boundary's snapshot keeps of an episode: enough to go on from there.
-SNAPSHOT_FIELDS = ("prompt_ids", "ids", "action", "logprobs", "versions", "rewards", "spans", "texts", "ended", "truncated")
+SNAPSHOT_FIELDS = (
+    "prompt_ids",
+    "ids",
+    "action",
+    "logprobs",
+    "versions",
+    "rewards",
+    "spans",
+    "texts",
+    "ended",
+    "truncated",
+)
 
 
 def snapshot(ep: Episode) -> dict[str, Any]:
     """An episode at a turn boundary (its next turn not sampled yet), as plain data."""
     out = {f: getattr(ep, f) for f in SNAPSHOT_FIELDS}
     # Copies: the episode goes on changing its lists while the snapshot travels.
-    return {**{k: list(v) if isinstance(v, list) else v for k, v in out.items()},
-            "spans": [list(s) for s in ep.spans], "info": dict(ep.info)}
+    return {
+        **{k: list(v) if isinstance(v, list) else v for k, v in out.items()},
+        "spans": [list(s) for s in ep.spans],
+        "info": dict(ep.info),
+    }
 
 
 class EpisodeRunner:
@@ -85,9 +99,16 @@ class EpisodeRunner:
     recorded, the episode continues at its next turn; if not (an environment that is not
     deterministic), it starts over (``info["resume"]``: resumed / replay_mismatch)."""
 
-    def __init__(self, chat: ChatTokens, make_env: Callable[[], Any], limits: EpisodeLimits,
-                 sampling: Callable[[int, int, int], Any], pool: concurrent.futures.ThreadPoolExecutor,
-                 journal: Callable[[int, dict], None] | None = None, resume: dict[int, dict] | None = None) -> None:
+    def __init__(
+        self,
+        chat: ChatTokens,
+        make_env: Callable[[], Any],
+        limits: EpisodeLimits,
+        sampling: Callable[[int, int, int], Any],
+        pool: concurrent.futures.ThreadPoolExecutor,
+        journal: Callable[[int, dict], None] | None = None,
+        resume: dict[int, dict] | None = None,
+    ) -> None:
         self.chat, self.make_env, self.limits, self.sampling, self.pool = chat, make_env, limits, sampling, pool
         self.journal, self.resume = journal, dict(resume or {})
         self._cv = threading.Condition()
@@ -114,7 +135,9 @@ class EpisodeRunner:
             while self._ready:
                 ep = self._ready.popleft()
                 room = min(self.limits.max_new_tokens, self.limits.max_tokens - ep.length)
-                out.append((ep, {"prompt_token_ids": ep.prompt_ids + ep.ids}, self.sampling(room, ep.key, len(ep.spans))))
+                out.append(
+                    (ep, {"prompt_token_ids": ep.prompt_ids + ep.ids}, self.sampling(room, ep.key, len(ep.spans)))
+                )
         return out
 
     def finished(self, ep: Episode, output: Any) -> None:
@@ -175,10 +198,16 @@ class EpisodeRunner:
         if saved.get("prompt_ids") != ep.prompt_ids:
             ep.info["resume"] = "replay_mismatch"
             return False
-        for (_, end, obs_end), text, ended, reward in zip(saved["spans"], saved["texts"], saved["ended"], saved["rewards"]):
+        for (_, end, obs_end), text, ended, reward in zip(
+            saved["spans"], saved["texts"], saved["ended"], saved["rewards"]
+        ):
             step = as_step(ep.env.step(text))
-            if step.done or step.observation is None or float(step.reward) != reward or (
-                    self.chat.observation(step.observation, reply_ended=ended) != saved["ids"][end:obs_end]):
+            if (
+                step.done
+                or step.observation is None
+                or float(step.reward) != reward
+                or (self.chat.observation(step.observation, reply_ended=ended) != saved["ids"][end:obs_end])
+            ):
                 ep.info["resume"] = "replay_mismatch"
                 ep.env = self.make_env()
                 return False
@@ -270,18 +299,34 @@ def episode_summary(episodes: list[Episode]) -> tuple[dict[str, int], dict[str, 
 def episode_meta(ep: Episode) -> dict[str, Any]:
     """What the record's ``meta`` keeps of an episode: its reward (the sum of its rewards), the
     per-turn rewards, spans and texts, and how it ended."""
-    return {**ep.row.get("meta", {}),
-            "episode": {"reward": float(sum(ep.rewards)), "rewards": list(ep.rewards), "turns": len(ep.spans),
-                        "resumed_turns": int(ep.info.get("resumed_turns", 0)),
-                        "spans": [list(s) for s in ep.spans], "status": ep.status,
-                        "tool_calls": dict(ep.info.get("tool_calls") or {})}}
+    return {
+        **ep.row.get("meta", {}),
+        "episode": {
+            "reward": float(sum(ep.rewards)),
+            "rewards": list(ep.rewards),
+            "turns": len(ep.spans),
+            "resumed_turns": int(ep.info.get("resumed_turns", 0)),
+            "spans": [list(s) for s in ep.spans],
+            "status": ep.status,
+            "tool_calls": dict(ep.info.get("tool_calls") or {}),
+        },
+    }
 
 
-
-def play_episodes(loop: Any, chat: ChatTokens, rows: list[dict[str, Any]], group_ids: list[int], n: int,
-                  make_env: Callable[[], Any], limits: EpisodeLimits, sampling: Callable[..., Any], *,
-                  pool: concurrent.futures.ThreadPoolExecutor | None = None, journal: Callable[[int, dict], None] | None = None,
-                  resume: dict[int, dict] | None = None) -> Rollout:
+def play_episodes(
+    loop: Any,
+    chat: ChatTokens,
+    rows: list[dict[str, Any]],
+    group_ids: list[int],
+    n: int,
+    make_env: Callable[[], Any],
+    limits: EpisodeLimits,
+    sampling: Callable[..., Any],
+    *,
+    pool: concurrent.futures.ThreadPoolExecutor | None = None,
+    journal: Callable[[int, dict], None] | None = None,
+    resume: dict[int, dict] | None = None,
+) -> Rollout:
     """The multi-turn strategy over an engine loop: ``n`` episodes per row (``EpisodeRunner``,
     environment steps on ``pool``, or on a pool of 16 threads of its own), one ``Sampled`` row per
     finished episode (its reward in ``meta["episode"]``); episodes that did not finish dropped and
@@ -289,8 +334,9 @@ def play_episodes(loop: Any, chat: ChatTokens, rows: list[dict[str, Any]], group
     own_pool = pool is None
     pool = pool or concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="rayrlhf-env")
     try:
-        episodes = EpisodeRunner(chat, make_env, limits, sampling, pool, journal=journal,
-                                 resume=resume).run(loop, rows, group_ids, n)
+        episodes = EpisodeRunner(chat, make_env, limits, sampling, pool, journal=journal, resume=resume).run(
+            loop, rows, group_ids, n
+        )
     finally:
         if own_pool:
             pool.shutdown(wait=False, cancel_futures=True)
@@ -299,6 +345,18 @@ def play_episodes(loop: Any, chat: ChatTokens, rows: list[dict[str, Any]], group
     if not kept:
         errors = sorted({ep.info.get("error", ep.status) for ep in episodes})[:3]
         raise ValueError(f"no episode of a batch of {len(episodes)} finished: {dropped}; e.g. {errors}")
-    out = [Sampled(ep.prompt_ids, ep.ids, ep.logprobs, ep.truncated, chat.tok.decode(ep.ids), episode_meta(ep),
-                   ep.group, ep.versions, ep.action) for ep in kept]
+    out = [
+        Sampled(
+            ep.prompt_ids,
+            ep.ids,
+            ep.logprobs,
+            ep.truncated,
+            chat.tok.decode(ep.ids),
+            episode_meta(ep),
+            ep.group,
+            ep.versions,
+            ep.action,
+        )
+        for ep in kept
+    ]
     return Rollout(out, dropped, counts)

@@ -41,7 +41,9 @@ class ApiError(ValueError):
         self.param, self.code, self.status = param, code, status
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": str(self), "type": "invalid_request_error", "param": self.param, "code": self.code}}
+        return {
+            "error": {"message": str(self), "type": "invalid_request_error", "param": self.param, "code": self.code}
+        }
 
 
 @dataclass
@@ -135,8 +137,11 @@ def _validated(model: type[BaseModel], body: Any) -> Any:
 
 def _check_model(model: str, models: tuple[str, ...]) -> None:
     if "*" not in models and model not in models:
-        raise ApiError(f"the model {model!r} is not served here (served: {', '.join(models)}; "
-                       "rollout.agent_models adds names)", param="model", code="model_not_found")
+        raise ApiError(
+            f"the model {model!r} is not served here (served: {', '.join(models)}; rollout.agent_models adds names)",
+            param="model",
+            code="model_not_found",
+        )
 
 
 def _tool_choice(choice: Any, param: str = "tool_choice") -> str:
@@ -144,17 +149,25 @@ def _tool_choice(choice: Any, param: str = "tool_choice") -> str:
         return "auto"
     if choice == "none":
         return "none"
-    raise ApiError(f"{param} {choice!r} cannot be honoured: the policy samples freely (use 'auto' or 'none')",
-                   param=param)
+    raise ApiError(
+        f"{param} {choice!r} cannot be honoured: the policy samples freely (use 'auto' or 'none')", param=param
+    )
 
 
 def _common(body: _Body) -> dict[str, Any]:
     if body.top_logprobs:
-        raise ApiError("top_logprobs is not served: the endpoint records the sampled token's log-prob only",
-                       param="top_logprobs")
+        raise ApiError(
+            "top_logprobs is not served: the endpoint records the sampled token's log-prob only", param="top_logprobs"
+        )
     stop = [body.stop] if isinstance(body.stop, str) else body.stop
-    return {"model": body.model, "n": body.n, "stream": body.stream, "stop": stop or None,
-            "include_usage": bool((body.stream_options or {}).get("include_usage")), "logprobs": bool(body.logprobs)}
+    return {
+        "model": body.model,
+        "n": body.n,
+        "stream": body.stream,
+        "stop": stop or None,
+        "include_usage": bool((body.stream_options or {}).get("include_usage")),
+        "logprobs": bool(body.logprobs),
+    }
 
 
 def parse_chat(raw: Any, models: tuple[str, ...]) -> Ask:
@@ -164,11 +177,18 @@ def parse_chat(raw: Any, models: tuple[str, ...]) -> Ask:
         if not isinstance(m.get("role"), str):
             raise ApiError(f"messages[{i}].role is missing", param=f"messages[{i}].role")
     if body.response_format and body.response_format.get("type") not in (None, "text"):
-        raise ApiError("response_format other than text is not served (no constrained decoding)",
-                       param="response_format")
+        raise ApiError(
+            "response_format other than text is not served (no constrained decoding)", param="response_format"
+        )
     tools = _function_tools(body.tools, "tools", chat_form=True)
-    return Ask("chat", messages=body.messages, tools=tools, max_tokens=body.max_completion_tokens or body.max_tokens,
-               tool_choice=_tool_choice(body.tool_choice), **_common(body))
+    return Ask(
+        "chat",
+        messages=body.messages,
+        tools=tools,
+        max_tokens=body.max_completion_tokens or body.max_tokens,
+        tool_choice=_tool_choice(body.tool_choice),
+        **_common(body),
+    )
 
 
 def parse_completion(raw: Any, models: tuple[str, ...]) -> Ask:
@@ -191,7 +211,9 @@ def _function_tools(tools: list[dict] | None, param: str, chat_form: bool) -> li
     out = []
     for i, t in enumerate(tools or []):
         if t.get("type") != "function":
-            raise ApiError(f"{param}[{i}]: only function tools are served, not {t.get('type')!r}", param=f"{param}[{i}].type")
+            raise ApiError(
+                f"{param}[{i}]: only function tools are served, not {t.get('type')!r}", param=f"{param}[{i}].type"
+            )
         fn = t.get("function") if chat_form else {k: t[k] for k in ("name", "description", "parameters") if k in t}
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise ApiError(f"{param}[{i}] has no function name", param=f"{param}[{i}]")
@@ -214,19 +236,35 @@ def parse_responses(raw: Any, models: tuple[str, ...], earlier: Callable[[str], 
     if body.previous_response_id:
         found = earlier(body.previous_response_id)
         if found is None:
-            raise ApiError(f"no response {body.previous_response_id!r} in this episode", param="previous_response_id",
-                           code="previous_response_not_found")
+            raise ApiError(
+                f"no response {body.previous_response_id!r} in this episode",
+                param="previous_response_id",
+                code="previous_response_not_found",
+            )
         history = [m for m in found if m.get("role") != "system"]
     messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + history
     messages += input_messages(body.input)
     if not messages:
         raise ApiError("input is empty", param="input")
-    echo = {"instructions": body.instructions, "tools": body.tools or [], "tool_choice": body.tool_choice or "auto",
-            "parallel_tool_calls": True if body.parallel_tool_calls is None else body.parallel_tool_calls,
-            "previous_response_id": body.previous_response_id}
-    return Ask("responses", model=body.model, messages=messages, tools=_function_tools(body.tools, "tools", chat_form=False),
-               max_tokens=body.max_output_tokens, stream=body.stream, tool_choice=_tool_choice(body.tool_choice),
-               instructions=body.instructions, previous_response_id=body.previous_response_id, echo=echo)
+    echo = {
+        "instructions": body.instructions,
+        "tools": body.tools or [],
+        "tool_choice": body.tool_choice or "auto",
+        "parallel_tool_calls": True if body.parallel_tool_calls is None else body.parallel_tool_calls,
+        "previous_response_id": body.previous_response_id,
+    }
+    return Ask(
+        "responses",
+        model=body.model,
+        messages=messages,
+        tools=_function_tools(body.tools, "tools", chat_form=False),
+        max_tokens=body.max_output_tokens,
+        stream=body.stream,
+        tool_choice=_tool_choice(body.tool_choice),
+        instructions=body.instructions,
+        previous_response_id=body.previous_response_id,
+        echo=echo,
+    )
 
 
 def input_messages(items: str | list[dict]) -> list[dict]:
@@ -242,18 +280,28 @@ def input_messages(items: str | list[dict]) -> list[dict]:
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
                 raise ApiError(f"input[{i}].role {role!r} is not a message role", param=f"input[{i}].role")
-            out.append({"role": "system" if role == "developer" else role, "content": _parts_text(item.get("content"), i)})
+            out.append(
+                {"role": "system" if role == "developer" else role, "content": _parts_text(item.get("content"), i)}
+            )
         elif kind == "function_call":
-            call = {"id": item.get("call_id") or item.get("id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"}}
+            call = {
+                "id": item.get("call_id") or item.get("id"),
+                "type": "function",
+                "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"},
+            }
             if out and out[-1]["role"] == "assistant" and not out[-1].get("_closed"):
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
             output = item.get("output")
-            out.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                        "content": output if isinstance(output, str) else _parts_text(output, i)})
+            out.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": item.get("call_id"),
+                    "content": output if isinstance(output, str) else _parts_text(output, i),
+                }
+            )
         elif kind == "reasoning":
             continue
         else:
@@ -282,9 +330,18 @@ def reply_message(text: str, tools: Any, tool_choice: str = "auto") -> dict:
     if not calls:
         return {"role": "assistant", "content": text}
     head = text[: text.find("<tool_call>")].strip()
-    return {"role": "assistant", "content": head or None, "tool_calls": [
-        {"id": f"call_{uuid.uuid4().hex[:16]}", "type": "function",
-         "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in calls]}
+    return {
+        "role": "assistant",
+        "content": head or None,
+        "tool_calls": [
+            {
+                "id": f"call_{uuid.uuid4().hex[:16]}",
+                "type": "function",
+                "function": {"name": c.name, "arguments": json.dumps(c.arguments)},
+            }
+            for c in calls
+        ],
+    }
 
 
 def finish_reason(message: dict, truncated: bool) -> str:
@@ -298,18 +355,35 @@ def _usage(prompt_tokens: int, choices: list[Choice]) -> dict[str, int]:
 
 
 def _chat_logprobs(c: Choice) -> dict:
-    return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                        for t, lp in zip(c.tokens, c.logprobs)]}
+    return {
+        "content": [
+            {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+            for t, lp in zip(c.tokens, c.logprobs)
+        ]
+    }
 
 
 def chat_reply(ask: Ask, choices: list[Choice], prompt_ids: list[int]) -> dict:
     out = []
     for i, c in enumerate(choices):
-        choice: dict[str, Any] = {"index": i, "message": c.message, "finish_reason": c.finish, "token_ids": c.token_ids,
-                                  "token_logprobs": c.logprobs, "logprobs": _chat_logprobs(c) if ask.logprobs else None}
+        choice: dict[str, Any] = {
+            "index": i,
+            "message": c.message,
+            "finish_reason": c.finish,
+            "token_ids": c.token_ids,
+            "token_logprobs": c.logprobs,
+            "logprobs": _chat_logprobs(c) if ask.logprobs else None,
+        }
         out.append(choice)
-    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": ask.model, "choices": out, "usage": _usage(len(prompt_ids), choices), "prompt_token_ids": prompt_ids}
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": ask.model,
+        "choices": out,
+        "usage": _usage(len(prompt_ids), choices),
+        "prompt_token_ids": prompt_ids,
+    }
 
 
 def sse(obj: Any) -> str:
@@ -320,8 +394,12 @@ def chat_stream(ask: Ask, choices: list[Choice], prompt_ids: list[int]) -> Itera
     """``chat.completion.chunk`` events: per choice its role, its content, its tool calls (one
     chunk each), then its finish with the sampled token ids and log-probs; the usage chunk
     when asked for; ``[DONE]``."""
-    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time()),
-            "model": ask.model}
+    head = {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": ask.model,
+    }
 
     def chunk(i: int, delta: dict, finish: str | None = None, **extra: Any) -> str:
         return sse({**head, "choices": [{"index": i, "delta": delta, "finish_reason": finish, **extra}]})
@@ -331,21 +409,53 @@ def chat_stream(ask: Ask, choices: list[Choice], prompt_ids: list[int]) -> Itera
         if c.message.get("content"):
             yield chunk(i, {"content": c.message["content"]})
         for k, call in enumerate(c.message.get("tool_calls") or []):
-            yield chunk(i, {"tool_calls": [{"index": k, "id": call["id"], "type": "function",
-                                            "function": {"name": call["function"]["name"],
-                                                         "arguments": call["function"]["arguments"]}}]})
-        yield chunk(i, {}, c.finish, token_ids=c.token_ids, token_logprobs=c.logprobs,
-                    logprobs=_chat_logprobs(c) if ask.logprobs else None)
+            yield chunk(
+                i,
+                {
+                    "tool_calls": [
+                        {
+                            "index": k,
+                            "id": call["id"],
+                            "type": "function",
+                            "function": {"name": call["function"]["name"], "arguments": call["function"]["arguments"]},
+                        }
+                    ]
+                },
+            )
+        yield chunk(
+            i,
+            {},
+            c.finish,
+            token_ids=c.token_ids,
+            token_logprobs=c.logprobs,
+            logprobs=_chat_logprobs(c) if ask.logprobs else None,
+        )
     if ask.include_usage:
         yield sse({**head, "choices": [], "usage": _usage(len(prompt_ids), choices), "prompt_token_ids": prompt_ids})
     yield sse("[DONE]")
 
 
 def completion_reply(ask: Ask, choices: list[Choice], prompt_ids: list[int]) -> dict:
-    out = [{"index": i, "text": c.text, "finish_reason": c.finish, "token_ids": c.token_ids, "token_logprobs": c.logprobs,
-            "logprobs": _completion_logprobs(c) if ask.logprobs else None} for i, c in enumerate(choices)]
-    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-            "model": ask.model, "choices": out, "usage": _usage(len(prompt_ids), choices), "prompt_token_ids": prompt_ids}
+    out = [
+        {
+            "index": i,
+            "text": c.text,
+            "finish_reason": c.finish,
+            "token_ids": c.token_ids,
+            "token_logprobs": c.logprobs,
+            "logprobs": _completion_logprobs(c) if ask.logprobs else None,
+        }
+        for i, c in enumerate(choices)
+    ]
+    return {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": ask.model,
+        "choices": out,
+        "usage": _usage(len(prompt_ids), choices),
+        "prompt_token_ids": prompt_ids,
+    }
 
 
 def _completion_logprobs(c: Choice) -> dict:
@@ -372,25 +482,58 @@ def response_output(choice: Choice) -> list[dict]:
     items: list[dict] = []
     content = choice.message.get("content")
     if content or not choice.message.get("tool_calls"):
-        items.append({"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "status": "completed",
-                      "content": [{"type": "output_text", "text": content or "", "annotations": [], "logprobs": []}]})
+        items.append(
+            {
+                "id": f"msg_{uuid.uuid4().hex}",
+                "type": "message",
+                "role": "assistant",
+                "status": "completed",
+                "content": [{"type": "output_text", "text": content or "", "annotations": [], "logprobs": []}],
+            }
+        )
     for call in choice.message.get("tool_calls") or []:
-        items.append({"id": f"fc_{uuid.uuid4().hex}", "type": "function_call", "status": "completed",
-                      "call_id": call["id"], "name": call["function"]["name"],
-                      "arguments": call["function"]["arguments"]})
+        items.append(
+            {
+                "id": f"fc_{uuid.uuid4().hex}",
+                "type": "function_call",
+                "status": "completed",
+                "call_id": call["id"],
+                "name": call["function"]["name"],
+                "arguments": call["function"]["arguments"],
+            }
+        )
     return items
 
 
-def responses_reply(ask: Ask, choice: Choice, prompt_ids: list[int], response_id: str,
-                    output: list[dict] | None = None, status: str = "completed") -> dict:
+def responses_reply(
+    ask: Ask,
+    choice: Choice,
+    prompt_ids: list[int],
+    response_id: str,
+    output: list[dict] | None = None,
+    status: str = "completed",
+) -> dict:
     n_out = len(choice.token_ids)
-    return {"id": response_id, "object": "response", "created_at": int(time.time()), "status": status,
-            "model": ask.model, "output": response_output(choice) if output is None else output, **ask.echo,
-            "incomplete_details": {"reason": "max_output_tokens"} if choice.finish == "length" else None,
-            "usage": {"input_tokens": len(prompt_ids), "output_tokens": n_out, "total_tokens": len(prompt_ids) + n_out,
-                      "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
-                      "output_tokens_details": {"reasoning_tokens": 0}},
-            "token_ids": choice.token_ids, "token_logprobs": choice.logprobs, "prompt_token_ids": prompt_ids}
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": int(time.time()),
+        "status": status,
+        "model": ask.model,
+        "output": response_output(choice) if output is None else output,
+        **ask.echo,
+        "incomplete_details": {"reason": "max_output_tokens"} if choice.finish == "length" else None,
+        "usage": {
+            "input_tokens": len(prompt_ids),
+            "output_tokens": n_out,
+            "total_tokens": len(prompt_ids) + n_out,
+            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": 0},
+        },
+        "token_ids": choice.token_ids,
+        "token_logprobs": choice.logprobs,
+        "prompt_token_ids": prompt_ids,
+    }
 
 
 def responses_stream(ask: Ask, choice: Choice, prompt_ids: list[int], response_id: str) -> Iterator[str]:
@@ -421,7 +564,9 @@ def _item_events(event: Callable[..., str], k: int, item: dict) -> Iterator[str]
         yield event("response.output_text.done", **ids, content_index=0, text=text, logprobs=[])
         yield event("response.content_part.done", **ids, content_index=0, part={**part, "text": text})
     else:
-        yield event("response.output_item.added", output_index=k, item={**item, "status": "in_progress", "arguments": ""})
+        yield event(
+            "response.output_item.added", output_index=k, item={**item, "status": "in_progress", "arguments": ""}
+        )
         yield event("response.function_call_arguments.delta", **ids, delta=item["arguments"])
         yield event("response.function_call_arguments.done", **ids, name=item["name"], arguments=item["arguments"])
     yield event("response.output_item.done", output_index=k, item=item)

@@ -82,19 +82,24 @@ def choose_action_field(schema: dict[str, Any], wanted: str, defaults: dict[str,
     texts = [k for k, p in props.items() if _is_string(p)]
     if wanted:
         if wanted not in props:
-            raise ValueError(f"env.openenv.action_field {wanted!r} is not a field of the action ({', '.join(props) or 'none'})")
+            raise ValueError(
+                f"env.openenv.action_field {wanted!r} is not a field of the action ({', '.join(props) or 'none'})"
+            )
         name = wanted
     elif len([k for k in required if k in texts]) == 1:
         name = next(k for k in required if k in texts)
     else:
         name = next((k for k in TEXT_FIELDS if k in texts), "")
         if not name:
-            raise ValueError(f"no text field of the action ({', '.join(props) or 'none'}) takes the model's reply: "
-                             "set env.openenv.action_field")
+            raise ValueError(
+                f"no text field of the action ({', '.join(props) or 'none'}) takes the model's reply: "
+                "set env.openenv.action_field"
+            )
     missing = [k for k in required if k != name]
     if missing:
-        raise ValueError(f"the action's required field(s) {', '.join(missing)} get no value: "
-                         "set them in env.openenv.action_defaults")
+        raise ValueError(
+            f"the action's required field(s) {', '.join(missing)} get no value: set them in env.openenv.action_defaults"
+        )
     return name
 
 
@@ -113,8 +118,10 @@ def observation_text(obs: Any, wanted: str = "") -> str:
         return json.dumps(obs, default=str)
     if wanted:
         if wanted not in obs:
-            raise OpenEnvError(f"the observation has no field {wanted!r} (env.openenv.observation_field); "
-                               f"it has {', '.join(obs) or 'none'}")
+            raise OpenEnvError(
+                f"the observation has no field {wanted!r} (env.openenv.observation_field); "
+                f"it has {', '.join(obs) or 'none'}"
+            )
         value = obs[wanted]
         return value if isinstance(value, str) else json.dumps(value, default=str)
     texts = [(k, v) for k, v in obs.items() if isinstance(v, str) and k not in NOT_TEXT]
@@ -202,15 +209,17 @@ class OpenEnvServer:
         import requests
 
         self.url, self.opts = url.rstrip("/"), opts
-        self.ws_url = "ws" + self.url[len("http"):] + "/ws"
+        self.ws_url = "ws" + self.url[len("http") :] + "/ws"
         self.headers = {"Authorization": f"Bearer {opts.api_key}"} if opts.api_key else {}
         try:
             resp = requests.get(f"{self.url}/schema", headers=self.headers, timeout=opts.timeout_s)
             resp.raise_for_status()
             action = resp.json()["action"]
         except (requests.RequestException, ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{self.url}/schema: {type(e).__name__}: {e} (an OpenEnv server built with "
-                             "openenv-core's create_app serves its schemas there)") from None
+            raise ValueError(
+                f"{self.url}/schema: {type(e).__name__}: {e} (an OpenEnv server built with "
+                "openenv-core's create_app serves its schemas there)"
+            ) from None
         self.action_field = choose_action_field(action, opts.action_field, opts.action_defaults)
         # The runner's deadline for a reset: its own wait for a free session comes first.
         self.reset_wait_s = opts.connect_wait_s
@@ -259,16 +268,24 @@ class OpenEnvSession(_Episode):
         deadline, pause = time.monotonic() + self.opts.connect_wait_s, 0.05
         while True:
             try:
-                self.ws = await connect(self.server.ws_url, additional_headers=self.server.headers,
-                                        open_timeout=self.opts.timeout_s, max_size=2**27, proxy=None)
+                self.ws = await connect(
+                    self.server.ws_url,
+                    additional_headers=self.server.headers,
+                    open_timeout=self.opts.timeout_s,
+                    max_size=2**27,
+                    proxy=None,
+                )
                 return await self._send({"type": "reset", "data": data})
             except InvalidStatus as e:  # the handshake was refused: no retry helps
-                raise OpenEnvError(f"{self.server.ws_url}: the server refused the session "
-                                   f"(HTTP {e.response.status_code})") from None
+                raise OpenEnvError(
+                    f"{self.server.ws_url}: the server refused the session (HTTP {e.response.status_code})"
+                ) from None
             except (CapacityError, OSError) as e:
                 await self._drop()
                 if self.closed or time.monotonic() + pause > deadline:
-                    raise OpenEnvError(f"{self.server.ws_url}: no session within {self.opts.connect_wait_s:g}s: {e}") from None
+                    raise OpenEnvError(
+                        f"{self.server.ws_url}: no session within {self.opts.connect_wait_s:g}s: {e}"
+                    ) from None
                 await asyncio.sleep(pause)
                 pause = min(2.0, pause * 2)
 
@@ -284,7 +301,9 @@ class OpenEnvSession(_Episode):
         except ConnectionClosed as e:
             raise OpenEnvError(f"{self.server.ws_url}: the session was closed ({e})") from None
         except asyncio.TimeoutError:
-            raise TimeoutError(f"{self.server.ws_url}: no answer to {message['type']} within {self.opts.timeout_s:g}s") from None
+            raise TimeoutError(
+                f"{self.server.ws_url}: no answer to {message['type']} within {self.opts.timeout_s:g}s"
+            ) from None
         reply = json.loads(raw)
         if reply.get("type") == "error":
             err = reply.get("data") or {}
@@ -339,8 +358,9 @@ def action_class(env_cls: type, named: str = "") -> type:
             args = typing.get_args(base)
             if args and isinstance(args[0], type) and hasattr(args[0], "model_json_schema"):
                 return args[0]
-    raise ValueError(f"{env_cls.__name__} does not declare its action model (Environment[Action, ...]): "
-                     "set env.openenv.action_class")
+    raise ValueError(
+        f"{env_cls.__name__} does not declare its action model (Environment[Action, ...]): set env.openenv.action_class"
+    )
 
 
 class LocalOpenEnv(_Episode):
@@ -371,11 +391,16 @@ class LocalOpenEnv(_Episode):
 def _serialised(obs: Any) -> dict[str, Any]:
     """An observation as OpenEnv's server sends it: its fields but reward, done and metadata,
     and those two beside them."""
-    return {"observation": obs.model_dump(exclude={"reward", "done", "metadata"}), "reward": obs.reward, "done": obs.done}
+    return {
+        "observation": obs.model_dump(exclude={"reward", "done", "metadata"}),
+        "reward": obs.reward,
+        "done": obs.done,
+    }
 
 
-def local_factory(env_cls: type, args: dict[str, Any], opts: OpenEnvOptions,
-                  action_cls_name: str = "") -> Callable[[], LocalOpenEnv]:
+def local_factory(
+    env_cls: type, args: dict[str, Any], opts: OpenEnvOptions, action_cls_name: str = ""
+) -> Callable[[], LocalOpenEnv]:
     """One ``LocalOpenEnv`` per episode of ``env_cls(**args)``; ValueError for an action model
     that cannot take the reply."""
     cls = action_class(env_cls, action_cls_name)

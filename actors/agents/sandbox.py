@@ -104,14 +104,21 @@ def _probe() -> str:
     if binary is None:
         return f"bubblewrap (bwrap) is not installed: {INSTALL_HINT}"
     try:
-        done = run([interpreter(), "-I", "-S", "-B", "-c", "print('ok')"], "", SandboxLimits(wall_s=30), SandboxSpec(),
-                   _checked=False)
+        done = run(
+            [interpreter(), "-I", "-S", "-B", "-c", "print('ok')"],
+            "",
+            SandboxLimits(wall_s=30),
+            SandboxSpec(),
+            _checked=False,
+        )
     except OSError as e:
         return f"bwrap at {binary} cannot run: {e}"
     if done.returncode != 0 or done.stdout.strip() != "ok":
         why = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
-        return (f"bwrap cannot build the sandbox here ({why}): it needs unprivileged user namespaces "
-                "(sysctl kernel.unprivileged_userns_clone=1, or a container that allows them)")
+        return (
+            f"bwrap cannot build the sandbox here ({why}): it needs unprivileged user namespaces "
+            "(sysctl kernel.unprivileged_userns_clone=1, or a container that allows them)"
+        )
     return ""
 
 
@@ -181,29 +188,99 @@ def bwrap_argv(argv: list[str], limits: SandboxLimits, spec: SandboxSpec) -> tup
     if binary is None:
         raise SandboxUnavailable(f"bubblewrap (bwrap) is not installed: {INSTALL_HINT}")
     pkg_args, pkg_paths = _package_binds(spec.packages)
-    args = [binary, "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL", "--clearenv",
-            "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp", "--setenv", "TMPDIR", "/tmp",
-            "--setenv", "PYTHONDONTWRITEBYTECODE", "1",
-            *_system_library_binds(), *_interpreter_binds(), *pkg_args]
+    args = [
+        binary,
+        "--unshare-all",
+        "--die-with-parent",
+        "--new-session",
+        "--cap-drop",
+        "ALL",
+        "--clearenv",
+        "--setenv",
+        "PATH",
+        "/usr/bin:/bin",
+        "--setenv",
+        "HOME",
+        "/tmp",
+        "--setenv",
+        "TMPDIR",
+        "/tmp",
+        "--setenv",
+        "PYTHONDONTWRITEBYTECODE",
+        "1",
+        *_system_library_binds(),
+        *_interpreter_binds(),
+        *pkg_args,
+    ]
     if spec.binaries:
-        args += ["--ro-bind", "/usr/bin", "/usr/bin"] + (["--ro-bind", "/bin", "/bin"] if not os.path.islink("/bin") else
-                                                          ["--symlink", os.readlink("/bin"), "/bin"])
+        args += ["--ro-bind", "/usr/bin", "/usr/bin"] + (
+            ["--ro-bind", "/bin", "/bin"] if not os.path.islink("/bin") else ["--symlink", os.readlink("/bin"), "/bin"]
+        )
     for host, inside in spec.extra_ro:
         args += ["--ro-bind", host, inside]
     # The new root is read-only once built: /tmp, capped, is the only place to write.
-    args += ["--dev", "/dev", "--proc", "/proc", "--size", str(limits.scratch_mb * 2**20), "--tmpfs", "/tmp",
-             "--remount-ro", "/", "--chdir", "/tmp"]
+    args += [
+        "--dev",
+        "/dev",
+        "--proc",
+        "/proc",
+        "--size",
+        str(limits.scratch_mb * 2**20),
+        "--tmpfs",
+        "/tmp",
+        "--remount-ro",
+        "/",
+        "--chdir",
+        "/tmp",
+    ]
     return args, pkg_paths
 
 
 # -- seccomp -----------------------------------------------------------------------------------
-DENIED_SYSCALLS = ("ptrace", "process_vm_readv", "process_vm_writev", "mount", "umount2", "pivot_root", "chroot",
-                   "swapon", "swapoff", "reboot", "kexec_load", "kexec_file_load", "init_module", "finit_module",
-                   "delete_module", "bpf", "perf_event_open", "userfaultfd", "keyctl", "add_key", "request_key",
-                   "unshare", "setns", "io_uring_setup", "io_uring_enter", "io_uring_register", "open_by_handle_at",
-                   "name_to_handle_at", "fanotify_init", "quotactl", "acct", "settimeofday", "clock_settime",
-                   "sethostname", "setdomainname", "iopl", "ioperm", "lookup_dcookie", "mbind", "move_pages",
-                   "syslog", "vhangup")
+DENIED_SYSCALLS = (
+    "ptrace",
+    "process_vm_readv",
+    "process_vm_writev",
+    "mount",
+    "umount2",
+    "pivot_root",
+    "chroot",
+    "swapon",
+    "swapoff",
+    "reboot",
+    "kexec_load",
+    "kexec_file_load",
+    "init_module",
+    "finit_module",
+    "delete_module",
+    "bpf",
+    "perf_event_open",
+    "userfaultfd",
+    "keyctl",
+    "add_key",
+    "request_key",
+    "unshare",
+    "setns",
+    "io_uring_setup",
+    "io_uring_enter",
+    "io_uring_register",
+    "open_by_handle_at",
+    "name_to_handle_at",
+    "fanotify_init",
+    "quotactl",
+    "acct",
+    "settimeofday",
+    "clock_settime",
+    "sethostname",
+    "setdomainname",
+    "iopl",
+    "ioperm",
+    "lookup_dcookie",
+    "mbind",
+    "move_pages",
+    "syslog",
+    "vhangup",
+)
 
 
 @functools.lru_cache(maxsize=1)
@@ -231,8 +308,9 @@ def seccomp_program() -> bytes | None:
             f.seek(0)
             return f.read()
     except Exception as e:  # no libseccomp here: the namespaces and rlimits still hold
-        log.warning("seccomp is not available (%s: %s); the sandbox runs without a system-call filter",
-                    type(e).__name__, e)
+        log.warning(
+            "seccomp is not available (%s: %s); the sandbox runs without a system-call filter", type(e).__name__, e
+        )
         return None
 
 
@@ -290,8 +368,14 @@ def _pids_hierarchy() -> str | None:
     try:
         mounts = [line.split() for line in open("/proc/self/mounts")]
         mount = next((m[1] for m in mounts if m[2] == "cgroup" and "pids" in m[3].split(",")), None)
-        own = next((line.strip().split(":", 2)[2] for line in open("/proc/self/cgroup")
-                    if "pids" in line.split(":")[1].split(",")), None)
+        own = next(
+            (
+                line.strip().split(":", 2)[2]
+                for line in open("/proc/self/cgroup")
+                if "pids" in line.split(":")[1].split(",")
+            ),
+            None,
+        )
     except OSError:
         return None
     if mount is None or own is None:
@@ -317,8 +401,13 @@ def _limit(limits: SandboxLimits, nproc: int, cgroup: "_PidsCgroup") -> None:  #
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
-def run(argv: list[str], stdin: str, limits: SandboxLimits = SandboxLimits(), spec: SandboxSpec = SandboxSpec(),
-        _checked: bool = True) -> Finished:
+def run(
+    argv: list[str],
+    stdin: str,
+    limits: SandboxLimits = SandboxLimits(),
+    spec: SandboxSpec = SandboxSpec(),
+    _checked: bool = True,
+) -> Finished:
     """Runs ``argv`` (paths as inside the sandbox) with ``stdin``; at most ``output_chars`` of
     each stream are read back. Raises SandboxUnavailable where the sandbox cannot be built."""
     if _checked:
@@ -339,9 +428,15 @@ def run(argv: list[str], stdin: str, limits: SandboxLimits = SandboxLimits(), sp
     cgroup = _PidsCgroup(limits.processes)
     try:
         try:
-            proc = subprocess.Popen(command + ["--", *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, pass_fds=fds + [info_write], start_new_session=True,
-                                    preexec_fn=functools.partial(_limit, limits, nproc, cgroup))
+            proc = subprocess.Popen(
+                command + ["--", *argv],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                pass_fds=fds + [info_write],
+                start_new_session=True,
+                preexec_fn=functools.partial(_limit, limits, nproc, cgroup),
+            )
         finally:
             for fd in fds + [info_write]:
                 os.close(fd)
@@ -383,7 +478,9 @@ def _collect(proc: subprocess.Popen, stdin: str, limits: SandboxLimits, init_pid
         truncated[name] = bool(stream.read(1))
         out[name] = data
 
-    readers = [threading.Thread(target=read, args=(n, s), daemon=True) for n, s in (("out", proc.stdout), ("err", proc.stderr))]
+    readers = [
+        threading.Thread(target=read, args=(n, s), daemon=True) for n, s in (("out", proc.stdout), ("err", proc.stderr))
+    ]
     for t in readers:
         t.start()
     try:
@@ -399,9 +496,13 @@ def _collect(proc: subprocess.Popen, stdin: str, limits: SandboxLimits, init_pid
     _kill(proc, init_pid)
     for t in readers:
         t.join(5)
-    return Finished(proc.returncode if not timed_out else -9, out.get("out", b"").decode(errors="replace")[: limits.output_chars],
-                    out.get("err", b"").decode(errors="replace")[-limits.output_chars:], timed_out,
-                    truncated.get("out", False))
+    return Finished(
+        proc.returncode if not timed_out else -9,
+        out.get("out", b"").decode(errors="replace")[: limits.output_chars],
+        out.get("err", b"").decode(errors="replace")[-limits.output_chars :],
+        timed_out,
+        truncated.get("out", False),
+    )
 
 
 def _kill(proc: subprocess.Popen, init_pid: int | None) -> None:
@@ -440,12 +541,14 @@ print(json.dumps(fn(**json.loads(sys.stdin.read())), default=str))
 """
 
 
-def sandboxed(fn=None, *, packages: tuple[str, ...] = (), binaries: bool = False,
-              limits: SandboxLimits = SandboxLimits()):
+def sandboxed(
+    fn=None, *, packages: tuple[str, ...] = (), binaries: bool = False, limits: SandboxLimits = SandboxLimits()
+):
     """Marks a tool function to run inside the sandbox (its module is imported there from its
     file; it may import the standard library, ``packages`` and this module). ``binaries``: the
     system's programs are there too (a shell tool), still without network, host files or
     processes that outlive the call. Use as ``@sandboxed`` or ``@sandboxed(packages=("numpy",))``."""
+
     def mark(f):
         setattr(f, _SANDBOXED, (SandboxSpec(packages=tuple(packages), binaries=binaries), limits))
         return f
@@ -471,14 +574,21 @@ def in_sandbox(tool):
     # The tool's file, and the actors package for the decorator's own import, under /pkgs.
     here = Path(__file__).resolve().parents[1]
     inside = f"/pkgs/_tool/{Path(source).name}"
-    spec = SandboxSpec(packages=spec.packages, binaries=spec.binaries,
-                       extra_ro=spec.extra_ro + ((str(Path(source).resolve()), inside), (str(here), f"/pkgs/_rayrlhf/{here.name}")))
+    spec = SandboxSpec(
+        packages=spec.packages,
+        binaries=spec.binaries,
+        extra_ro=spec.extra_ro + ((str(Path(source).resolve()), inside), (str(here), f"/pkgs/_rayrlhf/{here.name}")),
+    )
     module, attr = fn.__module__, fn.__name__
 
     def call(**arguments):
         _, paths = bwrap_argv([], limits, spec)
-        done = run([interpreter(), "-I", "-S", "-B", "-c", _CALL, module, inside, attr, "/pkgs/_rayrlhf", *paths],
-                   json.dumps(arguments), limits, spec)
+        done = run(
+            [interpreter(), "-I", "-S", "-B", "-c", _CALL, module, inside, attr, "/pkgs/_rayrlhf", *paths],
+            json.dumps(arguments),
+            limits,
+            spec,
+        )
         if done.timed_out:
             raise TimeoutError(f"ran past {limits.wall_s:g}s in the sandbox")
         if done.returncode != 0:

@@ -102,8 +102,10 @@ class Tool:
 
     def schema(self) -> dict[str, Any]:
         """The OpenAI-style function description (``apply_chat_template(tools=...)`` takes it)."""
-        return {"type": "function", "function": {"name": self.name, "description": self.description,
-                                                 "parameters": self.parameters}}
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+        }
 
 
 class ToolBox:
@@ -113,8 +115,14 @@ class ToolBox:
     ``timeout_s`` is answered with a timeout error at once (a thread cannot be killed: the
     built-in Python tool runs in a subprocess that its own limits end)."""
 
-    def __init__(self, tools: list[Tool], timeout_s: float = 10.0, max_output_chars: int = 2000,
-                 fmt: ToolCallFormat = ToolCallFormat(), workers: int = 16) -> None:
+    def __init__(
+        self,
+        tools: list[Tool],
+        timeout_s: float = 10.0,
+        max_output_chars: int = 2000,
+        fmt: ToolCallFormat = ToolCallFormat(),
+        workers: int = 16,
+    ) -> None:
         self.tools = {t.name: t for t in tools}
         self.timeout_s, self.max_output_chars, self.fmt = timeout_s, max_output_chars, fmt
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="rayrlhf-tool")
@@ -156,8 +164,15 @@ def _invoke(fn: Any, arguments: dict[str, Any]) -> Any:
 
 
 # -- the calculator ------------------------------------------------------------------------------
-_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+_BINARY = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
 _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 
 
@@ -185,10 +200,16 @@ def _arith(node: ast.AST) -> float | int:
     raise ValueError(f"unsupported expression element: {type(node).__name__}")
 
 
-CALCULATOR = Tool("calculator", calculate, "Evaluates an arithmetic expression and returns the result.",
-                  {"type": "object", "properties": {"expression": {"type": "string",
-                                                                   "description": "e.g. '(37 + 5) * 41'"}},
-                   "required": ["expression"]})
+CALCULATOR = Tool(
+    "calculator",
+    calculate,
+    "Evaluates an arithmetic expression and returns the result.",
+    {
+        "type": "object",
+        "properties": {"expression": {"type": "string", "description": "e.g. '(37 + 5) * 41'"}},
+        "required": ["expression"],
+    },
+)
 
 
 # -- sandboxed Python ----------------------------------------------------------------------------
@@ -212,8 +233,9 @@ exec(compile(_src, "<tool>", "exec"), {"__name__": "__main__"})
 SANDBOX_MODES = ("bwrap", "unsafe")
 
 
-def run_python(code: str, limits: SandboxLimits = SandboxLimits(), mode: str = "bwrap",
-               packages: tuple[str, ...] = ()) -> str:
+def run_python(
+    code: str, limits: SandboxLimits = SandboxLimits(), mode: str = "bwrap", packages: tuple[str, ...] = ()
+) -> str:
     """Runs ``code`` in a fresh interpreter in the sandbox (``actors/agents/sandbox.py``: no network, no
     host files, its processes ended with it, CPU, memory, file, process and output limits);
     returns stdout, or stderr's last line on failure. ``mode="unsafe"`` runs it without the
@@ -225,8 +247,12 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(), mode: str = "
     from actors.agents import sandbox
 
     _, paths = sandbox.bwrap_argv([], limits, sandbox.SandboxSpec(packages=tuple(packages)))
-    done = sandbox.run([sandbox.interpreter(), "-I", "-S", "-B", "-c", _PRELUDE, *paths], code, limits,
-                       sandbox.SandboxSpec(packages=tuple(packages)))
+    done = sandbox.run(
+        [sandbox.interpreter(), "-I", "-S", "-B", "-c", _PRELUDE, *paths],
+        code,
+        limits,
+        sandbox.SandboxSpec(packages=tuple(packages)),
+    )
     return _answer(done.returncode, done.stdout, done.stderr, done.timed_out, limits)
 
 
@@ -250,9 +276,16 @@ def _run_unsafe(code: str, limits: SandboxLimits) -> str:
     if _network_namespace_works():
         cmd = ["unshare", "-rn", *cmd]
     try:
-        proc = subprocess.run(cmd, input=code, capture_output=True, text=True, timeout=limits.wall_s,
-                              preexec_fn=functools.partial(_apply_limits, limits), env={"PATH": "/usr/bin:/bin"},
-                              cwd="/tmp")
+        proc = subprocess.run(
+            cmd,
+            input=code,
+            capture_output=True,
+            text=True,
+            timeout=limits.wall_s,
+            preexec_fn=functools.partial(_apply_limits, limits),
+            env={"PATH": "/usr/bin:/bin"},
+            cwd="/tmp",
+        )
     except subprocess.TimeoutExpired:
         return _answer(0, "", "", True, limits)
     return _answer(proc.returncode, proc.stdout, proc.stderr, False, limits)
@@ -276,8 +309,11 @@ def _network_namespace_works() -> bool:
         return False
 
 
-_PYTHON_SCHEMA = {"type": "object", "properties": {"code": {"type": "string", "description": "Python source; print the result"}},
-                  "required": ["code"]}
+_PYTHON_SCHEMA = {
+    "type": "object",
+    "properties": {"code": {"type": "string", "description": "Python source; print the result"}},
+    "required": ["code"],
+}
 
 
 def python_tool(mode: str = "bwrap", packages: tuple[str, ...] = (), limits: SandboxLimits = SandboxLimits()) -> Tool:
@@ -291,13 +327,21 @@ def python_tool(mode: str = "bwrap", packages: tuple[str, ...] = (), limits: San
         try:
             sandbox.check()
         except sandbox.SandboxUnavailable as e:
-            raise ValueError(f"the python tool runs model-written code in a sandbox, and {e}; "
-                             "env.python_sandbox=unsafe runs it without one (not recommended)") from None
+            raise ValueError(
+                f"the python tool runs model-written code in a sandbox, and {e}; "
+                "env.python_sandbox=unsafe runs it without one (not recommended)"
+            ) from None
     else:
-        log.warning("the python tool runs WITHOUT its sandbox (env.python_sandbox=unsafe): model-written code can "
-                    "read, write and delete this host's files and start processes")
-    return Tool("python", functools.partial(run_python, limits=limits, mode=mode, packages=tuple(packages)),
-                "Runs Python code in a sandbox and returns what it prints.", _PYTHON_SCHEMA)
+        log.warning(
+            "the python tool runs WITHOUT its sandbox (env.python_sandbox=unsafe): model-written code can "
+            "read, write and delete this host's files and start processes"
+        )
+    return Tool(
+        "python",
+        functools.partial(run_python, limits=limits, mode=mode, packages=tuple(packages)),
+        "Runs Python code in a sandbox and returns what it prints.",
+        _PYTHON_SCHEMA,
+    )
 
 
 PYTHON = Tool("python", run_python, "Runs Python code in a sandbox and returns what it prints.", _PYTHON_SCHEMA)
@@ -305,8 +349,9 @@ PYTHON = Tool("python", run_python, "Runs Python code in a sandbox and returns w
 BUILTIN_TOOLS = {"calculator": CALCULATOR, "python": PYTHON}
 
 
-def resolve_tools(names: list[str], sandbox: str = "bwrap", packages: tuple[str, ...] = (),
-                  sandboxed: tuple[str, ...] = ()) -> list[Tool]:
+def resolve_tools(
+    names: list[str], sandbox: str = "bwrap", packages: tuple[str, ...] = (), sandboxed: tuple[str, ...] = ()
+) -> list[Tool]:
     """Built-in tool names, or ``module:attribute`` for a ``Tool``, a callable (its name and
     docstring describe it) or a Ray actor handle's name. The python tool runs in the sandbox
     (``sandbox``: bwrap or unsafe; ``packages`` importable there); a callable marked
@@ -340,4 +385,3 @@ def resolve_tools(names: list[str], sandbox: str = "bwrap", packages: tuple[str,
                 raise ValueError(f"tool {spec!r} runs in the sandbox, and {e}") from None
         out.append(tool)
     return out
-

@@ -68,13 +68,15 @@ def resolve_transcripts(name: str) -> TranscriptFn:
     if name in BUILTIN_TRANSCRIPTS:
         return BUILTIN_TRANSCRIPTS[name]
     if ":" not in name:
-        raise ValueError(f"transcripts {name!r} are neither built in ({', '.join(BUILTIN_TRANSCRIPTS)}) "
-                         "nor 'module:function'")
+        raise ValueError(
+            f"transcripts {name!r} are neither built in ({', '.join(BUILTIN_TRANSCRIPTS)}) nor 'module:function'"
+        )
     return import_callable(name, "transcripts")
 
 
-def transcript_demonstrations(rows: list[dict[str, Any]], make: TranscriptFn,
-                              tools: list[dict] | None) -> tuple[list[dict[str, Any]], dict[str, int]]:
+def transcript_demonstrations(
+    rows: list[dict[str, Any]], make: TranscriptFn, tools: list[dict] | None
+) -> tuple[list[dict[str, Any]], dict[str, int]]:
     """Conversation demonstrations (``actors/data/offline_data.py``) of the rows ``make`` writes a
     transcript for, with the tool schemas the RL stage's environment renders; the others
     counted as ``no_transcript`` (a maker that raises or returns garbage counts as

@@ -96,9 +96,19 @@ def task_rows(env: Any) -> list[dict[str, Any]]:
         data = task.data
         answer = str(getattr(data, "answer", "") or "")
         prompt = _prompt_text(data.prompt)
-        rows.append({"prompt": prompt, "answer": answer,
-                     "meta": {"verifiers_task": i, "task_id": str(data.id), "answer": answer, "question": prompt,
-                              "prompt": prompt}})
+        rows.append(
+            {
+                "prompt": prompt,
+                "answer": answer,
+                "meta": {
+                    "verifiers_task": i,
+                    "task_id": str(data.id),
+                    "answer": answer,
+                    "question": prompt,
+                    "prompt": prompt,
+                },
+            }
+        )
     return rows
 
 
@@ -161,8 +171,11 @@ class VerifiersProgram:
 
         await self._ready()
         task = self.tasks[int(row["meta"]["verifiers_task"])]
-        ctx = vf.ModelContext(model=MODEL, client=vf.EvalClientConfig(base_url=base_url, api_key_var=API_KEY_VAR),
-                              sampling=vf.SamplingConfig(max_tokens=self.max_tokens))
+        ctx = vf.ModelContext(
+            model=MODEL,
+            client=vf.EvalClientConfig(base_url=base_url, api_key_var=API_KEY_VAR),
+            sampling=vf.SamplingConfig(max_tokens=self.max_tokens),
+        )
         episode = await self.env.run_episode(task, ctx)
         errors = [e.message for e in episode.errors] + [e.message for t in episode.traces for e in t.errors]
         if not episode.ok or not episode.traces:

@@ -119,8 +119,9 @@ def normalise_conversation(obj: dict[str, Any]) -> tuple[dict[str, Any] | None, 
     messages, tools = obj.get("messages"), obj.get("tools")
     if messages in (None, []):
         return None, "missing_field"
-    if not _is_messages(messages) or not (tools is None or (isinstance(tools, list)
-                                                            and all(isinstance(t, dict) for t in tools))):
+    if not _is_messages(messages) or not (
+        tools is None or (isinstance(tools, list) and all(isinstance(t, dict) for t in tools))
+    ):
         return None, "malformed_row"
     first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
     if first is None or first == 0 or all(m["role"] == "system" for m in messages[:first]):
@@ -138,8 +139,11 @@ def read_demonstrations(path: str | Path) -> PreferenceSet:
 def task_demonstrations(task_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Demonstrations from task prompts (``actors/data/tasks.py`` rows): the reference answer is the
     response, the prompt is the user's turn."""
-    return [{"prompt": [{"role": "user", "content": r["prompt"]}], "response": str(r["answer"]), "index": i}
-            for i, r in enumerate(task_rows) if str(r.get("answer", "")).strip()]
+    return [
+        {"prompt": [{"role": "user", "content": r["prompt"]}], "response": str(r["answer"]), "index": i}
+        for i, r in enumerate(task_rows)
+        if str(r.get("answer", "")).strip()
+    ]
 
 
 def answer_pairs(task_rows: list[dict[str, Any]], seed: int = 0) -> list[dict[str, Any]]:
@@ -228,8 +232,9 @@ def _reply_ids(tokenizer: Any, text: str) -> list[int]:
 Segments = list[tuple[list[int], bool]]
 
 
-def pad_rows(seqs: list[tuple[list[int], list[int]]], pad: int,
-             masks: list[list[bool] | None] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pad_rows(
+    seqs: list[tuple[list[int], list[int]]], pad: int, masks: list[list[bool] | None] | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(prompt ids, reply ids) rows, right-padded: input_ids (B, L), attention_mask (B, L) and
     reply mask (B, L), with L the longest row (at least 1). ``masks[i]``, where given, marks the
     trained ids of row i's reply (a conversation's assistant turns); else all of it."""
@@ -245,7 +250,9 @@ def pad_rows(seqs: list[tuple[list[int], list[int]]], pad: int,
     return ids, att, resp
 
 
-def conversation_ids(chat: Any, messages: Messages, tools: list[dict] | None, eos_token_id: int) -> tuple[list[int], Segments]:
+def conversation_ids(
+    chat: Any, messages: Messages, tools: list[dict] | None, eos_token_id: int
+) -> tuple[list[int], Segments]:
     """A conversation as a multi-turn rollout records it: the prompt's ids (up to the first
     assistant turn, with the tool list) and then each assistant turn's ids (trained, ending in
     EOS) and the ids of the turns between them (context). Turns after the last assistant turn are
@@ -265,23 +272,44 @@ def conversation_ids(chat: Any, messages: Messages, tools: list[dict] | None, eo
     return prompt, segments
 
 
-def _to_experience(seqs: list[tuple[list[int], list[int]]], group_ids: list[int], scores: list[float],
-                   completions: list[str], meta: list[dict[str, Any]], pad: int,
-                   skipped: dict[str, int], masks: list[list[bool] | None] | None = None) -> Experience:
+def _to_experience(
+    seqs: list[tuple[list[int], list[int]]],
+    group_ids: list[int],
+    scores: list[float],
+    completions: list[str],
+    meta: list[dict[str, Any]],
+    pad: int,
+    skipped: dict[str, int],
+    masks: list[list[bool] | None] | None = None,
+) -> Experience:
     """Right-padded rows of (prompt, reply) token lists; the reply (or its ``masks``) is the
     trained part."""
     n = len(seqs)
     ids, att, resp = pad_rows(seqs, pad, masks)
     return Experience(
-        input_ids=ids, attention_mask=att, response_mask=resp, rollout_logprobs=torch.zeros(ids.shape),
-        group_ids=torch.tensor(group_ids, dtype=torch.long), truncated=torch.zeros(n, dtype=torch.bool),
-        policy_version=0, completions=completions, meta=meta,
-        scores=torch.tensor(scores, dtype=torch.float32), skipped=dict(skipped),
+        input_ids=ids,
+        attention_mask=att,
+        response_mask=resp,
+        rollout_logprobs=torch.zeros(ids.shape),
+        group_ids=torch.tensor(group_ids, dtype=torch.long),
+        truncated=torch.zeros(n, dtype=torch.bool),
+        policy_version=0,
+        completions=completions,
+        meta=meta,
+        scores=torch.tensor(scores, dtype=torch.float32),
+        skipped=dict(skipped),
     ).validate()
 
 
-def encode_pairs(rows: list[dict[str, Any]], tokenizer: Any, *, max_prompt_tokens: int, max_response_tokens: int,
-                 system_prompt: str = "", pad_token_id: int | None = None) -> tuple[Experience, dict[str, int]]:
+def encode_pairs(
+    rows: list[dict[str, Any]],
+    tokenizer: Any,
+    *,
+    max_prompt_tokens: int,
+    max_response_tokens: int,
+    system_prompt: str = "",
+    pad_token_id: int | None = None,
+) -> tuple[Experience, dict[str, int]]:
     """Pairs as one ``Experience`` (rows 2i and 2i+1: chosen and rejected of pair i, group i,
     scores 1 and 0); pairs over a token budget are counted as ``too_long`` and left out."""
     skipped: dict[str, int] = {}
@@ -301,9 +329,16 @@ def encode_pairs(rows: list[dict[str, Any]], tokenizer: Any, *, max_prompt_token
     return _to_experience(seqs, groups, [1.0, 0.0] * n, completions, meta, pad, skipped), skipped
 
 
-def encode_demonstrations(rows: list[dict[str, Any]], tokenizer: Any, *, max_prompt_tokens: int,
-                          max_response_tokens: int, system_prompt: str = "", pad_token_id: int | None = None,
-                          max_total_tokens: int = 0) -> tuple[Experience, dict[str, int]]:
+def encode_demonstrations(
+    rows: list[dict[str, Any]],
+    tokenizer: Any,
+    *,
+    max_prompt_tokens: int,
+    max_response_tokens: int,
+    system_prompt: str = "",
+    pad_token_id: int | None = None,
+    max_total_tokens: int = 0,
+) -> tuple[Experience, dict[str, int]]:
     """Demonstrations as one ``Experience`` (one row each, its own group); rows over a token
     budget are counted as ``too_long`` and left out. A conversation's budget: the prompt, each
     assistant turn (``max_response_tokens``) and the whole row (``max_total_tokens``, 0: the
@@ -323,8 +358,11 @@ def encode_demonstrations(rows: list[dict[str, Any]], tokenizer: Any, *, max_pro
             turns = [ids for ids, trained in segments if trained]
             reply = [t for ids, _ in segments for t in ids]
             budget = max_total_tokens or max_prompt_tokens + max_response_tokens * len(turns)
-            if (len(prompt) > max_prompt_tokens or max(map(len, turns)) > max_response_tokens
-                    or len(prompt) + len(reply) > budget):
+            if (
+                len(prompt) > max_prompt_tokens
+                or max(map(len, turns)) > max_response_tokens
+                or len(prompt) + len(reply) > budget
+            ):
                 _count(skipped, "too_long", where)
                 continue
             mask = [trained for ids, trained in segments for _ in ids]

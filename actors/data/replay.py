@@ -87,6 +87,10 @@ class ReplayBuffer:
         """Size and traffic counters, and the mean behaviour version of the stored rows (compare
         with the learner's version for policy staleness; None when empty)."""
         versions = [t.behaviour_version for t in self._rows]
-        return {"size": len(self._rows), "capacity": self.capacity, "added": self.added,
-                "evicted": self.evicted,
-                "mean_behaviour_version": sum(versions) / len(versions) if versions else None}
+        return {
+            "size": len(self._rows),
+            "capacity": self.capacity,
+            "added": self.added,
+            "evicted": self.evicted,
+            "mean_behaviour_version": sum(versions) / len(versions) if versions else None,
+        }

@@ -38,7 +38,7 @@ class Table:
 def source_path(spec: str | Path) -> tuple[Path, str]:
     """(path, split) of a source spec: ``path``, ``path#split``, or the older ``jsonl:path``."""
     spec = str(spec)
-    base, _, split = (spec[len("jsonl:"):] if spec.startswith("jsonl:") else spec).partition("#")
+    base, _, split = (spec[len("jsonl:") :] if spec.startswith("jsonl:") else spec).partition("#")
     return Path(base).expanduser(), split
 
 
@@ -79,8 +79,14 @@ def data_files(folder: Path, split: str = "", suffixes: tuple[str, ...] = SUFFIX
     dataset metadata left out. Where file names carry a split (``train.parquet``,
     ``data/test-00000.parquet``) only ``split``'s files (default ``train``), so a folder of splits
     never trains on its test rows."""
-    files = sorted(f for f in folder.rglob("*") if f.is_file() and f.name.endswith(suffixes)
-                   and f.name not in _METADATA and not any(part.startswith((".", "_")) for part in f.relative_to(folder).parts))
+    files = sorted(
+        f
+        for f in folder.rglob("*")
+        if f.is_file()
+        and f.name.endswith(suffixes)
+        and f.name not in _METADATA
+        and not any(part.startswith((".", "_")) for part in f.relative_to(folder).parts)
+    )
     if not files:
         raise ValueError(f"{folder}: no {', '.join(suffixes)} files in this folder")
     splits = {f: _split_of(f.relative_to(folder)) for f in files}
@@ -92,7 +98,9 @@ def data_files(folder: Path, split: str = "", suffixes: tuple[str, ...] = SUFFIX
     picked = [f for f in files if splits[f] == want]
     if not picked:
         named = sorted({s for s in splits.values() if s})
-        raise ValueError(f"{folder}: no {want!r} files (splits here: {', '.join(named)}); pick one with {folder}#<split>")
+        raise ValueError(
+            f"{folder}: no {want!r} files (splits here: {', '.join(named)}); pick one with {folder}#<split>"
+        )
     return picked
 
 
@@ -183,8 +191,9 @@ def _json_lines(p: Path, text: str) -> Table:
         except json.JSONDecodeError:
             _count(table.skipped, "malformed_row", f"{p}:{i} is not valid JSON")
     checked = _objects(table.rows)
-    checked.skipped = {k: table.skipped.get(k, 0) + checked.skipped.get(k, 0)
-                       for k in {**table.skipped, **checked.skipped}}
+    checked.skipped = {
+        k: table.skipped.get(k, 0) + checked.skipped.get(k, 0) for k in {**table.skipped, **checked.skipped}
+    }
     return checked
 
 
@@ -211,7 +220,9 @@ def _saved_dataset_rows(p: Path, split: str) -> Iterator[tuple[str, dict[str, An
     try:
         import datasets
     except ImportError:
-        raise ValueError(f"{p} is a datasets folder (save_to_disk): install the 'datasets' package to read it") from None
+        raise ValueError(
+            f"{p} is a datasets folder (save_to_disk): install the 'datasets' package to read it"
+        ) from None
     loaded = datasets.load_from_disk(str(p))
     if isinstance(loaded, datasets.DatasetDict):
         name = split or ("train" if "train" in loaded else (next(iter(loaded)) if len(loaded) == 1 else ""))

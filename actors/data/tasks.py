@@ -37,7 +37,11 @@ def _row(prompt: Any, answer: Any, meta: dict, instruction: str, skipped: dict[s
         skipped["missing_answer"] = skipped.get("missing_answer", 0) + 1
         return None
     text = f"{prompt.strip()} {instruction}".strip() if instruction else prompt.strip()
-    return {"prompt": text, "answer": str(answer), "meta": {**meta, "answer": str(answer), "question": prompt, "prompt": text}}
+    return {
+        "prompt": text,
+        "answer": str(answer),
+        "meta": {**meta, "answer": str(answer), "question": prompt, "prompt": text},
+    }
 
 
 def reasoning_gym_rows(task: str, size: int, seed: int, kwargs: dict, instruction: str) -> PromptSet:
@@ -71,8 +75,11 @@ class FileKeys:
 
 
 def is_messages(x: Any) -> bool:
-    return isinstance(x, list) and bool(x) and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in x)
+    return (
+        isinstance(x, list)
+        and bool(x)
+        and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in x)
+    )
 
 
 def _message_row(messages: list[dict], answer: Any, meta: dict, skipped: dict[str, int]) -> dict | None:
@@ -84,8 +91,11 @@ def _message_row(messages: list[dict], answer: Any, meta: dict, skipped: dict[st
         return None
     messages = [{"role": m["role"], "content": m["content"]} for m in messages]
     text = users[-1].strip()
-    return {"prompt": text, "answer": str(answer),
-            "meta": {**meta, "answer": str(answer), "question": text, "prompt": text, "messages": messages}}
+    return {
+        "prompt": text,
+        "answer": str(answer),
+        "meta": {**meta, "answer": str(answer), "question": text, "prompt": text, "messages": messages},
+    }
 
 
 def file_row(obj: dict[str, Any], keys: FileKeys, instruction: str, skipped: dict[str, int]) -> dict | None:
@@ -97,7 +107,10 @@ def file_row(obj: dict[str, Any], keys: FileKeys, instruction: str, skipped: dic
         answer = next((v for v in (column(obj, k) for k in ANSWER_KEYS) if v is not None), "")
     # A row's own "messages" column would be taken for the prompt's messages (prompt_token_ids):
     # it travels as "source_messages".
-    meta = {"task": "file", **{("source_messages" if k == "messages" else k): v for k, v in obj.items() if k != keys.prompt}}
+    meta = {
+        "task": "file",
+        **{("source_messages" if k == "messages" else k): v for k, v in obj.items() if k != keys.prompt},
+    }
     if not is_messages(prompt):
         return _row(prompt, answer, meta, instruction, skipped)
     if answer is None:
@@ -119,7 +132,9 @@ def file_rows(spec: str, instruction: str, keys: FileKeys | None = None) -> Prom
     for where, obj in table.rows:
         r = file_row(obj, keys, instruction, skipped)
         if r is None:
-            log.warning("%s: row without a usable %r prompt or %r answer, skipped", where, keys.prompt, keys.answer or "answer")
+            log.warning(
+                "%s: row without a usable %r prompt or %r answer, skipped", where, keys.prompt, keys.answer or "answer"
+            )
         else:
             rows.append(r)
     return PromptSet(rows, skipped)
@@ -132,8 +147,9 @@ def is_file_task(task: str) -> bool:
     return task.startswith("jsonl:") or looks_like_path(task)
 
 
-def load_prompts(task: str, train_size: int, eval_size: int, seed: int, kwargs: dict, instruction: str,
-                 keys: FileKeys | None = None) -> tuple[PromptSet, PromptSet]:
+def load_prompts(
+    task: str, train_size: int, eval_size: int, seed: int, kwargs: dict, instruction: str, keys: FileKeys | None = None
+) -> tuple[PromptSet, PromptSet]:
     """Train and held-out splits; held-out questions never appear in the train split. A file's
     rows are shuffled (seeded) and its first ``eval_size`` held out."""
     if is_file_task(task):
@@ -154,8 +170,9 @@ def load_prompts(task: str, train_size: int, eval_size: int, seed: int, kwargs: 
     return train, held
 
 
-def prompt_token_ids(tokenizer: Any, text: str, meta: dict | None = None, system_prompt: str = "",
-                     chat_template: bool = True) -> list[int]:
+def prompt_token_ids(
+    tokenizer: Any, text: str, meta: dict | None = None, system_prompt: str = "", chat_template: bool = True
+) -> list[int]:
     """The ids a reply is sampled after: the chat template over the row's own messages
     (``meta["messages"]``) or over the system prompt and the text as one user message, with the
     generation prompt added; with ``chat_template=False`` the text's own tokens (a base model's

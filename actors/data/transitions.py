@@ -35,35 +35,41 @@ from learners.experience import Experience
 
 log = logging.getLogger("rayrlhf.transitions")
 
-TRANSITION_SCHEMA = pa.schema([
-    # Prompt tokens, chat template included: the state the episode starts from.
-    ("prompt_ids", pa.list_(pa.int32())),
-    # Response tokens: the actions, one per step.
-    ("response_ids", pa.list_(pa.int32())),
-    # Reward of each response token (same length as response_ids).
-    ("rewards", pa.list_(pa.float32())),
-    # True: the episode ended at the last response token (EOS); False: cut at a length limit
-    # (with qlearn.bootstrap_truncated the learner bootstraps past the cut).
-    ("done", pa.bool_()),
-    # Weight version of the policy that sampled the response.
-    ("behaviour_version", pa.int64()),
-    # The sampler's log-prob of each response token; null when unknown.
-    ("behaviour_logprobs", pa.list_(pa.float32())),
-    # Index of the prompt in its dataset; samples of one prompt share it.
-    ("group_id", pa.int64()),
-    # Response text, for logs and text-based rewards.
-    ("completion", pa.string()),
-    # JSON object of the row's task metadata (question, answer, ...).
-    ("meta", pa.string()),
-    # Which response tokens are actions (a multi-turn episode's observations between its turns are
-    # not); null: every one.
-    ("action_mask", pa.list_(pa.bool_())),
-])
+TRANSITION_SCHEMA = pa.schema(
+    [
+        # Prompt tokens, chat template included: the state the episode starts from.
+        ("prompt_ids", pa.list_(pa.int32())),
+        # Response tokens: the actions, one per step.
+        ("response_ids", pa.list_(pa.int32())),
+        # Reward of each response token (same length as response_ids).
+        ("rewards", pa.list_(pa.float32())),
+        # True: the episode ended at the last response token (EOS); False: cut at a length limit
+        # (with qlearn.bootstrap_truncated the learner bootstraps past the cut).
+        ("done", pa.bool_()),
+        # Weight version of the policy that sampled the response.
+        ("behaviour_version", pa.int64()),
+        # The sampler's log-prob of each response token; null when unknown.
+        ("behaviour_logprobs", pa.list_(pa.float32())),
+        # Index of the prompt in its dataset; samples of one prompt share it.
+        ("group_id", pa.int64()),
+        # Response text, for logs and text-based rewards.
+        ("completion", pa.string()),
+        # JSON object of the row's task metadata (question, answer, ...).
+        ("meta", pa.string()),
+        # Which response tokens are actions (a multi-turn episode's observations between its turns are
+        # not); null: every one.
+        ("action_mask", pa.list_(pa.bool_())),
+    ]
+)
 # Columns a file must have; the others default (behaviour_logprobs null, completion "", meta {}).
 REQUIRED_COLUMNS = ("prompt_ids", "response_ids", "rewards", "done", "behaviour_version", "group_id")
 # Types columns are read as: wide enough that a bad value is counted per row, not a cast error.
-_READ_TYPES = {"prompt_ids": pa.list_(pa.int64()), "response_ids": pa.list_(pa.int64()),
-               "rewards": pa.list_(pa.float64()), "behaviour_logprobs": pa.list_(pa.float64())}
+_READ_TYPES = {
+    "prompt_ids": pa.list_(pa.int64()),
+    "response_ids": pa.list_(pa.int64()),
+    "rewards": pa.list_(pa.float64()),
+    "behaviour_logprobs": pa.list_(pa.float64()),
+}
 
 
 class TransitionsError(ValueError):
@@ -100,8 +106,12 @@ def _add(skipped: dict[str, int], reason: str, n: int = 1) -> None:
 
 def _warn(skipped: dict[str, int], where: Any) -> None:
     if skipped:
-        log.warning("%s: skipped %d transitions (%s)", where, sum(skipped.values()),
-                    ", ".join(f"{k}={v}" for k, v in sorted(skipped.items())))
+        log.warning(
+            "%s: skipped %d transitions (%s)",
+            where,
+            sum(skipped.values()),
+            ", ".join(f"{k}={v}" for k, v in sorted(skipped.items())),
+        )
 
 
 def transitions_from_experience(exp: Experience) -> tuple[list[Transition], dict[str, int]]:
@@ -127,12 +137,20 @@ def transitions_from_experience(exp: Experience) -> tuple[list[Transition], dict
         else:
             rewards = [0.0] * (end - start)
             rewards[int(acts.max()) - start] = float(exp.scores[i])
-        rows.append(Transition(
-            prompt_ids=exp.input_ids[i, :start].tolist(), response_ids=exp.input_ids[i, start:end].tolist(),
-            rewards=rewards, done=not bool(exp.truncated[i]), behaviour_version=int(exp.policy_version),
-            behaviour_logprobs=exp.rollout_logprobs[i, start:end].tolist(), group_id=int(exp.group_ids[i]),
-            completion=exp.completions[i], meta=dict(exp.meta[i]), action_mask=None if all(actions) else actions,
-        ))
+        rows.append(
+            Transition(
+                prompt_ids=exp.input_ids[i, :start].tolist(),
+                response_ids=exp.input_ids[i, start:end].tolist(),
+                rewards=rewards,
+                done=not bool(exp.truncated[i]),
+                behaviour_version=int(exp.policy_version),
+                behaviour_logprobs=exp.rollout_logprobs[i, start:end].tolist(),
+                group_id=int(exp.group_ids[i]),
+                completion=exp.completions[i],
+                meta=dict(exp.meta[i]),
+                action_mask=None if all(actions) else actions,
+            )
+        )
     _warn(skipped, "experience export")
     return rows, skipped
 
@@ -180,8 +198,9 @@ def _columns(file: Path) -> dict[str, list[Any]]:
         try:
             cols[f.name] = table.column(f.name).cast(_READ_TYPES.get(f.name, f.type)).to_pylist()
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
-            raise TransitionsError(f"{file}: column {f.name} is {table.schema.field(f.name).type}, "
-                                   f"expected {f.type} ({e})") from e
+            raise TransitionsError(
+                f"{file}: column {f.name} is {table.schema.field(f.name).type}, expected {f.type} ({e})"
+            ) from e
     return cols
 
 
@@ -200,8 +219,11 @@ def _check(r: dict[str, Any], vocab_size: int | None) -> tuple[Transition | None
     if not prompt:
         return None, "empty_prompt"
     actions = r.get("action_mask")
-    if len(rewards) != len(response) or (lps is not None and len(lps) != len(response)) \
-            or (actions is not None and len(actions) != len(response)):
+    if (
+        len(rewards) != len(response)
+        or (lps is not None and len(lps) != len(response))
+        or (actions is not None and len(actions) != len(response))
+    ):
         return None, "length_mismatch"
     if actions is not None and (None in actions or not any(actions)):
         return None, "empty_response"
@@ -217,8 +239,18 @@ def _check(r: dict[str, Any], vocab_size: int | None) -> tuple[Transition | None
         return None, "bad_meta"
     if not isinstance(meta, dict):
         return None, "bad_meta"
-    return Transition(prompt, response, rewards, bool(r["done"]), int(r["behaviour_version"]), lps,
-                      int(r["group_id"]), r["completion"] or "", meta, actions), None
+    return Transition(
+        prompt,
+        response,
+        rewards,
+        bool(r["done"]),
+        int(r["behaviour_version"]),
+        lps,
+        int(r["group_id"]),
+        r["completion"] or "",
+        meta,
+        actions,
+    ), None
 
 
 def read_transitions(path: str | Path, vocab_size: int | None = None) -> tuple[list[Transition], dict[str, int]]:
@@ -267,10 +299,16 @@ def transitions_to_experience(rows: list[Transition], pad_token_id: int, max_len
         if t.behaviour_logprobs is not None:
             logprobs[i, p:end] = torch.tensor(t.behaviour_logprobs)
     return Experience(
-        input_ids=ids, attention_mask=att, response_mask=resp, rollout_logprobs=logprobs,
+        input_ids=ids,
+        attention_mask=att,
+        response_mask=resp,
+        rollout_logprobs=logprobs,
         group_ids=torch.tensor([t.group_id for t in rows], dtype=torch.long),
         truncated=torch.tensor([not t.done for t in rows], dtype=torch.bool),
         policy_version=min(t.behaviour_version for t in rows),
-        completions=[t.completion for t in rows], meta=[dict(t.meta) for t in rows],
-        scores=rewards.sum(dim=1), token_rewards=rewards, skipped=skipped,
+        completions=[t.completion for t in rows],
+        meta=[dict(t.meta) for t in rows],
+        scores=rewards.sum(dim=1),
+        token_rewards=rewards,
+        skipped=skipped,
     ).validate()

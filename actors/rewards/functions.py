@@ -59,9 +59,7 @@ def reasoning_gym(prompts: list[str], completions: list[str], **meta: list) -> l
 
 def exact_match(prompts: list[str], completions: list[str], **meta: list) -> list[float]:
     """1.0 when the extracted final answer equals ``meta['answer']``, else 0.0."""
-    return [
-        float(extract_final_answer(c) == str(a).strip()) for c, a in zip(completions, meta["answer"])
-    ]
+    return [float(extract_final_answer(c) == str(a).strip()) for c, a in zip(completions, meta["answer"])]
 
 
 def digit_density(prompts: list[str], completions: list[str], **meta: list) -> list[float]:
@@ -79,8 +77,15 @@ def environment(prompts: list[str], completions: list[str], **meta: list) -> lis
     ``meta["episode"]["reward"]``, written by the generator's rollout)."""
     episodes = meta.get("episode")
     if episodes is None:
-        raise ValueError("reward.function=environment scores multi-turn episodes; these samples carry none (set env.name)")
+        raise ValueError(
+            "reward.function=environment scores multi-turn episodes; these samples carry none (set env.name)"
+        )
     return [float(e["reward"]) for e in episodes]
 
 
-BUILTIN_REWARDS = {"environment": environment, "reasoning_gym": reasoning_gym, "exact_match": exact_match, "digit_density": digit_density}
+BUILTIN_REWARDS = {
+    "environment": environment,
+    "reasoning_gym": reasoning_gym,
+    "exact_match": exact_match,
+    "digit_density": digit_density,
+}

@@ -59,8 +59,16 @@ based on the outlined criteria."""
 
 DEFAULT_PATTERN = r"Score:\s*(-?\d+(?:\.\d+)?)"
 
-COUNTS = ("judgements", "parsed", "unparsed", "out_of_range", "items", "items_scored", "items_unscored",
-          "items_too_long")
+COUNTS = (
+    "judgements",
+    "parsed",
+    "unparsed",
+    "out_of_range",
+    "items",
+    "items_scored",
+    "items_unscored",
+    "items_too_long",
+)
 
 
 @dataclass
@@ -177,8 +185,9 @@ class Judge:
     def __init__(self, cfg: JudgeConfig) -> None:
         self.cfg = cfg
 
-    def judge(self, generator: Any, prompts: list[str], responses: list[str],
-              seed: int | None = None) -> tuple[list[float], dict[str, int], list[list[str]]]:
+    def judge(
+        self, generator: Any, prompts: list[str], responses: list[str], seed: int | None = None
+    ) -> tuple[list[float], dict[str, int], list[list[str]]]:
         """Returns per-item scores (NaN: no valid judgement), the counts, and the raw replies."""
         cfg = self.cfg
         if len(prompts) != len(responses):
@@ -188,9 +197,16 @@ class Judge:
         if texts:
             try:
                 exp = generator.generate(
-                    texts, [{"item": i} for i in range(len(texts))], list(range(len(texts))),
-                    max_new_tokens=cfg.max_new_tokens, max_prompt_tokens=cfg.max_prompt_tokens,
-                    temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, n=cfg.samples, seed=seed,
+                    texts,
+                    [{"item": i} for i in range(len(texts))],
+                    list(range(len(texts))),
+                    max_new_tokens=cfg.max_new_tokens,
+                    max_prompt_tokens=cfg.max_prompt_tokens,
+                    temperature=cfg.temperature,
+                    top_p=cfg.top_p,
+                    top_k=cfg.top_k,
+                    n=cfg.samples,
+                    seed=seed,
                 )
             except ValueError:  # every judge prompt was over the budget (or empty)
                 exp = None
@@ -202,8 +218,14 @@ class Judge:
         return scores, counts, replies
 
 
-def judge_demonstrations(task_rows: list[dict[str, Any]], n: int, template: str, seed: int = 0,
-                         max_score: float = 5.0, min_points: float = 1.0) -> list[dict[str, Any]]:
+def judge_demonstrations(
+    task_rows: list[dict[str, Any]],
+    n: int,
+    template: str,
+    seed: int = 0,
+    max_score: float = 5.0,
+    min_points: float = 1.0,
+) -> list[dict[str, Any]]:
     """Evaluation fine-tuning (EFT) data, the second half of Self-Rewarding LMs' seed data
     (sec. 2.2): judge prompts with verdicts, so that a small model learns the judge's format
     before it judges. Built from task rows with known answers: half the items reply with the
@@ -225,11 +247,20 @@ def judge_demonstrations(task_rows: list[dict[str, Any]], n: int, template: str,
             if not others:
                 continue
             answer = others[0]
-        verdict = ("The response answers the question directly and correctly, with nothing extraneous."
-                   if correct else "The response is relevant to the question, but its answer is wrong.")
+        verdict = (
+            "The response answers the question directly and correctly, with nothing extraneous."
+            if correct
+            else "The response is relevant to the question, but its answer is wrong."
+        )
         score = max_score if correct else min_points
-        out.append({"prompt": [{"role": "user", "content": judge_prompt(template, row["prompt"], answer)}],
-                    "response": f"{verdict}\nScore: {score:g}", "index": i, "kind": "judge"})
+        out.append(
+            {
+                "prompt": [{"role": "user", "content": judge_prompt(template, row["prompt"], answer)}],
+                "response": f"{verdict}\nScore: {score:g}",
+                "index": i,
+                "kind": "judge",
+            }
+        )
     return out
 
 
@@ -250,11 +281,11 @@ class JudgeScorer(TextScorer):
         self.last_metrics: dict[str, float] = {}
         self._calls = 0
 
-    def score_texts(self, prompts: list[str], completions: list[str],
-                    meta: list[dict[str, Any]]) -> tuple[list[float | None], dict[str, int]]:
+    def score_texts(
+        self, prompts: list[str], completions: list[str], meta: list[dict[str, Any]]
+    ) -> tuple[list[float | None], dict[str, int]]:
         self._calls += 1
         scores, counts, _ = self.judge.judge(self.gen, prompts, completions, seed=self._calls)
         self.last_metrics = {f"judge/{k}": float(v) for k, v in counts.items()}
         values: list[float | None] = list(scores)
         return values, self._drop_or_raise(values, "unjudged", "LLM judge")
-

@@ -117,8 +117,10 @@ class RemoteScorer(TextScorer):
         if r.status_code >= 500 or r.status_code == 429 or (r.status_code == 404 and self._answered):
             raise _Retryable(f"HTTP {r.status_code}: {r.text[:200]}")
         if r.status_code >= 400:
-            raise RemoteScorerError(f"remote scorer {self.s.url} refused the request: HTTP {r.status_code}: "
-                                    f"{r.text[:300]} (check reward.remote.url and its API key)")
+            raise RemoteScorerError(
+                f"remote scorer {self.s.url} refused the request: HTTP {r.status_code}: "
+                f"{r.text[:300]} (check reward.remote.url and its API key)"
+            )
         try:
             out = parse_reply(r.content, n)
         except _Retryable:
@@ -128,7 +130,7 @@ class RemoteScorer(TextScorer):
         return out
 
     def _delay(self, attempt: int) -> float:
-        base = min(self.s.max_backoff_s, self.s.backoff_s * 2 ** attempt)
+        base = min(self.s.max_backoff_s, self.s.backoff_s * 2**attempt)
         return base * (0.5 + random.random() / 2)  # jitter: concurrent retries do not arrive together
 
     def _score_batch(self, payload: dict[str, Any]) -> list[float | None]:
@@ -138,7 +140,9 @@ class RemoteScorer(TextScorer):
             try:
                 out = self._post(payload, n)
                 if outage_start is not None:
-                    log.warning("remote scorer %s answers again after %.1fs", self.s.url, time.monotonic() - outage_start)
+                    log.warning(
+                        "remote scorer %s answers again after %.1fs", self.s.url, time.monotonic() - outage_start
+                    )
                 return out
             except _Retryable as e:
                 self._count("failed_attempts")
@@ -147,30 +151,46 @@ class RemoteScorer(TextScorer):
                 delay = self._delay(attempt)
             else:  # retries used up: the endpoint is down
                 if self.s.on_failure == "stop":
-                    raise RemoteScorerError(f"remote scorer {self.s.url} failed {attempt + 1} times: {error} "
-                                            "(reward.remote.on_failure=stop)")
+                    raise RemoteScorerError(
+                        f"remote scorer {self.s.url} failed {attempt + 1} times: {error} "
+                        "(reward.remote.on_failure=stop)"
+                    )
                 if outage_start is None:
                     outage_start = time.monotonic()
                     self._count("outages")
                 waited = time.monotonic() - outage_start
                 if waited >= self.s.max_wait_s:
-                    raise RemoteScorerError(f"remote scorer {self.s.url} still failing after waiting {waited:.0f}s "
-                                            f"(reward.remote.max_wait_s={self.s.max_wait_s:g}): {error}")
+                    raise RemoteScorerError(
+                        f"remote scorer {self.s.url} still failing after waiting {waited:.0f}s "
+                        f"(reward.remote.max_wait_s={self.s.max_wait_s:g}): {error}"
+                    )
                 delay = min(self.s.max_backoff_s, self.s.max_wait_s - waited)
-                log.warning("remote scorer %s down (%s); waiting, %.0fs of at most %.0fs", self.s.url, error,
-                            waited, self.s.max_wait_s)
+                log.warning(
+                    "remote scorer %s down (%s); waiting, %.0fs of at most %.0fs",
+                    self.s.url,
+                    error,
+                    waited,
+                    self.s.max_wait_s,
+                )
             self._count("retries")
             self._count("wait_s", delay)
             time.sleep(delay)
             attempt += 1
 
-    def score_texts(self, prompts: list[str], completions: list[str],
-                    meta: list[dict[str, Any]]) -> tuple[list[float | None], dict[str, int]]:
+    def score_texts(
+        self, prompts: list[str], completions: list[str], meta: list[dict[str, Any]]
+    ) -> tuple[list[float | None], dict[str, int]]:
         with self._lock:
             self._counts = dict.fromkeys(_COUNTERS, 0.0)
         b = self.s.batch_size
-        payloads = [{"prompts": prompts[i : i + b], "completions": completions[i : i + b],
-                     "meta": [_jsonable_meta(m) for m in meta[i : i + b]]} for i in range(0, len(completions), b)]
+        payloads = [
+            {
+                "prompts": prompts[i : i + b],
+                "completions": completions[i : i + b],
+                "meta": [_jsonable_meta(m) for m in meta[i : i + b]],
+            }
+            for i in range(0, len(completions), b)
+        ]
         with ThreadPoolExecutor(max_workers=min(self.s.concurrency, max(len(payloads), 1))) as pool:
             results = list(pool.map(self._score_batch, payloads))
         values = [v for r in results for v in r]

@@ -15,8 +15,17 @@ from actors.rewards.scorer import TextScorer
 
 
 class RewardModelScorer(TextScorer):
-    def __init__(self, model_path: str, *, batch_size: int = 16, max_tokens: int = 1024, system_prompt: str = "",
-                 on_error: str = "skip", threads: int = 0, dtype: str = "float32") -> None:
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        batch_size: int = 16,
+        max_tokens: int = 1024,
+        system_prompt: str = "",
+        on_error: str = "skip",
+        threads: int = 0,
+        dtype: str = "float32",
+    ) -> None:
         from transformers import AutoTokenizer
 
         from learners.reward_model import load_reward_model
@@ -34,8 +43,10 @@ class RewardModelScorer(TextScorer):
 
     def encode(self, prompt: str, completion: str) -> tuple[list[int], list[int]]:
         """The prompt's and the reply's token ids, as the reward model's pairs were encoded."""
-        return (_prompt_ids(self.tok, [{"role": "user", "content": prompt}], self.system_prompt),
-                _reply_ids(self.tok, completion))
+        return (
+            _prompt_ids(self.tok, [{"role": "user", "content": prompt}], self.system_prompt),
+            _reply_ids(self.tok, completion),
+        )
 
     @torch.no_grad()
     def rewards(self, rows: list[tuple[list[int], list[int]]]) -> tuple[list[float], int]:
@@ -59,8 +70,9 @@ class RewardModelScorer(TextScorer):
                 out[i] = v
         return out, rows_shared
 
-    def score_texts(self, prompts: list[str], completions: list[str],
-                    meta: list[dict[str, Any]]) -> tuple[list[float | None], dict[str, int]]:
+    def score_texts(
+        self, prompts: list[str], completions: list[str], meta: list[dict[str, Any]]
+    ) -> tuple[list[float | None], dict[str, int]]:
         t0 = time.perf_counter()
         seqs = [self.encode(p, c) for p, c in zip(prompts, completions)]
         fits = [i for i, (p, c) in enumerate(seqs) if len(p) + len(c) <= self.max_tokens]
@@ -69,6 +81,8 @@ class RewardModelScorer(TextScorer):
         for i, r in zip(fits, rewards):
             values[i] = r
         counts = self._drop_or_raise(values, "reward_too_long", f"reward model (over {self.max_tokens} tokens)")
-        self.last_metrics = {"scorer/rm_seconds": time.perf_counter() - t0,
-                             "scorer/rm_prompt_shared_frac": rows_shared / max(len(fits), 1)}
+        self.last_metrics = {
+            "scorer/rm_seconds": time.perf_counter() - t0,
+            "scorer/rm_prompt_shared_frac": rows_shared / max(len(fits), 1),
+        }
         return values, counts

@@ -47,16 +47,18 @@ def component_names(routes: dict[str, list[Component]]) -> dict[tuple[str, int],
 class RoutedScorer(TextScorer):
     """Weighted sums of rule functions, per source (see module doc)."""
 
-    def __init__(self, routes: dict[str | None, list[Component]], source_key: str = "data_source",
-                 on_error: str = "skip") -> None:
+    def __init__(
+        self, routes: dict[str | None, list[Component]], source_key: str = "data_source", on_error: str = "skip"
+    ) -> None:
         if not routes or any(not comps for comps in routes.values()):
             raise ValueError("every reward route needs at least one function")
         self.routes = {(_EVERY if r is None else str(r)): comps for r, comps in routes.items()}
         self.source_key, self.on_error = source_key, on_error
         self.names = component_names(self.routes)
         # One Scorer per component: each isolates its own failures per sample.
-        self.scorers = {(r, i): Scorer(fn, kw, on_error) for r, comps in self.routes.items()
-                        for i, (fn, _, kw) in enumerate(comps)}
+        self.scorers = {
+            (r, i): Scorer(fn, kw, on_error) for r, comps in self.routes.items() for i, (fn, _, kw) in enumerate(comps)
+        }
         self.last_metrics = {}
 
     def route_of(self, meta: dict[str, Any]) -> str | None:
@@ -65,8 +67,9 @@ class RoutedScorer(TextScorer):
         value = column(meta, self.source_key) if isinstance(meta, dict) else None
         return None if value is None or str(value) not in self.routes else str(value)
 
-    def score_texts(self, prompts: list[str], completions: list[str],
-                    meta: list[dict[str, Any]]) -> tuple[list[float | None], dict[str, int]]:
+    def score_texts(
+        self, prompts: list[str], completions: list[str], meta: list[dict[str, Any]]
+    ) -> tuple[list[float | None], dict[str, int]]:
         values: list[float | None] = [0.0] * len(completions)
         counts: dict[str, int] = {}
         metrics: dict[str, float] = {}
@@ -76,8 +79,12 @@ class RoutedScorer(TextScorer):
             if route is None:
                 values[i] = None
                 counts["reward_unmapped_source"] = counts.get("reward_unmapped_source", 0) + 1
-                log.warning("no reward for source %r (%s=%r): sample skipped", None if not isinstance(m, dict)
-                            else column(m, self.source_key), "reward.by_source key", self.source_key)
+                log.warning(
+                    "no reward for source %r (%s=%r): sample skipped",
+                    None if not isinstance(m, dict) else column(m, self.source_key),
+                    "reward.by_source key",
+                    self.source_key,
+                )
             else:
                 by_route.setdefault(route, []).append(i)
         for route, rows in by_route.items():
@@ -85,14 +92,23 @@ class RoutedScorer(TextScorer):
         self.last_metrics = metrics
         return values, {k: v for k, v in counts.items() if v}
 
-    def _score_route(self, route: str, rows: list[int], prompts: list[str], completions: list[str],
-                     meta: list[dict], values: list[float | None], counts: dict[str, int],
-                     metrics: dict[str, float]) -> None:
+    def _score_route(
+        self,
+        route: str,
+        rows: list[int],
+        prompts: list[str],
+        completions: list[str],
+        meta: list[dict],
+        values: list[float | None],
+        counts: dict[str, int],
+        metrics: dict[str, float],
+    ) -> None:
         """Adds each component's weighted values to ``values`` (None where one failed)."""
         comps = self.routes[route]
         for i, (_, weight, _) in enumerate(comps):
             got, failed = self.scorers[(route, i)].score_texts(
-                [prompts[j] for j in rows], [completions[j] for j in rows], [meta[j] for j in rows])
+                [prompts[j] for j in rows], [completions[j] for j in rows], [meta[j] for j in rows]
+            )
             for k, n in failed.items():
                 counts[k] = counts.get(k, 0) + n
             name = f"reward/component/{self.names[(route, i)]}"

@@ -32,6 +32,7 @@ log = logging.getLogger("rayrlhf.scorer")
 
 RewardFn = Callable[..., list[float]]
 
+
 #: ``reward.function`` values that name a scorer kind rather than a rule function.
 class RewardError(RuntimeError):
     """The reward function failed and the config says to stop."""
@@ -72,8 +73,9 @@ class TextScorer(abc.ABC):
     last_metrics: dict[str, float]
 
     @abc.abstractmethod
-    def score_texts(self, prompts: list[str], completions: list[str],
-                    meta: list[dict[str, Any]]) -> tuple[list[float | None], dict[str, int]]:
+    def score_texts(
+        self, prompts: list[str], completions: list[str], meta: list[dict[str, Any]]
+    ) -> tuple[list[float | None], dict[str, int]]:
         """Rewards per sample, None where none could be made, and the dropped counts by reason."""
 
     def _drop_or_raise(self, values: list[float | None], reason: str, what: str) -> dict[str, int]:
@@ -121,10 +123,14 @@ class Scorer(TextScorer):
         out = self.fn(prompts, completions, **columns, **self.kwargs)
         out = list(out)
         if len(out) != len(completions):
-            raise RewardError(f"reward function {self.spec!r} returned {len(out)} values for {len(completions)} samples")
+            raise RewardError(
+                f"reward function {self.spec!r} returned {len(out)} values for {len(completions)} samples"
+            )
         return [float(x) for x in out]
 
-    def score_texts(self, prompts: list[str], completions: list[str], meta: list[dict[str, Any]]) -> tuple[list[float | None], dict[str, int]]:
+    def score_texts(
+        self, prompts: list[str], completions: list[str], meta: list[dict[str, Any]]
+    ) -> tuple[list[float | None], dict[str, int]]:
         """Rewards per sample; None where the function failed (raised, NaN/inf) and was skipped."""
         counts = {"reward_error": 0, "reward_nonfinite": 0}
         try:

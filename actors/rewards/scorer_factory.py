@@ -49,8 +49,14 @@ class ScorerSpec:
 def build_scorer(spec: ScorerSpec) -> TextScorer:
     """The scorer a spec names (heavy models load here, inside whichever process calls it)."""
     if spec.function == "reward_model":
-        return RewardModelScorer(spec.model, batch_size=spec.batch_size, max_tokens=spec.max_tokens,
-                                 system_prompt=spec.system_prompt, on_error=spec.on_error, threads=spec.threads)
+        return RewardModelScorer(
+            spec.model,
+            batch_size=spec.batch_size,
+            max_tokens=spec.max_tokens,
+            system_prompt=spec.system_prompt,
+            on_error=spec.on_error,
+            threads=spec.threads,
+        )
     if spec.function == "llm_judge":
         if spec.judge is None or spec.judge_engine is None:
             raise ValueError("an llm_judge scorer needs its judge settings and a judge model (engine) config")

@@ -216,7 +216,9 @@ class Generator:
         self.system_prompt, self.chat_template = cfg.system_prompt, cfg.chat_template
         self.version = int(cfg.initial_version)
         self.eos_token_id = self.tokenizer.eos_token_id
-        self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_token_id
+        self.pad_token_id = (
+            self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_token_id
+        )
         # One decoding step at a time under a lock; loads and probes land between steps.
         self.loop = EngineLoop(self.llm)
         # Weight loads that landed while a generation was running.
@@ -227,8 +229,13 @@ class Generator:
         self.lora_base = cfg.lora_base
         self._base_weights = None  # opened at the first adapter sync
         _OPEN_ENGINES.add(self)
-        log.info("vLLM engine ready in %.1fs (%s, %s, %s)", self.startup_s, cfg.model_path, dtype,
-                 "compiled" if cfg.compile else "eager")
+        log.info(
+            "vLLM engine ready in %.1fs (%s, %s, %s)",
+            self.startup_s,
+            cfg.model_path,
+            dtype,
+            "compiled" if cfg.compile else "eager",
+        )
 
     @classmethod
     def from_config(cls, cfg: GeneratorConfig) -> "Generator":
@@ -253,9 +260,12 @@ class Generator:
         from vllm.compilation.counter import compilation_counter
 
         mode = self.llm.llm_engine.vllm_config.compilation_config.mode
-        return {"compiled": self.compiled, "mode": getattr(mode, "name", str(mode)),
-                "models_seen": int(compilation_counter.num_models_seen),
-                "dynamo_graphs": int(counters["stats"]["unique_graphs"])}
+        return {
+            "compiled": self.compiled,
+            "mode": getattr(mode, "name", str(mode)),
+            "models_seen": int(compilation_counter.num_models_seen),
+            "dynamo_graphs": int(counters["stats"]["unique_graphs"]),
+        }
 
     # -- prompts ---------------------------------------------------------------------------------
     def encode_prompt(self, text: str, meta: dict | None = None) -> list[int]:
@@ -297,17 +307,28 @@ class Generator:
         group_ids = group_ids if group_ids is not None else list(range(len(prompts)))
         if not (len(prompts) == len(meta) == len(group_ids)):
             raise ValueError("prompts, meta and group_ids must have the same length")
-        kept, skipped = self._encode_batch(prompts, meta, group_ids, min(max_prompt_tokens, self.max_model_len - max_new_tokens))
+        kept, skipped = self._encode_batch(
+            prompts, meta, group_ids, min(max_prompt_tokens, self.max_model_len - max_new_tokens)
+        )
         stop = [self.eos_token_id] if self.eos_token_id is not None and not ignore_eos else None
-        params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_new_tokens,
-                                logprobs=1, stop_token_ids=stop, ignore_eos=ignore_eos)
+        params = SamplingParams(
+            n=n,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            max_tokens=max_new_tokens,
+            logprobs=1,
+            stop_token_ids=stop,
+            ignore_eos=ignore_eos,
+        )
         if seed is not None:
             torch.manual_seed(seed)
         outputs = self.loop.run([{"prompt_token_ids": ids} for ids, _, _ in kept], params)
         return self._to_experience(_sampled_rows(kept, outputs), skipped)
 
-    def _encode_batch(self, prompts: list[str], meta: list[dict], group_ids: list[int],
-                      budget: int) -> tuple[list[tuple[list[int], dict, int]], dict[str, int]]:
+    def _encode_batch(
+        self, prompts: list[str], meta: list[dict], group_ids: list[int], budget: int
+    ) -> tuple[list[tuple[list[int], dict, int]], dict[str, int]]:
         """(ids, meta, group) of each usable prompt, and the others counted by reason (empty, or
         over ``budget`` tokens); ValueError when none is usable."""
         skipped = {"empty_prompt": 0, "prompt_too_long": 0}
@@ -326,10 +347,22 @@ class Generator:
             raise ValueError(f"no usable prompt in a batch of {len(prompts)}: {skipped}")
         return kept, skipped
 
-    def generate_episodes(self, rows: list[dict[str, Any]], group_ids: list[int], make_env: Any, limits: Any,
-                          *, temperature: float = 1.0, top_p: float = 1.0, n: int = 1, seed: int | None = None,
-                          pool: Any = None, journal: Any = None, resume: dict | None = None, top_k: int = 0
-                          ) -> tuple[Experience, dict[str, float]]:
+    def generate_episodes(
+        self,
+        rows: list[dict[str, Any]],
+        group_ids: list[int],
+        make_env: Any,
+        limits: Any,
+        *,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        n: int = 1,
+        seed: int | None = None,
+        pool: Any = None,
+        journal: Any = None,
+        resume: dict | None = None,
+        top_k: int = 0,
+    ) -> tuple[Experience, dict[str, float]]:
         """``n`` multi-turn episodes per row in ``make_env()`` environments (``actors/agents/episodes.py``):
         one record row per episode, the model's tokens as sampled and the observations' between
         them (``response_mask`` marks the model's), rewards in ``meta["episode"]``. Episodes whose
@@ -338,22 +371,57 @@ class Generator:
         (``EpisodeRunner``). Returns the record and the batch's episode counters."""
         from actors.agents.episodes import play_episodes
 
-        done = play_episodes(self.loop, ChatTokens(self.tokenizer, self.system_prompt), rows, group_ids, n, make_env,
-                             limits, self._turn_sampling(temperature, top_p, seed, top_k), pool=pool, journal=journal,
-                             resume=resume)
+        done = play_episodes(
+            self.loop,
+            ChatTokens(self.tokenizer, self.system_prompt),
+            rows,
+            group_ids,
+            n,
+            make_env,
+            limits,
+            self._turn_sampling(temperature, top_p, seed, top_k),
+            pool=pool,
+            journal=journal,
+            resume=resume,
+        )
         return self._to_experience(done.rows, done.dropped), done.counts
 
-    def generate_agent_episodes(self, rows: list[dict[str, Any]], group_ids: list[int], agent: Any, endpoint: Any,
-                                limits: Any, *, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, n: int = 1,
-                                seed: int | None = None, pool: Any, timeout_s: float = 300.0,
-                                models: tuple[str, ...] = ("policy",)) -> tuple[Experience, dict[str, float]]:
+    def generate_agent_episodes(
+        self,
+        rows: list[dict[str, Any]],
+        group_ids: list[int],
+        agent: Any,
+        endpoint: Any,
+        limits: Any,
+        *,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        n: int = 1,
+        seed: int | None = None,
+        pool: Any,
+        timeout_s: float = 300.0,
+        models: tuple[str, ...] = ("policy",),
+    ) -> tuple[Experience, dict[str, float]]:
         """``n`` episodes per row of an agent program ``agent(row, base_url) -> reward`` against
         ``endpoint`` (``actors/agents/agent_endpoint.py``): one record row per trajectory segment, the
         program's reward in ``meta["episode"]``; failed programs dropped and counted."""
         from actors.agents.agent_endpoint import play_agents
 
-        done = play_agents(self.loop, ChatTokens(self.tokenizer), rows, group_ids, n, agent, endpoint, limits,
-                           self._turn_sampling(temperature, top_p, seed, top_k), pool, timeout_s, models)
+        done = play_agents(
+            self.loop,
+            ChatTokens(self.tokenizer),
+            rows,
+            group_ids,
+            n,
+            agent,
+            endpoint,
+            limits,
+            self._turn_sampling(temperature, top_p, seed, top_k),
+            pool,
+            timeout_s,
+            models,
+        )
         return self._to_experience(done.rows, done.dropped), done.counts
 
     def _turn_sampling(self, temperature: float, top_p: float, seed: int | None, top_k: int = 0):
@@ -367,9 +435,18 @@ class Generator:
             turn_seed = None if seed is None else (seed * 1_000_003 + key * 7919 + turn) % 2**31
             # A stop string ends the reply after it, and it stays in the text: the text is then
             # exactly the sampled tokens' (vLLM would drop it from the text but not the tokens).
-            return SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=room, logprobs=1,
-                                  seed=turn_seed, stop=stop, include_stop_str_in_output=bool(stop),
-                                  stop_token_ids=[self.eos_token_id] if self.eos_token_id is not None else None)
+            return SamplingParams(
+                n=n,
+                temperature=temperature,
+                top_p=top_p,
+                top_k=top_k,
+                max_tokens=room,
+                logprobs=1,
+                seed=turn_seed,
+                stop=stop,
+                include_stop_str_in_output=bool(stop),
+                stop_token_ids=[self.eos_token_id] if self.eos_token_id is not None else None,
+            )
 
         return sampling
 
@@ -429,10 +506,12 @@ def warn_if_engine_open() -> None:
     """Logs a warning when this process still holds an open engine: the two share vLLM's
     parallel state, and closing or collecting the old one breaks the new one."""
     if len(_OPEN_ENGINES):
-        log.warning("%d vLLM engine(s) of this process still open: they share vLLM's parallel state, so closing "
-                    "or dropping one breaks a new one; call Generator.close() on an engine before building the "
-                    "next", len(_OPEN_ENGINES))
-
+        log.warning(
+            "%d vLLM engine(s) of this process still open: they share vLLM's parallel state, so closing "
+            "or dropping one breaks a new one; call Generator.close() on an engine before building the "
+            "next",
+            len(_OPEN_ENGINES),
+        )
 
 
 def _sampled_rows(kept: list[tuple[list[int], dict, int]], outputs: list) -> list[Sampled]:
@@ -442,6 +521,16 @@ def _sampled_rows(kept: list[tuple[list[int], dict, int]], outputs: list) -> lis
         for comp in out.outputs:
             resp = list(comp.token_ids)
             lps = [float(step[tok].logprob) for tok, step in zip(resp, comp.logprobs)]
-            rows.append(Sampled(ids, resp, lps, comp.finish_reason == "length", comp.text, m, g,
-                                token_versions(comp.weight_versions, len(resp))))
+            rows.append(
+                Sampled(
+                    ids,
+                    resp,
+                    lps,
+                    comp.finish_reason == "length",
+                    comp.text,
+                    m,
+                    g,
+                    token_versions(comp.weight_versions, len(resp)),
+                )
+            )
     return rows

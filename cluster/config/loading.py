@@ -83,8 +83,11 @@ def _check_plugin_sections(data: dict) -> None:
             msgs = []
             for err in e.errors():
                 key = ".".join([name, *map(str, err["loc"])])
-                msgs.append(f"unknown config key {key!r} in section '{name}'; valid keys: {', '.join(sorted(model.model_fields))}"
-                            if err["type"] == "extra_forbidden" else f"{key}: {err['msg']} (got {err.get('input')!r})")
+                msgs.append(
+                    f"unknown config key {key!r} in section '{name}'; valid keys: {', '.join(sorted(model.model_fields))}"
+                    if err["type"] == "extra_forbidden"
+                    else f"{key}: {err['msg']} (got {err.get('input')!r})"
+                )
             raise ConfigError("; ".join(msgs)) from None
 
 
@@ -93,7 +96,9 @@ def _resolve_generator_dtype(cfg: Config) -> None:
     learners pack the weights they sync in it and the sync check's tolerance depends on it."""
     from learners.training.precision import resolve_engine_dtype
 
-    cfg.model.generator_dtype = resolve_engine_dtype(cfg.model.generator_dtype, uses_gpu=cfg.rollout.gpus_per_generator > 0)
+    cfg.model.generator_dtype = resolve_engine_dtype(
+        cfg.model.generator_dtype, uses_gpu=cfg.rollout.gpus_per_generator > 0
+    )
 
 
 def _set_dotted(data: dict, dotted: str, value: Any, where: str = "") -> None:
@@ -140,9 +145,9 @@ def check_resume_compatible(saved: Config, new: Config) -> None:
     changed = [k for k in keys if saved.get(k) != new.get(k)]
     if changed:
         raise ConfigError(
-            "cannot resume with a different " + ", ".join(
-                f"{k} ({saved.get(k)!r} -> {new.get(k)!r})" for k in changed
-            ) + ": start a new run instead"
+            "cannot resume with a different "
+            + ", ".join(f"{k} ({saved.get(k)!r} -> {new.get(k)!r})" for k in changed)
+            + ": start a new run instead"
         )
 
 

@@ -35,24 +35,40 @@ def inspect_prompts(cfg: Config, tokenizer: Any, max_model_len: int) -> dict[str
         from actors.data.tasks import file_row, tag_source
 
         converted = (file_row(obj, train.keys, train.instruction, train.skipped) for obj in iter_rows(train.files[0]))
-        train_rows = tag_source(list(islice((r for r in converted if r is not None), STREAM_SHOWN)),
-                                train.name or train.files[0].stem)
+        train_rows = tag_source(
+            list(islice((r for r in converted if r is not None), STREAM_SHOWN)), train.name or train.files[0].stem
+        )
         described += f"; shown: the first {len(train_rows)} usable rows of {train.files[0].name}, unshuffled"
     budget = min(cfg.model.max_prompt_tokens, max_model_len - cfg.model.max_new_tokens)
     sources = [m.task for m in cfg.data.mix] or [cfg.data.task]
     applied = {task: cfg.data.instruction_for(task) for task in sources}
-    out: dict[str, Any] = {"source": described, "max_prompt_tokens": budget, "instruction": applied,
-                           "skipped_at_load": dict(train.skipped), "splits": {}}
+    out: dict[str, Any] = {
+        "source": described,
+        "max_prompt_tokens": budget,
+        "instruction": applied,
+        "skipped_at_load": dict(train.skipped),
+        "splits": {},
+    }
     for split, rows in (("train", train_rows), ("held_out", held.rows)):
         shown, too_long = [], 0
         for r in rows:
             try:
-                ids = prompt_token_ids(tokenizer, r["prompt"], r["meta"], cfg.data.system_prompt, cfg.data.chat_template)
+                ids = prompt_token_ids(
+                    tokenizer, r["prompt"], r["meta"], cfg.data.system_prompt, cfg.data.chat_template
+                )
             except ValueError as e:
                 raise UserError(f"data: {e}") from None
             too_long += len(ids) > budget
-            shown.append({"data_source": r["meta"].get("data_source"), "prompt": r["prompt"], "answer": r["answer"],
-                          "tokens": len(ids), "ids": ids, "skipped": "prompt_too_long" if len(ids) > budget else None})
+            shown.append(
+                {
+                    "data_source": r["meta"].get("data_source"),
+                    "prompt": r["prompt"],
+                    "answer": r["answer"],
+                    "tokens": len(ids),
+                    "ids": ids,
+                    "skipped": "prompt_too_long" if len(ids) > budget else None,
+                }
+            )
         out["splits"][split] = {"rows": shown, "prompt_too_long": too_long}
     return out
 
@@ -78,8 +94,12 @@ def inspect_offline(cfg: Config, tokenizer: Any, kind: str) -> dict[str, Any]:
     if kind == "preferences":
         train, held, described = dpo.load_data(cfg)
         encode = lambda rows: encode_pairs(  # noqa: E731 - dpo._encode without its console line
-            rows, tokenizer, max_prompt_tokens=cfg.model.max_prompt_tokens,
-            max_response_tokens=cfg.model.max_new_tokens, system_prompt=cfg.data.system_prompt)
+            rows,
+            tokenizer,
+            max_prompt_tokens=cfg.model.max_prompt_tokens,
+            max_response_tokens=cfg.model.max_new_tokens,
+            system_prompt=cfg.data.system_prompt,
+        )
     else:
         train, held, described = sft.load_data(cfg)
         encode = lambda rows: (sft.encode(cfg, tokenizer, rows), None)  # noqa: E731
@@ -90,8 +110,14 @@ def inspect_offline(cfg: Config, tokenizer: Any, kind: str) -> dict[str, Any]:
         for i in range(exp.batch_size if exp is not None else 0):
             keep = exp.attention_mask[i].bool()
             ids, trained = exp.input_ids[i][keep].tolist(), exp.response_mask[i][keep].tolist()
-            shown.append({"ids": ids, "trained": [bool(t) for t in trained], "tokens": len(ids),
-                          "score": float(exp.scores[i]) if exp.scores is not None else None})
+            shown.append(
+                {
+                    "ids": ids,
+                    "trained": [bool(t) for t in trained],
+                    "tokens": len(ids),
+                    "score": float(exp.scores[i]) if exp.scores is not None else None,
+                }
+            )
         per_row = 2 if kind == "preferences" else 1  # a pair is two rows, chosen and rejected
         out["splits"][split] = {"rows": shown, "too_long": len(rows) - len(shown) // per_row}
     return out
@@ -104,19 +130,26 @@ def render(report: dict[str, Any], tokenizer: Any, rows: int) -> str:
         return _render_offline(report, tokenizer, rows, lines)
     lines.append(f"prompt budget: {report['max_prompt_tokens']} tokens after the chat template")
     for task, text in report.get("instruction", {}).items():
-        lines.append(f"instruction appended to {task}'s text prompts: {text!r}" if text else
-                     f"no instruction appended to {task}'s prompts (data.instruction sets one)")
+        lines.append(
+            f"instruction appended to {task}'s text prompts: {text!r}"
+            if text
+            else f"no instruction appended to {task}'s prompts (data.instruction sets one)"
+        )
     for split, part in report["splits"].items():
         n = len(part["rows"])
         sizes = sorted(r["tokens"] for r in part["rows"]) or [0]
         by_source: dict[str, int] = {}
         for r in part["rows"]:
             by_source[str(r["data_source"])] = by_source.get(str(r["data_source"]), 0) + 1
-        lines.append(f"\n{split}: {n} rows {by_source}; tokens min {sizes[0]} / median {sizes[len(sizes) // 2]} / "
-                     f"max {sizes[-1]}; over the budget (skipped at generation): {part['prompt_too_long']}")
+        lines.append(
+            f"\n{split}: {n} rows {by_source}; tokens min {sizes[0]} / median {sizes[len(sizes) // 2]} / "
+            f"max {sizes[-1]}; over the budget (skipped at generation): {part['prompt_too_long']}"
+        )
         for i, r in enumerate(part["rows"][:rows]):
             flag = "  SKIPPED: prompt_too_long" if r["skipped"] else ""
-            lines.append(f"--- {split}[{i}] source={r['data_source']} tokens={r['tokens']} answer={r['answer']!r}{flag}")
+            lines.append(
+                f"--- {split}[{i}] source={r['data_source']} tokens={r['tokens']} answer={r['answer']!r}{flag}"
+            )
             lines.append(tokenizer.decode(r["ids"]))
     return "\n".join(lines)
 
@@ -144,9 +177,14 @@ def main(config: str | None, overrides: list[str], source: str | None, rows: int
     cfg = load_config(config, overrides)
     kind = data_kind(cfg, named=bool(source))
     if source:  # replaces what this config trains on
-        key = {"prompts": "data.task", "preferences": "data.preference_file",
-               "demonstrations": "data.demonstration_file"}[kind]
-        cfg = load_config(config, list(overrides) + [f"{key}={source}"] + (["data.mix=[]"] if kind == "prompts" else []))
+        key = {
+            "prompts": "data.task",
+            "preferences": "data.preference_file",
+            "demonstrations": "data.demonstration_file",
+        }[kind]
+        cfg = load_config(
+            config, list(overrides) + [f"{key}={source}"] + (["data.mix=[]"] if kind == "prompts" else [])
+        )
     try:
         model_path = resolve_model(cfg.model.path, cfg.model.cache_dir or None)
     except FileNotFoundError as e:

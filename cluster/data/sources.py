@@ -35,7 +35,8 @@ def load_task_prompts(cfg: Config) -> tuple[Any, Any, str]:
         return environment_prompts(cfg)
     train_set, eval_set, described = prompt_sets(cfg)
     functions = [c.function for c in cfg.reward.components] + [
-        c.function for comps in cfg.reward.by_source.values() for c in comps]
+        c.function for comps in cfg.reward.by_source.values() for c in comps
+    ]
     for name in functions or ([cfg.reward.function] if cfg.reward.function not in SCORER_KINDS else []):
         try:  # a rule function: it must import
             resolve_reward_fn(name)
@@ -46,8 +47,9 @@ def load_task_prompts(cfg: Config) -> tuple[Any, Any, str]:
     _warn_unrouted(cfg, train_set, eval_set)
     if cfg.data.streaming:  # its size is counted once the cluster is up
         return train_set, eval_set, f"{len(eval_set)} held-out prompts; train prompts from {described}"
-    description = (f"{len(train_set)} train / {len(eval_set)} held-out prompts from {described}"
-                   + (f" (skipped while loading: {train_set.skipped})" if train_set.skipped else ""))
+    description = f"{len(train_set)} train / {len(eval_set)} held-out prompts from {described}" + (
+        f" (skipped while loading: {train_set.skipped})" if train_set.skipped else ""
+    )
     return train_set, eval_set, description
 
 
@@ -62,8 +64,11 @@ def _warn_unrouted(cfg: Config, train_set: Any, eval_set: Any) -> None:
     found = {str(column(r["meta"], cfg.reward.source_key)) for r in rows}
     missing = sorted(found - set(cfg.reward.by_source))
     if missing:
-        print(f"[rayrlhf] reward.by_source has no entry for {missing} (the data's {cfg.reward.source_key} values): "
-              f"their samples will be dropped and counted as reward_unmapped_source", flush=True)
+        print(
+            f"[rayrlhf] reward.by_source has no entry for {missing} (the data's {cfg.reward.source_key} values): "
+            f"their samples will be dropped and counted as reward_unmapped_source",
+            flush=True,
+        )
 
 
 def prompt_sets(cfg: Config) -> tuple[Any, Any, str]:
@@ -94,7 +99,9 @@ def prompt_sets(cfg: Config) -> tuple[Any, Any, str]:
     if not train:
         raise UserError(f"data: no usable training prompts ({skipped})")
     if not d.chat_template and any(r["meta"].get("messages") for r in train + held):
-        raise UserError("data.chat_template=false: some prompts are chat messages, which only the chat template renders")
+        raise UserError(
+            "data.chat_template=false: some prompts are chat messages, which only the chat template renders"
+        )
     if len(sources) > 1:
         random.Random(cfg.run.seed).shuffle(train)
     described = " + ".join(f"{s.task} ({n})" for s, n in zip(sources, train_n)) if d.mix else d.task
@@ -111,9 +118,16 @@ def _streamed(cfg: Config) -> tuple[Any, Any, str]:
     if not is_file_task(d.task):
         raise UserError(f"data.streaming reads a data file or folder; data.task={d.task!r} is not one")
     try:
-        train, held = streaming_sets(d.task, FileKeys(d.prompt_key, d.answer_key), d.instruction_for(d.task), cfg.run.seed,
-                                     d.eval_size, _eval_source(cfg) if d.eval_task else None, d.shuffle_buffer,
-                                     _source_name(d.task))
+        train, held = streaming_sets(
+            d.task,
+            FileKeys(d.prompt_key, d.answer_key),
+            d.instruction_for(d.task),
+            cfg.run.seed,
+            d.eval_size,
+            _eval_source(cfg) if d.eval_task else None,
+            d.shuffle_buffer,
+            _source_name(d.task),
+        )
     except (FileNotFoundError, ValueError) as e:
         raise UserError(f"data.task: {e}") from None
     tag_source(held.rows, _source_name(d.eval_task or d.task))
@@ -146,8 +160,9 @@ def _eval_source(cfg: Config) -> list[dict[str, Any]]:
         if is_file_task(d.eval_task):
             rows = file_rows(d.eval_task, d.instruction_for(d.eval_task), FileKeys(d.prompt_key, d.answer_key)).rows
         else:
-            rows = reasoning_gym_rows(d.eval_task, d.eval_size, cfg.run.seed + 1_000_003, d.task_kwargs,
-                                      d.instruction_for(d.eval_task)).rows
+            rows = reasoning_gym_rows(
+                d.eval_task, d.eval_size, cfg.run.seed + 1_000_003, d.task_kwargs, d.instruction_for(d.eval_task)
+            ).rows
     except (FileNotFoundError, ValueError) as e:
         raise UserError(f"data.eval_task: {e}") from None
     return tag_source(rows[: d.eval_size], _source_name(d.eval_task))
@@ -181,13 +196,13 @@ def verifiers_prompts(cfg: Config) -> tuple[Any, Any, str]:
     from actors.data.tasks import PromptSet
     from actors.agents.verifiers_env import load_environment, task_rows
 
-    env_id = cfg.env.name[len("verifiers:"):]
+    env_id = cfg.env.name[len("verifiers:") :]
     try:
         rows = task_rows(load_environment(env_id, dict(cfg.env.args)))
     except ValueError as e:
         raise UserError(f"env.name: {e}") from None
     n_eval = min(cfg.data.eval_size, len(rows) - 1)
-    train, held = rows[: len(rows) - n_eval][: cfg.data.train_size], rows[len(rows) - n_eval:]
+    train, held = rows[: len(rows) - n_eval][: cfg.data.train_size], rows[len(rows) - n_eval :]
     if not train:
         raise UserError(f"env.name: the verifiers environment {env_id} has {len(rows)} task(s): none left to train on")
     return PromptSet(train), PromptSet(held), f"{len(train)} train / {len(held)} held-out tasks of verifiers:{env_id}"
@@ -227,14 +242,21 @@ def load_demonstrations(cfg: Config) -> tuple[Demonstrations, Demonstrations, st
         if cfg.sft.judge_demonstrations:
             from actors.rewards.judge import judge_demonstrations
 
-            eft = judge_demonstrations(train_set.rows, cfg.sft.judge_demonstrations, cfg.judge.template,
-                                       seed=cfg.run.seed, max_score=cfg.judge.max_score,
-                                       min_points=max(cfg.judge.min_score, 1.0))
+            eft = judge_demonstrations(
+                train_set.rows,
+                cfg.sft.judge_demonstrations,
+                cfg.judge.template,
+                seed=cfg.run.seed,
+                max_score=cfg.judge.max_score,
+                min_points=max(cfg.judge.min_score, 1.0),
+            )
             demos = demos + [dict(r, index=len(demos) + i) for i, r in enumerate(eft)]
             description += f"; {len(eft)} judge demonstrations (EFT)"
-        return (Demonstrations(demos, dict(train_set.skipped)),
-                Demonstrations(task_demonstrations(eval_set.rows), {}, list(eval_set.rows)),
-                description + "; demonstrations: the task's reference answers")
+        return (
+            Demonstrations(demos, dict(train_set.skipped)),
+            Demonstrations(task_demonstrations(eval_set.rows), {}, list(eval_set.rows)),
+            description + "; demonstrations: the task's reference answers",
+        )
     try:
         demos = read_demonstrations(cfg.data.demonstration_file)
     except (FileNotFoundError, ValueError) as e:
@@ -242,12 +264,17 @@ def load_demonstrations(cfg: Config) -> tuple[Demonstrations, Demonstrations, st
     train, held = split_rows(demos.rows, cfg.run.seed, cfg.data.eval_size)
     if not train:
         raise UserError(f"data.demonstration_file: no usable training rows (skipped while loading: {demos.skipped})")
-    return (Demonstrations(train, demos.skipped), Demonstrations(held),
-            f"{len(train)} train / {len(held)} held-out demonstrations from {cfg.data.demonstration_file}"
-            + (f" (skipped while loading: {demos.skipped})" if demos.skipped else ""))
+    return (
+        Demonstrations(train, demos.skipped),
+        Demonstrations(held),
+        f"{len(train)} train / {len(held)} held-out demonstrations from {cfg.data.demonstration_file}"
+        + (f" (skipped while loading: {demos.skipped})" if demos.skipped else ""),
+    )
 
 
-def _transcripts(cfg: Config, train_set: Any, eval_set: Any, description: str) -> tuple[Demonstrations, Demonstrations, str]:
+def _transcripts(
+    cfg: Config, train_set: Any, eval_set: Any, description: str
+) -> tuple[Demonstrations, Demonstrations, str]:
     """Tool-use conversations written by ``sft.transcripts`` from the task's rows, listing the
     tools of ``env.tools`` as the multi-turn stage after it does (``actors/agents/transcripts.py``)."""
     from actors.agents.tools import ToolBox, resolve_tools
@@ -255,8 +282,15 @@ def _transcripts(cfg: Config, train_set: Any, eval_set: Any, description: str) -
 
     try:
         make = resolve_transcripts(cfg.sft.transcripts)
-        tools = ToolBox(resolve_tools(cfg.env.tools or ["calculator"], cfg.env.python_sandbox,
-                                      tuple(cfg.env.python_packages), tuple(cfg.env.sandbox_tools)), workers=1)
+        tools = ToolBox(
+            resolve_tools(
+                cfg.env.tools or ["calculator"],
+                cfg.env.python_sandbox,
+                tuple(cfg.env.python_packages),
+                tuple(cfg.env.sandbox_tools),
+            ),
+            workers=1,
+        )
     except ValueError as e:
         raise UserError(f"sft.transcripts: {e}") from None
     schemas = tools.schemas()
@@ -264,8 +298,15 @@ def _transcripts(cfg: Config, train_set: Any, eval_set: Any, description: str) -
     train, skipped = transcript_demonstrations(train_set.rows, make, schemas)
     held, _ = transcript_demonstrations(eval_set.rows, make, schemas)
     if not train:
-        raise UserError(f"sft.transcripts={cfg.sft.transcripts}: no transcript written for any of the "
-                        f"{len(train_set.rows)} rows of data.task ({skipped})")
+        raise UserError(
+            f"sft.transcripts={cfg.sft.transcripts}: no transcript written for any of the "
+            f"{len(train_set.rows)} rows of data.task ({skipped})"
+        )
     skipped = {**dict(train_set.skipped), **skipped}
-    return (Demonstrations(train, skipped), Demonstrations(held, {}, list(eval_set.rows)),
-            description + f"; {len(train)} {cfg.sft.transcripts} transcripts" + (f" (skipped: {skipped})" if skipped else ""))
+    return (
+        Demonstrations(train, skipped),
+        Demonstrations(held, {}, list(eval_set.rows)),
+        description
+        + f"; {len(train)} {cfg.sft.transcripts} transcripts"
+        + (f" (skipped: {skipped})" if skipped else ""),
+    )

@@ -42,13 +42,17 @@ class PromptFiles(Datasource):
     def estimate_inmemory_data_size(self) -> Optional[int]:
         return sum(Path(f).stat().st_size for f in self.files)
 
-    def get_read_tasks(self, parallelism: int, per_task_row_limit: Optional[int] = None,
-                       data_context: Any = None) -> list[ReadTask]:
-        return [ReadTask(partial(read_blocks, f, self.block_rows),
-                         BlockMetadata(num_rows=None, size_bytes=Path(f).stat().st_size, exec_stats=None,
-                                       input_files=(f,)),
-                         per_task_row_limit=per_task_row_limit)
-                for f in self.files]
+    def get_read_tasks(
+        self, parallelism: int, per_task_row_limit: Optional[int] = None, data_context: Any = None
+    ) -> list[ReadTask]:
+        return [
+            ReadTask(
+                partial(read_blocks, f, self.block_rows),
+                BlockMetadata(num_rows=None, size_bytes=Path(f).stat().st_size, exec_stats=None, input_files=(f,)),
+                per_task_row_limit=per_task_row_limit,
+            )
+            for f in self.files
+        ]
 
 
 def read_blocks(path: str, rows: int) -> Iterator[pa.Table]:

@@ -40,16 +40,26 @@ def stream_files(spec: str) -> list[Path]:
     files = [p] if p.is_file() else data_files(p, split, STREAM_SUFFIXES)
     suffixes = {f.suffix for f in files}
     if not files or len(suffixes) != 1 or not suffixes <= set(STREAM_SUFFIXES):
-        raise ValueError(f"{p}: data.streaming reads one format of {', '.join(STREAM_SUFFIXES)} files (found "
-                         f"{sorted(suffixes) or 'none'})")
+        raise ValueError(
+            f"{p}: data.streaming reads one format of {', '.join(STREAM_SUFFIXES)} files (found "
+            f"{sorted(suffixes) or 'none'})"
+        )
     return files
 
 
 class StreamingPrompts:
     """The train side of a streamed source: ``rows`` maps a drawn prompt id to its row."""
 
-    def __init__(self, files: list[Path], keys: FileKeys, instruction: str, seed: int, held: set[str],
-                 shuffle_buffer: int, name: str = "") -> None:
+    def __init__(
+        self,
+        files: list[Path],
+        keys: FileKeys,
+        instruction: str,
+        seed: int,
+        held: set[str],
+        shuffle_buffer: int,
+        name: str = "",
+    ) -> None:
         self.files, self.keys, self.instruction, self.seed, self.name = files, keys, instruction, seed, name
         self.held, self.shuffle_buffer = held, shuffle_buffer
         self.rows: dict[int, dict[str, Any]] = {}
@@ -83,8 +93,9 @@ class StreamingPrompts:
         ctx.enable_progress_bars = False
         # Reads claim no CPU (the run's roles hold the cluster's) and run two at a time; Ray Data's
         # own file readers would wait for a CPU to list the files (cluster/data/stream_reader.py).
-        return ray.data.read_datasource(PromptFiles(files), ray_remote_args={"num_cpus": 0}, concurrency=2,
-                                        override_num_blocks=len(files))
+        return ray.data.read_datasource(
+            PromptFiles(files), ray_remote_args={"num_cpus": 0}, concurrency=2, override_num_blocks=len(files)
+        )
 
     def epoch_stream(self, epoch: int) -> Iterator[dict[str, Any] | None]:
         """The epoch's raw rows in order: each a prompt row, or None where the row is unusable
@@ -197,8 +208,16 @@ def make_sampler(train_set: Any, per_step: int, seed: int, state: dict[str, int]
     return PromptSampler(len(train_set.rows), per_step, seed, **state)
 
 
-def streaming_sets(spec: str, keys: FileKeys, instruction: str, seed: int, eval_size: int, eval_rows: list | None,
-                   shuffle_buffer: int, name: str = "") -> tuple[StreamingPrompts, PromptSet]:
+def streaming_sets(
+    spec: str,
+    keys: FileKeys,
+    instruction: str,
+    seed: int,
+    eval_size: int,
+    eval_rows: list | None,
+    shuffle_buffer: int,
+    name: str = "",
+) -> tuple[StreamingPrompts, PromptSet]:
     """The streamed train set and the held-out rows (``eval_rows``, or the first ``eval_size``
     usable rows of the first file)."""
     from actors.data.tables import iter_rows

@@ -44,13 +44,17 @@ def _train_reward_thirds(rows: list[dict]) -> str | None:
         return None
     third = len(rewards) // 3
     first, last = rewards[:third], rewards[-third:]
-    return f"train reward {sum(first) / len(first):.3f} (first third of steps) -> {sum(last) / len(last):.3f} (last third)"
+    return (
+        f"train reward {sum(first) / len(first):.3f} (first third of steps) -> {sum(last) / len(last):.3f} (last third)"
+    )
 
 
 def learned_line(rows: list[dict[str, Any]], eval_label: str = "greedy accuracy") -> str | None:
     """``[rayrlhf] learned: ...``, or None when the run logged nothing to compare."""
-    parts = [_eval_change(rows, "eval/accuracy", "eval/n", f"held-out {eval_label}"),
-             _eval_change(rows, "eval/sampled_accuracy", "eval/sampled_n", "held-out sampled accuracy"),
-             _train_reward_thirds(rows)]
+    parts = [
+        _eval_change(rows, "eval/accuracy", "eval/n", f"held-out {eval_label}"),
+        _eval_change(rows, "eval/sampled_accuracy", "eval/sampled_n", "held-out sampled accuracy"),
+        _train_reward_thirds(rows),
+    ]
     parts = [p for p in parts if p]
     return f"[rayrlhf] learned: {'; '.join(parts)}" if parts else None

@@ -125,14 +125,18 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def issue_records(step: int, uids: list[int], prompt_ids: list[int], units: list[int], version: int | None) -> list[dict]:
+def issue_records(
+    step: int, uids: list[int], prompt_ids: list[int], units: list[int], version: int | None
+) -> list[dict]:
     """``issued`` records of one step (``units[i]``: the work unit of the i-th prompt)."""
-    return [{"step": step, "uid": u, "prompt": p, "unit": k, "version": version}
-            for u, p, k in zip(uids, prompt_ids, units)]
+    return [
+        {"step": step, "uid": u, "prompt": p, "unit": k, "version": version} for u, p, k in zip(uids, prompt_ids, units)
+    ]
 
 
-def outcome_records(step: int, unit_uids: list[list[int]], gen_stats: list[dict], score_stats: list[dict],
-                    samples_per_prompt: int) -> tuple[list[dict], list[dict], dict[int, int]]:
+def outcome_records(
+    step: int, unit_uids: list[list[int]], gen_stats: list[dict], score_stats: list[dict], samples_per_prompt: int
+) -> tuple[list[dict], list[dict], dict[int, int]]:
     """What became of one step's prompts between the generators and the loss: ``scored``
     records (the samples that got a reward, their mean), ``dropped`` records (samples missing
     after generation and scoring, with the unit's drop counts) and the samples of each prompt
@@ -154,13 +158,21 @@ def outcome_records(step: int, unit_uids: list[list[int]], gen_stats: list[dict]
             if n:
                 kept[u] = n
                 got = rewards.get(u, [])
-                scored.append({"step": step, "uid": u, "samples": n,
-                               "reward": round(sum(got) / len(got), 6) if got else None,
-                               "generator": gen.get("generator"), "version": gen.get("policy_version")})
+                scored.append(
+                    {
+                        "step": step,
+                        "uid": u,
+                        "samples": n,
+                        "reward": round(sum(got) / len(got), 6) if got else None,
+                        "generator": gen.get("generator"),
+                        "version": gen.get("policy_version"),
+                    }
+                )
                 resumed = sum(t for g, t in zip(gen.get("groups", []), gen.get("resumed_turns") or []) if g == u)
                 if resumed:
                     scored[-1]["resumed_turns"] = resumed
             if n < samples_per_prompt:
-                dropped.append({"step": step, "uid": u, "samples": samples_per_prompt - n, "all": n == 0,
-                                "reasons": reasons})
+                dropped.append(
+                    {"step": step, "uid": u, "samples": samples_per_prompt - n, "all": n == 0, "reasons": reasons}
+                )
     return scored, dropped, kept

@@ -56,8 +56,9 @@ class RunLog:
             try:
                 sink.write(row)
             except Exception as e:  # a metrics exporter never stops a run; it is turned off, once
-                log.warning("%s failed (%r): turned off for this run; metrics.jsonl has every row",
-                            type(sink).__name__, e)
+                log.warning(
+                    "%s failed (%r): turned off for this run; metrics.jsonl has every row", type(sink).__name__, e
+                )
                 self.sinks.remove(sink)
 
     def checkpoint(self, folder: str | Path, step: int) -> None:
@@ -96,14 +97,20 @@ class RunLog:
                 f" | gen {row.get('time/generate_s', 0):.1f}s score {row.get('time/score_s', 0):.1f}s"
                 f" ref {row.get('time/reference_s', 0):.1f}s learn {row.get('time/learn_s', 0):.1f}s"
                 + _skipped_rows(row)
-                + f" sync {row.get('time/sync_s', 0):.2f}s" + timing
+                + f" sync {row.get('time/sync_s', 0):.2f}s"
+                + timing
             )
         else:  # offline (preference or supervised data): the learner's loss and metrics
             line = (
-                head + f" | loss {row.get('loss/total', float('nan')):.4f}"
-                + (f" | reward acc {row['rewards/accuracy']:.3f} margin {row['rewards/margin']:.3f}"
-                   if "rewards/accuracy" in row else "")
-                + f" | learn {row.get('time/learn_s', 0):.1f}s" + timing
+                head
+                + f" | loss {row.get('loss/total', float('nan')):.4f}"
+                + (
+                    f" | reward acc {row['rewards/accuracy']:.3f} margin {row['rewards/margin']:.3f}"
+                    if "rewards/accuracy" in row
+                    else ""
+                )
+                + f" | learn {row.get('time/learn_s', 0):.1f}s"
+                + timing
             )
         if "loss/td" in row:  # Q-learning: Bellman error and the Q of taken vs unseen tokens
             line += f" | td {row['loss/td']:.4f} q {row.get('q/taken', 0):.2f} unseen {row.get('q/unseen_mean', 0):.2f}"
@@ -125,8 +132,11 @@ class RunLog:
         steps = [r["step"] for r in trained]
         fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
         online = any("reward/mean" in r for r in trained)
-        left, right = (("reward/mean", "train reward (mean)"), ("kl/ref_k1", "KL to reference (k1)")) if online else (
-            ("loss/total", "train loss"), ("rewards/margin", "implicit reward margin"))
+        left, right = (
+            (("reward/mean", "train reward (mean)"), ("kl/ref_k1", "KL to reference (k1)"))
+            if online
+            else (("loss/total", "train loss"), ("rewards/margin", "implicit reward margin"))
+        )
         axes[0].plot(steps, [r.get(left[0], float("nan")) for r in trained], label=left[1])
         ev = [(r["step"], r["eval/accuracy"]) for r in self.rows if r.get("eval/accuracy") is not None]
         if ev:
@@ -136,7 +146,9 @@ class RunLog:
         axes[0].legend()
         axes[1].plot(steps, [r.get(right[0], float("nan")) for r in trained], label=right[1])
         if online:
-            axes[1].plot(steps, [r.get("policy/approx_kl", float("nan")) for r in trained], label="KL old->new (approx)")
+            axes[1].plot(
+                steps, [r.get("policy/approx_kl", float("nan")) for r in trained], label="KL old->new (approx)"
+            )
         axes[1].set_xlabel("step")
         axes[1].set_title("KL" if online else "margin")
         axes[1].legend()

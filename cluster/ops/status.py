@@ -36,8 +36,13 @@ def run_status(run_dir: str | Path) -> dict[str, Any]:
         "finished": bool(total) and last.get("step", 0) >= total,
         "reward_mean": last.get("reward/mean"),
         "loss": last.get("loss/total"),
-        "eval_accuracy": {"first": evals[0]["eval/accuracy"], "last": evals[-1]["eval/accuracy"],
-                          "step": evals[-1]["step"]} if evals else None,
+        "eval_accuracy": {
+            "first": evals[0]["eval/accuracy"],
+            "last": evals[-1]["eval/accuracy"],
+            "step": evals[-1]["step"],
+        }
+        if evals
+        else None,
         "last_checkpoint": str(ckpt) if ckpt else None,
         "elapsed_s": last.get("time/elapsed_s"),
     }
@@ -48,8 +53,10 @@ def run_status(run_dir: str | Path) -> dict[str, Any]:
 
 
 def format_status(s: dict[str, Any]) -> str:
-    lines = [f"run        {s['run_dir']} ({s['algorithm']})",
-             f"step       {s['step']}/{s['steps']}" + (" (finished)" if s["finished"] else "")]
+    lines = [
+        f"run        {s['run_dir']} ({s['algorithm']})",
+        f"step       {s['step']}/{s['steps']}" + (" (finished)" if s["finished"] else ""),
+    ]
     if s["reward_mean"] is not None:
         lines.append(f"reward     {s['reward_mean']:.3f} (last step)")
     if s["loss"] is not None:
@@ -65,11 +72,15 @@ def format_status(s: dict[str, Any]) -> str:
         p = led["prompts"]
         unit = led.get("unit", "prompt")
         scored = f"{p['scored']} scored, " if unit == "prompt" else ""  # only prompts get rewards
-        lines.append(f"{unit + 's':<10} {p['issued']} issued, {scored}{p['trained']} trained, {p['dropped']} dropped, "
-                     f"{p['pending']} pending, {p['lost']} lost, {p['trained_twice']} trained twice, "
-                     f"{p['reissued']} reissued")
+        lines.append(
+            f"{unit + 's':<10} {p['issued']} issued, {scored}{p['trained']} trained, {p['dropped']} dropped, "
+            f"{p['pending']} pending, {p['lost']} lost, {p['trained_twice']} trained twice, "
+            f"{p['reissued']} reissued"
+        )
         if led["samples_dropped"]:
-            lines.append("dropped    " + ", ".join(f"{k} {v}" for k, v in sorted(led["samples_dropped"].items())) + " (samples)")
+            lines.append(
+                "dropped    " + ", ".join(f"{k} {v}" for k, v in sorted(led["samples_dropped"].items())) + " (samples)"
+            )
         parts = [f"{k} {v}" for k, v in sorted(led["restarts"].items())]
         if led["resumes"]:
             parts.append(f"resumed {led['resumes']} time(s)")

@@ -24,10 +24,16 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "rayrlhf_staleness": ("Policy versions between the learners and the samples they last trained on.", ()),
     "rayrlhf_queue_depth": ("Experience batches waiting for the learners.", ()),
     "rayrlhf_weight_sync_seconds": ("Seconds of the last weight sync (learners to generators).", ()),
-    "rayrlhf_phase_seconds": ("Seconds of each phase of the last step (generate, score, reference, learn, sync).", ("phase",)),
+    "rayrlhf_phase_seconds": (
+        "Seconds of each phase of the last step (generate, score, reference, learn, sync).",
+        ("phase",),
+    ),
     "rayrlhf_eval_accuracy": ("Held-out accuracy at the last evaluation.", ()),
     "rayrlhf_samples_dropped": ("Samples dropped so far in this run, by reason (cumulative).", ("reason",)),
-    "rayrlhf_prompts": ("Prompts so far in this run by ledger event: issued, reissued, scored, trained, dropped (cumulative).", ("event",)),
+    "rayrlhf_prompts": (
+        "Prompts so far in this run by ledger event: issued, reissued, scored, trained, dropped (cumulative).",
+        ("event",),
+    ),
     "rayrlhf_restarts": ("Role restarts so far in this run, by role: generator, learner (cumulative).", ("role",)),
 }
 
@@ -71,9 +77,13 @@ def gauge_values(row: dict[str, Any], totals: dict[str, float]) -> list[tuple[st
     cumulative counts (dropped samples by reason) from row to row."""
     out: list[tuple[str, float, dict[str, str]]] = [("rayrlhf_step", float(row["step"]), {})]
     direct = {
-        "rayrlhf_policy_version": "policy/version", "rayrlhf_rollout_tokens_per_s": "generate/tokens_per_s",
-        "rayrlhf_reward_mean": "reward/mean", "rayrlhf_kl": "kl/ref_k1", "rayrlhf_staleness": "policy/staleness",
-        "rayrlhf_queue_depth": "queue/depth", "rayrlhf_weight_sync_seconds": "time/sync_s",
+        "rayrlhf_policy_version": "policy/version",
+        "rayrlhf_rollout_tokens_per_s": "generate/tokens_per_s",
+        "rayrlhf_reward_mean": "reward/mean",
+        "rayrlhf_kl": "kl/ref_k1",
+        "rayrlhf_staleness": "policy/staleness",
+        "rayrlhf_queue_depth": "queue/depth",
+        "rayrlhf_weight_sync_seconds": "time/sync_s",
         "rayrlhf_eval_accuracy": "eval/accuracy",
     }
     numbers = flat_numbers(row)
@@ -82,13 +92,13 @@ def gauge_values(row: dict[str, Any], totals: dict[str, float]) -> list[tuple[st
             out.append((metric, numbers[key], {}))
     for key, value in numbers.items():
         if key.startswith("loss/"):
-            out.append(("rayrlhf_loss", value, {"kind": key[len("loss/"):]}))
+            out.append(("rayrlhf_loss", value, {"kind": key[len("loss/") :]}))
         elif key.startswith("time/") and key.endswith("_s") and key not in ("time/step_s", "time/elapsed_s"):
-            out.append(("rayrlhf_phase_seconds", value, {"phase": key[len("time/"):-2]}))
+            out.append(("rayrlhf_phase_seconds", value, {"phase": key[len("time/") : -2]}))
         elif key.startswith("ledger/"):
-            out.append(("rayrlhf_prompts", value, {"event": key[len("ledger/"):]}))
+            out.append(("rayrlhf_prompts", value, {"event": key[len("ledger/") :]}))
         elif key.startswith("restarts/"):
-            out.append(("rayrlhf_restarts", value, {"role": key[len("restarts/"):]}))
+            out.append(("rayrlhf_restarts", value, {"role": key[len("restarts/") :]}))
     for reason, n in (row.get("skipped") or {}).items():
         if reason != "truncated":  # a count of samples that hit the length limit, not a drop
             totals[reason] = totals.get(reason, 0.0) + float(n)
@@ -103,7 +113,9 @@ class RayMetricsSink:
         from ray.util.metrics import Gauge
 
         self.run = run_name
-        self.gauges = {name: Gauge(name, description=desc, tag_keys=("run", *tags)) for name, (desc, tags) in METRICS.items()}
+        self.gauges = {
+            name: Gauge(name, description=desc, tag_keys=("run", *tags)) for name, (desc, tags) in METRICS.items()
+        }
         self.totals: dict[str, float] = {}
 
     def write(self, row: dict[str, Any]) -> None:

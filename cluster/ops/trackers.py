@@ -87,8 +87,16 @@ class WandbSink(_Resumable):
         self.name, self.ids = "wandb", ids
         run_id = ids.get("wandb") or uuid.uuid4().hex[:12]
         settings = wandb.Settings(console="off", silent=True, disable_git=True, save_code=False)
-        self.run = wandb.init(project=project, name=Path(run_dir).name, id=run_id, resume="allow", dir=str(run_dir),
-                              config=config, settings=settings, reinit="create_new")
+        self.run = wandb.init(
+            project=project,
+            name=Path(run_dir).name,
+            id=run_id,
+            resume="allow",
+            dir=str(run_dir),
+            config=config,
+            settings=settings,
+            reinit="create_new",
+        )
         ids.set("wandb", run_id)
 
     def write(self, row: dict[str, Any]) -> None:
@@ -149,20 +157,31 @@ class MlflowSink(_Resumable):
         self.client.set_terminated(self.run_id)
 
 
-def start_trackers(names: list[str], run_dir: Path, config: dict[str, Any], *, wandb_project: str = "rayrlhf",
-                   mlflow_uri: str = "", mlflow_experiment: str = "rayrlhf") -> list[Any]:
+def start_trackers(
+    names: list[str],
+    run_dir: Path,
+    config: dict[str, Any],
+    *,
+    wandb_project: str = "rayrlhf",
+    mlflow_uri: str = "",
+    mlflow_experiment: str = "rayrlhf",
+) -> list[Any]:
     """The sinks of ``run.trackers`` that started; each one that did not is one console line."""
     ids = _Ids(run_dir)
-    makers = {"tensorboard": lambda: TensorBoardSink(run_dir),
-              "wandb": lambda: WandbSink(run_dir, config, wandb_project, ids),
-              "mlflow": lambda: MlflowSink(run_dir, config, mlflow_uri, mlflow_experiment, ids)}
+    makers = {
+        "tensorboard": lambda: TensorBoardSink(run_dir),
+        "wandb": lambda: WandbSink(run_dir, config, wandb_project, ids),
+        "mlflow": lambda: MlflowSink(run_dir, config, mlflow_uri, mlflow_experiment, ids),
+    }
     sinks = []
     for name in names:
         try:
             sinks.append(makers[name]())
         except Exception as e:  # never a crashed run: metrics.jsonl and the other trackers go on
             line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            print(f"[rayrlhf] tracker {name} did not start ({type(e).__name__}: {line}); the run goes on without it",
-                  flush=True)
+            print(
+                f"[rayrlhf] tracker {name} did not start ({type(e).__name__}: {line}); the run goes on without it",
+                flush=True,
+            )
             log.warning("tracker %s did not start: %r", name, e)
     return sinks

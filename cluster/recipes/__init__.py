@@ -128,7 +128,9 @@ def _with_module(recipe: Recipe, module: str) -> Recipe:
 
     unknown = set(recipe.features) - FEATURES
     if unknown:
-        raise UnknownRecipe(f"recipe {recipe.name!r}: unknown features {sorted(unknown)}; known: {', '.join(sorted(FEATURES))}")
+        raise UnknownRecipe(
+            f"recipe {recipe.name!r}: unknown features {sorted(unknown)}; known: {', '.join(sorted(FEATURES))}"
+        )
     return dataclasses.replace(recipe, module=module)
 
 

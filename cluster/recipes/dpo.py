@@ -58,27 +58,40 @@ def load_data(cfg: Config) -> tuple[Any, Any, str]:
             return train_set, eval_set, description + "; pairs: demonstration (chosen) vs the model's own reply (SPIN)"
         train_set, eval_set, description = load_task_prompts(cfg)
         ranker = "the model as judge (self-rewarding)" if cfg.dpo.pairs == "self_judge" else cfg.reward.function
-        return train_set, eval_set, (description + f"; pairs: best vs worst of {cfg.dpo.candidates} candidates per "
-                                     f"prompt, ranked by {ranker}")
+        return (
+            train_set,
+            eval_set,
+            (description + f"; pairs: best vs worst of {cfg.dpo.candidates} candidates per prompt, ranked by {ranker}"),
+        )
     try:
         prefs = read_preferences(cfg.data.preference_file)
     except (FileNotFoundError, ValueError) as e:
         raise UserError(f"data.preference_file: {e}") from None
     train, held = split_rows(prefs.rows, cfg.run.seed, cfg.data.eval_size)
     if len(train) < cfg.dpo.pairs_per_step:
-        raise UserError(f"data.preference_file: {len(train)} usable training pairs, fewer than dpo.pairs_per_step="
-                        f"{cfg.dpo.pairs_per_step} (skipped while loading: {prefs.skipped})")
-    description = (f"{len(train)} train / {len(held)} held-out preference pairs from {cfg.data.preference_file}"
-                   + (f" (skipped while loading: {prefs.skipped})" if prefs.skipped else ""))
+        raise UserError(
+            f"data.preference_file: {len(train)} usable training pairs, fewer than dpo.pairs_per_step="
+            f"{cfg.dpo.pairs_per_step} (skipped while loading: {prefs.skipped})"
+        )
+    description = f"{len(train)} train / {len(held)} held-out preference pairs from {cfg.data.preference_file}" + (
+        f" (skipped while loading: {prefs.skipped})" if prefs.skipped else ""
+    )
     return PreferenceSet(train, prefs.skipped), PreferenceSet(held, {}), description
 
 
 def _encode(cfg: Config, tok: Any, rows: list[dict]) -> Experience:
-    exp, skipped = encode_pairs(rows, tok, max_prompt_tokens=cfg.model.max_prompt_tokens,
-                                max_response_tokens=cfg.model.max_new_tokens, system_prompt=cfg.data.system_prompt)
+    exp, skipped = encode_pairs(
+        rows,
+        tok,
+        max_prompt_tokens=cfg.model.max_prompt_tokens,
+        max_response_tokens=cfg.model.max_new_tokens,
+        system_prompt=cfg.data.system_prompt,
+    )
     if skipped:
-        print(f"[rayrlhf] pairs over the token budget (model.max_prompt_tokens / max_new_tokens), left out: {skipped}",
-              flush=True)
+        print(
+            f"[rayrlhf] pairs over the token budget (model.max_prompt_tokens / max_new_tokens), left out: {skipped}",
+            flush=True,
+        )
     return exp
 
 
@@ -86,22 +99,31 @@ def _with_reference(ctx: RunContext, model_path: str, parts: dict[str, Experienc
     """Reference log-probs of every pair, computed once by a Reference actor (then stopped) and
     cached in the run directory, so a resumed run does not score the data again."""
     cfg = ctx.cfg
-    if (not cfg.dpo.uses_reference or cfg.lora.enabled or cfg.train.reference == "learners"
-            or cfg.run.algorithm == "reward_model"):
+    if (
+        not cfg.dpo.uses_reference
+        or cfg.lora.enabled
+        or cfg.train.reference == "learners"
+        or cfg.run.algorithm == "reward_model"
+    ):
         return parts
     cache = ctx.dir / REFERENCE_CACHE
     if cache.is_file():
         return _read_reference(cache, parts)
     rcfg = dataclasses.replace(reference_config(cfg, model_path), temperature=1.0)
-    actor = ray.remote(ReferenceWorker).options(num_cpus=cfg.cluster.cpus_per_reference,
-                                                runtime_env=role_env(cfg.cluster.threads)).remote(rcfg)
+    actor = (
+        ray.remote(ReferenceWorker)
+        .options(num_cpus=cfg.cluster.cpus_per_reference, runtime_env=role_env(cfg.cluster.threads))
+        .remote(rcfg)
+    )
     try:
         out = {}
         for name, exp in parts.items():
             annotated, stats = ray.get(list(actor.annotate.options(num_returns=2).remote(exp)))
             out[name] = annotated
-            print(f"[rayrlhf] reference log-probs of {exp.batch_size // 2} {name} pairs in {stats['seconds']:.1f}s",
-                  flush=True)
+            print(
+                f"[rayrlhf] reference log-probs of {exp.batch_size // 2} {name} pairs in {stats['seconds']:.1f}s",
+                flush=True,
+            )
     finally:
         ray.kill(actor)
     _write_reference(cache, out)
@@ -113,8 +135,14 @@ def _write_reference(path: Path, parts: dict[str, Experience]) -> None:
     for name, exp in parts.items():
         for i in range(exp.batch_size):
             mask = exp.response_mask[i]
-            rows.append({"split": name, "row": i, "completion": exp.completions[i],
-                         "ref_logprobs": exp.ref_logprobs[i][mask].tolist()})
+            rows.append(
+                {
+                    "split": name,
+                    "row": i,
+                    "completion": exp.completions[i],
+                    "ref_logprobs": exp.ref_logprobs[i][mask].tolist(),
+                }
+            )
     write_preferences(path, rows)
 
 
@@ -154,8 +182,9 @@ def _generated_pairs(ctx: RunContext, rollout: RolloutGroup, tok: Any, train_set
     return pairs.ranked_pairs(ctx, rollout, train_set.rows, by=ctx.cfg.dpo.pairs)
 
 
-def _pairs_and_generators(ctx: RunContext, roles: Roles, train_set: Any,
-                          eval_set: Any) -> tuple[dict[str, Experience], list[dict], dict]:
+def _pairs_and_generators(
+    ctx: RunContext, roles: Roles, train_set: Any, eval_set: Any
+) -> tuple[dict[str, Experience], list[dict], dict]:
     """The encoded train (and held-out) pairs; with generated pairs also the generators (left
     running for greedy evaluations, except for a reward model), the held-out task prompts for
     greedy accuracy and the pair counts."""
@@ -188,10 +217,15 @@ def _training_pairs(cfg: Config, parts: dict[str, Experience], generated: bool) 
     n_pairs = parts["train"].batch_size // 2
     if n_pairs < cfg.dpo.pairs_per_step:
         if not generated or n_pairs == 0:
-            raise UserError(f"{n_pairs} training pairs (after the token budget), fewer than dpo.pairs_per_step="
-                            f"{cfg.dpo.pairs_per_step}")
-        print(f"[rayrlhf] warning: only {n_pairs} training pairs were formed, fewer than dpo.pairs_per_step="
-              f"{cfg.dpo.pairs_per_step}: each step uses all {n_pairs}", flush=True)
+            raise UserError(
+                f"{n_pairs} training pairs (after the token budget), fewer than dpo.pairs_per_step="
+                f"{cfg.dpo.pairs_per_step}"
+            )
+        print(
+            f"[rayrlhf] warning: only {n_pairs} training pairs were formed, fewer than dpo.pairs_per_step="
+            f"{cfg.dpo.pairs_per_step}: each step uses all {n_pairs}",
+            flush=True,
+        )
     return n_pairs
 
 
@@ -199,8 +233,15 @@ def _objective(cfg: Config, n_pairs: int) -> str:
     if cfg.run.algorithm == "reward_model":
         what = "Bradley-Terry reward model"
     else:
-        reference = ("none" if not cfg.dpo.uses_reference else "in the learner (LoRA)" if cfg.lora.enabled
-                     else "in the learners (a frozen copy)" if cfg.train.reference == "learners" else "scored once")
+        reference = (
+            "none"
+            if not cfg.dpo.uses_reference
+            else "in the learner (LoRA)"
+            if cfg.lora.enabled
+            else "in the learners (a frozen copy)"
+            if cfg.train.reference == "learners"
+            else "scored once"
+        )
         what = f"{cfg.dpo.loss} loss, beta {cfg.dpo.beta}, reference {reference}"
     return f"{what}; {n_pairs} training pairs"
 
@@ -216,13 +257,23 @@ def run(ctx: RunContext, model_path: str, train_set: Any, eval_set: Any) -> RunR
         roles.ready(_objective(cfg, n_pairs))
         held = parts.get("eval")
         data = FixedData(
-            parts["train"], n_pairs, cfg.dpo.pairs_per_step, rows_of=lambda i: [2 * i, 2 * i + 1],
-            ids_key="data/pair_ids", held_ref=ray.put(held) if held is not None else None,
-            eval_keys=("eval/rewards/accuracy", "eval/pairs"), eval_prompts=eval_prompts, sync_last=True,
+            parts["train"],
+            n_pairs,
+            cfg.dpo.pairs_per_step,
+            rows_of=lambda i: [2 * i, 2 * i + 1],
+            ids_key="data/pair_ids",
+            held_ref=ray.put(held) if held is not None else None,
+            eval_keys=("eval/rewards/accuracy", "eval/pairs"),
+            eval_prompts=eval_prompts,
+            sync_last=True,
             # What the pairs came from, logged with every step.
-            row_extra={"skipped_at_load": dict(train_set.skipped), "data/train_pairs": n_pairs,
-                       "data/held_out_pairs": held.batch_size // 2 if held is not None else 0,
-                       **{f"pairs/{k}": v for k, v in pair_counts.items()}})
+            row_extra={
+                "skipped_at_load": dict(train_set.skipped),
+                "data/train_pairs": n_pairs,
+                "data/held_out_pairs": held.batch_size // 2 if held is not None else 0,
+                **{f"pairs/{k}": v for k, v in pair_counts.items()},
+            },
+        )
         return run_steps(ctx, FixedDataSteps(ctx, roles, data))
 
 
@@ -236,23 +287,47 @@ def roles(cfg) -> RoleSet:
 def check(cfg) -> list[Check]:
     dpo, episodes = cfg.dpo, bool(cfg.env.name or cfg.rollout.agent)
     return [
-        (not (cfg.data.preference_file and dpo.pairs != "scorer"),
-         f"dpo.pairs={dpo.pairs} makes its own pairs: leave data.preference_file empty"),
-        (not (episodes and dpo.pairs != "scorer"), f"env.name with run.algorithm=dpo pairs the best and worst episode "
-                                                  f"of a prompt (dpo.pairs=scorer), not dpo.pairs={dpo.pairs}"),
+        (
+            not (cfg.data.preference_file and dpo.pairs != "scorer"),
+            f"dpo.pairs={dpo.pairs} makes its own pairs: leave data.preference_file empty",
+        ),
+        (
+            not (episodes and dpo.pairs != "scorer"),
+            f"env.name with run.algorithm=dpo pairs the best and worst episode "
+            f"of a prompt (dpo.pairs=scorer), not dpo.pairs={dpo.pairs}",
+        ),
     ]
 
 
 def check_reward_model(cfg) -> list[Check]:
-    return [(cfg.dpo.pairs == "scorer", "run.algorithm=reward_model trains on data.preference_file or on scored pairs "
-                                        f"(dpo.pairs=scorer), not dpo.pairs={cfg.dpo.pairs}")]
+    return [
+        (
+            cfg.dpo.pairs == "scorer",
+            "run.algorithm=reward_model trains on data.preference_file or on scored pairs "
+            f"(dpo.pairs=scorer), not dpo.pairs={cfg.dpo.pairs}",
+        )
+    ]
 
 
 def _pairs(cfg) -> tuple[int, str]:
     return cfg.dpo.pairs_per_step, "pairs"
 
 
-RECIPE = Recipe(name="dpo", learner="dpo", section="dpo", roles=roles, check=check, batch=_pairs,
-                features=frozenset({"fsdp", "episodes"}))
-REWARD_MODEL = Recipe(name="reward_model", learner="reward_model", section="reward_model", roles=roles,
-                      check=check_reward_model, batch=_pairs, features=frozenset({"fsdp"}))
+RECIPE = Recipe(
+    name="dpo",
+    learner="dpo",
+    section="dpo",
+    roles=roles,
+    check=check,
+    batch=_pairs,
+    features=frozenset({"fsdp", "episodes"}),
+)
+REWARD_MODEL = Recipe(
+    name="reward_model",
+    learner="reward_model",
+    section="reward_model",
+    roles=roles,
+    check=check_reward_model,
+    batch=_pairs,
+    features=frozenset({"fsdp"}),
+)

@@ -43,15 +43,26 @@ class Refill:
         return self.informative[: self.target]
 
     def metrics(self) -> dict[str, float]:
-        return {"dynamic_sampling/draws": float(self.draws), "dynamic_sampling/groups": float(len(self.keep)),
-                "dynamic_sampling/shortfall": float(self.target - len(self.keep))}
+        return {
+            "dynamic_sampling/draws": float(self.draws),
+            "dynamic_sampling/groups": float(len(self.keep)),
+            "dynamic_sampling/shortfall": float(self.target - len(self.keep)),
+        }
 
     def dropped_records(self, step: int, kept: dict[int, int]) -> list[dict[str, Any]]:
         """``dropped`` ledger records of the groups left out of the loss, by reason."""
         keep, informative = set(self.keep), set(self.informative)
-        return [{"step": step, "uid": u, "samples": n, "all": True,
-                 "reasons": {"surplus" if u in informative else "uninformative": n}}
-                for u, n in kept.items() if u not in keep]
+        return [
+            {
+                "step": step,
+                "uid": u,
+                "samples": n,
+                "all": True,
+                "reasons": {"surplus" if u in informative else "uninformative": n},
+            }
+            for u, n in kept.items()
+            if u not in keep
+        ]
 
 
 def select_groups(exp_refs: list, keep: set[int]) -> list:

@@ -48,8 +48,9 @@ class FixedDataSteps:
     def __init__(self, ctx: RunContext, roles: Roles, data: FixedData) -> None:
         self.ctx, self.roles, self.data = ctx, roles, data
         self.learners, self.rollout = roles.learners, roles.rollout
-        self.sampler = PromptSampler(data.units, min(data.per_step, data.units), ctx.cfg.run.seed,
-                                     **ctx.run_state["sampler"])
+        self.sampler = PromptSampler(
+            data.units, min(data.per_step, data.units), ctx.cfg.run.seed, **ctx.run_state["sampler"]
+        )
 
     def position(self) -> PromptSampler:
         return self.sampler
@@ -80,10 +81,16 @@ class FixedDataSteps:
         sync = self.rollout is not None and (eval_now or (data.sync_last and step == ctx.cfg.run.steps))
         with ctx.phase("learn"):
             result = self.learners.learn(step, [batch], save_dir=ctx.checkpoint_dir(step), sync=sync)
-        self.roles.ledger.record("trained", [{"step": step, "uid": u, "samples": 1, "version": result["version"]}
-                                             for u in uids])
-        row = {data.ids_key: ids, **data.row_extra, **result["metrics"], **self.roles.ledger.metrics(),
-               **self.roles.record_restarts(step)}
+        self.roles.ledger.record(
+            "trained", [{"step": step, "uid": u, "samples": 1, "version": result["version"]} for u in uids]
+        )
+        row = {
+            data.ids_key: ids,
+            **data.row_extra,
+            **result["metrics"],
+            **self.roles.ledger.metrics(),
+            **self.roles.record_restarts(step),
+        }
         weights = (result.get("weights") or [None])[0]
         if weights is not None:
             with ctx.phase("sync"):

@@ -44,8 +44,10 @@ def cached_pairs(run_dir: Path) -> tuple[Experience, dict[str, float]] | None:
 
 def _require_pairs(n: int, counts: dict[str, float]) -> None:
     if not n:
-        raise UserError(f"no preference pair could be formed ({counts}); more dpo.pair_prompts or dpo.candidates, "
-                        "a smaller dpo.min_score_gap, or (self_judge) a judge.score_pattern the model's replies match")
+        raise UserError(
+            f"no preference pair could be formed ({counts}); more dpo.pair_prompts or dpo.candidates, "
+            "a smaller dpo.min_score_gap, or (self_judge) a judge.score_pattern the model's replies match"
+        )
 
 
 def _save(run_dir: Path, pairs: Experience, table: list[dict[str, Any]], counts: dict[str, float]) -> None:
@@ -97,15 +99,43 @@ def ranked_pairs(ctx: RunContext, rollout: Any, rows: list[dict], by: str) -> tu
     _require_pairs(int(counts["pairs"]), counts)
     pairs = Experience.concat([p for p, _ in made if p is not None], pad_token_id=0).validate()
     _save(ctx.dir, pairs, [r for _, t in made for r in t], counts)
-    print(f"[rayrlhf] {int(counts['pairs'])} pairs from {int(counts['prompts'])} prompts x {cfg.dpo.candidates} "
-          f"candidates ranked by {'the model as judge' if by == 'self_judge' else cfg.reward.function} (mean score "
-          f"{sum(scores) / len(scores) if scores else float('nan'):.3f}; {counts}; skipped: {pairs.skipped}) "
-          f"in {seconds:.0f}s -> {ctx.dir / PAIRS_TABLE}", flush=True)
+    print(
+        f"[rayrlhf] {int(counts['pairs'])} pairs from {int(counts['prompts'])} prompts x {cfg.dpo.candidates} "
+        f"candidates ranked by {'the model as judge' if by == 'self_judge' else cfg.reward.function} (mean score "
+        f"{sum(scores) / len(scores) if scores else float('nan'):.3f}; {counts}; skipped: {pairs.skipped}) "
+        f"in {seconds:.0f}s -> {ctx.dir / PAIRS_TABLE}",
+        flush=True,
+    )
     return pairs, counts
 
 
-def _rank_round(ctx: RunContext, rollout: Any, rows: list[dict], prompt_ids: list[int], uids: list[int], by: str,
-                seed: int) -> tuple[Experience | None, list[dict], dict[str, float], float, list[float]]:
+def _best_and_worst(exp: Experience, dpo: Any, counts: dict) -> tuple[list[int], list[int], list[int]]:
+    """Each group's best and worst scored candidate (rows) and the group, where they form a
+    pair; the groups that form none are counted in ``counts`` by why."""
+    best, worst, kept = [], [], []
+    for g in dict.fromkeys(exp.group_ids.tolist()):
+        members = [int(r) for r in (exp.group_ids == g).nonzero().flatten() if not math.isnan(float(exp.scores[r]))]
+        if len(members) < 2:
+            counts["no_pair_unscored"] += 1
+            continue
+        scores = exp.scores[members]
+        b, w = members[int(scores.argmax())], members[int(scores.argmin())]
+        if float(exp.scores[b] - exp.scores[w]) <= dpo.min_score_gap:
+            counts["no_pair_tie"] += 1
+        elif exp.completions[b] == exp.completions[w]:  # a noisy judge scored the same reply twice
+            counts["no_pair_identical"] += 1
+        elif float(exp.scores[b]) < dpo.min_chosen_score:
+            counts["no_pair_low_score"] += 1
+        else:
+            best.append(b)
+            worst.append(w)
+            kept.append(g)
+    return best, worst, kept
+
+
+def _rank_round(
+    ctx: RunContext, rollout: Any, rows: list[dict], prompt_ids: list[int], uids: list[int], by: str, seed: int
+) -> tuple[Experience | None, list[dict], dict[str, float], float, list[float]]:
     """One draw of prompts: candidates, their scores, the pairs that form (group ids: the
     prompts' uids in the stream, unique across draws)."""
     cfg = ctx.cfg
@@ -116,26 +146,15 @@ def _rank_round(ctx: RunContext, rollout: Any, rows: list[dict], prompt_ids: lis
         exp_refs, score_stats = rollout.score_checked(exp_refs)
     exp = Experience.concat(ray.get(exp_refs), pad_token_id=0)
     row_of = dict(zip(uids, prompt_ids))
-    counts = {"prompts": len(uids), "candidates": exp.batch_size, "no_pair_tie": 0, "no_pair_unscored": 0,
-              "no_pair_low_score": 0, "no_pair_identical": 0}
-    best, worst, kept = [], [], []
-    for g in dict.fromkeys(exp.group_ids.tolist()):
-        members = [int(r) for r in (exp.group_ids == g).nonzero().flatten() if not math.isnan(float(exp.scores[r]))]
-        if len(members) < 2:
-            counts["no_pair_unscored"] += 1
-            continue
-        scores = exp.scores[members]
-        b, w = members[int(scores.argmax())], members[int(scores.argmin())]
-        if float(exp.scores[b] - exp.scores[w]) <= cfg.dpo.min_score_gap:
-            counts["no_pair_tie"] += 1
-        elif exp.completions[b] == exp.completions[w]:  # a noisy judge scored the same reply twice
-            counts["no_pair_identical"] += 1
-        elif float(exp.scores[b]) < cfg.dpo.min_chosen_score:
-            counts["no_pair_low_score"] += 1
-        else:
-            best.append(b)
-            worst.append(w)
-            kept.append(g)
+    counts = {
+        "prompts": len(uids),
+        "candidates": exp.batch_size,
+        "no_pair_tie": 0,
+        "no_pair_unscored": 0,
+        "no_pair_low_score": 0,
+        "no_pair_identical": 0,
+    }
+    best, worst, kept = _best_and_worst(exp, cfg.dpo, counts)
     if by == "self_judge":
         for s in score_stats:
             for k, v in s["counts"].items():
@@ -147,10 +166,18 @@ def _rank_round(ctx: RunContext, rollout: Any, rows: list[dict], prompt_ids: lis
         return None, [], counts, seconds, valid
     pairs = exp.select([r for pair in zip(best, worst) for r in pair]).trimmed()
     pairs = pairs.replace(scores=torch.tensor([1.0, 0.0] * len(best)), skipped=dict(exp.skipped)).validate()
-    table = [{"prompt_id": row_of[g], "prompt": rows[row_of[g]]["prompt"], "chosen": exp.completions[b],
-              "rejected": exp.completions[w], "score_chosen": float(exp.scores[b]),
-              "score_rejected": float(exp.scores[w]), "source": by}
-             for g, b, w in zip(kept, best, worst)]
+    table = [
+        {
+            "prompt_id": row_of[g],
+            "prompt": rows[row_of[g]]["prompt"],
+            "chosen": exp.completions[b],
+            "rejected": exp.completions[w],
+            "score_chosen": float(exp.scores[b]),
+            "score_rejected": float(exp.scores[w]),
+            "source": by,
+        }
+        for g, b, w in zip(kept, best, worst)
+    ]
     return pairs, table, counts, seconds, valid
 
 
@@ -169,8 +196,13 @@ def spin_pairs(ctx: RunContext, rollout: Any, tok: Any, demos: list[dict]) -> tu
             single.append(i)
         else:
             counts["multi_turn_prompt"] += 1
-    exp_refs, stats = rollout.generate_texts([demos[i]["prompt"][0]["content"] for i in single], single, n=1,
-                                             temperature=cfg.dpo.candidate_temperature, seed=cfg.run.seed * 100_003)
+    exp_refs, stats = rollout.generate_texts(
+        [demos[i]["prompt"][0]["content"] for i in single],
+        single,
+        n=1,
+        temperature=cfg.dpo.candidate_temperature,
+        seed=cfg.run.seed * 100_003,
+    )
     exp = Experience.concat(ray.get(exp_refs), pad_token_id=0)
     rows = []
     for g, reply in zip(exp.group_ids.tolist(), exp.completions):
@@ -180,16 +212,37 @@ def spin_pairs(ctx: RunContext, rollout: Any, tok: Any, demos: list[dict]) -> tu
             continue
         rows.append({"prompt": demo["prompt"], "chosen": demo["response"], "rejected": reply, "index": g})
     _require_pairs(len(rows), counts)
-    pairs, too_long = encode_pairs(rows, tok, max_prompt_tokens=cfg.model.max_prompt_tokens,
-                                   max_response_tokens=cfg.model.max_new_tokens + 1, system_prompt=cfg.data.system_prompt)
+    pairs, too_long = encode_pairs(
+        rows,
+        tok,
+        max_prompt_tokens=cfg.model.max_prompt_tokens,
+        max_response_tokens=cfg.model.max_new_tokens + 1,
+        system_prompt=cfg.data.system_prompt,
+    )
     counts["too_long"] = too_long.get("too_long", 0)
     counts["pairs"] = pairs.batch_size // 2
     pairs = pairs.replace(skipped={**exp.skipped, **too_long}).validate()
-    _save(ctx.dir, pairs, counts=counts, table=[{"prompt_id": r["index"], "prompt": r["prompt"][0]["content"], "chosen": r["chosen"],
-                            "rejected": r["rejected"], "source": "spin"} for r in rows])
+    _save(
+        ctx.dir,
+        pairs,
+        counts=counts,
+        table=[
+            {
+                "prompt_id": r["index"],
+                "prompt": r["prompt"][0]["content"],
+                "chosen": r["chosen"],
+                "rejected": r["rejected"],
+                "source": "spin",
+            }
+            for r in rows
+        ],
+    )
     seconds = sum(s["seconds"] for s in stats)
-    print(f"[rayrlhf] {pairs.batch_size // 2} SPIN pairs (demonstration vs own reply) from {len(ids)} prompts "
-          f"({counts}; skipped: {exp.skipped}) in {seconds:.0f}s -> {ctx.dir / PAIRS_TABLE}", flush=True)
+    print(
+        f"[rayrlhf] {pairs.batch_size // 2} SPIN pairs (demonstration vs own reply) from {len(ids)} prompts "
+        f"({counts}; skipped: {exp.skipped}) in {seconds:.0f}s -> {ctx.dir / PAIRS_TABLE}",
+        flush=True,
+    )
     return pairs, counts
 
 

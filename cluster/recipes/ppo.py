@@ -48,7 +48,6 @@ from cluster.roles.transports import make_transport
 from cluster.roles.weight_sync import probe_token_ids, sync_tolerance
 
 
-
 def load_data(cfg: Any) -> tuple[Any, Any, str]:
     """The task's prompts; the teacher (``ppo.teacher``) and the critic's reward model
     (``ppo.critic_init``) checked first."""
@@ -60,12 +59,17 @@ def load_data(cfg: Any) -> tuple[Any, Any, str]:
         conf = Path(cfg.ppo.critic_init) / "config.json"
         archs = json.loads(conf.read_text()).get("architectures") or [] if conf.is_file() else []
         if not any(a.endswith("ForSequenceClassification") for a in archs):
-            raise UserError(f"ppo.critic_init: {cfg.ppo.critic_init} is not a reward-model folder (a "
-                            "*ForSequenceClassification checkpoint, as run.algorithm=reward_model saves)")
+            raise UserError(
+                f"ppo.critic_init: {cfg.ppo.critic_init} is not a reward-model folder (a "
+                "*ForSequenceClassification checkpoint, as run.algorithm=reward_model saves)"
+            )
         from cluster.assets import resolve_model
 
-        check_same_tokens("ppo.critic_init", Path(cfg.ppo.critic_init),
-                          Path(resolve_model(cfg.model.path, cfg.model.cache_dir or None)))
+        check_same_tokens(
+            "ppo.critic_init",
+            Path(cfg.ppo.critic_init),
+            Path(resolve_model(cfg.model.path, cfg.model.cache_dir or None)),
+        )
     return load_task_prompts(cfg)
 
 
@@ -96,11 +100,14 @@ def check_same_tokens(what: str, other: Path, student: Path) -> None:
     ours = AutoTokenizer.from_pretrained(str(student)).get_vocab()
     if theirs != ours:
         differ = sum(1 for t, i in ours.items() if theirs.get(t) != i)
-        raise UserError(f"{what}: its tokenizer is not the policy's ({differ} of {len(ours)} tokens differ); "
-                        "its log-probs or values would read other tokens")
+        raise UserError(
+            f"{what}: its tokenizer is not the policy's ({differ} of {len(ours)} tokens differ); "
+            "its log-probs or values would read other tokens"
+        )
+
+
 # An asynchronous run's batches already generating at a checkpoint (trainer_state/).
 AHEAD_FILE = "ahead_batches.pt"
-
 
 
 def run(ctx: RunContext, model_path: str, train_set: Any, eval_set: Any) -> RunResult:
@@ -109,10 +116,17 @@ def run(ctx: RunContext, model_path: str, train_set: Any, eval_set: Any) -> RunR
         probe_ids = probe_token_ids(roles.tokenizer) if cfg.rollout.verify_sync else []
         roles.start_learners(probe_ids)
         roles.start_generators(colocate=cfg.cluster.layout == "colocated")
-        reference = ("; no reference (no KL term)" if not cfg.ppo.uses_reference else
-                     f"; distilling from the teacher {cfg.ppo.teacher} (reference role)" if cfg.ppo.teacher else
-                     "; reference = base model with the LoRA adapter disabled, in the learner" if cfg.lora.enabled else
-                     "; reference = a frozen copy in the learners" if cfg.train.reference == "learners" else "")
+        reference = (
+            "; no reference (no KL term)"
+            if not cfg.ppo.uses_reference
+            else f"; distilling from the teacher {cfg.ppo.teacher} (reference role)"
+            if cfg.ppo.teacher
+            else "; reference = base model with the LoRA adapter disabled, in the learner"
+            if cfg.lora.enabled
+            else "; reference = a frozen copy in the learners"
+            if cfg.train.reference == "learners"
+            else ""
+        )
         roles.ready(f"{cfg.ppo.advantage_estimator} advantages{reference}")
         return run_steps(ctx, PPOSteps(ctx, roles, train_set, eval_set, probe_ids))
 
@@ -127,8 +141,9 @@ class PPOSteps:
         self.ledger = roles.ledger
         self.sampler = make_sampler(train_set, cfg.rollout.prompts_per_step, cfg.run.seed, ctx.run_state["sampler"])
         self.queue = LaunchQueue(self._launch, cfg.rollout.max_staleness, cfg.run.steps)
-        self.transport = make_transport(cfg.rollout.weight_transport, cfg.rollout.bucket_mb,
-                                        cfg.rollout.collective_backend)
+        self.transport = make_transport(
+            cfg.rollout.weight_transport, cfg.rollout.bucket_mb, cfg.rollout.collective_backend
+        )
         self.tolerance = sync_tolerance(cfg.model.generator_dtype, cfg.rollout.sync_tolerance)
         self.learner_version = int(self.learners.wait_ready()["version"])
         self._position = SamplerPosition(self.sampler.consumed)
@@ -136,7 +151,9 @@ class PPOSteps:
             self._restore_ahead(Path(roles.resume) / "trainer_state" / AHEAD_FILE)
 
     def evaluate(self, step: int, weights: Any) -> dict[str, float]:
-        return held_out_eval(self.rollout, self.eval_set.rows, eval_seed(self.cfg))  # the generators hold the current weights
+        return held_out_eval(
+            self.rollout, self.eval_set.rows, eval_seed(self.cfg)
+        )  # the generators hold the current weights
 
     def position(self) -> "SamplerPosition":
         return self._position  # the prompts of batches started ahead are not in it
@@ -167,20 +184,40 @@ class PPOSteps:
             exp, ref_stats = self.rollout.annotate_checked(exp)
         exports = export_step(self.ctx, step, exp) if self.cfg.run.export_transitions else []
         with self.ctx.phase("learn"):
-            result = self.learners.learn(step, exp, save_dir=self.ctx.checkpoint_dir(step),
-                                         sync=self.transport.packs_in_step)
+            result = self.learners.learn(
+                step, exp, save_dir=self.ctx.checkpoint_dir(step), sync=self.transport.packs_in_step
+            )
         if result.get("saved"):
             self._save_ahead(Path(result["saved"]) / "trainer_state" / AHEAD_FILE)
-        self.ledger.record("trained", [{"step": step, "uid": u, "samples": n, "version": result["version"],
-                                        "sampled_version": sampled, "learner_version": self.learner_version}
-                                       for u, n in kept.items()])
+        self.ledger.record(
+            "trained",
+            [
+                {
+                    "step": step,
+                    "uid": u,
+                    "samples": n,
+                    "version": result["version"],
+                    "sampled_version": sampled,
+                    "learner_version": self.learner_version,
+                }
+                for u, n in kept.items()
+            ],
+        )
         synced = self._sync(result)
         self._position = SamplerPosition(cur.consumed)
-        row = {"skipped_at_load": dict(self.train_set.skipped), "data/prompt_ids": cur.prompt_ids,
-               **step_metrics(gen_stats, score_stats, result["metrics"]),
-               "policy/version": result["version"], "policy/staleness": self.learner_version - sampled,
-               **self._pool_metrics(gen_stats), **synced, **self.ledger.metrics(), **self.roles.record_restarts(step),
-               **_memory_peaks(gen_stats, score_stats, ref_stats), **(refill.metrics() if refill else {})}
+        row = {
+            "skipped_at_load": dict(self.train_set.skipped),
+            "data/prompt_ids": cur.prompt_ids,
+            **step_metrics(gen_stats, score_stats, result["metrics"]),
+            "policy/version": result["version"],
+            "policy/staleness": self.learner_version - sampled,
+            **self._pool_metrics(gen_stats),
+            **synced,
+            **self.ledger.metrics(),
+            **self.roles.record_restarts(step),
+            **_memory_peaks(gen_stats, score_stats, ref_stats),
+            **(refill.metrics() if refill else {}),
+        }
         if exports:
             row["export/transitions"] = sum(d["rows"] for d in ray.get(exports))
         self.learner_version = result["version"]
@@ -191,8 +228,10 @@ class PPOSteps:
         an extra draw of dynamic sampling (its own sampling seed)."""
         prompt_ids, uids = self.sampler.next_with_uids()
         units = self.rollout.assignment(uids)  # the uids of each work unit
-        self.ledger.record("issued", issue_records(step, uids, prompt_ids, [k for k, u in enumerate(units) for _ in u],
-                                                   self.rollout.version))
+        self.ledger.record(
+            "issued",
+            issue_records(step, uids, prompt_ids, [k for k, u in enumerate(units) for _ in u], self.rollout.version),
+        )
         # Group ids are the prompts' uids: a prompt drawn twice in one batch is two groups.
         rows = [self.train_set.rows[i] for i in prompt_ids]
         pending = self.rollout.submit(rows, uids, seed=sampling_seed(self.cfg.run.seed, step) + 104_729 * draw)
@@ -218,23 +257,31 @@ class PPOSteps:
             refill.informative += informative_uids(extra.units, sc)
         return refill
 
-    def _nothing_informative(self, step: int, cur: "Launched", gen_stats: list[dict], score_stats: list[dict],
-                             refill: Refill) -> StepOutcome:
+    def _nothing_informative(
+        self, step: int, cur: "Launched", gen_stats: list[dict], score_stats: list[dict], refill: Refill
+    ) -> StepOutcome:
         """Every draw scored its groups evenly: no update this step (the groups are in the ledger
         as dropped, uninformative)."""
         self._position = SamplerPosition(cur.consumed)
-        print(f"[rayrlhf] step {step}: no group with a non-zero advantage in {refill.draws + 1} draws "
-              f"(rollout.dynamic_sampling_max_draws={self.cfg.rollout.dynamic_sampling_max_draws}): no update", flush=True)
-        return StepOutcome({**step_metrics(gen_stats, score_stats, {}), **refill.metrics(), **self.ledger.metrics()},
-                           version=self.learner_version, trained=False)
+        print(
+            f"[rayrlhf] step {step}: no group with a non-zero advantage in {refill.draws + 1} draws "
+            f"(rollout.dynamic_sampling_max_draws={self.cfg.rollout.dynamic_sampling_max_draws}): no update",
+            flush=True,
+        )
+        return StepOutcome(
+            {**step_metrics(gen_stats, score_stats, {}), **refill.metrics(), **self.ledger.metrics()},
+            version=self.learner_version,
+            trained=False,
+        )
 
     def _sample_and_score(self, step: int, cur: "Launched") -> tuple[list, list[dict], list[dict]]:
         if cur.done is not None:  # finished before a checkpoint (asynchronous runs)
             return cur.done
 
         def reissue(gen: int, group: list[int], err: Exception) -> None:
-            self.ledger.record("reissued", [{"step": step, "uid": u, "generator": gen, "reason": type(err).__name__}
-                                            for u in group])
+            self.ledger.record(
+                "reissued", [{"step": step, "uid": u, "generator": gen, "reason": type(err).__name__} for u in group]
+            )
 
         # time/generate_s: the wait for the batch; an asynchronous run launched it steps earlier,
         # so there it is what the learner still waited, not the batch's generation time.
@@ -256,9 +303,14 @@ class PPOSteps:
         self._finish_ahead()
         for cur in self.queue.ahead:
             exp, gen_stats, score_stats = cur.done
-            saved.append({"launched": dataclasses.asdict(dataclasses.replace(cur, pending=None, done=None)),
-                          "records": [e.fields() for e in ray.get(exp)], "gen_stats": gen_stats,
-                          "score_stats": score_stats})
+            saved.append(
+                {
+                    "launched": dataclasses.asdict(dataclasses.replace(cur, pending=None, done=None)),
+                    "records": [e.fields() for e in ray.get(exp)],
+                    "gen_stats": gen_stats,
+                    "score_stats": score_stats,
+                }
+            )
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(saved, path)
 
@@ -286,13 +338,18 @@ class PPOSteps:
             exp = [ray.put(Experience(**fields)) for fields in entry["records"]]
             cur.done = (exp, entry["gen_stats"], entry["score_stats"])
             self.queue.ahead.append(cur)
-            self.ledger.record("issued", issue_records(cur.step, cur.uids, cur.prompt_ids,
-                                                       [k for k, u in enumerate(cur.units) for _ in u], None))
+            self.ledger.record(
+                "issued",
+                issue_records(
+                    cur.step, cur.uids, cur.prompt_ids, [k for k, u in enumerate(cur.units) for _ in u], None
+                ),
+            )
             self.sampler.consumed = cur.consumed
 
     def _record_outcomes(self, step: int, cur: "Launched", gen_stats: list[dict], score_stats: list[dict]) -> dict:
-        scored, dropped, kept = outcome_records(step, cur.units, gen_stats, score_stats,
-                                                self.cfg.rollout.samples_per_prompt)
+        scored, dropped, kept = outcome_records(
+            step, cur.units, gen_stats, score_stats, self.cfg.rollout.samples_per_prompt
+        )
         self.ledger.record("scored", scored)
         self.ledger.record("dropped", dropped)
         return kept
@@ -301,13 +358,21 @@ class PPOSteps:
         """The pipeline never lets a batch fall further behind than allowed; should it, the batch
         never reaches a loss (counted and in the ledger)."""
         n = sum(len(s["groups"]) for s in gen_stats)
-        self.ledger.record("dropped", [{"step": step, "uid": u, "samples": k, "all": True, "reasons": {"stale": k}}
-                                       for u, k in kept.items()])
+        self.ledger.record(
+            "dropped",
+            [{"step": step, "uid": u, "samples": k, "all": True, "reasons": {"stale": k}} for u, k in kept.items()],
+        )
         staleness = self.learner_version - sampled
-        print(f"[rayrlhf] step {step}: batch sampled by policy version {sampled}, {staleness} behind the learners "
-              f"(rollout.max_staleness={self.cfg.rollout.max_staleness}): {n} samples dropped", flush=True)
-        return StepOutcome({"skipped": {"stale": n}, "policy/staleness": staleness, **self.ledger.metrics()},
-                           version=self.learner_version, trained=False)
+        print(
+            f"[rayrlhf] step {step}: batch sampled by policy version {sampled}, {staleness} behind the learners "
+            f"(rollout.max_staleness={self.cfg.rollout.max_staleness}): {n} samples dropped",
+            flush=True,
+        )
+        return StepOutcome(
+            {"skipped": {"stale": n}, "policy/staleness": staleness, **self.ledger.metrics()},
+            version=self.learner_version,
+            trained=False,
+        )
 
     def _sync(self, result: dict) -> dict[str, Any]:
         """The new weights into the generators, verified by the probe when configured. Without
@@ -316,23 +381,34 @@ class PPOSteps:
             self._finish_ahead()  # its time is the generate phase's, not the sync's
         with self.ctx.phase("sync"):
             synced = self.transport.sync(result, self.rollout, self.learners)
-            verified = self.rollout.verify_sync(self.probe_ids, synced["probe"], result["version"], self.tolerance) \
-                if self.probe_ids else {}
-        return {"sync/load_s": max(synced["load_s"]), **{k: v for k, v in synced.items() if k.startswith("sync/")},
-                **verified}
+            verified = (
+                self.rollout.verify_sync(self.probe_ids, synced["probe"], result["version"], self.tolerance)
+                if self.probe_ids
+                else {}
+            )
+        return {
+            "sync/load_s": max(synced["load_s"]),
+            **{k: v for k, v in synced.items() if k.startswith("sync/")},
+            **verified,
+        }
 
     def _pool_metrics(self, gen_stats: list[dict]) -> dict[str, Any]:
         """How the pool spread this step's work units over the generators, and the queue ahead."""
-        return {"queue/depth": len(self.queue),
-                "rollout/units_by_generator": [sum(1 for s in gen_stats if s.get("generator") == g)
-                                               for g in range(len(self.rollout.generators))],
-                "reference/in_learner": self.rollout.reference is None and self.cfg.ppo.uses_reference}
+        return {
+            "queue/depth": len(self.queue),
+            "rollout/units_by_generator": [
+                sum(1 for s in gen_stats if s.get("generator") == g) for g in range(len(self.rollout.generators))
+            ],
+            "reference/in_learner": self.rollout.reference is None and self.cfg.ppo.uses_reference,
+        }
 
 
 def _memory_peaks(gen_stats: list[dict], score_stats: list[dict], ref_stats: list[dict]) -> dict[str, float]:
-    row = {"memory/generator_peak_gb": max(s["peak_rss_gb"] for s in gen_stats),
-           # the judging generators' with llm_judge
-           "memory/scorer_peak_gb": max(s["peak_rss_gb"] for s in score_stats)}
+    row = {
+        "memory/generator_peak_gb": max(s["peak_rss_gb"] for s in gen_stats),
+        # the judging generators' with llm_judge
+        "memory/scorer_peak_gb": max(s["peak_rss_gb"] for s in score_stats),
+    }
     if ref_stats:
         row["memory/reference_peak_gb"] = max(s["peak_rss_gb"] for s in ref_stats)
     return row
@@ -407,16 +483,24 @@ def check(cfg) -> list[Check]:
     rollout, ppo = cfg.rollout, cfg.ppo
     return [
         (cfg.data.train_size >= rollout.prompts_per_step, "data.train_size must be >= rollout.prompts_per_step"),
-        (not needs_group(ppo.advantage_estimator) or rollout.samples_per_prompt > 1,
-         f"ppo.advantage_estimator={ppo.advantage_estimator} needs rollout.samples_per_prompt > 1 (a group)"),
-        (not cfg.model.dropout,
-         "model.dropout is for sft, dpo, reward_model and qlearn: PPO's importance ratios compare the policy's "
-         "forward passes, and dropout noise would bias them (every RL framework turns it off there)"),
+        (
+            not needs_group(ppo.advantage_estimator) or rollout.samples_per_prompt > 1,
+            f"ppo.advantage_estimator={ppo.advantage_estimator} needs rollout.samples_per_prompt > 1 (a group)",
+        ),
+        (
+            not cfg.model.dropout,
+            "model.dropout is for sft, dpo, reward_model and qlearn: PPO's importance ratios compare the policy's "
+            "forward passes, and dropout noise would bias them (every RL framework turns it off there)",
+        ),
     ]
 
 
 RECIPE = Recipe(
-    name="ppo", learner="ppo", section="ppo", roles=roles, check=check,
+    name="ppo",
+    learner="ppo",
+    section="ppo",
+    roles=roles,
+    check=check,
     batch=lambda cfg: (cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt, "sequences"),
     features=frozenset({"colocated", "fsdp", "episodes", "streaming", "inflight_updates", "dynamic_sampling"}),
 )

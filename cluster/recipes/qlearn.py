@@ -59,8 +59,10 @@ def load_data(cfg: Config):
     if not train:
         raise UserError(f"data.transition_file: no usable transitions (excluded while reading: {skipped})")
     transitions = {"train": train, "held_out": held, "skipped": skipped}
-    description += (f"; offline Q-learning on {len(train)} transitions ({len(held)} held out) from "
-                    f"{cfg.data.transition_file}" + (f", excluded while reading: {skipped}" if skipped else ""))
+    description += (
+        f"; offline Q-learning on {len(train)} transitions ({len(held)} held out) from "
+        f"{cfg.data.transition_file}" + (f", excluded while reading: {skipped}" if skipped else "")
+    )
     return (train_set, transitions), eval_set, description
 
 
@@ -84,9 +86,11 @@ def split_by_group(rows: list, n_eval: int, seed: int) -> tuple[list, list]:
 def behaviour_summary(rows: list) -> dict[str, float]:
     """The logged data's own reward: what its behaviour policy earned (sampled)."""
     returns = [sum(t.rewards) for t in rows]
-    return {"data/behaviour_mean_reward": sum(returns) / len(returns),
-            "data/behaviour_versions": float(len({t.behaviour_version for t in rows})),
-            "data/transitions": float(len(rows))}
+    return {
+        "data/behaviour_mean_reward": sum(returns) / len(returns),
+        "data/behaviour_versions": float(len({t.behaviour_version for t in rows})),
+        "data/transitions": float(len(rows)),
+    }
 
 
 def run(ctx: RunContext, model_path: str, train_data, eval_set) -> RunResult:
@@ -95,11 +99,16 @@ def run(ctx: RunContext, model_path: str, train_data, eval_set) -> RunResult:
     with Roles(ctx, model_path, unit="prompt" if transitions is None else "transition") as roles:
         roles.start_learners()
         roles.start_generators()
-        steps = (OnlineSteps(ctx, roles, train_set, eval_set) if transitions is None
-                 else OfflineSteps(ctx, roles, transitions, eval_set))
+        steps = (
+            OnlineSteps(ctx, roles, train_set, eval_set)
+            if transitions is None
+            else OfflineSteps(ctx, roles, transitions, eval_set)
+        )
         q = cfg.qlearn
-        roles.ready(f"Q-learning ({steps.source}); gamma {q.gamma}, n_step {q.n_step}, "
-                    f"conservative weight {q.conservative_weight}")
+        roles.ready(
+            f"Q-learning ({steps.source}); gamma {q.gamma}, n_step {q.n_step}, "
+            f"conservative weight {q.conservative_weight}"
+        )
         return run_steps(ctx, steps)
 
 
@@ -143,8 +152,12 @@ class QSteps:
 class OnlineSteps(QSteps):
     def __init__(self, ctx: RunContext, roles: Roles, train_set: Any, eval_set: Any) -> None:
         cfg = ctx.cfg
-        super().__init__(ctx, roles, eval_set, make_sampler(train_set, cfg.rollout.prompts_per_step, cfg.run.seed,
-                                                             ctx.run_state["sampler"]))
+        super().__init__(
+            ctx,
+            roles,
+            eval_set,
+            make_sampler(train_set, cfg.rollout.prompts_per_step, cfg.run.seed, ctx.run_state["sampler"]),
+        )
         self.train_set, self.ledger = train_set, roles.ledger
         export_dir = str(ctx.dir / "data" / "transitions")
         replay = roles.start_replay(cfg.qlearn.buffer_capacity, export_dir, whole_prompts(cfg))
@@ -170,29 +183,41 @@ class OnlineSteps(QSteps):
         with self.ctx.phase("sync"):
             load_times = self.rollout.sync_weights(result["weights"][0], version=result["version"])
         row.update(step_metrics(gen_stats, score_stats, result["metrics"]))
-        row.update({**_replay_metrics(added, stats), "sync/load_s": max(load_times), **self.ledger.metrics(),
-                    **self.roles.record_restarts(step)})
+        row.update(
+            {
+                **_replay_metrics(added, stats),
+                "sync/load_s": max(load_times),
+                **self.ledger.metrics(),
+                **self.roles.record_restarts(step),
+            }
+        )
         return StepOutcome(row, saved=result.get("saved"), version=result["version"])
 
     def _act(self, step: int) -> tuple[list, list[dict], list[dict], dict, list[int]]:
         """The step's prompts acted on by the generators and scored, in the ledger."""
         prompt_ids, uids = self.sampler.next_with_uids()
         units = self.rollout.assignment(uids)
-        self.ledger.record("issued", issue_records(step, uids, prompt_ids, [k for k, u in enumerate(units) for _ in u],
-                                                   self.rollout.version))
+        self.ledger.record(
+            "issued",
+            issue_records(step, uids, prompt_ids, [k for k, u in enumerate(units) for _ in u], self.rollout.version),
+        )
 
         def reissue(gen: int, group: list[int], err: Exception) -> None:
-            self.ledger.record("reissued", [{"step": step, "uid": u, "generator": gen, "reason": type(err).__name__}
-                                            for u in group])
+            self.ledger.record(
+                "reissued", [{"step": step, "uid": u, "generator": gen, "reason": type(err).__name__} for u in group]
+            )
 
         rows = [self.train_set.rows[i] for i in prompt_ids]
         with self.ctx.phase("generate"):
-            pending = self.rollout.submit(rows, uids, greedy=self.cfg.qlearn.acting == "greedy",
-                                          seed=sampling_seed(self.cfg.run.seed, step))
+            pending = self.rollout.submit(
+                rows, uids, greedy=self.cfg.qlearn.acting == "greedy", seed=sampling_seed(self.cfg.run.seed, step)
+            )
             exp, gen_stats = self.rollout.collect(pending, on_reissue=reissue)
         with self.ctx.phase("score"):
             exp, score_stats = self.rollout.score_checked(exp, pending=pending)
-        scored, dropped, kept = outcome_records(step, units, gen_stats, score_stats, self.cfg.rollout.samples_per_prompt)
+        scored, dropped, kept = outcome_records(
+            step, units, gen_stats, score_stats, self.cfg.rollout.samples_per_prompt
+        )
         self.ledger.record("scored", scored)
         self.ledger.record("dropped", dropped)
         return exp, gen_stats, score_stats, kept, prompt_ids
@@ -206,11 +231,15 @@ class OfflineSteps(QSteps):
         ray.get(replay.add_rows.remote(transitions["train"]))
         held = transitions["held_out"]
         if held:  # reference log-probs once (the KL anchor's term is part of the held-out loss)
-            self.held_ref = self.rollout.annotate_checked([ray.put(transitions_to_experience(held, roles.pad_id))])[0][0]
+            self.held_ref = self.rollout.annotate_checked([ray.put(transitions_to_experience(held, roles.pad_id))])[0][
+                0
+            ]
         self.behaviour = behaviour_summary(transitions["train"])
         self.loaded = {"skipped_at_load": dict(transitions["skipped"])}
-        self.source = (f"offline, {len(transitions['train'])} transitions, behaviour policy's mean reward "
-                       f"{self.behaviour['data/behaviour_mean_reward']:.3f}")
+        self.source = (
+            f"offline, {len(transitions['train'])} transitions, behaviour policy's mean reward "
+            f"{self.behaviour['data/behaviour_mean_reward']:.3f}"
+        )
 
     def step(self, step: int) -> StepOutcome:
         """The step's replay batch (its transitions in the ledger: a draw's uid is its position in
@@ -222,10 +251,19 @@ class OfflineSteps(QSteps):
         ledger.record("issued", [{"step": step, "uid": u, "prompt": r} for u, r in zip(uids, rows)])
         result, stats = self.learn(step, sync=eval_now)
         ledger.record("trained", [{"step": step, "uid": u, "samples": 1, "version": result["version"]} for u in uids])
-        row = {**self.loaded, **result["metrics"], **_replay_metrics({}, stats), **ledger.metrics(),
-               **self.roles.record_restarts(step)}
-        return StepOutcome(row, saved=result.get("saved"), version=result["version"],
-                           weights=result["weights"][0] if eval_now else None)
+        row = {
+            **self.loaded,
+            **result["metrics"],
+            **_replay_metrics({}, stats),
+            **ledger.metrics(),
+            **self.roles.record_restarts(step),
+        }
+        return StepOutcome(
+            row,
+            saved=result.get("saved"),
+            version=result["version"],
+            weights=result["weights"][0] if eval_now else None,
+        )
 
 
 def whole_prompts(cfg: Config) -> bool:
@@ -254,25 +292,44 @@ def check(cfg) -> list[Check]:
     q, offline = cfg.qlearn, bool(cfg.data.transition_file)
     in_learners = cfg.train.reference == "learners" or cfg.lora.enabled
     return [
-        (q.calibration == "none" or in_learners,
-         "qlearn.calibration=reference reads the frozen initial model's logits in the learners: set "
-         "train.reference=learners (or use LoRA, whose base model is the reference)"),
-        (q.calibration == "none" or q.conservative == "logsumexp" or q.conservative_weight == 0,
-         "qlearn.calibration=reference measures Q against the reference's logits, which the floor term would "
-         "need for every token of the vocabulary: use qlearn.conservative=logsumexp (or conservative_weight=0)"),
-        (q.state_value == "model" or (q.calibration == "reference" and q.value_grad == 0),
-         "qlearn.state_value=reference reads each state's value as the calibration's reference (0) and trains "
-         "the log-prob alone: set qlearn.calibration=reference and qlearn.value_grad=0"),
-        (not q.skip_uniform_groups or q.reward_baseline == "group_mean",
-         "qlearn.skip_uniform_groups leaves out groups whose centered rewards are all 0, which needs groups: "
-         "set qlearn.reward_baseline=group_mean"),
-        (not (offline and (cfg.env.name or cfg.rollout.agent)),
-         "env.name: offline Q-learning (data.transition_file) runs no episodes; leave env.name empty"),
-        (not (offline and cfg.data.streaming), "data.streaming streams prompts to online Q-learning; offline "
-                                               "(data.transition_file) reads its transitions: leave data.streaming off"),
+        (
+            q.calibration == "none" or in_learners,
+            "qlearn.calibration=reference reads the frozen initial model's logits in the learners: set "
+            "train.reference=learners (or use LoRA, whose base model is the reference)",
+        ),
+        (
+            q.calibration == "none" or q.conservative == "logsumexp" or q.conservative_weight == 0,
+            "qlearn.calibration=reference measures Q against the reference's logits, which the floor term would "
+            "need for every token of the vocabulary: use qlearn.conservative=logsumexp (or conservative_weight=0)",
+        ),
+        (
+            q.state_value == "model" or (q.calibration == "reference" and q.value_grad == 0),
+            "qlearn.state_value=reference reads each state's value as the calibration's reference (0) and trains "
+            "the log-prob alone: set qlearn.calibration=reference and qlearn.value_grad=0",
+        ),
+        (
+            not q.skip_uniform_groups or q.reward_baseline == "group_mean",
+            "qlearn.skip_uniform_groups leaves out groups whose centered rewards are all 0, which needs groups: "
+            "set qlearn.reward_baseline=group_mean",
+        ),
+        (
+            not (offline and (cfg.env.name or cfg.rollout.agent)),
+            "env.name: offline Q-learning (data.transition_file) runs no episodes; leave env.name empty",
+        ),
+        (
+            not (offline and cfg.data.streaming),
+            "data.streaming streams prompts to online Q-learning; offline "
+            "(data.transition_file) reads its transitions: leave data.streaming off",
+        ),
     ]
 
 
-RECIPE = Recipe(name="qlearn", learner="qlearn", section="qlearn", roles=roles, check=check,
-                batch=lambda cfg: (cfg.qlearn.batch_sequences, "sequences"),
-                features=frozenset({"fsdp", "episodes", "streaming"}))
+RECIPE = Recipe(
+    name="qlearn",
+    learner="qlearn",
+    section="qlearn",
+    roles=roles,
+    check=check,
+    batch=lambda cfg: (cfg.qlearn.batch_sequences, "sequences"),
+    features=frozenset({"fsdp", "episodes", "streaming"}),
+)

@@ -64,9 +64,13 @@ class Roles:
         from cluster.roles.rollout_group import RolloutGroup
 
         nodes = self.learners.wait_ready()["nodes"] if colocate else None
-        self.rollout = RolloutGroup(cfg or self.cfg, self.model_path, policy_path=self.resume,
-                                    policy_version=int(self.ctx.run_state["version"]),
-                                    colocate_nodes=nodes)
+        self.rollout = RolloutGroup(
+            cfg or self.cfg,
+            self.model_path,
+            policy_path=self.resume,
+            policy_version=int(self.ctx.run_state["version"]),
+            colocate_nodes=nodes,
+        )
         if self.learners is not None:
             self._weights_from_learners()
         return self.rollout
@@ -81,9 +85,14 @@ class Roles:
         from cluster.roles.workers import ReplayWorker
 
         if not get_recipe(self.cfg.run.algorithm).roles(self.cfg).replay:
-            raise RuntimeError(f"recipe {self.cfg.run.algorithm} starts a replay buffer it does not declare (RoleSet.replay)")
-        self.replay = ray.remote(ReplayWorker).options(num_cpus=0).remote(capacity, self.cfg.run.seed, self.pad_id,
-                                                                          export_dir, whole_groups)
+            raise RuntimeError(
+                f"recipe {self.cfg.run.algorithm} starts a replay buffer it does not declare (RoleSet.replay)"
+            )
+        self.replay = (
+            ray.remote(ReplayWorker)
+            .options(num_cpus=0)
+            .remote(capacity, self.cfg.run.seed, self.pad_id, export_dir, whole_groups)
+        )
         return self.replay
 
     def ready(self, what: str) -> dict:
@@ -96,8 +105,10 @@ class Roles:
         parts = []
         if self.rollout is not None:
             scorer = "the generators as judge" if self.rollout.scorer is None else "1 scorer"
-            parts.append(f"{len(self.rollout.generators)} generator(s), {scorer}"
-                         + (", 1 reference" if self.rollout.reference is not None else ""))
+            parts.append(
+                f"{len(self.rollout.generators)} generator(s), {scorer}"
+                + (", 1 reference" if self.rollout.reference is not None else "")
+            )
         if self.learners is not None:
             parts.append(f"{cfg.cluster.num_learners} learner(s)")
         if self.replay is not None:
@@ -106,7 +117,9 @@ class Roles:
         if info:
             line += f"; trainable fraction {info['trainable_fraction']:.4f}"
         if self.resume:
-            line += f"; resumed from {self.resume} (step {self.ctx.start_step}, policy version {info.get('version', '?')})"
+            line += (
+                f"; resumed from {self.resume} (step {self.ctx.start_step}, policy version {info.get('version', '?')})"
+            )
         print(line, flush=True)
         self._write_placement(info)
         return info
@@ -114,11 +127,18 @@ class Roles:
     def _write_placement(self, info: dict) -> None:
         """Where the roles run (multi-node layouts): each generator's node, learner rank 0's node."""
         rollout = self.rollout
-        (self.ctx.dir / "placement.json").write_text(json.dumps({
-            "layout": self.cfg.cluster.layout, "generators": rollout.nodes() if rollout else [],
-            "learner_rank0": info.get("node"), "learners": info.get("nodes"),
-            "generator_placement_group": rollout is not None and rollout.placement_group is not None,
-            "learner_env": info.get("env")}))
+        (self.ctx.dir / "placement.json").write_text(
+            json.dumps(
+                {
+                    "layout": self.cfg.cluster.layout,
+                    "generators": rollout.nodes() if rollout else [],
+                    "learner_rank0": info.get("node"),
+                    "learners": info.get("nodes"),
+                    "generator_placement_group": rollout is not None and rollout.placement_group is not None,
+                    "learner_env": info.get("env"),
+                }
+            )
+        )
 
     # -- bookkeeping every step -----------------------------------------------------------------
     def record_restarts(self, step: int) -> dict[str, int]:

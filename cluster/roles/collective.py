@@ -33,8 +33,9 @@ def open_store(world: int, timeout_s: float = 300.0) -> tuple[object, str, int]:
     with socket.socket() as s:
         s.bind(("", 0))
         port = s.getsockname()[1]
-    store = torch.distributed.TCPStore(host, port, world, is_master=True, timeout=timedelta(seconds=timeout_s),
-                                       wait_for_workers=False)
+    store = torch.distributed.TCPStore(
+        host, port, world, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+    )
     return store, host, port
 
 
@@ -48,8 +49,15 @@ class WeightGroup:
     device: torch.device = torch.device("cpu")
 
 
-def join(host: str, port: int, rank: int, world: int, store: object | None = None,
-         timeout_s: float = 300.0, backend: str = "gloo") -> WeightGroup:
+def join(
+    host: str,
+    port: int,
+    rank: int,
+    world: int,
+    store: object | None = None,
+    timeout_s: float = 300.0,
+    backend: str = "gloo",
+) -> WeightGroup:
     """Every rank: the process group of the broadcast, ``gloo`` or ``nccl`` (blocks until all
     ``world`` ranks joined)."""
     timeout = timedelta(seconds=timeout_s)

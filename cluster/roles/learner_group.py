@@ -24,7 +24,6 @@ from cluster.roles.learner_worker import learner_loop
 log = logging.getLogger("rayrlhf.learner")
 
 
-
 @ray.remote(num_cpus=0)
 class LearnerChannel:
     """Driver -> every rank (one inbox each) and rank 0 -> driver (one outbox)."""
@@ -78,8 +77,6 @@ class _Restarted(Exception):
     """The learner workers started again (Ray Train restarted the group after a failure)."""
 
 
-
-
 class LearnerGroup:
     """Driver-side handle: start once, ``learn(step, exp_refs)`` per iteration, ``stop()``.
 
@@ -110,10 +107,12 @@ class LearnerGroup:
             torch_config=TorchConfig(backend=workers["backend"]),
             # A fresh name per start: Ray Train would otherwise treat a resumed run's learners as a
             # restart of the old Train run. The run's own checkpoints are what a resume reads.
-            run_config=RunConfig(name=f"learner-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}",
-                                 storage_path=str(Path(storage_dir).resolve()),
-                                 failure_config=FailureConfig(max_failures=max_failures),
-                                 worker_runtime_env={"env_vars": workers["env_vars"]}),
+            run_config=RunConfig(
+                name=f"learner-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}",
+                storage_path=str(Path(storage_dir).resolve()),
+                failure_config=FailureConfig(max_failures=max_failures),
+                worker_runtime_env={"env_vars": workers["env_vars"]},
+            ),
         )
         self.error: BaseException | None = None
         self.epoch = 0
@@ -158,8 +157,11 @@ class LearnerGroup:
                 continue  # from before a restart
             if "error" in item:
                 if self.restarts < self.max_failures:
-                    log.warning("learner failed at step %s (%s); waiting for Ray Train to restart it",
-                                item.get("step"), item["error"])
+                    log.warning(
+                        "learner failed at step %s (%s); waiting for Ray Train to restart it",
+                        item.get("step"),
+                        item["error"],
+                    )
                     continue
                 raise RuntimeError(f"learner failed at step {item.get('step')}: {item['error']}")
             return item
@@ -192,11 +194,16 @@ class LearnerGroup:
         """After a restart: restore, then replay the training items since the last checkpoint."""
         self.restarts += 1
         if self.restarts > self.max_failures:
-            raise RuntimeError(f"the learner workers restarted {self.restarts} times (cluster.learner_max_failures="
-                               f"{self.max_failures})")
-        print(f"[rayrlhf] learner workers restarted at step {step} (restart {self.restarts} of at most "
-              f"{self.max_failures}): restoring {self.checkpoint or 'the starting weights'} and replaying "
-              f"{len(self.history)} step(s) since", flush=True)
+            raise RuntimeError(
+                f"the learner workers restarted {self.restarts} times (cluster.learner_max_failures="
+                f"{self.max_failures})"
+            )
+        print(
+            f"[rayrlhf] learner workers restarted at step {step} (restart {self.restarts} of at most "
+            f"{self.max_failures}): restoring {self.checkpoint or 'the starting weights'} and replaying "
+            f"{len(self.history)} step(s) since",
+            flush=True,
+        )
         try:
             restore = self.checkpoint if self.checkpoint != self.spec.resume_from else None
             self._begin(restore)
@@ -204,8 +211,9 @@ class LearnerGroup:
                 self._send({**past, "sync": False, "save_dir": None, "report": False}, timeout_s)
         except _Restarted:  # it failed again while recovering: start over
             return self._recover(step, timeout_s)
-        self.restart_log.append({"step": step, "replayed": [p.get("step") for p in self.history],
-                                 "restored": self.checkpoint})
+        self.restart_log.append(
+            {"step": step, "replayed": [p.get("step") for p in self.history], "restored": self.checkpoint}
+        )
 
     def wait_ready(self, timeout_s: float = 600) -> dict:
         """Rank 0's ready report (``nodes``: every rank's Ray node); a second call returns it again."""
@@ -219,14 +227,18 @@ class LearnerGroup:
         self._ready = {**info, "version": begun["version"]}
         return self._ready
 
-    def learn(self, step: int, exp_refs: list, save_dir: str | None = None, sync: bool = True,
-              timeout_s: float = 3600) -> dict:
+    def learn(
+        self, step: int, exp_refs: list, save_dir: str | None = None, sync: bool = True, timeout_s: float = 3600
+    ) -> dict:
         """One update; ``sync=False`` skips packing weights for generators (offline recipes)."""
         # The worker reports right after its reply, so the time since the last reporting reply is
         # a lower bound of the gap between the two reports.
         report = time.time() - self._last_report >= report_gap_s()
-        reply = self._call({"step": step, "exp_refs": list(exp_refs), "save_dir": save_dir, "sync": sync,
-                            "report": report}, timeout_s, replayable=True)
+        reply = self._call(
+            {"step": step, "exp_refs": list(exp_refs), "save_dir": save_dir, "sync": sync, "report": report},
+            timeout_s,
+            replayable=True,
+        )
         if report:
             self._last_report = time.time()
         return reply

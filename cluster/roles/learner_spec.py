@@ -57,8 +57,9 @@ class LearnerSpec:
     probe_ids: list[int] = dataclasses.field(default_factory=list)
 
 
-def learner_spec(cfg: Config, model_path: str, pad_token_id: int, resume_from: str | None = None,
-                 probe_ids: list[int] | None = None) -> LearnerSpec:
+def learner_spec(
+    cfg: Config, model_path: str, pad_token_id: int, resume_from: str | None = None, probe_ids: list[int] | None = None
+) -> LearnerSpec:
     """The learner's slice of the run's config: its recipe's learner and section."""
     from cluster.recipes import get_recipe
 
@@ -68,20 +69,34 @@ def learner_spec(cfg: Config, model_path: str, pad_token_id: int, resume_from: s
         # Asynchronous batches come from older weights: correct for them by default.
         algo = algo.model_copy(update={"rollout_correction": "truncate" if cfg.rollout.max_staleness > 0 else "none"})
     return LearnerSpec(
-        algorithm=recipe.learner, learner_target=learner_target(recipe.learner), train=cfg.train, algo=algo,
+        algorithm=recipe.learner,
+        learner_target=learner_target(recipe.learner),
+        train=cfg.train,
+        algo=algo,
         context=LearnerContext(
-            model_path=model_path, seed=cfg.run.seed, total_steps=cfg.run.steps,
-            temperature=cfg.rollout.temperature or 1.0, max_new_tokens=cfg.model.max_new_tokens,
-            lora=cfg.lora if cfg.lora.enabled else None, dropout=cfg.model.dropout,
+            model_path=model_path,
+            seed=cfg.run.seed,
+            total_steps=cfg.run.steps,
+            temperature=cfg.rollout.temperature or 1.0,
+            max_new_tokens=cfg.model.max_new_tokens,
+            lora=cfg.lora if cfg.lora.enabled else None,
+            dropout=cfg.model.dropout,
         ),
-        resume_from=resume_from, tokenizer_path=model_path, pad_token_id=pad_token_id,
-        sync_dtype=cfg.model.generator_dtype, num_learners=cfg.cluster.num_learners,
+        resume_from=resume_from,
+        tokenizer_path=model_path,
+        pad_token_id=pad_token_id,
+        sync_dtype=cfg.model.generator_dtype,
+        num_learners=cfg.cluster.num_learners,
         adapter_sync=cfg.lora.enabled and cfg.lora.sync == "adapter",
-        cpus_per_learner=cfg.cluster.cpus_per_learner, threads=cfg.cluster.threads,
-        gpus_per_learner=cfg.cluster.gpus_per_learner, keep_freed_memory=cfg.cluster.keep_freed_memory,
+        cpus_per_learner=cfg.cluster.cpus_per_learner,
+        threads=cfg.cluster.threads,
+        gpus_per_learner=cfg.cluster.gpus_per_learner,
+        keep_freed_memory=cfg.cluster.keep_freed_memory,
         realtime=cfg.cluster.realtime_learners,
-        max_failures=cfg.cluster.learner_max_failures, probe_ids=list(probe_ids or []),
-        resources=dict(cfg.cluster.learner_resources), placement_strategy=cfg.cluster.learner_placement_strategy,
+        max_failures=cfg.cluster.learner_max_failures,
+        probe_ids=list(probe_ids or []),
+        resources=dict(cfg.cluster.learner_resources),
+        placement_strategy=cfg.cluster.learner_placement_strategy,
     )
 
 
@@ -95,11 +110,19 @@ def worker_scaling(spec: LearnerSpec) -> dict[str, Any]:
 
     gpus = {"GPU": float(spec.gpus_per_learner)} if spec.gpus_per_learner else {}
     return {
-        "scaling": {"num_workers": spec.num_learners, "use_gpu": bool(spec.gpus_per_learner),
-                    "resources_per_worker": {"CPU": spec.cpus_per_learner, **spec.resources, **gpus},
-                    "placement_strategy": spec.placement_strategy},
-        "backend": ("gloo" if not spec.gpus_per_learner else
-                    "cpu:gloo,cuda:nccl" if getattr(spec.train, "cpu_offload", False) else "nccl"),
+        "scaling": {
+            "num_workers": spec.num_learners,
+            "use_gpu": bool(spec.gpus_per_learner),
+            "resources_per_worker": {"CPU": spec.cpus_per_learner, **spec.resources, **gpus},
+            "placement_strategy": spec.placement_strategy,
+        },
+        "backend": (
+            "gloo"
+            if not spec.gpus_per_learner
+            else "cpu:gloo,cuda:nccl"
+            if getattr(spec.train, "cpu_offload", False)
+            else "nccl"
+        ),
         "env_vars": dict(KEEP_FREED_MEMORY_ENV) if spec.keep_freed_memory and not spec.gpus_per_learner else {},
     }
 
@@ -112,4 +135,3 @@ def report_gap_s() -> float:
     sub-second steps. Reports at most this often never block. (Ray Train's report is its logs;
     the run's metrics all go to the run's JSONL and Ray metrics.)"""
     return 1.25 * float(os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "2.0"))
-

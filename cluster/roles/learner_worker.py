@@ -17,8 +17,16 @@ from cluster.roles.learner_spec import LearnerSpec
 
 log = logging.getLogger("rayrlhf.learner")
 
-_REPORTED = ("loss/policy", "loss/value", "loss/total", "kl/ref_k1", "policy/clip_frac", "logprob_gap/mean_abs",
-             "rewards/accuracy", "rewards/margin")
+_REPORTED = (
+    "loss/policy",
+    "loss/value",
+    "loss/total",
+    "kl/ref_k1",
+    "policy/clip_frac",
+    "logprob_gap/mean_abs",
+    "rewards/accuracy",
+    "rewards/margin",
+)
 # Ray Train 2.60's switch for its preemption watcher (``ray.train.v2._internal.constants``).
 # Environment variables rank 0 reports in its ``ready`` message.
 _REPORTED_ENV = ("OMP_NUM_THREADS", "MALLOC_ARENA_MAX", "MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_")
@@ -44,12 +52,20 @@ def learner_loop(config: dict[str, Any]) -> None:
         learner.restore(spec.resume_from)
     nodes = _all_nodes(comm.world)
     if rank == 0:
-        ray.get(channel.report.remote({
-            "ready": True, "world": comm.world, "trainable_fraction": learner.trainable_fraction,
-            "version": learner.version, "node": nodes[0], "nodes": nodes,
-            # What the process started with (the run's log shows whether the malloc settings held).
-            "env": {k: os.environ.get(k) for k in _REPORTED_ENV},
-        }))
+        ray.get(
+            channel.report.remote(
+                {
+                    "ready": True,
+                    "world": comm.world,
+                    "trainable_fraction": learner.trainable_fraction,
+                    "version": learner.version,
+                    "node": nodes[0],
+                    "nodes": nodes,
+                    # What the process started with (the run's log shows whether the malloc settings held).
+                    "env": {k: os.environ.get(k) for k in _REPORTED_ENV},
+                }
+            )
+        )
     epoch = None
     while True:
         item = ray.get(channel.get.remote(rank))
@@ -126,7 +142,12 @@ def _handle(item: dict, learner: Any, spec: LearnerSpec, comm: Any, peak_rss_gb:
             return None
         packed, _ = _pack_weights(learner, spec, comm)
         probe = _probe(learner, spec)
-        return {"step": step, "weights": [ray.put(packed)] if packed is not None else [], "version": learner.version, **probe}
+        return {
+            "step": step,
+            "weights": [ray.put(packed)] if packed is not None else [],
+            "version": learner.version,
+            **probe,
+        }
     if item.get("digest"):
         return _weights_digest(learner, comm)
     if item.get("save_only"):  # a checkpoint outside a step (early stopping)
@@ -234,8 +255,9 @@ def _weights_group(item: dict, learner: Any, spec: LearnerSpec, comm: Any) -> di
         return {"host": host, "port": port, "layout": layout, "total": total, "dtype": _sync_dtype(spec)}
     if op == "join":
         g = _WEIGHT_GROUP
-        g["group"] = collective.join(g["host"], g["port"], 0, g["world"], store=g["store"],
-                                     backend=item.get("backend", "gloo"))
+        g["group"] = collective.join(
+            g["host"], g["port"], 0, g["world"], store=g["store"], backend=item.get("backend", "gloo")
+        )
         return {"joined": True}
     if op == "broadcast":
         packed, t_pack = _pack_weights(learner, spec, comm)
@@ -243,8 +265,13 @@ def _weights_group(item: dict, learner: Any, spec: LearnerSpec, comm: Any) -> di
         group = _WEIGHT_GROUP["group"]
         # Packed in host memory; NCCL sends from the GPU (one host-to-device copy).
         collective.broadcast_buffer(group, torch.from_numpy(packed.buffer).to(group.device), item["bucket_bytes"])
-        return {"version": learner.version, "bytes": float(packed.nbytes), "pack_s": t_pack,
-                "broadcast_s": time.perf_counter() - t0, **_probe(learner, spec)}
+        return {
+            "version": learner.version,
+            "bytes": float(packed.nbytes),
+            "pack_s": t_pack,
+            "broadcast_s": time.perf_counter() - t0,
+            **_probe(learner, spec),
+        }
     raise ValueError(f"unknown weights_group operation {op!r}")
 
 
@@ -258,4 +285,3 @@ def _all_nodes(world: int) -> list[str]:
     nodes: list = [None] * world
     dist.all_gather_object(nodes, node)
     return nodes
-

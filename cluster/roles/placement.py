@@ -26,8 +26,11 @@ _RESERVE_TIMEOUT_S = 120.0
 
 def generator_bundle(cfg: Config) -> dict[str, float]:
     """One generator's bundle: its CPUs, GPUs and custom resources (zero amounts left out)."""
-    bundle = {"CPU": float(cfg.rollout.cpus_per_generator), "GPU": float(cfg.rollout.gpus_per_generator),
-              **{k: float(v) for k, v in cfg.rollout.resources.items()}}
+    bundle = {
+        "CPU": float(cfg.rollout.cpus_per_generator),
+        "GPU": float(cfg.rollout.gpus_per_generator),
+        **{k: float(v) for k, v in cfg.rollout.resources.items()},
+    }
     return {k: v for k, v in bundle.items() if v > 0}
 
 
@@ -35,8 +38,13 @@ def colocated_options(num_generators: int, learner_nodes: list[str]) -> list[dic
     """Generator i on learner rank i's node (mod the learners), requesting nothing of its own."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    return [{"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(
-        learner_nodes[i % len(learner_nodes)], soft=False)} for i in range(num_generators)]
+    return [
+        {
+            "num_cpus": 0,
+            "scheduling_strategy": NodeAffinitySchedulingStrategy(learner_nodes[i % len(learner_nodes)], soft=False),
+        }
+        for i in range(num_generators)
+    ]
 
 
 def reserve_generators(cfg: Config) -> tuple[Any, list[dict[str, Any]]]:
@@ -58,11 +66,18 @@ def reserve_generators(cfg: Config) -> tuple[Any, list[dict[str, Any]]]:
             f"the generators' placement group ({n} bundles of {bundle}, {strategy}) could not be reserved in "
             f"{_RESERVE_TIMEOUT_S:.0f} s: the cluster has {ray.cluster_resources()} in {len(ray.nodes())} node(s); "
             "change rollout.num_generators, rollout.cpus_per_generator, rollout.resources or "
-            "rollout.placement_strategy") from None
+            "rollout.placement_strategy"
+        ) from None
     resources = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
-    return pg, [{"num_cpus": bundle.get("CPU", 0), "num_gpus": bundle.get("GPU", 0), "resources": resources or None,
-                 "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)}
-                for i in range(n)]
+    return pg, [
+        {
+            "num_cpus": bundle.get("CPU", 0),
+            "num_gpus": bundle.get("GPU", 0),
+            "resources": resources or None,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+        }
+        for i in range(n)
+    ]
 
 
 def release(pg: Any) -> None:

@@ -38,18 +38,39 @@ def role_requests(cfg: Config) -> list[RoleRequest]:
     gen_resources = {**cfg.rollout.resources, **_gpus(cfg.rollout.gpus_per_generator)}
     out = []
     if declared.generators:
-        out.append(RoleRequest("generator", cfg.rollout.num_generators, 0.0 if colocated else cfg.rollout.cpus_per_generator,
-                               "rollout.cpus_per_generator", () if colocated else tuple(gen_resources.items())))
+        out.append(
+            RoleRequest(
+                "generator",
+                cfg.rollout.num_generators,
+                0.0 if colocated else cfg.rollout.cpus_per_generator,
+                "rollout.cpus_per_generator",
+                () if colocated else tuple(gen_resources.items()),
+            )
+        )
     if declared.scorer:
         out.append(RoleRequest("scorer", 1, cfg.reward.cpus, "reward.cpus"))
     if declared.reference in ("rollout", "data"):
-        out.append(RoleRequest("reference", 1, cfg.cluster.cpus_per_reference, "cluster.cpus_per_reference",
-                               tuple(_gpus(cfg.cluster.gpus_per_reference).items())))
+        out.append(
+            RoleRequest(
+                "reference",
+                1,
+                cfg.cluster.cpus_per_reference,
+                "cluster.cpus_per_reference",
+                tuple(_gpus(cfg.cluster.gpus_per_reference).items()),
+            )
+        )
     if not declared.learners:
         return out
     learner_resources = {**cfg.cluster.learner_resources, **_gpus(cfg.cluster.gpus_per_learner)}
-    out.append(RoleRequest("learner", cfg.cluster.num_learners, cfg.cluster.cpus_per_learner, "cluster.cpus_per_learner",
-                           tuple(learner_resources.items())))
+    out.append(
+        RoleRequest(
+            "learner",
+            cfg.cluster.num_learners,
+            cfg.cluster.cpus_per_learner,
+            "cluster.cpus_per_learner",
+            tuple(learner_resources.items()),
+        )
+    )
     return out
 
 
@@ -71,7 +92,8 @@ def check_fits(requests: list[RoleRequest], node_cpus: list[float], custom: dict
         keys = ", ".join(sorted({r.key for r in requests if r.cpus > 0}))
         raise UserError(
             f"the roles ask for {total:g} CPUs ({asked}) but the cluster has {have:g} CPUs ({nodes}); "
-            f"lower {keys} (a role's CPUs are a placement claim; its threads are set apart) or add nodes")
+            f"lower {keys} (a role's CPUs are a placement claim; its threads are set apart) or add nodes"
+        )
     largest = max(node_cpus, default=0.0)
     for r in requests:
         if r.cpus > largest + 1e-9:
@@ -83,9 +105,13 @@ def check_fits(requests: list[RoleRequest], node_cpus: list[float], custom: dict
     custom = custom or {}
     for name, amount in wanted.items():
         if amount > custom.get(name, 0.0) + 1e-9:
-            who = ", ".join(f"{r.role} {r.count} x {dict(r.resources)[name]:g}" for r in requests if name in dict(r.resources))
-            raise UserError(f"the roles ask for {amount:g} of the resource {name!r} ({who}) but the cluster has "
-                            f"{custom.get(name, 0.0):g}")
+            who = ", ".join(
+                f"{r.role} {r.count} x {dict(r.resources)[name]:g}" for r in requests if name in dict(r.resources)
+            )
+            raise UserError(
+                f"the roles ask for {amount:g} of the resource {name!r} ({who}) but the cluster has "
+                f"{custom.get(name, 0.0):g}"
+            )
 
 
 def cluster_node_cpus() -> list[float]:

@@ -28,8 +28,15 @@ def _episode_journal(cfg: Config) -> Any:
 class RolloutGroup:
     """The inference-side roles: N generators, one scorer, one reference."""
 
-    def __init__(self, cfg: Config, model_path: str, policy_path: str | None = None, policy_version: int = 0,
-                 with_reference: bool | None = None, colocate_nodes: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        model_path: str,
+        policy_path: str | None = None,
+        policy_version: int = 0,
+        with_reference: bool | None = None,
+        colocate_nodes: list[str] | None = None,
+    ) -> None:
         """``policy_path``/``policy_version``: weights the generators start from when they are not
         the initial model (a resumed run's checkpoint); the reference always scores ``model_path``.
         ``with_reference``: start a Reference actor (default: when the recipe declares one there).
@@ -48,17 +55,18 @@ class RolloutGroup:
         # takes weight loads and probes while the first generates (``actors/rollout/generator.py``).
         slots = 2 if cfg.rollout.inflight_updates else 1
         self.generators = [
-            gen_cls.options(runtime_env=role_env(cfg.rollout.threads), max_restarts=cfg.rollout.max_restarts,
-                            max_concurrency=slots, **where[i]).remote(
-                generator_config(cfg, policy_path or model_path, i, policy_version, base_model=model_path))
+            gen_cls.options(
+                runtime_env=role_env(cfg.rollout.threads),
+                max_restarts=cfg.rollout.max_restarts,
+                max_concurrency=slots,
+                **where[i],
+            ).remote(generator_config(cfg, policy_path or model_path, i, policy_version, base_model=model_path))
             for i in range(cfg.rollout.num_generators)
         ]
         # reward.function=llm_judge without a judge model: the generators judge (no scorer actor).
         # The scorer and the reference hold no run state: Ray restarts one that dies, and the
         # work it had in hand is done again (``_redo_lost``).
-        self.scorer = None if self_judging(cfg) else ray.remote(ScorerWorker).options(
-            num_cpus=cfg.reward.cpus, runtime_env=role_env(cfg.reward.threads),
-            max_restarts=cfg.cluster.actor_max_restarts).remote(scorer_spec(cfg))
+        self.scorer = None if self_judging(cfg) else _start_scorer(cfg)
         # With LoRA the learner scores the reference itself (its base model, adapter disabled):
         # no second copy of the weights, so no reference actor.
         # Without any KL term (beta = 0) nothing needs the reference, so it is not started.
@@ -78,15 +86,11 @@ class RolloutGroup:
         self.reference = None
         # Generation for ``submit``/``collect``: work units to whichever generator is free; with a
         # scorer actor each finished unit is scored at once (scoring streams behind generation).
-        self.pool = GeneratorPool(len(self.generators), self._start_unit,
-                                  on_done=None if self.scorer is None else self._score_unit)
+        self.pool = GeneratorPool(
+            len(self.generators), self._start_unit, on_done=None if self.scorer is None else self._score_unit
+        )
         if with_reference if with_reference is not None else _reference_beside_generators(cfg):
-            self.reference = ray.remote(ReferenceWorker).options(
-                num_cpus=cfg.cluster.cpus_per_reference, num_gpus=cfg.cluster.gpus_per_reference,
-                max_restarts=cfg.cluster.actor_max_restarts,
-                runtime_env=role_env(cfg.cluster.threads, keep_freed_memory=cfg.cluster.keep_freed_memory
-                                     and not cfg.cluster.gpus_per_reference),
-            ).remote(reference_config(cfg, cfg.ppo.teacher or model_path))
+            self.reference = _start_reference(cfg, cfg.ppo.teacher or model_path)
 
     def wait_ready(self) -> list[float]:
         for role, actor in (("scorer", self.scorer), ("reference", self.reference)):
@@ -109,7 +113,11 @@ class RolloutGroup:
             return self.judge(exp_refs)
         if pending is not None:
             units = pending["batch"].units
-            unscored, out, stats = [u.exp for u in units], [u.handed_on[0] for u in units], [u.handed_on[1] for u in units]
+            unscored, out, stats = (
+                [u.exp for u in units],
+                [u.handed_on[0] for u in units],
+                [u.handed_on[1] for u in units],
+            )
         else:
             unscored = list(exp_refs)
             calls = [self.scorer.score.options(num_returns=2).remote(e) for e in unscored]
@@ -122,8 +130,9 @@ class RolloutGroup:
         if self.reference is None:
             return exp_refs, []
         calls = [self.reference.annotate.options(num_returns=2).remote(e) for e in exp_refs]
-        return self._redo_lost("reference", self.reference.annotate, list(exp_refs), [c[0] for c in calls],
-                               [c[1] for c in calls])
+        return self._redo_lost(
+            "reference", self.reference.annotate, list(exp_refs), [c[0] for c in calls], [c[1] for c in calls]
+        )
 
     def _redo_lost(self, role: str, method: Any, inputs: list, out: list, stats: list) -> tuple[list, list[dict]]:
         """Waits for each call's stats; a call lost with its actor is made again on the restarted
@@ -145,15 +154,21 @@ class RolloutGroup:
         many calls it cost)."""
         actor = self.scorer if role == "scorer" else self.reference
         t0 = time.time()
-        pid = answer_after_restart(actor.pid.remote, f"the {role} (cluster.actor_max_restarts="
-                                   f"{self.cfg.cluster.actor_max_restarts})", timeout_s)
+        pid = answer_after_restart(
+            actor.pid.remote,
+            f"the {role} (cluster.actor_max_restarts={self.cfg.cluster.actor_max_restarts})",
+            timeout_s,
+        )
         if pid == self._pids.get(role):
             return
         self._pids[role] = pid
         self.actor_restarts[role] += 1
         self.actor_restart_log[role].append({"reason": reason, "seconds": round(time.time() - t0, 2)})
-        print(f"[rayrlhf] the {role} died ({reason}); Ray restarted it (restart {self.actor_restarts[role]} of at "
-              f"most {self.cfg.cluster.actor_max_restarts})", flush=True)
+        print(
+            f"[rayrlhf] the {role} died ({reason}); Ray restarted it (restart {self.actor_restarts[role]} of at "
+            f"most {self.cfg.cluster.actor_max_restarts})",
+            flush=True,
+        )
 
     def nodes(self) -> list[str]:
         """The Ray node of each generator."""
@@ -163,24 +178,40 @@ class RolloutGroup:
         """The group ids of each work unit of ``submit`` (in unit order)."""
         return [u.group_ids for u in self._units(group_ids, group_ids, False, None)]
 
-    def _units(self, rows: list, group_ids: list[int], greedy: bool, seed: int | None,
-               texts: tuple[int, float] | None = None) -> list[Unit]:
+    def _units(
+        self, rows: list, group_ids: list[int], greedy: bool, seed: int | None, texts: tuple[int, float] | None = None
+    ) -> list[Unit]:
         sizes = unit_sizes(len(rows), len(self.generators), self.cfg.rollout.unit_prompts)
         units, start = [], 0
         self._batches += 1
         for k, n in enumerate(sizes):
-            units.append(Unit(k, rows[start:start + n], group_ids[start:start + n], greedy,
-                              None if seed is None else seed + 7919 * k, texts=texts, key=f"{self._batches}.{k}"))
+            units.append(
+                Unit(
+                    k,
+                    rows[start : start + n],
+                    group_ids[start : start + n],
+                    greedy,
+                    None if seed is None else seed + 7919 * k,
+                    texts=texts,
+                    key=f"{self._batches}.{k}",
+                )
+            )
             start += n
         return units
 
     def _start_unit(self, i: int, unit: Unit) -> tuple:
         if unit.texts is not None:
             n, temperature = unit.texts
-            return self.generators[i].generate_texts.options(num_returns=2).remote(
-                unit.rows, unit.group_ids, n, temperature, unit.seed)
-        return self.generators[i].generate.options(num_returns=2).remote(unit.rows, unit.group_ids, unit.greedy, unit.seed,
-                                                                         journal=self.journal, unit_key=unit.key)
+            return (
+                self.generators[i]
+                .generate_texts.options(num_returns=2)
+                .remote(unit.rows, unit.group_ids, n, temperature, unit.seed)
+            )
+        return (
+            self.generators[i]
+            .generate.options(num_returns=2)
+            .remote(unit.rows, unit.group_ids, unit.greedy, unit.seed, journal=self.journal, unit_key=unit.key)
+        )
 
     def _score_unit(self, unit: Unit) -> tuple | None:
         if unit.texts is not None:  # text prompts have no task to score against
@@ -195,8 +226,11 @@ class RolloutGroup:
         n = len(self.generators)
 
         def call(i: int, record: Any) -> Any:
-            return self.generators[i % n].judge.options(num_returns=2).remote(
-                record, jcfg, None if seed is None else seed + 7919 * i)
+            return (
+                self.generators[i % n]
+                .judge.options(num_returns=2)
+                .remote(record, jcfg, None if seed is None else seed + 7919 * i)
+            )
 
         calls = [call(i, e) for i, e in enumerate(exp_refs)]
         stats, recovered = [], set()
@@ -212,14 +246,27 @@ class RolloutGroup:
                     calls[i] = call(i, record)
         return [c[0] for c in calls], stats
 
-    def generate_texts(self, prompts: list[str], group_ids: list[int], n: int, temperature: float,
-                       seed: int | None = None, on_reissue: Any = None) -> tuple[list, list[dict]]:
+    def generate_texts(
+        self,
+        prompts: list[str],
+        group_ids: list[int],
+        n: int,
+        temperature: float,
+        seed: int | None = None,
+        on_reissue: Any = None,
+    ) -> tuple[list, list[dict]]:
         """``n`` samples of each text prompt (SPIN's demonstrations) through the pool, like
         ``generate_checked``: work units by load, re-issued when a generator dies, seeded by unit."""
         return self.collect(self.submit(prompts, group_ids, seed=seed, texts=(n, temperature)), on_reissue)
 
-    def generate_checked(self, rows: list[dict], group_ids: list[int], greedy: bool = False, seed: int | None = None,
-                         on_reissue: Any = None) -> tuple[list, list[dict]]:
+    def generate_checked(
+        self,
+        rows: list[dict],
+        group_ids: list[int],
+        greedy: bool = False,
+        seed: int | None = None,
+        on_reissue: Any = None,
+    ) -> tuple[list, list[dict]]:
         """``submit`` then ``collect``: the records and stats of every work unit, in unit order,
         surviving a generator that dies (its unit is issued again, same rows and seed, to a
         survivor or to the generator once Ray restarted it with the current weights).
@@ -227,8 +274,14 @@ class RolloutGroup:
         group_ids, error)`` is told of each re-issue."""
         return self.collect(self.submit(rows, group_ids, greedy, seed), on_reissue)
 
-    def submit(self, rows: list, group_ids: list[int], greedy: bool = False, seed: int | None = None,
-               texts: tuple[int, float] | None = None) -> dict:
+    def submit(
+        self,
+        rows: list,
+        group_ids: list[int],
+        greedy: bool = False,
+        seed: int | None = None,
+        texts: tuple[int, float] | None = None,
+    ) -> dict:
         """Starts a generation and returns at once (``collect`` waits for it): the generators work
         while the caller does something else, e.g. the learners train on the previous batch. The
         batch goes out in work units (``rollout.unit_prompts``) to whichever generator is free.
@@ -260,8 +313,10 @@ class RolloutGroup:
         the current weights into it (``weights_source()``: a reference to packed weights)."""
         self.restarts += 1
         if self.restarts > self.cfg.rollout.max_restarts * len(self.generators):
-            raise RuntimeError(f"generator {i} died ({reason}) and rollout.max_restarts="
-                               f"{self.cfg.rollout.max_restarts} allows no more restarts ({self.restarts - 1} so far)")
+            raise RuntimeError(
+                f"generator {i} died ({reason}) and rollout.max_restarts="
+                f"{self.cfg.rollout.max_restarts} allows no more restarts ({self.restarts - 1} so far)"
+            )
         print(f"[rayrlhf] generator {i} died ({reason}); waiting for Ray to restart it", flush=True)
         gen, t0 = self.generators[i], time.time()
         answer_after_restart(gen.ready.remote, f"generator {i}", timeout_s)
@@ -269,18 +324,25 @@ class RolloutGroup:
         source = weights_source or self.weights_source
         if held != self.version:
             if source is None:
-                raise RuntimeError(f"generator {i} restarted with policy version {held} and this run has no source "
-                                   f"of the current weights (version {self.version})")
+                raise RuntimeError(
+                    f"generator {i} restarted with policy version {held} and this run has no source "
+                    f"of the current weights (version {self.version})"
+                )
             ray.get(gen.load_weights.remote([source()]))
             held = ray.get(gen.version.remote())
             if self.version is not None and held != self.version:
-                raise RuntimeError(f"generator {i} restarted with policy version {held}, the others hold {self.version}")
+                raise RuntimeError(
+                    f"generator {i} restarted with policy version {held}, the others hold {self.version}"
+                )
         self.pool.revive(i)
-        self.restart_log.append({"generator": i, "reason": reason, "seconds": round(time.time() - t0, 2),
-                                 "version": held})
+        self.restart_log.append(
+            {"generator": i, "reason": reason, "seconds": round(time.time() - t0, 2), "version": held}
+        )
         print(f"[rayrlhf] generator {i} restarted in {time.time() - t0:.1f}s with policy version {held}", flush=True)
 
-    def verify_sync(self, probe_ids: list[int], expected: list[float], version: int, tolerance: float) -> dict[str, float]:
+    def verify_sync(
+        self, probe_ids: list[int], expected: list[float], version: int, tolerance: float
+    ) -> dict[str, float]:
         """Checks that every generator serves the weights the learners sent: it holds ``version``
         and its log-probs of the probe match the learner's (``expected``) within ``tolerance``
         (mean |difference|), and the generators match each other. Raises SyncError naming the
@@ -288,11 +350,17 @@ class RolloutGroup:
         served = ray.get([g.probe.remote(probe_ids) for g in self.generators])
         gaps = probe_gaps(expected, [s["logprobs"] for s in served])
         spread = max(probe_gaps(served[0]["logprobs"], [s["logprobs"] for s in served[1:]]), default=0.0)
-        problems = [f"generator {i} holds policy version {s['version']}, not {version}"
-                    for i, s in enumerate(served) if s["version"] != version]
-        problems += [f"generator {i} serves log-probs {gap:.4g} nats from the learner's (mean over "
-                     f"{len(expected)} probe tokens; tolerance {tolerance:g})"
-                     for i, gap in enumerate(gaps) if not gap <= tolerance]
+        problems = [
+            f"generator {i} holds policy version {s['version']}, not {version}"
+            for i, s in enumerate(served)
+            if s["version"] != version
+        ]
+        problems += [
+            f"generator {i} serves log-probs {gap:.4g} nats from the learner's (mean over "
+            f"{len(expected)} probe tokens; tolerance {tolerance:g})"
+            for i, gap in enumerate(gaps)
+            if not gap <= tolerance
+        ]
         if len(served) > 1 and not spread <= min(tolerance, 1e-3):
             problems.append(f"the generators' probe log-probs differ by up to {spread:.4g} nats")
         if problems:
@@ -342,3 +410,32 @@ def _reference_beside_generators(cfg: Config) -> bool:
     from cluster.recipes import get_recipe
 
     return get_recipe(cfg.run.algorithm).roles(cfg).reference == "rollout"
+
+
+def _start_scorer(cfg: Config) -> Any:
+    return (
+        ray.remote(ScorerWorker)
+        .options(
+            num_cpus=cfg.reward.cpus,
+            runtime_env=role_env(cfg.reward.threads),
+            max_restarts=cfg.cluster.actor_max_restarts,
+        )
+        .remote(scorer_spec(cfg))
+    )
+
+
+def _start_reference(cfg: Config, model_path: str) -> Any:
+    """The Reference actor scoring ``model_path`` (the initial model, or a distillation teacher)."""
+    return (
+        ray.remote(ReferenceWorker)
+        .options(
+            num_cpus=cfg.cluster.cpus_per_reference,
+            num_gpus=cfg.cluster.gpus_per_reference,
+            max_restarts=cfg.cluster.actor_max_restarts,
+            runtime_env=role_env(
+                cfg.cluster.threads,
+                keep_freed_memory=cfg.cluster.keep_freed_memory and not cfg.cluster.gpus_per_reference,
+            ),
+        )
+        .remote(reference_config(cfg, model_path))
+    )

@@ -100,7 +100,9 @@ class GeneratorPool:
     refs; ``on_done(unit)`` (optional) runs in the dispatcher thread when a unit finishes and
     its return value is kept as ``unit.handed_on``."""
 
-    def __init__(self, num_generators: int, call: Callable[[int, Unit], tuple], on_done: Callable | None = None) -> None:
+    def __init__(
+        self, num_generators: int, call: Callable[[int, Unit], tuple], on_done: Callable | None = None
+    ) -> None:
         self.num_generators = num_generators
         self._call = call
         self._on_done = on_done
@@ -138,8 +140,12 @@ class GeneratorPool:
                 failed = next((u for u in batch.units if u.error is not None), None)
                 if failed is not None:
                     raise failed.error
-                new = [(g, u, e) for u in batch.units for k, (g, e) in enumerate(u.failures)
-                       if (u.index, k) not in batch.reported]
+                new = [
+                    (g, u, e)
+                    for u in batch.units
+                    for k, (g, e) in enumerate(u.failures)
+                    if (u.index, k) not in batch.reported
+                ]
                 if new or batch.done:
                     batch.reported.update((u.index, k) for u in batch.units for k in range(len(u.failures)))
                     return new

@@ -44,8 +44,10 @@ class CollectiveTransport:
         """Forms the group: learner rank 0 opens a store, the generators and it join."""
         world = len(rollout.generators) + 1
         self.group = learners.weights_group("open", world=world)
-        joins = [g.join_weight_group.remote(self.group["host"], self.group["port"], i + 1, world, self.backend)
-                 for i, g in enumerate(rollout.generators)]
+        joins = [
+            g.join_weight_group.remote(self.group["host"], self.group["port"], i + 1, world, self.backend)
+            for i, g in enumerate(rollout.generators)
+        ]
         learners.weights_group("join", backend=self.backend)
         ray.get(joins)
         self._restarts = (rollout.restarts, learners.restarts)
@@ -54,15 +56,23 @@ class CollectiveTransport:
         if self.group is None or self._restarts != (rollout.restarts, learners.restarts):
             self._connect(rollout, learners)
         g = self.group
-        receives = [gen.receive_weights.remote(g["layout"], g["dtype"], g["total"], result["version"], self.bucket_bytes)
-                    for gen in rollout.generators]
+        receives = [
+            gen.receive_weights.remote(g["layout"], g["dtype"], g["total"], result["version"], self.bucket_bytes)
+            for gen in rollout.generators
+        ]
         sent = learners.weights_group("broadcast", bucket_bytes=self.bucket_bytes)
         load = ray.get(receives)
         if sent["version"] != result["version"]:
             raise RuntimeError(f"broadcast policy version {sent['version']}, the step's is {result['version']}")
         rollout.version = sent["version"]
-        return {"load_s": load, "version": sent["version"], "probe": sent.get("probe"),
-                "sync/pack_s": sent["pack_s"], "sync/broadcast_s": sent["broadcast_s"], "sync/bytes": sent["bytes"]}
+        return {
+            "load_s": load,
+            "version": sent["version"],
+            "probe": sent.get("probe"),
+            "sync/pack_s": sent["pack_s"],
+            "sync/broadcast_s": sent["broadcast_s"],
+            "sync/bytes": sent["bytes"],
+        }
 
 
 def make_transport(kind: str, bucket_mb: int = 64, backend: str = "gloo"):

@@ -95,8 +95,10 @@ def unpack_flat(flat: torch.Tensor, dtype: str, layout: list) -> Iterator[tuple[
 
 
 # A fixed probe for verified syncs: text any tokenizer encodes to a few dozen tokens.
-PROBE_TEXT = ("Verified sync probe: 12 + 30 = 42. The quick brown fox jumps over the lazy dog; "
-              "weights in the engine should equal the learner's.")
+PROBE_TEXT = (
+    "Verified sync probe: 12 + 30 = 42. The quick brown fox jumps over the lazy dog; "
+    "weights in the engine should equal the learner's."
+)
 
 
 def probe_token_ids(tokenizer) -> list[int]:
@@ -119,5 +121,7 @@ class SyncError(RuntimeError):
 def probe_gaps(expected: list[float], served: list[list[float]]) -> list[float]:
     """Mean |log-prob difference| over the probe of each generator's answer vs the learner's."""
     e = torch.tensor(expected, dtype=torch.float64)
-    return [float((torch.tensor(s, dtype=torch.float64) - e).abs().mean()) if len(s) == len(expected) else float("inf")
-            for s in served]
+    return [
+        float((torch.tensor(s, dtype=torch.float64) - e).abs().mean()) if len(s) == len(expected) else float("inf")
+        for s in served
+    ]

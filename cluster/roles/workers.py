@@ -82,63 +82,84 @@ class GeneratorWorker:
         return self.gen.compilation()
 
     def generate(
-        self, rows: list[dict[str, Any]], group_ids: list[int], greedy: bool = False, seed: int | None = None,
-        journal: Any = None, unit_key: str = "",
+        self,
+        rows: list[dict[str, Any]],
+        group_ids: list[int],
+        greedy: bool = False,
+        seed: int | None = None,
+        journal: Any = None,
+        unit_key: str = "",
     ) -> tuple[Experience, dict]:
         """A work unit's records and stats. ``journal`` (an ``EpisodeJournal`` actor) and
         ``unit_key``: multi-turn episodes report their turn boundaries there, and a unit issued
         again after its generator died goes on from the boundaries its first run reached."""
         g = self.gcfg
         t0 = time.perf_counter()
-        sampling = {"temperature": 0.0 if greedy else g.temperature, "top_p": 1.0 if greedy else g.top_p,
-                    "top_k": 0 if greedy else g.top_k,
-                    "n": 1 if greedy else g.samples_per_prompt, "seed": seed}
+        sampling = {
+            "temperature": 0.0 if greedy else g.temperature,
+            "top_p": 1.0 if greedy else g.top_p,
+            "top_k": 0 if greedy else g.top_k,
+            "n": 1 if greedy else g.samples_per_prompt,
+            "seed": seed,
+        }
         episodes: dict = {}
         if self._agent is not None:
-            exp, episodes = self._on_engine(self.gen.generate_agent_episodes, rows, group_ids, self._agent, self._endpoint,
-                                            g.episode_limits, pool=self._env_pool, timeout_s=g.agent_timeout_s,
-                                            models=tuple(g.agent_models), **sampling)
+            exp, episodes = self._on_engine(
+                self.gen.generate_agent_episodes,
+                rows,
+                group_ids,
+                self._agent,
+                self._endpoint,
+                g.episode_limits,
+                pool=self._env_pool,
+                timeout_s=g.agent_timeout_s,
+                models=tuple(g.agent_models),
+                **sampling,
+            )
         elif self._make_env is not None:
             try:
-                exp, episodes = self._on_engine(self.gen.generate_episodes, rows, group_ids, self._make_env,
-                                                g.episode_limits, pool=self._env_pool, **sampling,
-                                                **_journaled(journal, unit_key))
+                exp, episodes = self._on_engine(
+                    self.gen.generate_episodes,
+                    rows,
+                    group_ids,
+                    self._make_env,
+                    g.episode_limits,
+                    pool=self._env_pool,
+                    **sampling,
+                    **_journaled(journal, unit_key),
+                )
             finally:  # finished or failed for good (a death never gets here): its snapshots are done with
                 if journal is not None and unit_key:
                     journal.drop.remote(unit_key)
         else:
-            exp = self._on_engine(self.gen.generate, [r["prompt"] for r in rows], [r["meta"] for r in rows], group_ids,
-                                  max_new_tokens=g.max_new_tokens, max_prompt_tokens=g.max_prompt_tokens, **sampling)
-        dt = time.perf_counter() - t0
-        lengths = exp.response_lengths()
-        stats = {
-            "seconds": dt,
-            "tokens": int(lengths.sum()),
-            "sequences": exp.batch_size,
-            "response_lengths": lengths.tolist(),
-            "truncated": int(exp.truncated.sum()),
-            "skipped": dict(exp.skipped),
-            "policy_version": exp.policy_version,
-            # Response tokens per weight version that sampled them (several when a load landed mid-call).
-            "token_versions": _version_counts(exp),
-            "groups": exp.group_ids.tolist(),
-            "peak_rss_gb": peak_rss_gb(),
-            "episodes": episodes,
-            # Per sample (as "groups"): turns taken over from an interrupted run of the unit.
-            "resumed_turns": [int((m.get("episode") or {}).get("resumed_turns", 0)) for m in exp.meta]
-            if episodes.get("resumed") else [],
-            "samples": [(r, c) for r, c in zip([m.get("question", "") for m in exp.meta[:2]], exp.completions[:2])],
-        }
-        return exp, stats
+            exp = self._on_engine(
+                self.gen.generate,
+                [r["prompt"] for r in rows],
+                [r["meta"] for r in rows],
+                group_ids,
+                max_new_tokens=g.max_new_tokens,
+                max_prompt_tokens=g.max_prompt_tokens,
+                **sampling,
+            )
+        return exp, _unit_stats(exp, episodes, time.perf_counter() - t0)
 
-    def generate_texts(self, prompts: list[str], group_ids: list[int], n: int, temperature: float,
-                       seed: int | None = None) -> tuple[Experience, dict]:
+    def generate_texts(
+        self, prompts: list[str], group_ids: list[int], n: int, temperature: float, seed: int | None = None
+    ) -> tuple[Experience, dict]:
         """``n`` samples of each text prompt (not task rows), e.g. SPIN's own-generation replies."""
         g = self.gcfg
         t0 = time.perf_counter()
-        exp = self._on_engine(self.gen.generate, prompts, [{"prompt": p} for p in prompts], group_ids,
-                              max_new_tokens=g.max_new_tokens, max_prompt_tokens=g.max_prompt_tokens,
-                              temperature=temperature, n=n, seed=seed)
+        exp = self._on_engine(
+            self.gen.generate,
+            prompts,
+            [{"prompt": p} for p in prompts],
+            group_ids,
+            max_new_tokens=g.max_new_tokens,
+            max_prompt_tokens=g.max_prompt_tokens,
+            temperature=temperature,
+            n=n,
+            seed=seed,
+        )
         return exp, {"seconds": time.perf_counter() - t0, "sequences": exp.batch_size, "skipped": dict(exp.skipped)}
 
     def judge(self, exp: Experience, jcfg: JudgeConfig, seed: int | None = None) -> tuple[Experience, dict]:
@@ -152,12 +173,20 @@ class GeneratorWorker:
         scores, counts, replies = self._on_engine(Judge(jcfg).judge, self.gen, prompts, exp.completions, seed=seed)
         keep = [i for i, v in enumerate(scores) if not math.isnan(v)]
         skipped = {**exp.skipped, "unjudged": exp.skipped.get("unjudged", 0) + exp.batch_size - len(keep)}
-        out = exp.select(keep).replace(scores=torch.tensor([scores[i] for i in keep], dtype=torch.float32),
-                                       skipped=skipped).validate()
-        stats = {"seconds": time.perf_counter() - t0, "counts": counts, "scores": [scores[i] for i in keep],
-                 "skipped": skipped, "groups": out.group_ids.tolist(),
-                 "samples": [(p, r) for p, r in zip(exp.completions[:2], replies[:2])],
-                 "peak_rss_gb": peak_rss_gb()}
+        out = (
+            exp.select(keep)
+            .replace(scores=torch.tensor([scores[i] for i in keep], dtype=torch.float32), skipped=skipped)
+            .validate()
+        )
+        stats = {
+            "seconds": time.perf_counter() - t0,
+            "counts": counts,
+            "scores": [scores[i] for i in keep],
+            "skipped": skipped,
+            "groups": out.group_ids.tolist(),
+            "samples": [(p, r) for p, r in zip(exp.completions[:2], replies[:2])],
+            "peak_rss_gb": peak_rss_gb(),
+        }
         return out, stats
 
     def load_weights(self, packed: list[PackedWeights]) -> float:
@@ -252,9 +281,14 @@ class ScorerWorker:
     def score(self, exp: Experience) -> tuple[Experience, dict]:
         t0 = time.perf_counter()
         out = self.scorer.score(exp)
-        return out, {"seconds": time.perf_counter() - t0, "scores": out.scores.tolist(), "skipped": dict(out.skipped),
-                     "groups": out.group_ids.tolist(),
-                     "metrics": dict(self.scorer.last_metrics), "peak_rss_gb": peak_rss_gb()}
+        return out, {
+            "seconds": time.perf_counter() - t0,
+            "scores": out.scores.tolist(),
+            "skipped": dict(out.skipped),
+            "groups": out.group_ids.tolist(),
+            "metrics": dict(self.scorer.last_metrics),
+            "peak_rss_gb": peak_rss_gb(),
+        }
 
     def pid(self) -> int:
         return os.getpid()
@@ -281,8 +315,9 @@ class ReplayWorker:
     run refills from); sampled batches leave by reference to the learners. The driver only sees
     counts."""
 
-    def __init__(self, capacity: int, seed: int, pad_token_id: int, export_dir: str | None = None,
-                 whole_groups: bool = False) -> None:
+    def __init__(
+        self, capacity: int, seed: int, pad_token_id: int, export_dir: str | None = None, whole_groups: bool = False
+    ) -> None:
         from actors.data.replay import ReplayBuffer
 
         self.buffer = ReplayBuffer(capacity, seed, whole_groups)
@@ -348,3 +383,27 @@ def export_transitions(exp: Experience, path: str) -> dict:
 
     return export_experience(exp, path)
 
+
+def _unit_stats(exp: Experience, episodes: dict, dt: float) -> dict:
+    """What a generator reports of a finished work unit beside its records."""
+    lengths = exp.response_lengths()
+    stats = {
+        "seconds": dt,
+        "tokens": int(lengths.sum()),
+        "sequences": exp.batch_size,
+        "response_lengths": lengths.tolist(),
+        "truncated": int(exp.truncated.sum()),
+        "skipped": dict(exp.skipped),
+        "policy_version": exp.policy_version,
+        # Response tokens per weight version that sampled them (several when a load landed mid-call).
+        "token_versions": _version_counts(exp),
+        "groups": exp.group_ids.tolist(),
+        "peak_rss_gb": peak_rss_gb(),
+        "episodes": episodes,
+        # Per sample (as "groups"): turns taken over from an interrupted run of the unit.
+        "resumed_turns": [int((m.get("episode") or {}).get("resumed_turns", 0)) for m in exp.meta]
+        if episodes.get("resumed")
+        else [],
+        "samples": [(r, c) for r, c in zip([m.get("question", "") for m in exp.meta[:2]], exp.completions[:2])],
+    }
+    return stats

@@ -91,12 +91,15 @@ class EstimatorSpec(NamedTuple):
 _ESTIMATORS: Registry[EstimatorSpec] = Registry("advantage estimator")
 
 
-def register_estimator(name: str, *, needs_group: bool = False, needs_critic: bool = False,
-                       ) -> Callable[[Callable[[AdvantageInputs], Estimate]], Callable[[AdvantageInputs], Estimate]]:
+def register_estimator(
+    name: str, *, needs_group: bool = False, needs_critic: bool = False
+) -> Callable[[Callable[[AdvantageInputs], Estimate]], Callable[[AdvantageInputs], Estimate]]:
     """Decorator: register ``fn(inputs: AdvantageInputs) -> Estimate`` as estimator ``name``."""
+
     def add(fn: Callable[[AdvantageInputs], Estimate]) -> Callable[[AdvantageInputs], Estimate]:
         _ESTIMATORS.add(name, EstimatorSpec(name, fn, needs_group, needs_critic))
         return fn
+
     return add
 
 
@@ -137,8 +140,9 @@ def __getattr__(name: str) -> tuple[str, ...]:
 
 def _shaped_rewards(x: AdvantageInputs) -> tuple[Tensor, Tensor]:
     """``kl_shaped_rewards`` of the inputs: per-token ``(rewards, kl)``."""
-    return kl_shaped_rewards(x.scores, x.logprobs, x.ref_logprobs, x.mask, x.kl_coef,
-                             kl_kind=x.kl_estimator, score_clip=x.reward_clip)
+    return kl_shaped_rewards(
+        x.scores, x.logprobs, x.ref_logprobs, x.mask, x.kl_coef, kl_kind=x.kl_estimator, score_clip=x.reward_clip
+    )
 
 
 def kl_shaped_rewards(
@@ -190,18 +194,12 @@ def kl_shaped_rewards(
     # (and no data-dependent branching / host sync is needed).
     last = torch.where(valid, positions, torch.full_like(positions, -1)).amax(dim=1)
     is_last = positions == last.unsqueeze(1)
-    rewards = rewards + torch.where(
-        is_last, scores.to(rewards.dtype).unsqueeze(1), torch.zeros_like(rewards)
-    )
+    rewards = rewards + torch.where(is_last, scores.to(rewards.dtype).unsqueeze(1), torch.zeros_like(rewards))
     return rewards, kl
 
 
 def gae_advantages(
-    rewards: Tensor,
-    values: Tensor,
-    mask: Tensor,
-    gamma: float = 1.0,
-    lam: float = 0.95,
+    rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.0, lam: float = 0.95
 ) -> tuple[Tensor, Tensor]:
     """Generalised Advantage Estimation (Schulman et al. 2016, eq. 16).
 
@@ -282,12 +280,7 @@ _GROUP_BASELINES: tuple[str, ...] = ("grpo", "dr_grpo", "rloo")
 
 
 def group_baseline_advantages(
-    scores: Tensor,
-    group_ids: Tensor,
-    mask: Tensor,
-    *,
-    estimator: str,
-    eps: float = 1e-6,
+    scores: Tensor, group_ids: Tensor, mask: Tensor, *, estimator: str, eps: float = 1e-6
 ) -> Tensor:
     """Critic-free per-sequence advantages with a per-prompt (group) baseline.
 
@@ -387,16 +380,13 @@ def _check_group_args(scores: Tensor, group_ids: Tensor, mask: Tensor, estimator
             hint = " ('gae' needs a critic: use gae_advantages)"
         elif estimator == "reinforce_pp":
             hint = " ('reinforce_pp' is token-level: use reinforce_pp_advantages)"
-        raise ValueError(
-            f"Unknown group-baseline estimator {estimator!r}; expected one of {_GROUP_BASELINES}{hint}"
-        )
+        raise ValueError(f"Unknown group-baseline estimator {estimator!r}; expected one of {_GROUP_BASELINES}{hint}")
     if mask.dim() != 2:
         raise ValueError(f"mask must be (B, T), got {tuple(mask.shape)}")
     B = mask.shape[0]
     if scores.shape != (B,) or group_ids.shape != (B,):
         raise ValueError(
-            f"scores and group_ids must be (B,)=({B},), "
-            f"got {tuple(scores.shape)} and {tuple(group_ids.shape)}"
+            f"scores and group_ids must be (B,)=({B},), got {tuple(scores.shape)} and {tuple(group_ids.shape)}"
         )
     if group_ids.is_floating_point() or group_ids.is_complex():
         raise ValueError(f"group_ids must be an integer tensor, got {group_ids.dtype}")
@@ -407,11 +397,13 @@ def _check_group_args(scores: Tensor, group_ids: Tensor, mask: Tensor, estimator
 def _group_estimate(kind: str) -> Callable[[AdvantageInputs], Estimate]:
     """Estimator ``kind`` of ``group_baseline_advantages``: group baselines work on sequence
     rewards, so the KL penalty enters as its sequence sum."""
+
     def estimate(x: AdvantageInputs) -> Estimate:
         kl = kl_penalty(x.logprobs, x.ref_logprobs, x.kl_estimator) * x.mask
         seq_rewards = x.scores.clamp(-x.reward_clip, x.reward_clip) - x.kl_coef * kl.sum(1)
         advantages = group_baseline_advantages(seq_rewards, x.group_ids, x.mask, estimator=kind)
         return Estimate(advantages, torch.zeros_like(x.logprobs), kl)
+
     estimate.__name__ = estimate.__qualname__ = f"_{kind}_estimate"
     return estimate
 
@@ -438,9 +430,7 @@ def discounted_returns(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
         ``(B, T)`` returns, 0 at masked positions.
     """
     if rewards.shape != mask.shape or rewards.dim() != 2:
-        raise ValueError(
-            f"expected matching (B, T) shapes: rewards {tuple(rewards.shape)}, mask {tuple(mask.shape)}"
-        )
+        raise ValueError(f"expected matching (B, T) shapes: rewards {tuple(rewards.shape)}, mask {tuple(mask.shape)}")
     dtype = torch.promote_types(rewards.dtype, torch.float32)
     with torch.no_grad():
         r = rewards.detach().to(dtype)
@@ -457,15 +447,14 @@ def discounted_returns(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
             returns_reversed.append(torch.where(m_t, ret_t, zeros))
             next_return = torch.where(m_t, ret_t, next_return)
         returns = (
-            torch.stack(returns_reversed[::-1], dim=1)
-            if T > 0
-            else torch.zeros(B, 0, dtype=dtype, device=r.device)
+            torch.stack(returns_reversed[::-1], dim=1) if T > 0 else torch.zeros(B, 0, dtype=dtype, device=r.device)
         )
     return returns
 
 
-def teacher_advantages(student_logprobs: Tensor, teacher_logprobs: Tensor, mask: Tensor, discount: float = 0.0,
-                       center: bool = False) -> Tensor:
+def teacher_advantages(
+    student_logprobs: Tensor, teacher_logprobs: Tensor, mask: Tensor, discount: float = 0.0, center: bool = False
+) -> Tensor:
     """On-policy distillation: the advantage of each sampled token under the per-token reverse KL
     to a teacher, ``A_t = sum_{k>=t} discount^(k-t) (log pi_T(y_k) - log pi_S(y_k))``.
 
@@ -492,7 +481,9 @@ def teacher_advantages(student_logprobs: Tensor, teacher_logprobs: Tensor, mask:
         discount: weight of later tokens' terms, in ``[0, 1]``.
     """
     if student_logprobs.shape != teacher_logprobs.shape:
-        raise ValueError(f"student {tuple(student_logprobs.shape)} and teacher {tuple(teacher_logprobs.shape)} log-probs differ in shape")
+        raise ValueError(
+            f"student {tuple(student_logprobs.shape)} and teacher {tuple(teacher_logprobs.shape)} log-probs differ in shape"
+        )
     if not 0.0 <= discount <= 1.0:
         raise ValueError(f"discount must be in [0, 1], got {discount}")
     gap = (teacher_logprobs.detach() - student_logprobs.detach()).float()
@@ -674,8 +665,10 @@ def q_learning_targets(
         ``(B, T)`` targets (no gradient), 0 outside ``mask``, dtype promote(rewards, float32).
     """
     if rewards.shape != mask.shape or next_max_q.shape != mask.shape or rewards.dim() != 2:
-        raise ValueError(f"expected matching (B, T) shapes: rewards {tuple(rewards.shape)}, "
-                         f"next_max_q {tuple(next_max_q.shape)}, mask {tuple(mask.shape)}")
+        raise ValueError(
+            f"expected matching (B, T) shapes: rewards {tuple(rewards.shape)}, "
+            f"next_max_q {tuple(next_max_q.shape)}, mask {tuple(mask.shape)}"
+        )
     if n_step < 1:
         raise ValueError(f"n_step must be >= 1, got {n_step}")
     dtype = torch.promote_types(rewards.dtype, torch.float32)
@@ -702,7 +695,7 @@ def q_learning_targets(
         for k in range(n_step):
             idx = (pos + k).clamp(max=T - 1)
             in_episode = valid & (pos + k <= last)
-            y = y + torch.where(in_episode, (gamma ** k) * r.gather(1, idx), zero)
+            y = y + torch.where(in_episode, (gamma**k) * r.gather(1, idx), zero)
         j = torch.minimum(torch.full_like(pos, n_step), last - pos + 1).clamp(min=1)
         tail = (pos + j - 1).clamp(max=T - 1)
         boot = next_q.gather(1, tail)

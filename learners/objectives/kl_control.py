@@ -22,13 +22,7 @@ from __future__ import annotations
 import math
 from typing import Any, Union
 
-__all__ = [
-    "FixedKLController",
-    "AdaptiveKLController",
-    "KLController",
-    "KL_CONTROLLER_KINDS",
-    "make_kl_controller",
-]
+__all__ = ["FixedKLController", "AdaptiveKLController", "KLController", "KL_CONTROLLER_KINDS", "make_kl_controller"]
 
 KL_CONTROLLER_KINDS: tuple[str, ...] = ("fixed", "adaptive")
 

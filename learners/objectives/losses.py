@@ -104,9 +104,7 @@ def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
     return var
 
 
-def masked_whiten(
-    x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8
-) -> Tensor:
+def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
     """Normalise ``x`` to zero mean / unit variance using masked statistics.
 
     ``(x - mean) / sqrt(var + eps)`` with mean and (unbiased) variance taken
@@ -134,12 +132,7 @@ def masked_whiten(
     return whitened
 
 
-def agg_loss(
-    per_token: Tensor,
-    mask: Tensor,
-    mode: str = "token_mean",
-    constant: Optional[float] = None,
-) -> Tensor:
+def agg_loss(per_token: Tensor, mask: Tensor, mode: str = "token_mean", constant: Optional[float] = None) -> Tensor:
     """Reduce a per-token loss ``(B, T)`` to a scalar; the choice sets how
     sequences of different lengths are weighted in the gradient.
 

@@ -27,9 +27,11 @@ _POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
 
 def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """Decorator: register a policy loss (the signature of ``policy_loss_clipped``) as ``name``."""
+
     def add(fn: PolicyLossFn) -> PolicyLossFn:
         _POLICY_LOSSES.add(name, fn)
         return fn
+
     return add
 
 
@@ -61,9 +63,15 @@ register_policy_loss("ppo")(policy_loss_clipped)
 
 @register_policy_loss("gspo")
 def policy_loss_gspo(
-    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
-    clip_eps: float = 3e-4, clip_eps_high: Optional[float] = None, *,
-    loss_agg: str = "seq_mean_token_mean", loss_agg_constant: Optional[float] = None,
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_eps: float = 3e-4,
+    clip_eps_high: Optional[float] = None,
+    *,
+    loss_agg: str = "seq_mean_token_mean",
+    loss_agg_constant: Optional[float] = None,
     weights: Optional[Tensor] = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", eqs. 5-7): one importance
@@ -95,17 +103,25 @@ def policy_loss_gspo(
     loss = agg_loss(per_seq[:, None].expand_as(logprobs), valid, loss_agg, loss_agg_constant)
     has = valid.any(-1)
     with torch.no_grad():
-        stats = {"clip_frac": masked_mean((clipped > unclipped).to(logprobs.dtype), has),
-                 "approx_kl": masked_mean(0.5 * log_ratio.square(), valid),
-                 "ratio_mean": masked_mean(s, has)}
+        stats = {
+            "clip_frac": masked_mean((clipped > unclipped).to(logprobs.dtype), has),
+            "approx_kl": masked_mean(0.5 * log_ratio.square(), valid),
+            "ratio_mean": masked_mean(s, has),
+        }
     return loss, {k: v.detach() for k, v in stats.items()}
 
 
 @register_policy_loss("cispo")
 def policy_loss_cispo(
-    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
-    clip_eps: float = 1.0, clip_eps_high: Optional[float] = None, *,
-    loss_agg: str = "token_mean", loss_agg_constant: Optional[float] = None,
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_eps: float = 1.0,
+    clip_eps_high: Optional[float] = None,
+    *,
+    loss_agg: str = "token_mean",
+    loss_agg_constant: Optional[float] = None,
     weights: Optional[Tensor] = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """CISPO (MiniMax-M1, Chen et al. 2025, eqs. 4-5): REINFORCE with a clipped, stop-gradient
@@ -129,13 +145,23 @@ def policy_loss_cispo(
     lp = torch.where(valid, logprobs, torch.zeros_like(logprobs))
     loss = agg_loss(-w * adv * lp, valid, loss_agg, loss_agg_constant)
     with torch.no_grad():
-        stats = {"clip_frac": masked_mean((clipped != ratio).to(logprobs.dtype), valid),
-                 "approx_kl": masked_mean(0.5 * log_ratio.square(), valid),
-                 "ratio_mean": masked_mean(ratio, valid)}
+        stats = {
+            "clip_frac": masked_mean((clipped != ratio).to(logprobs.dtype), valid),
+            "approx_kl": masked_mean(0.5 * log_ratio.square(), valid),
+            "ratio_mean": masked_mean(ratio, valid),
+        }
     return loss, {k: v.detach() for k, v in stats.items()}
 
 
-def policy_loss(kind: str, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
-                clip_eps: float, clip_eps_high: Optional[float] = None, **kwargs) -> tuple[Tensor, dict[str, Tensor]]:
+def policy_loss(
+    kind: str,
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_eps: float,
+    clip_eps_high: Optional[float] = None,
+    **kwargs,
+) -> tuple[Tensor, dict[str, Tensor]]:
     """The objective registered as ``kind`` (``policy_loss_names()``); ValueError for another name."""
     return get_policy_loss(kind)(logprobs, old_logprobs, advantages, mask, clip_eps, clip_eps_high, **kwargs)

@@ -62,11 +62,15 @@ class PreferenceLossSpec(NamedTuple):
 _PREFERENCE_LOSSES: Registry[PreferenceLossSpec] = Registry("preference loss")
 
 
-def register_preference_loss(name: str, *, uses_reference: bool = True) -> Callable[[PreferenceLossFn], PreferenceLossFn]:
+def register_preference_loss(
+    name: str, *, uses_reference: bool = True
+) -> Callable[[PreferenceLossFn], PreferenceLossFn]:
     """Decorator: register ``fn(inputs: PreferenceInputs) -> (P,) losses`` as ``name``."""
+
     def add(fn: PreferenceLossFn) -> PreferenceLossFn:
         _PREFERENCE_LOSSES.add(name, PreferenceLossSpec(name, fn, uses_reference))
         return fn
+
     return add
 
 
@@ -134,8 +138,11 @@ def _simpo_loss(x: PreferenceInputs) -> Tensor:
     """SimPO: ``-log sigma(beta log pi(y_w)/|y_w| - beta log pi(y_l)/|y_l| - gamma)``."""
     if x.chosen_lengths is None or x.rejected_lengths is None:
         raise ValueError("simpo needs chosen_lengths and rejected_lengths")
-    margin = (x.beta * x.chosen_logps / x.chosen_lengths.clamp(min=1)
-              - x.beta * x.rejected_logps / x.rejected_lengths.clamp(min=1) - x.simpo_gamma)
+    margin = (
+        x.beta * x.chosen_logps / x.chosen_lengths.clamp(min=1)
+        - x.beta * x.rejected_logps / x.rejected_lengths.clamp(min=1)
+        - x.simpo_gamma
+    )
     return -_logsig(margin)
 
 
@@ -180,8 +187,20 @@ def preference_loss(
     spec = get_preference_loss(kind)
     if spec.uses_reference and (ref_chosen_logps is None or ref_rejected_logps is None):
         raise ValueError(f"{kind} needs the reference log-probs")
-    return spec.fn(PreferenceInputs(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
-                                    chosen_lengths, rejected_lengths, beta, label_smoothing, simpo_gamma))
+    return spec.fn(
+        PreferenceInputs(
+            chosen_logps,
+            rejected_logps,
+            ref_chosen_logps,
+            ref_rejected_logps,
+            chosen_lengths,
+            rejected_lengths,
+            beta,
+            label_smoothing,
+            simpo_gamma,
+        )
+    )
+
 
 def preference_rewards(
     chosen_logps: Tensor,
@@ -201,13 +220,16 @@ def preference_rewards(
         if ref_chosen_logps is None or ref_rejected_logps is None:
             if chosen_lengths is None or rejected_lengths is None:
                 raise ValueError("reference-free rewards need chosen_lengths and rejected_lengths")
-            return (beta * chosen_logps / chosen_lengths.clamp(min=1),
-                    beta * rejected_logps / rejected_lengths.clamp(min=1))
+            return (
+                beta * chosen_logps / chosen_lengths.clamp(min=1),
+                beta * rejected_logps / rejected_lengths.clamp(min=1),
+            )
         return beta * (chosen_logps - ref_chosen_logps), beta * (rejected_logps - ref_rejected_logps)
 
 
-def preference_metrics(chosen_rewards: Tensor, rejected_rewards: Tensor, chosen_logps: Tensor,
-                       rejected_logps: Tensor) -> dict[str, Tensor]:
+def preference_metrics(
+    chosen_rewards: Tensor, rejected_rewards: Tensor, chosen_logps: Tensor, rejected_logps: Tensor
+) -> dict[str, Tensor]:
     """Per-pair sums ``(scalars)`` of the usual DPO metrics; divide by the global pair count.
 
     ``rewards/accuracy``: pairs whose chosen implicit reward exceeds the rejected one;
@@ -224,8 +246,9 @@ def preference_metrics(chosen_rewards: Tensor, rejected_rewards: Tensor, chosen_
         }
 
 
-def bradley_terry_loss(chosen_rewards: Tensor, rejected_rewards: Tensor, margin: float = 0.0,
-                       center_coef: float = 0.0) -> Tensor:
+def bradley_terry_loss(
+    chosen_rewards: Tensor, rejected_rewards: Tensor, margin: float = 0.0, center_coef: float = 0.0
+) -> Tensor:
     """Per-pair reward-model loss of a Bradley–Terry preference model ``(P,)``.
 
     InstructGPT (Ouyang et al. 2022) eq. 1: ``-log sigma(r(x, y_w) - r(x, y_l) - m)`` with an
@@ -239,4 +262,3 @@ def bradley_terry_loss(chosen_rewards: Tensor, rejected_rewards: Tensor, margin:
     if center_coef:
         loss = loss + center_coef * (chosen_rewards + rejected_rewards) ** 2
     return loss
-

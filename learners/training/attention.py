@@ -80,8 +80,9 @@ def short_sdpa_attention(
     q_len, k_len = query.shape[2], key.shape[2]
     extras = kwargs.get("position_bias") is not None or kwargs.get("cache") is not None
     if dropout or extras or not use_matmul_attention(query.device, q_len, k_len):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
     # sdpa's rule: causal only when no mask was built, and only for a causal module.
     is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     is_causal = q_len > 1 and attention_mask is None and is_causal

@@ -38,14 +38,20 @@ class Critic(nn.Module):
         """The decoder's layers (through a PEFT wrapper, with LoRA)."""
         return (self.decoder.get_base_model() if hasattr(self.decoder, "get_base_model") else self.decoder).layers
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, positions_mask: torch.Tensor,
-                group_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        positions_mask: torch.Tensor,
+        group_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """(B, L) float32 values at ``positions_mask`` (0 elsewhere); ``group_ids`` shares prompts
         across a group's rows as the policy's pass does. ``pooling='mean'``: the value of a state
         reads the mean of the hidden states of every attended token so far (causal, so still a
         function of the state only) instead of the last one's."""
-        hidden, _ = decoder_hidden(self.decoder, input_ids, attention_mask, positions_mask, group_ids,
-                                   one_call=self.one_call)
+        hidden, _ = decoder_hidden(
+            self.decoder, input_ids, attention_mask, positions_mask, group_ids, one_call=self.one_call
+        )
         if self.pooling == "mean":
             keep = attention_mask.to(hidden.dtype).unsqueeze(-1)
             hidden = (hidden * keep).cumsum(1) / keep.cumsum(1).clamp(min=1)
@@ -59,8 +65,17 @@ class Critic(nn.Module):
         return {k: v for k, v in self.state_dict().items() if k in names}
 
 
-def build_critic(model_path: str, init_from: str = "", *, lora: Any = None, lora_r: int = 0, seed: int = 0,
-                 gradient_checkpointing: bool = False, pooling: str = "token", empty: bool = False) -> Critic:
+def build_critic(
+    model_path: str,
+    init_from: str = "",
+    *,
+    lora: Any = None,
+    lora_r: int = 0,
+    seed: int = 0,
+    gradient_checkpointing: bool = False,
+    pooling: str = "token",
+    empty: bool = False,
+) -> Critic:
     """The critic from the policy's initial model (``init_from`` empty) or a reward-model folder.
 
     ``lora``: the policy's LoRA settings (None: the critic's decoder trains in full); the critic's
@@ -90,8 +105,16 @@ def build_critic(model_path: str, init_from: str = "", *, lora: Any = None, lora
     if lora is not None:
         from peft import LoraConfig, get_peft_model
 
-        decoder = get_peft_model(decoder, LoraConfig(r=lora_r or lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                                     target_modules=list(lora.target_modules), bias="none"))
+        decoder = get_peft_model(
+            decoder,
+            LoraConfig(
+                r=lora_r or lora.r,
+                lora_alpha=lora.alpha,
+                lora_dropout=lora.dropout,
+                target_modules=list(lora.target_modules),
+                bias="none",
+            ),
+        )
     if gradient_checkpointing:
         decoder.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return Critic(decoder, head, pooling)

@@ -15,16 +15,18 @@ class _FusedHeadLogprobs(torch.autograd.Function):
     """``fused_head_logprobs``' forward and backward (see there)."""
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, temperature: float, chunk: int,
-                with_entropy: bool):
+    def forward(
+        ctx, hidden: Tensor, weight: Tensor, labels: Tensor, temperature: float, chunk: int, with_entropy: bool
+    ):
         # Matmuls run in the inputs' dtype, forward and backward alike (autocast would make the
         # forward bf16 and leave the backward to whatever state it runs under).
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             return _FusedHeadLogprobs._forward(ctx, hidden, weight, labels, temperature, chunk, with_entropy)
 
     @staticmethod
-    def _forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, temperature: float, chunk: int,
-                 with_entropy: bool):
+    def _forward(
+        ctx, hidden: Tensor, weight: Tensor, labels: Tensor, temperature: float, chunk: int, with_entropy: bool
+    ):
         n = hidden.shape[0]
         out = hidden.new_empty(n, dtype=torch.float32)
         lse = hidden.new_empty(n, dtype=torch.float32)
@@ -50,7 +52,9 @@ class _FusedHeadLogprobs(torch.autograd.Function):
         hidden, weight, labels, lse = ctx.saved_tensors
         t, chunk = ctx.temperature, ctx.chunk
         grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
+        grad_w = (
+            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
+        )
         for s in range(0, hidden.shape[0], chunk):
             h, g = hidden[s : s + chunk], grad_out[s : s + chunk].float()
             # d(z_y - logsumexp z)/dz = onehot(y) - softmax(z), and dz/d(hW^T) = 1/T.
@@ -65,8 +69,14 @@ class _FusedHeadLogprobs(torch.autograd.Function):
         return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None
 
 
-def fused_head_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, temperature: float = 1.0,
-                        chunk: int = 1024, with_entropy: bool = False) -> tuple[Tensor, Tensor]:
+def fused_head_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    temperature: float = 1.0,
+    chunk: int = 1024,
+    with_entropy: bool = False,
+) -> tuple[Tensor, Tensor]:
     """Log-probs of ``labels`` under ``softmax(hidden @ weight^T / T)``, computed chunk by chunk in
     the forward *and* the backward pass, never holding more than one ``(chunk, V)`` block of logits.
 

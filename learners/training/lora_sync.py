@@ -31,9 +31,12 @@ def unsupported_adapters(peft_model: Any) -> list[str]:
     from peft.tuners.lora import LoraLayer
 
     adapter = peft_model.active_adapter
-    return [name for name, module in peft_model.get_base_model().named_modules()
-            if isinstance(module, LoraLayer) and (adapter not in module.lora_A
-                                                  or adapter in getattr(module, "lora_magnitude_vector", {}))]
+    return [
+        name
+        for name, module in peft_model.get_base_model().named_modules()
+        if isinstance(module, LoraLayer)
+        and (adapter not in module.lora_A or adapter in getattr(module, "lora_magnitude_vector", {}))
+    ]
 
 
 @torch.no_grad()
@@ -59,7 +62,9 @@ def is_adapter_sync(names: Iterable[str]) -> bool:
     return any(n.endswith((SUFFIX_A, SUFFIX_B)) for n in names)
 
 
-def merge_into_base(named: Iterable[tuple[str, torch.Tensor]], base: "BaseWeights") -> Iterator[tuple[str, torch.Tensor]]:
+def merge_into_base(
+    named: Iterable[tuple[str, torch.Tensor]], base: "BaseWeights"
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Dense fp32 weights ``base(name) + B A`` from a stream of factors (each A followed by its B,
     as ``adapter_factors`` orders them); other tensors pass through. One merged weight exists at
     a time. Every other tensor of an adapted weight's module (``base.siblings``: a bias, the

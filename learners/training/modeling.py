@@ -155,25 +155,48 @@ class PolicyWithValueHead(nn.Module):
         hidden = self.hidden(input_ids, attention_mask, positions_mask, group_ids)
         critic = getattr(self, "critic", None)
         out = heads_at_positions(
-            hidden, input_ids, positions_mask, self.lm.get_output_embeddings(),
+            hidden,
+            input_ids,
+            positions_mask,
+            self.lm.get_output_embeddings(),
             self.value_head if with_values and critic is None else None,
-            temperature=temperature, chunk=chunk, with_entropy=with_entropy, fused=fused,
+            temperature=temperature,
+            chunk=chunk,
+            with_entropy=with_entropy,
+            fused=fused,
         )
         if ref_states is not None:
-            out["kl_full"] = full_kl_at_positions(hidden, ref_states, input_ids, positions_mask,
-                                                  self.lm.get_output_embeddings(), ref_head,
-                                                  temperature=temperature, chunk=chunk)
+            out["kl_full"] = full_kl_at_positions(
+                hidden,
+                ref_states,
+                input_ids,
+                positions_mask,
+                self.lm.get_output_embeddings(),
+                ref_head,
+                temperature=temperature,
+                chunk=chunk,
+            )
         if with_values and critic is not None:  # a separate critic (learners/training/critic.py) values the states
             out["values"] = critic(input_ids, attention_mask, positions_mask, group_ids)
         return out
 
-
-    def hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, positions_mask: torch.Tensor,
-               group_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def hidden(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        positions_mask: torch.Tensor,
+        group_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """(B, L, H) last hidden states of the LM's decoder (``decoder_hidden``), counting the rows
         that shared their prefix for the learner's metrics."""
-        hidden, shared = decoder_hidden(self.lm.get_decoder(), input_ids, attention_mask, positions_mask, group_ids,
-                                        one_call=self.one_call_per_layer)
+        hidden, shared = decoder_hidden(
+            self.lm.get_decoder(),
+            input_ids,
+            attention_mask,
+            positions_mask,
+            group_ids,
+            one_call=self.one_call_per_layer,
+        )
         self.rows_shared += input_ids.shape[0] if shared else 0
         self.rows_total += input_ids.shape[0]
         return hidden
@@ -197,9 +220,14 @@ def decoder_hidden(
     ``one_call``: the decoder runs once (packed tree rows or every row in full, never the prompt
     cache's two calls).
     """
-    if group_ids is not None and positions_mask is not None and not getattr(decoder, "is_gradient_checkpointing", False):
-        hidden = shared_prefix_hidden(decoder, input_ids, attention_mask, positions_mask, group_ids,
-                                      prompt_cache=not one_call)
+    if (
+        group_ids is not None
+        and positions_mask is not None
+        and not getattr(decoder, "is_gradient_checkpointing", False)
+    ):
+        hidden = shared_prefix_hidden(
+            decoder, input_ids, attention_mask, positions_mask, group_ids, prompt_cache=not one_call
+        )
         if hidden is not None:
             return hidden, True
     return decoder(input_ids=input_ids, attention_mask=attention_mask.long()).last_hidden_state, False
@@ -275,7 +303,8 @@ def _prefix_groups(input_ids: torch.Tensor, positions_mask: torch.Tensor, group_
         return None
     dev = input_ids.device
     rep = torch.full((g,), b, dtype=torch.long, device=dev).scatter_reduce(
-        0, inv, torch.arange(b, device=dev), reduce="amin")
+        0, inv, torch.arange(b, device=dev), reduce="amin"
+    )
     plen = positions_mask.long().argmax(1)  # first output position = prefix length
     if not torch.equal(plen, plen[rep][inv]):
         return None
@@ -300,7 +329,8 @@ def _packed_tree_hidden(decoder, input_ids, inv, rep, plen, cont_len):
     order = torch.argsort(inv, stable=True)
     csum = torch.cumsum(cont_len[order], 0) - cont_len[order]
     first = torch.zeros(g, dtype=torch.long, device=dev).scatter_reduce(
-        0, inv[order], csum, reduce="amin", include_self=False)
+        0, inv[order], csum, reduce="amin", include_self=False
+    )
     start = torch.empty_like(plen)
     start[order] = plen[order] + csum - first[inv[order]]
     width = int((start + cont_len).max())
@@ -342,8 +372,11 @@ def _prefix_cache_hidden(decoder, input_ids, inv, rep, plen, cont_len):
     cont_mask = steps < cont_len[:, None]
     cont_ids = torch.where(cont_mask, input_ids.gather(1, (plen[:, None] + steps).clamp(max=length - 1)), 0)
     second = decoder(
-        input_ids=cont_ids, attention_mask=torch.cat([rep_mask[inv], cont_mask], 1).long(),
-        position_ids=plen[:, None] + steps, past_key_values=cache, use_cache=True,
+        input_ids=cont_ids,
+        attention_mask=torch.cat([rep_mask[inv], cont_mask], 1).long(),
+        position_ids=plen[:, None] + steps,
+        past_key_values=cache,
+        use_cache=True,
     )
     h_prefix, h_cont = first.last_hidden_state, second.last_hidden_state
     # 3. Back to the (B, L) layout: the prefix's last state predicts the first output token.
@@ -428,8 +461,14 @@ def full_kl_at_positions(
 
 
 @torch.no_grad()
-def reference_states(lm: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
-                     micro_batch_size: int = 8, bf16: bool = False) -> torch.Tensor:
+def reference_states(
+    lm: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    micro_batch_size: int = 8,
+    bf16: bool = False,
+) -> torch.Tensor:
     """(B, L, H) a frozen model's last hidden states, no gradient, in micro-batches of similar
     length (zero beyond each row's length): what ``full_kl_at_positions`` reads as ``ref_hidden``."""
     out = torch.zeros(*input_ids.shape, lm.config.hidden_size, device=input_ids.device)
@@ -439,8 +478,9 @@ def reference_states(lm: nn.Module, input_ids: torch.Tensor, attention_mask: tor
     return out
 
 
-def frozen_passes(lm: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, micro_batch_size: int,
-                  bf16: bool) -> Iterator[tuple[torch.Tensor, int, torch.Tensor]]:
+def frozen_passes(
+    lm: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, micro_batch_size: int, bf16: bool
+) -> Iterator[tuple[torch.Tensor, int, torch.Tensor]]:
     """(rows, width, hidden (rows, width, H)) of a frozen model's decoder over micro-batches of
     similar length, each trimmed to its longest row; the consumer runs under the same autocast."""
     lengths = attention_mask.sum(1)
@@ -451,8 +491,9 @@ def frozen_passes(lm: nn.Module, input_ids: torch.Tensor, attention_mask: torch.
             yield idx, width, hidden
 
 
-def _plain_head(h: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor, temperature: float, chunk: int,
-                with_entropy: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _plain_head(
+    h: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor, temperature: float, chunk: int, with_entropy: bool
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Log-probs (and detached entropies) chunk by chunk; autograd keeps each chunk's logits."""
     lp_parts, ent_parts = [], []
     for start in range(0, h.shape[0], chunk):
@@ -466,8 +507,9 @@ def _plain_head(h: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor, tempe
     return lp_parts, ent_parts
 
 
-def _fused_head(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float, chunk: int,
-                with_entropy: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _fused_head(
+    h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float, chunk: int, with_entropy: bool
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """``fused_head_logprobs`` in the dtype the plain LM head would run in (autocast's, if on)."""
     dtype = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else h.dtype
     lp, ent = fused_head_logprobs(h.to(dtype), weight.to(dtype), labels, temperature, chunk, with_entropy)
@@ -504,7 +546,9 @@ def q_heads_at_positions(
         lab = labels[start : start + chunk]
         parts["q"].append(logits.gather(1, lab[:, None]).squeeze(1))
         if "sq_dev_sum" in terms:  # sum_a (Q - f)^2 = sum Q^2 - 2 f sum Q + V f^2: no shifted copy
-            parts["sq_dev_sum"].append((logits * logits).sum(1) - 2 * floor * logits.sum(1) + logits.shape[1] * floor ** 2)
+            parts["sq_dev_sum"].append(
+                (logits * logits).sum(1) - 2 * floor * logits.sum(1) + logits.shape[1] * floor**2
+            )
         if "logprobs" in terms:
             parts["logprobs"].append(logprobs_from_logits(logits / temperature if temperature != 1.0 else logits, lab))
         if "logsumexp" in terms:
@@ -521,8 +565,7 @@ def q_heads_at_positions(
 
 @torch.no_grad()
 def max_q_after_positions(
-    hidden: torch.Tensor, positions_mask: torch.Tensor, lm_head: nn.Module, *, chunk: int = 1024,
-    soft: bool = False,
+    hidden: torch.Tensor, positions_mask: torch.Tensor, lm_head: nn.Module, *, chunk: int = 1024, soft: bool = False
 ) -> torch.Tensor:
     """(B, L) ``max_a Q(s_{t+1}, a)``: the maximum logit at the position *of* each masked token t
     (the state after action t), chunked; zero outside ``positions_mask``. No gradient (targets).
@@ -582,11 +625,20 @@ def sequence_logprobs(
         width = max(int(lengths[idx].max()), 1)
         ids = input_ids[idx, :width]
         with autocast(bf16, input_ids.device):
-            hidden, _ = decoder_hidden(lm.get_decoder(), ids, attention_mask[idx, :width], positions_mask[idx, :width],
-                                       None if group_ids is None else group_ids[idx])
+            hidden, _ = decoder_hidden(
+                lm.get_decoder(),
+                ids,
+                attention_mask[idx, :width],
+                positions_mask[idx, :width],
+                None if group_ids is None else group_ids[idx],
+            )
             out[idx, :width] = heads_at_positions(
-                hidden, ids, positions_mask[idx, :width], lm.get_output_embeddings(),
-                temperature=temperature, chunk=chunk,
+                hidden,
+                ids,
+                positions_mask[idx, :width],
+                lm.get_output_embeddings(),
+                temperature=temperature,
+                chunk=chunk,
             )["logprobs"]
     return out
 
@@ -611,10 +663,12 @@ def reference_logit_terms(
     head = lm.get_output_embeddings()
     for idx, width, hidden in frozen_passes(lm, input_ids, attention_mask, micro_batch_size, bf16):
         # The soft value's reduction and the Q heads' taken logit, over the frozen model.
-        out["logsumexp"][idx, :width] = max_q_after_positions(hidden, states_mask[idx, :width], head,
-                                                              chunk=chunk, soft=True)
-        out["taken"][idx, :width] = q_heads_at_positions(hidden, input_ids[idx, :width], actions_mask[idx, :width],
-                                                         head, chunk=chunk, terms=())["q"]
+        out["logsumexp"][idx, :width] = max_q_after_positions(
+            hidden, states_mask[idx, :width], head, chunk=chunk, soft=True
+        )
+        out["taken"][idx, :width] = q_heads_at_positions(
+            hidden, input_ids[idx, :width], actions_mask[idx, :width], head, chunk=chunk, terms=()
+        )["q"]
     return out
 
 

@@ -41,8 +41,9 @@ def make_scheduler(
     (the step count) goes into checkpoints."""
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer,
-        lambda s: lr_multiplier(s, schedule=schedule, warmup_steps=warmup_steps, total_steps=total_steps,
-                                min_ratio=min_ratio),
+        lambda s: lr_multiplier(
+            s, schedule=schedule, warmup_steps=warmup_steps, total_steps=total_steps, min_ratio=min_ratio
+        ),
     )
 
 

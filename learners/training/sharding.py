@@ -38,8 +38,9 @@ from learners.training.distributed import Collective
 SHARDINGS: tuple[str, ...] = ("replicated", "fsdp")
 
 
-def shard_policy(root: nn.Module, layers: list[nn.Module], *, param_dtype: torch.dtype | None = None,
-                 offload: bool = False) -> None:
+def shard_policy(
+    root: nn.Module, layers: list[nn.Module], *, param_dtype: torch.dtype | None = None, offload: bool = False
+) -> None:
     """FSDP2 units: every module of ``layers``, then ``root`` with what is left (in place).
 
     Gradients are summed over ranks, not averaged (the learners' losses already carry global
@@ -92,8 +93,9 @@ def load_causal_lm(model_path: str, dtype: torch.dtype, *, empty: bool = False) 
     from accelerate import init_empty_weights
 
     with init_empty_weights(include_buffers=False):
-        lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=dtype,
-                                              attn_implementation=register())
+        lm = AutoModelForCausalLM.from_config(
+            AutoConfig.from_pretrained(model_path), dtype=dtype, attn_implementation=register()
+        )
     lm.tie_weights()  # the empty context re-creates each assigned parameter, a tied head included
     return lm
 
@@ -111,8 +113,9 @@ def receive_weights_from_rank0(root: nn.Module, weights: Mapping[str, torch.Tens
         with torch.no_grad():
             for n, b in root.named_buffers():
                 b.copy_(buffers[n])
-    set_model_state_dict(root, dict(weights),
-                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True))
+    set_model_state_dict(
+        root, dict(weights), options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True)
+    )
     root.reshard()
 
 

@@ -21,20 +21,30 @@ def three_turns(row: dict, base_url: str) -> float:
     for k in range(3):
         r = client.chat.completions.create(model="policy", messages=messages, max_tokens=12, logprobs=True)
         choice = r.choices[0]
-        seen.append({"token_ids": choice.model_extra["token_ids"],
-                     "logprobs": [c.logprob for c in choice.logprobs.content], "content": choice.message.content})
+        seen.append(
+            {
+                "token_ids": choice.model_extra["token_ids"],
+                "logprobs": [c.logprob for c in choice.logprobs.content],
+                "content": choice.message.content,
+            }
+        )
         replies.append(choice.message.content)
-        messages += [{"role": "assistant", "content": choice.message.content},
-                     {"role": "user", "content": f"Turn {k + 1}: go on."}]
+        messages += [
+            {"role": "assistant", "content": choice.message.content},
+            {"role": "user", "content": f"Turn {k + 1}: go on."},
+        ]
     return digit_density([""], [replies[0]])[0]
 
 
 def with_side_call(row: dict, base_url: str) -> float:
     """Two calls that do not extend each other (two segments of one episode)."""
     client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
-    a = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": row["prompt"]}], max_tokens=6)
-    b = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "Summarise: " + row["prompt"]}],
-                                       max_tokens=6)
+    a = client.chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": row["prompt"]}], max_tokens=6
+    )
+    b = client.chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": "Summarise: " + row["prompt"]}], max_tokens=6
+    )
     return float(bool(a.choices[0].message.content is not None and b.choices[0].message.content is not None))
 
 

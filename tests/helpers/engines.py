@@ -8,5 +8,11 @@ def engine_config(model_path: str, max_len: int):
     reply limits, which here only size the context (``generate`` takes its own per call), fit in it."""
     from actors.rollout.generator import GeneratorConfig
 
-    return GeneratorConfig(model_path, dtype="float32", max_model_len=max_len, max_prompt_tokens=max_len // 2,
-                           max_new_tokens=max_len - max_len // 2, seed=0)
+    return GeneratorConfig(
+        model_path,
+        dtype="float32",
+        max_model_len=max_len,
+        max_prompt_tokens=max_len // 2,
+        max_new_tokens=max_len - max_len // 2,
+        seed=0,
+    )

@@ -38,8 +38,10 @@ def grouped_batch(vocab: int, groups: Sequence[int], prompt_lens: dict[int, int]
     ragged responses; groups may be interleaved. Returns ids, attention mask, response mask."""
     g = torch.Generator().manual_seed(seed)
     prompt_lens = prompt_lens or {}
-    prompts = {gid: torch.randint(3, vocab, (prompt_lens.get(gid, 4 + k % 3),), generator=g)
-               for k, gid in enumerate(dict.fromkeys(groups))}
+    prompts = {
+        gid: torch.randint(3, vocab, (prompt_lens.get(gid, 4 + k % 3),), generator=g)
+        for k, gid in enumerate(dict.fromkeys(groups))
+    }
     resp_lens = [2 + (i * 5) % 6 for i in range(len(groups))]
     length = max(len(prompts[gid]) + r for gid, r in zip(groups, resp_lens)) + 1
     ids = torch.zeros(len(groups), length, dtype=torch.long)
@@ -55,8 +57,15 @@ def grouped_batch(vocab: int, groups: Sequence[int], prompt_lens: dict[int, int]
 
 
 def experience(
-    lm: Any, ids: torch.Tensor, att: torch.Tensor, rm: torch.Tensor, scores: Sequence[float], *,
-    groups: Sequence[int] | None = None, truncated: Sequence[bool] | None = None, ref_shift: float | None = 0.0,
+    lm: Any,
+    ids: torch.Tensor,
+    att: torch.Tensor,
+    rm: torch.Tensor,
+    scores: Sequence[float],
+    *,
+    groups: Sequence[int] | None = None,
+    truncated: Sequence[bool] | None = None,
+    ref_shift: float | None = 0.0,
     version: int = 0,
 ) -> Experience:
     """A scored record whose rollout log-probs are ``lm``'s own (an on-policy batch);
@@ -65,10 +74,16 @@ def experience(
         lp = sequence_logprobs(lm, ids, att, rm)
     b = ids.shape[0]
     return Experience(
-        input_ids=ids, attention_mask=att, response_mask=rm, rollout_logprobs=lp,
+        input_ids=ids,
+        attention_mask=att,
+        response_mask=rm,
+        rollout_logprobs=lp,
         group_ids=torch.tensor(list(groups) if groups is not None else list(range(b))),
-        truncated=torch.tensor(list(truncated) if truncated is not None else [False] * b), policy_version=version,
-        completions=[""] * b, meta=[{}] * b, scores=torch.tensor(list(scores), dtype=torch.float32),
+        truncated=torch.tensor(list(truncated) if truncated is not None else [False] * b),
+        policy_version=version,
+        completions=[""] * b,
+        meta=[{}] * b,
+        scores=torch.tensor(list(scores), dtype=torch.float32),
         ref_logprobs=None if ref_shift is None else lp - ref_shift,
     ).validate()
 
@@ -80,8 +95,15 @@ def tiny_lm(path: str):
 
 
 def make_learner(
-    path: str, *, train: dict | None = None, ppo: dict | None = None, lora: dict | None = None,
-    comm: Collective | None = None, seed: int = 0, total_steps: int = 10, max_new_tokens: int = 16,
+    path: str,
+    *,
+    train: dict | None = None,
+    ppo: dict | None = None,
+    lora: dict | None = None,
+    comm: Collective | None = None,
+    seed: int = 0,
+    total_steps: int = 10,
+    max_new_tokens: int = 16,
 ):
     """A PPO learner on the tiny model; ``train``/``ppo``/``lora`` override config fields."""
     from learners.ppo import PPOLearner
@@ -89,40 +111,70 @@ def make_learner(
     tr = TrainConfig(**{"bf16": False, "micro_batch_size": 8, **(train or {})})
     hp = PPOConfig(**(ppo or {}))
     ctx = LearnerContext(
-        model_path=path, seed=seed, total_steps=total_steps, max_new_tokens=max_new_tokens,
-        lora=LoRAConfig(enabled=True, **lora) if lora else None, comm=comm,
+        model_path=path,
+        seed=seed,
+        total_steps=total_steps,
+        max_new_tokens=max_new_tokens,
+        lora=LoRAConfig(enabled=True, **lora) if lora else None,
+        comm=comm,
     )
     return PPOLearner.build(ctx, tr, hp)
 
 
 def make_dpo_learner(
-    path: str, *, train: dict | None = None, dpo: dict | None = None, lora: dict | None = None,
-    comm: Collective | None = None, seed: int = 0, total_steps: int = 10,
+    path: str,
+    *,
+    train: dict | None = None,
+    dpo: dict | None = None,
+    lora: dict | None = None,
+    comm: Collective | None = None,
+    seed: int = 0,
+    total_steps: int = 10,
 ):
     """A DPO learner on the tiny model; ``train``/``dpo``/``lora`` override config fields."""
     from learners.dpo import DPOLearner
 
     tr = TrainConfig(**{"bf16": False, "micro_batch_size": 8, **(train or {})})
-    ctx = LearnerContext(model_path=path, seed=seed, total_steps=total_steps,
-                         lora=LoRAConfig(enabled=True, **lora) if lora else None, comm=comm)
+    ctx = LearnerContext(
+        model_path=path,
+        seed=seed,
+        total_steps=total_steps,
+        lora=LoRAConfig(enabled=True, **lora) if lora else None,
+        comm=comm,
+    )
     return DPOLearner.build(ctx, tr, DPOConfig(**(dpo or {})))
 
 
 def make_q_learner(
-    path: str, *, train: dict | None = None, qlearn: dict | None = None, lora: dict | None = None,
-    comm: Collective | None = None, seed: int = 0, total_steps: int = 10,
+    path: str,
+    *,
+    train: dict | None = None,
+    qlearn: dict | None = None,
+    lora: dict | None = None,
+    comm: Collective | None = None,
+    seed: int = 0,
+    total_steps: int = 10,
 ):
     """A Q-learning learner on the tiny model; ``train``/``qlearn``/``lora`` override config fields."""
     from learners.qlearn import QLearner
 
     tr = TrainConfig(**{"bf16": False, "micro_batch_size": 8, **(train or {})})
-    ctx = LearnerContext(model_path=path, seed=seed, total_steps=total_steps,
-                         lora=LoRAConfig(enabled=True, **lora) if lora else None, comm=comm)
+    ctx = LearnerContext(
+        model_path=path,
+        seed=seed,
+        total_steps=total_steps,
+        lora=LoRAConfig(enabled=True, **lora) if lora else None,
+        comm=comm,
+    )
     return QLearner.build(ctx, tr, QLearnConfig(**(qlearn or {})))
 
 
-def transitions_batch(prompt: Sequence[int], episodes: Sequence[tuple[Sequence[int], Sequence[float]]],
-                      done: Sequence[bool] | None = None, pad: int = 0) -> Experience:
+def transitions_batch(
+    prompt: Sequence[int],
+    episodes: Sequence[tuple[Sequence[int], Sequence[float]]],
+    done: Sequence[bool] | None = None,
+    pad: int = 0,
+) -> Experience:
     """Sequences ``prompt + actions`` with per-token rewards (a logged token MDP), right-padded."""
     n = len(episodes)
     length = len(prompt) + max(len(a) for a, _ in episodes)
@@ -134,15 +186,21 @@ def transitions_batch(prompt: Sequence[int], episodes: Sequence[tuple[Sequence[i
         end = len(prompt) + len(actions)
         ids[i, :end] = torch.tensor(list(prompt) + list(actions))
         att[i, :end] = True
-        rm[i, len(prompt):end] = True
-        rewards[i, len(prompt):end] = torch.tensor(list(r), dtype=torch.float32)
+        rm[i, len(prompt) : end] = True
+        rewards[i, len(prompt) : end] = torch.tensor(list(r), dtype=torch.float32)
     done = list(done) if done is not None else [True] * n
     return Experience(
-        input_ids=ids, attention_mask=att, response_mask=rm, rollout_logprobs=torch.zeros(n, length),
-        group_ids=torch.arange(n), truncated=~torch.tensor(done), policy_version=0,
-        completions=[""] * n, meta=[{}] * n, token_rewards=rewards,
+        input_ids=ids,
+        attention_mask=att,
+        response_mask=rm,
+        rollout_logprobs=torch.zeros(n, length),
+        group_ids=torch.arange(n),
+        truncated=~torch.tensor(done),
+        policy_version=0,
+        completions=[""] * n,
+        meta=[{}] * n,
+        token_rewards=rewards,
     ).validate()
-
 
 
 def mdp_batch() -> Experience:
@@ -150,19 +208,23 @@ def mdp_batch() -> Experience:
     model's eos_token_id); episodes A C EOS (reward 1 at the end), A EOS (0.3), B EOS (0.1, 0.5)."""
     return transitions_batch([5, 6, 7], [([10, 12, 2], [0, 0, 1.0]), ([10, 2], [0, 0.3]), ([11, 2], [0.1, 0.5])])
 
-def make_sft_learner(path: str, *, train: dict | None = None, lora: dict | None = None, seed: int = 0,
-                     total_steps: int = 10):
+
+def make_sft_learner(
+    path: str, *, train: dict | None = None, lora: dict | None = None, seed: int = 0, total_steps: int = 10
+):
     """An SFT learner on the tiny model; ``train``/``lora`` override config fields."""
     from learners.sft import SFTLearner
 
     tr = TrainConfig(**{"bf16": False, "micro_batch_size": 8, **(train or {})})
-    ctx = LearnerContext(model_path=path, seed=seed, total_steps=total_steps,
-                         lora=LoRAConfig(enabled=True, **lora) if lora else None)
+    ctx = LearnerContext(
+        model_path=path, seed=seed, total_steps=total_steps, lora=LoRAConfig(enabled=True, **lora) if lora else None
+    )
     return SFTLearner.build(ctx, tr, SFTConfig())
 
 
-def preference_batch(lm: Any, n_pairs: int, *, seed: int = 0, ref_shift: float | None = 0.0,
-                     chosen_first: Sequence[bool] | None = None) -> Experience:
+def preference_batch(
+    lm: Any, n_pairs: int, *, seed: int = 0, ref_shift: float | None = 0.0, chosen_first: Sequence[bool] | None = None
+) -> Experience:
     """``n_pairs`` preference pairs (two rows of one group share a prompt, ragged responses);
     the chosen row scores 1, the rejected 0 (in either order within the pair). Reference
     log-probs are ``lm``'s own minus ``ref_shift`` (None: no reference)."""
@@ -199,8 +261,15 @@ def step_with_grads(learner: Any, batch: Experience, comm: Collective | None = N
     return captured, learner.train_step(batch)
 
 
-def make_rm_learner(path: str, *, train: dict | None = None, rm: dict | None = None, comm: Collective | None = None,
-                    seed: int = 0, total_steps: int = 10):
+def make_rm_learner(
+    path: str,
+    *,
+    train: dict | None = None,
+    rm: dict | None = None,
+    comm: Collective | None = None,
+    seed: int = 0,
+    total_steps: int = 10,
+):
     """A reward-model learner on the tiny model; ``train``/``rm`` override config fields."""
     from learners.reward_model import RewardModelLearner
 
@@ -222,6 +291,7 @@ def trained_lora(path: str, targets: Sequence[str], *, r: int = 4, scale: float 
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * scale)
     return model
+
 
 def taken_logits(logits: torch.Tensor, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(each taken action's logit, each state's logsumexp) of ``(B, T, V)`` logits."""

@@ -32,8 +32,11 @@ def run_actor_pid(proc: subprocess.Popen, class_name: str) -> int:
 
     jobs = [j["JobID"] for j in state.job_table() if int(j["DriverPid"]) == proc.pid and not j["IsDead"]]
     assert len(jobs) == 1, jobs
-    actors = [a for a in state.actor_table(None).values()
-              if a["ActorClassName"] == class_name and a["State"] == "ALIVE" and a["JobID"] == jobs[0]]
+    actors = [
+        a
+        for a in state.actor_table(None).values()
+        if a["ActorClassName"] == class_name and a["State"] == "ALIVE" and a["JobID"] == jobs[0]
+    ]
     assert len(actors) == 1, actors
     return int(actors[0]["Pid"])
 
@@ -41,6 +44,7 @@ def run_actor_pid(proc: subprocess.Popen, class_name: str) -> int:
 def kill_inside(proc: subprocess.Popen, class_name: str, method: str | None) -> bool:
     """SIGKILLs the run's actor (waiting for it to exist), inside a call of ``method`` if one
     starts within three minutes; ``method`` None: at once (True)."""
+
     def alive() -> int | None:
         assert proc.poll() is None, proc.communicate()[0][-3000:]
         try:
@@ -60,8 +64,9 @@ def kill_inside(proc: subprocess.Popen, class_name: str, method: str | None) -> 
     return inside
 
 
-def kill_during_run(proc: subprocess.Popen, run_dir: Path, kills: list,
-                    after_kill: Any = None) -> tuple[list[tuple[bool, int]], str]:
+def kill_during_run(
+    proc: subprocess.Popen, run_dir: Path, kills: list, after_kill: Any = None
+) -> tuple[list[tuple[bool, int]], str]:
     """For each (ready, class_name, method) in turn: waits for ``ready()`` with the run still going,
     then SIGKILLs the run's actor inside a call of ``method`` (at once when None), then calls
     ``after_kill()`` if given. Returns, for each kill, whether it landed inside such a call and the steps logged

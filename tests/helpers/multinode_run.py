@@ -27,8 +27,10 @@ def main(out_dir: str, layouts: list[str]) -> None:
     import ray
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 2, "resources": {"rollout_node": 2}, "include_dashboard": False})
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 2, "resources": {"rollout_node": 2}, "include_dashboard": False},
+    )
     cluster.add_node(num_cpus=3, resources={"trainer_node": 2})
     cluster.wait_for_nodes()
     try:
@@ -46,15 +48,28 @@ def _run(out_dir: str, layout: str) -> dict:
     from cluster.config.loading import load_config
     from cluster.driver import train
 
-    cfg = load_config(ROOT / "configs" / "ppo_tiny.yaml", [
-        "rollout.num_generators=2", "cluster.num_learners=2", *LAYOUTS[layout], "cluster.threads=1",
-        "rollout.threads=1", "run.steps=5", f"run.output_dir={out_dir}", f"run.name=multinode-{layout}",
-        "run.plot=false", "cluster.metrics_export=false"])
+    cfg = load_config(
+        ROOT / "configs" / "ppo_tiny.yaml",
+        [
+            "rollout.num_generators=2",
+            "cluster.num_learners=2",
+            *LAYOUTS[layout],
+            "cluster.threads=1",
+            "rollout.threads=1",
+            "run.steps=5",
+            f"run.output_dir={out_dir}",
+            f"run.name=multinode-{layout}",
+            "run.plot=false",
+            "cluster.metrics_export=false",
+        ],
+    )
     result = train(cfg)
     nodes = {n["NodeID"]: sorted(k for k in n["Resources"] if k.endswith("_node")) for n in ray.nodes()}
     placement = json.loads((result.run_dir / "placement.json").read_text())
     return {
-        "run_dir": str(result.run_dir), "nodes": nodes, "placement": placement,
+        "run_dir": str(result.run_dir),
+        "nodes": nodes,
+        "placement": placement,
         "rewards": [r["reward/mean"] for r in result.history if r["step"] > 0],
         "versions": [r["generate/policy_version"] for r in result.history if r["step"] > 0],
         "probe_gaps": [r.get("sync/probe_gap") for r in result.history if r["step"] > 0],

@@ -115,8 +115,14 @@ class ThreeTurns(Environment[TurnAction, TurnObservation, State]):
         GATHER.opened(+1)
         self._closed = False
 
-    def reset(self, seed: Optional[int] = None, episode_id: Optional[str] = None, prompt: str = "",
-              answer: str = "", **kwargs: Any) -> TurnObservation:
+    def reset(
+        self,
+        seed: Optional[int] = None,
+        episode_id: Optional[str] = None,
+        prompt: str = "",
+        answer: str = "",
+        **kwargs: Any,
+    ) -> TurnObservation:
         GATHER.meet()
         self._state = State(episode_id=episode_id, step_count=0)
         self.first, self.number = "", HOLD.number()
@@ -169,8 +175,11 @@ def start_server(port: int, max_sessions: int = 64, env: dict | None = None):
     import requests
 
     root = Path(__file__).resolve().parents[2]
-    proc = subprocess.Popen([sys.executable, "-m", "tests.helpers.openenv_envs", str(port), str(max_sessions)],
-                            cwd=root, env={**os.environ, **(env or {}), "PYTHONPATH": str(root)})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.helpers.openenv_envs", str(port), str(max_sessions)],
+        cwd=root,
+        env={**os.environ, **(env or {}), "PYTHONPATH": str(root)},
+    )
     while proc.poll() is None:
         try:
             if requests.get(f"http://127.0.0.1:{port}/health", timeout=5).ok:

@@ -36,8 +36,9 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, fn: Callable, arg
 
 def run_processes(world: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 300.0) -> list[Any]:
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(_rank_main, args=(world, free_port(), out_dir, fn, args), nprocs=world,
-                                 join=False, start_method="spawn")
+        ctx = mp.start_processes(
+            _rank_main, args=(world, free_port(), out_dir, fn, args), nprocs=world, join=False, start_method="spawn"
+        )
         deadline = time.monotonic() + timeout_s
         while not ctx.join(timeout=1.0):
             if time.monotonic() > deadline:

@@ -28,8 +28,15 @@ def crashed_copy(run_dir: Path, after_step: int, dest: Path) -> Path:
     return dest
 
 
-def assert_same_run(resumed: Path, straight: Path, keys: tuple[str, ...], ids_key: str | None, final: str,
-                    atol: float = 1e-5, weight_atol: float | None = None) -> None:
+def assert_same_run(
+    resumed: Path,
+    straight: Path,
+    keys: tuple[str, ...],
+    ids_key: str | None,
+    final: str,
+    atol: float = 1e-5,
+    weight_atol: float | None = None,
+) -> None:
     """The resumed run logged the same steps, drew the same units in the same order, logged the same
     ``keys`` (rewards or losses) within ``atol`` and ended with the same weights (within
     ``weight_atol``, default ``atol``) as the uninterrupted one."""
@@ -46,5 +53,6 @@ def assert_same_run(resumed: Path, straight: Path, keys: tuple[str, ...], ids_ke
     b = load_model_weights(Path(straight) / "checkpoints" / final)
     assert a.keys() == b.keys()
     for k in a:
-        torch.testing.assert_close(a[k], b[k], atol=atol if weight_atol is None else weight_atol, rtol=1e-4,
-                                   msg=lambda m, k=k: f"{k}: {m}")
+        torch.testing.assert_close(
+            a[k], b[k], atol=atol if weight_atol is None else weight_atol, rtol=1e-4, msg=lambda m, k=k: f"{k}: {m}"
+        )

@@ -54,17 +54,33 @@ def demonstrations() -> list[tuple[list[dict], list[dict]]]:
     from tests.helpers.vf.toolset import LISTED
 
     fn = sdk_tool()
-    sdk_tools = _function_tools([{"type": "function", "name": fn.name, "description": fn.description,
-                                  "parameters": fn.params_json_schema, "strict": True}], "tools", chat_form=False)
+    sdk_tools = _function_tools(
+        [
+            {
+                "type": "function",
+                "name": fn.name,
+                "description": fn.description,
+                "parameters": fn.params_json_schema,
+                "strict": True,
+            }
+        ],
+        "tools",
+        chat_form=False,
+    )
 
     def turns(call: str) -> list[dict]:
-        return [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": call},
-                {"role": "tool", "content": f"<tool_response>\n{ANSWER}\n</tool_response>"},
-                {"role": "assistant", "content": ANSWER}]
+        return [
+            {"role": "user", "content": QUESTION},
+            {"role": "assistant", "content": call},
+            {"role": "tool", "content": f"<tool_response>\n{ANSWER}\n</tool_response>"},
+            {"role": "assistant", "content": ANSWER},
+        ]
 
-    return [([{"role": "system", "content": INSTRUCTIONS}] + turns(CALL), sdk_tools),
-            (turns(CALL), [convert_to_openai_tool(langchain_tool())]),
-            (turns(CALL.replace('"calculator"', '"calc_calculator"')), [LISTED])]
+    return [
+        ([{"role": "system", "content": INSTRUCTIONS}] + turns(CALL), sdk_tools),
+        (turns(CALL), [convert_to_openai_tool(langchain_tool())]),
+        (turns(CALL.replace('"calculator"', '"calc_calculator"')), [LISTED]),
+    ]
 
 
 # -- what the wire carried ------------------------------------------------------------------------
@@ -97,7 +113,8 @@ def _recorder(base_url: str, row: dict, asynchronous: bool) -> Any:
             if log:
                 Path(log).mkdir(parents=True, exist_ok=True)
                 (Path(log) / f"{base_url.rsplit('/', 2)[-2]}.json").write_text(
-                    json.dumps({"client": row["meta"].get("client"), "calls": calls}))
+                    json.dumps({"client": row["meta"].get("client"), "calls": calls})
+                )
 
     async def arecord(response: httpx.Response) -> None:
         await response.aread()
@@ -108,7 +125,11 @@ def _recorder(base_url: str, row: dict, asynchronous: bool) -> Any:
         record(response)
 
     hooks = {"response": [arecord if asynchronous else srecord]}
-    return httpx.AsyncClient(event_hooks=hooks, timeout=300) if asynchronous else httpx.Client(event_hooks=hooks, timeout=300)
+    return (
+        httpx.AsyncClient(event_hooks=hooks, timeout=300)
+        if asynchronous
+        else httpx.Client(event_hooks=hooks, timeout=300)
+    )
 
 
 def async_client(row: dict, base_url: str) -> Any:
@@ -155,8 +176,9 @@ async def streaming_chat(row: dict, base_url: str) -> float:
     client = async_client(row, base_url)
     messages = [{"role": "user", "content": row["prompt"]}]
     for turn in range(2):
-        stream = await client.chat.completions.create(model="policy", messages=messages, stream=True, max_tokens=12,
-                                                      stream_options={"include_usage": True})
+        stream = await client.chat.completions.create(
+            model="policy", messages=messages, stream=True, max_tokens=12, stream_options={"include_usage": True}
+        )
         text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
         messages += [{"role": "assistant", "content": text}, {"role": "user", "content": f"Turn {turn + 2}."}]
     return _solved(messages[1]["content"])
@@ -169,8 +191,14 @@ def langgraph_react(row: dict, base_url: str, streaming: bool = False) -> float:
     from langchain_openai import ChatOpenAI
     from langgraph.prebuilt import create_react_agent
 
-    llm = ChatOpenAI(base_url=base_url, api_key="unused", model="policy", max_retries=0, streaming=streaming,
-                     http_client=_recorder(base_url, row, False))
+    llm = ChatOpenAI(
+        base_url=base_url,
+        api_key="unused",
+        model="policy",
+        max_retries=0,
+        streaming=streaming,
+        http_client=_recorder(base_url, row, False),
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # create_react_agent's move to langchain.agents
         agent = create_react_agent(llm, [langchain_tool()])
@@ -185,6 +213,7 @@ def langgraph_react_streaming(row: dict, base_url: str) -> float:
 async def mixed(row: dict, base_url: str) -> float:
     """By ``row["meta"]["client"]``: agents_sdk, agents_sdk_streamed or streaming_chat (one
     ``async def`` program for a run that trains on all three)."""
-    program = {"agents_sdk": agents_sdk, "agents_sdk_streamed": agents_sdk_streamed,
-               "streaming_chat": streaming_chat}[row["meta"]["client"]]
+    program = {"agents_sdk": agents_sdk, "agents_sdk_streamed": agents_sdk_streamed, "streaming_chat": streaming_chat}[
+        row["meta"]["client"]
+    ]
     return await program(row, base_url)

@@ -21,8 +21,9 @@ CONVERSATION = [
 ]
 
 
-def train_tool_caller(base: str, out: str | Path, steps: int = 60,
-                      conversations: list[tuple[list[dict], list[dict]]] | None = None) -> tuple[Path, dict]:
+def train_tool_caller(
+    base: str, out: str | Path, steps: int = 60, conversations: list[tuple[list[dict], list[dict]]] | None = None
+) -> tuple[Path, dict]:
     """``base`` fine-tuned on ``conversations`` ((messages, tools) pairs; default CONVERSATION
     with TOOLS; every assistant turn) until it reproduces them; the checkpoint folder and the
     last step's metrics."""

@@ -43,7 +43,9 @@ def wandb_offline_run(run_dir: Path) -> dict[str, Any]:
                 items = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in r.history.item}
                 out["history"].setdefault(int(items["_step"]), {}).update(items)
             elif kind == "summary":
-                out["summary"].update({(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in r.summary.update})
+                out["summary"].update(
+                    {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in r.summary.update}
+                )
             elif kind in ("run", "config"):
                 update = r.run.config.update if kind == "run" else r.config.update
                 out["config"].update({(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in update})

@@ -24,8 +24,13 @@ from tests.helpers.runs import rows
 
 pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parents[2]
-ENV = ["env.name=tests.helpers.environments:DigitsAcrossTurns", "env.max_turns=2", "run.plot=false",
-       "run.save_final=false", "run.eval_every=0"]
+ENV = [
+    "env.name=tests.helpers.environments:DigitsAcrossTurns",
+    "env.max_turns=2",
+    "run.plot=false",
+    "run.save_final=false",
+    "run.eval_every=0",
+]
 STEPS, PROMPTS, SAMPLES = 8, 4, 8
 
 
@@ -39,11 +44,24 @@ def test_grpo_learns_across_turns_and_a_generator_killed_mid_episode_loses_nothi
     goes on from the turn boundaries its episodes had reached (``tests/unit/test_episodes.py``:
     the same episodes as an uninterrupted run), and the ledger counts the turns taken over."""
     run_dir, hold = tmp_path / "grpo", tmp_path / "hold"
-    sets = [*ENV, f"run.steps={STEPS}", "ppo.advantage_estimator=grpo", f"rollout.samples_per_prompt={SAMPLES}",
-            f"rollout.prompts_per_step={PROMPTS}", "ppo.loss_agg=seq_mean_token_mean", f"env.args={{hold: {hold}}}"]
+    sets = [
+        *ENV,
+        f"run.steps={STEPS}",
+        "ppo.advantage_estimator=grpo",
+        f"rollout.samples_per_prompt={SAMPLES}",
+        f"rollout.prompts_per_step={PROMPTS}",
+        "ppo.loss_agg=seq_mean_token_mean",
+        f"env.args={{hold: {hold}}}",
+    ]
     env = {**ray_cluster["env"], "RAY_ADDRESS": ray_cluster["address"]}
-    cmd = [str(Path(sys.executable).parent / "rayrlhf"), "train", "configs/ppo_tiny.yaml", "--run-dir", str(run_dir),
-           *[a for s in sets for a in ("--set", s)]]
+    cmd = [
+        str(Path(sys.executable).parent / "rayrlhf"),
+        "train",
+        "configs/ppo_tiny.yaml",
+        "--run-dir",
+        str(run_dir),
+        *[a for s in sets for a in ("--set", s)],
+    ]
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     def held() -> bool:  # from step 3 on, the environments hold their second step
@@ -52,7 +70,9 @@ def test_grpo_learns_across_turns_and_a_generator_killed_mid_episode_loses_nothi
         return Path(f"{hold}.held").exists()
 
     try:
-        kills, out = kill_during_run(proc, run_dir, [(held, "GeneratorWorker", "generate")], after_kill=lambda: Path(f"{hold}.release").touch())
+        kills, out = kill_during_run(
+            proc, run_dir, [(held, "GeneratorWorker", "generate")], after_kill=lambda: Path(f"{hold}.release").touch()
+        )
     finally:
         Path(f"{hold}.release").touch()
     assert kills[0][0] and 2 <= kills[0][1] < STEPS, kills
@@ -101,10 +121,18 @@ def test_an_agent_program_with_the_openai_client_trains_through_the_rollout_endp
     tokens and log-probs the program was given); the learners train on those tokens (their
     log-probs equal the engine's) and the reward, earned by the first reply, rises."""
     run_dir = tmp_path / "agent"
-    cfg = load_config(ROOT / "configs" / "ppo_tiny.yaml", [
-        "rollout.agent=tests.helpers.agents:three_turns", "run.steps=4", "ppo.advantage_estimator=grpo",
-        f"rollout.samples_per_prompt={SAMPLES}", f"rollout.prompts_per_step={PROMPTS}", "run.plot=false",
-        "run.save_final=false"])
+    cfg = load_config(
+        ROOT / "configs" / "ppo_tiny.yaml",
+        [
+            "rollout.agent=tests.helpers.agents:three_turns",
+            "run.steps=4",
+            "ppo.advantage_estimator=grpo",
+            f"rollout.samples_per_prompt={SAMPLES}",
+            f"rollout.prompts_per_step={PROMPTS}",
+            "run.plot=false",
+            "run.save_final=false",
+        ],
+    )
     train(cfg, run_dir=run_dir)
     got = [r for r in rows(run_dir) if r["step"] > 0]
     assert all(r["episode/turns_mean"] == 3.0 and r["episode/segments"] == PROMPTS * SAMPLES for r in got)
@@ -120,9 +148,19 @@ def test_dpo_pairs_the_best_and_worst_episode_of_a_prompt(ray_cluster, tmp_path)
     import torch
 
     run_dir = tmp_path / "dpo"
-    cfg = load_config(ROOT / "configs" / "ppo_tiny.yaml", [
-        *ENV, "run.algorithm=dpo", "dpo.pairs=scorer", "run.steps=2", "dpo.pairs_per_step=4", "dpo.pair_prompts=16",
-        "dpo.candidates=8", "dpo.candidate_temperature=2.0"])
+    cfg = load_config(
+        ROOT / "configs" / "ppo_tiny.yaml",
+        [
+            *ENV,
+            "run.algorithm=dpo",
+            "dpo.pairs=scorer",
+            "run.steps=2",
+            "dpo.pairs_per_step=4",
+            "dpo.pair_prompts=16",
+            "dpo.candidates=8",
+            "dpo.candidate_temperature=2.0",
+        ],
+    )
     train(cfg, run_dir=run_dir)
     got = [r for r in rows(run_dir) if r["step"] > 0]
     assert got[0]["pairs/candidates"] == 128 and got[0]["pairs/pairs"] > 0
@@ -132,11 +170,13 @@ def test_dpo_pairs_the_best_and_worst_episode_of_a_prompt(ray_cluster, tmp_path)
     first = resp.long().argmax(1)
     # Every row: actions, then observation tokens (no actions), then actions again.
     for i in range(resp.shape[0]):
-        after = resp[i, first[i]:int(att[i].sum())]
+        after = resp[i, first[i] : int(att[i].sum())]
         assert not after.all() and after[0] and after[-1], after
 
 
-def test_sdk_streaming_and_async_programs_train_on_the_tokens_their_calls_returned(ray_cluster, tmp_path, sdk_tool_caller):
+def test_sdk_streaming_and_async_programs_train_on_the_tokens_their_calls_returned(
+    ray_cluster, tmp_path, sdk_tool_caller
+):
     """One ``async def`` program (``tests/helpers/sdk_agents.py:mixed``) plays each row with the
     client the row names: the Agents SDK run, the Agents SDK streamed, or two streamed chat
     turns. Each exported transition (the scored rows the learners train on) holds at its actions
@@ -147,14 +187,34 @@ def test_sdk_streaming_and_async_programs_train_on_the_tokens_their_calls_return
     log, data, held = tmp_path / "calls", tmp_path / "tasks.jsonl", tmp_path / "held.jsonl"
     held.write_text(json.dumps({"prompt": "What is 2 + 2?", "answer": "4", "client": "streaming_chat"}) + "\n")
     clients = ["agents_sdk", "agents_sdk_streamed", "streaming_chat"]
-    data.write_text("".join(json.dumps({"prompt": QUESTION, "answer": ANSWER, "client": c, "log": str(log)}) + "\n"
-                            for c in clients * 4))
+    data.write_text(
+        "".join(
+            json.dumps({"prompt": QUESTION, "answer": ANSWER, "client": c, "log": str(log)}) + "\n" for c in clients * 4
+        )
+    )
     run_dir = tmp_path / "sdks"
-    cfg = load_config(ROOT / "configs" / "ppo_tiny.yaml", [
-        f"model.path={sdk_tool_caller}", f"data.task={data}", f"data.eval_task={held}", "data.eval_size=1", "run.eval_every=0",
-        "data.instruction=", "rollout.agent=tests.helpers.sdk_agents:mixed", "run.steps=2", "ppo.advantage_estimator=grpo",
-        "rollout.samples_per_prompt=2", "rollout.prompts_per_step=6", "model.max_new_tokens=96", "model.max_prompt_tokens=512",
-        "env.max_tokens=1000", "run.plot=false", "run.save_final=false", "run.export_transitions=true"])
+    cfg = load_config(
+        ROOT / "configs" / "ppo_tiny.yaml",
+        [
+            f"model.path={sdk_tool_caller}",
+            f"data.task={data}",
+            f"data.eval_task={held}",
+            "data.eval_size=1",
+            "run.eval_every=0",
+            "data.instruction=",
+            "rollout.agent=tests.helpers.sdk_agents:mixed",
+            "run.steps=2",
+            "ppo.advantage_estimator=grpo",
+            "rollout.samples_per_prompt=2",
+            "rollout.prompts_per_step=6",
+            "model.max_new_tokens=96",
+            "model.max_prompt_tokens=512",
+            "env.max_tokens=1000",
+            "run.plot=false",
+            "run.save_final=false",
+            "run.export_transitions=true",
+        ],
+    )
     train(cfg, run_dir=run_dir)
     rows_trained, skipped = read_transitions(run_dir / "data" / "transitions")
     assert not skipped and len(rows_trained) == 2 * 6 * 2

@@ -28,15 +28,28 @@ def _rows(run_dir: Path) -> list[dict]:
     import json
 
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
 STEPS = 6
 
 
 def _run(tmp_path: Path, staleness: int):
-    cfg = load_config(ROOT / "configs" / "ppo_tiny.yaml", [
-        f"rollout.max_staleness={staleness}", f"run.steps={STEPS}", f"run.output_dir={tmp_path}",
-        "rollout.weight_transport=collective", "rollout.num_generators=2", "rollout.bucket_mb=1",
-        f"run.name=stale{staleness}", "run.plot=false", "cluster.metrics_export=false", "run.save_every=3",
-        "run.keep_last=0"])
+    cfg = load_config(
+        ROOT / "configs" / "ppo_tiny.yaml",
+        [
+            f"rollout.max_staleness={staleness}",
+            f"run.steps={STEPS}",
+            f"run.output_dir={tmp_path}",
+            "rollout.weight_transport=collective",
+            "rollout.num_generators=2",
+            "rollout.bucket_mb=1",
+            f"run.name=stale{staleness}",
+            "run.plot=false",
+            "cluster.metrics_export=false",
+            "run.save_every=3",
+            "run.keep_last=0",
+        ],
+    )
     result = train(cfg)
     return result, [r for r in result.history if r["step"] > 0]
 
@@ -56,7 +69,9 @@ def test_async_ppo_learns_within_the_staleness_bound_in_the_synchronous_prompt_o
     # The importance weights: 1 on the batch the learners' own weights sampled (fp32: vLLM and the
     # trainer agree to about 1e-6), away from 1 on every batch one version behind.
     assert rows[0]["rollout_is/weight_mean"] == pytest.approx(1.0, abs=1e-3)
-    assert all(abs(r["rollout_is/weight_mean"] - 1.0) > 1e-6 for r in rows[1:]), [r["rollout_is/weight_mean"] for r in rows]
+    assert all(abs(r["rollout_is/weight_mean"] - 1.0) > 1e-6 for r in rows[1:]), [
+        r["rollout_is/weight_mean"] for r in rows
+    ]
     assert all(r["logprob_gap/kl_k3"] > 0 for r in rows[1:])
     assert all(r["skipped"].get("stale", 0) == 0 for r in rows)
     # It learns the tiny task (fraction of digits in the reply) as the synchronous run does.
@@ -76,8 +91,9 @@ def test_async_ppo_learns_within_the_staleness_bound_in_the_synchronous_prompt_o
     stopped = crashed_copy(result.run_dir, 3, tmp_path / "stopped")
     assert (stopped / "checkpoints" / "step_00003" / "trainer_state" / "ahead_batches.pt").is_file()
     assert cli.main(["train", "--resume", str(stopped)]) == 0
-    assert_same_run(stopped, result.run_dir, ("reward/mean", "loss/total", "policy/staleness"), "data/prompt_ids",
-                    "step_00006")
+    assert_same_run(
+        stopped, result.run_dir, ("reward/mean", "loss/total", "policy/staleness"), "data/prompt_ids", "step_00006"
+    )
     assert [r["generate/policy_version"] for r in _rows(stopped)][3:] == [2, 3, 4]
     trained = [r for r in valid_records(read_ledger(stopped)) if r["event"] == "trained"]
     assert len(trained) == STEPS * 32 and len({r["uid"] for r in trained}) == STEPS * 32
@@ -87,11 +103,24 @@ def _long_generations(tmp_path: Path, inflight: bool, *overrides: str) -> tuple[
     """A run whose generations (128 decoding steps) outlast the learners' update several times:
     the sync after step k is ready while step k+1 still generates. Its rows and each batch's
     token counts by the policy version that sampled them, and its run folder."""
-    cfg = load_config(ROOT / "configs" / "ppo_tiny.yaml", [
-        *overrides, "rollout.max_staleness=1", f"rollout.inflight_updates={str(inflight).lower()}", "model.max_new_tokens=128",
-        "rollout.prompts_per_step=8", "train.epochs=1", "train.num_minibatches=1", "train.micro_batch_size=8",
-        f"run.steps={STEPS}", f"run.output_dir={tmp_path}", f"run.name=inflight{int(inflight)}", "run.plot=false",
-        "cluster.metrics_export=false"])
+    cfg = load_config(
+        ROOT / "configs" / "ppo_tiny.yaml",
+        [
+            *overrides,
+            "rollout.max_staleness=1",
+            f"rollout.inflight_updates={str(inflight).lower()}",
+            "model.max_new_tokens=128",
+            "rollout.prompts_per_step=8",
+            "train.epochs=1",
+            "train.num_minibatches=1",
+            "train.micro_batch_size=8",
+            f"run.steps={STEPS}",
+            f"run.output_dir={tmp_path}",
+            f"run.name=inflight{int(inflight)}",
+            "run.plot=false",
+            "cluster.metrics_export=false",
+        ],
+    )
     result = train(cfg)
     rows = [r for r in result.history if r["step"] > 0]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))

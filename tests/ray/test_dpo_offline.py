@@ -21,17 +21,37 @@ def _preferences(path: Path, n: int = 56) -> Path:
     lines = []
     for i in range(n):
         a, b = i % 10, (3 * i) % 10
-        lines.append(json.dumps({"prompt": f"What is {a} + {b}?", "chosen": f"{a} + {b} = {a + b}.",
-                                 "rejected": "I cannot help with that."}))
+        lines.append(
+            json.dumps(
+                {
+                    "prompt": f"What is {a} + {b}?",
+                    "chosen": f"{a} + {b} = {a + b}.",
+                    "rejected": "I cannot help with that.",
+                }
+            )
+        )
     lines += ["{broken", json.dumps({"prompt": "q", "chosen": "same", "rejected": "same"})]
     path.write_text("\n".join(lines) + "\n")
     return path
 
 
 def _settings(data: Path) -> list[str]:
-    return ["run.algorithm=dpo", f"data.preference_file={data}", "data.eval_size=8", "dpo.pairs_per_step=8",
-            "dpo.beta=0.5", "train.lr=1e-3", "train.epochs=1", "train.num_minibatches=1", "train.micro_batch_size=8",
-            "train.lr_schedule=constant", "run.eval_every=3", "run.save_every=3", "run.keep_last=0", "run.plot=true"]
+    return [
+        "run.algorithm=dpo",
+        f"data.preference_file={data}",
+        "data.eval_size=8",
+        "dpo.pairs_per_step=8",
+        "dpo.beta=0.5",
+        "train.lr=1e-3",
+        "train.epochs=1",
+        "train.num_minibatches=1",
+        "train.micro_batch_size=8",
+        "train.lr_schedule=constant",
+        "run.eval_every=3",
+        "run.save_every=3",
+        "run.keep_last=0",
+        "run.plot=true",
+    ]
 
 
 def _rows(run_dir: Path) -> list[dict]:
@@ -75,8 +95,11 @@ def test_offline_dpo_learns_held_out_preferences_and_resumes(ray_cluster, tiny_m
 
 def test_a_resumed_reward_model_run_equals_the_uninterrupted_one(ray_cluster, tiny_model_path, tmp_path):
     data = _preferences(tmp_path / "prefs.jsonl")
-    cfg = load_config(ROOT / "configs" / "ppo_tiny.yaml", _settings(data) + [
-        "run.algorithm=reward_model", "run.steps=4", "run.save_every=2", "run.eval_every=2", "run.plot=false"])
+    cfg = load_config(
+        ROOT / "configs" / "ppo_tiny.yaml",
+        _settings(data)
+        + ["run.algorithm=reward_model", "run.steps=4", "run.save_every=2", "run.eval_every=2", "run.plot=false"],
+    )
     train(cfg, run_dir=tmp_path / "rm")
     stopped = crashed_copy(tmp_path / "rm", 2, tmp_path / "stopped")
     assert cli.main(["train", "--resume", str(stopped)]) == 0
@@ -88,7 +111,9 @@ def test_dpo_config_errors_are_one_line(tmp_path):
         load_config(ROOT / "configs" / "ppo_tiny.yaml", ["run.algorithm=dpo", "dpo.candidates=1"])
     from cluster.run_context import preflight
 
-    cfg = load_config(ROOT / "configs" / "ppo_tiny.yaml", ["run.algorithm=dpo", f"data.preference_file={tmp_path}/no.jsonl"])
+    cfg = load_config(
+        ROOT / "configs" / "ppo_tiny.yaml", ["run.algorithm=dpo", f"data.preference_file={tmp_path}/no.jsonl"]
+    )
     with pytest.raises(Exception, match="preference file not found"):
         preflight(cfg)
 
@@ -99,12 +124,27 @@ def test_dpo_on_scored_pairs_from_the_generators(ray_cluster, tiny_model_path, t
     generator after a weight sync."""
     import pyarrow.parquet as pq
 
-    cfg = load_config(ROOT / "configs" / "ppo_tiny.yaml", [
-        "run.algorithm=dpo", "reward.function=tests.helpers.rewards:reply_length",
-        "dpo.pairs=scorer", "dpo.candidates=4", "dpo.candidate_temperature=1.0", "dpo.pair_prompts=64", "dpo.eval_pairs=6",
-        "dpo.pairs_per_step=6", "dpo.beta=0.5", "train.lr=1e-3", "train.epochs=1", "train.num_minibatches=1", "run.steps=3",
-        "run.eval_every=3", "data.eval_size=8", "run.plot=false",
-    ])
+    cfg = load_config(
+        ROOT / "configs" / "ppo_tiny.yaml",
+        [
+            "run.algorithm=dpo",
+            "reward.function=tests.helpers.rewards:reply_length",
+            "dpo.pairs=scorer",
+            "dpo.candidates=4",
+            "dpo.candidate_temperature=1.0",
+            "dpo.pair_prompts=64",
+            "dpo.eval_pairs=6",
+            "dpo.pairs_per_step=6",
+            "dpo.beta=0.5",
+            "train.lr=1e-3",
+            "train.epochs=1",
+            "train.num_minibatches=1",
+            "run.steps=3",
+            "run.eval_every=3",
+            "data.eval_size=8",
+            "run.plot=false",
+        ],
+    )
     train(cfg, run_dir=tmp_path / "run")
     rows = _rows(tmp_path / "run")
     table = pq.read_table(tmp_path / "run" / "data" / "pairs.parquet").to_pylist()

@@ -74,7 +74,8 @@ def test_every_stage_leaves_a_loadable_checkpoint_and_resume_continues_the_right
     saved = yaml.safe_load((stages[1] / "config.yaml").read_text())
     assert saved["model"]["path"] == str(stages[0] / "checkpoints" / "step_00008")
     assert yaml.safe_load((stages[2] / "config.yaml").read_text())["model"]["path"] == str(
-        stages[1] / "checkpoints" / "step_00002")
+        stages[1] / "checkpoints" / "step_00002"
+    )
 
 
 def test_the_resumed_staged_run_equals_the_uninterrupted_one(staged, uninterrupted):
@@ -85,17 +86,27 @@ def test_the_resumed_staged_run_equals_the_uninterrupted_one(staged, uninterrupt
     was seen once. A lost or repeated step, lost optimiser state or another pair moves weights
     by about lr = 1e-3.)"""
     run, _ = staged
-    for stage, ids, final, weight_atol in (("00-sft", "data/example_ids", "step_00008", 1e-5),
-                                           ("01-self-reward", "data/pair_ids", "step_00002", 1e-4),
-                                           ("02-spin", "data/pair_ids", "step_00001", 1e-4)):
-        assert_same_run(run / "stages" / stage, uninterrupted / "stages" / stage, ("loss/total",), ids, final,
-                        weight_atol=weight_atol)
+    for stage, ids, final, weight_atol in (
+        ("00-sft", "data/example_ids", "step_00008", 1e-5),
+        ("01-self-reward", "data/pair_ids", "step_00002", 1e-4),
+        ("02-spin", "data/pair_ids", "step_00001", 1e-4),
+    ):
+        assert_same_run(
+            run / "stages" / stage,
+            uninterrupted / "stages" / stage,
+            ("loss/total",),
+            ids,
+            final,
+            weight_atol=weight_atol,
+        )
     # The self-rewarding iteration made the same pairs (judged by the same model), and SPIN drew
     # prompts the self-rewarding iteration had not (a new iteration, new prompts).
     for stage in ("01-self-reward", "02-spin"):
         got = pq.read_table(run / "stages" / stage / "data" / "pairs.parquet").to_pylist()
         assert got == pq.read_table(uninterrupted / "stages" / stage / "data" / "pairs.parquet").to_pylist()
-    judged = {r["prompt_id"] for r in pq.read_table(run / "stages" / "01-self-reward" / "data" / "pairs.parquet").to_pylist()}
+    judged = {
+        r["prompt_id"] for r in pq.read_table(run / "stages" / "01-self-reward" / "data" / "pairs.parquet").to_pylist()
+    }
     spin = {r["prompt_id"] for r in pq.read_table(run / "stages" / "02-spin" / "data" / "pairs.parquet").to_pylist()}
     assert judged and spin and not judged & spin
 
@@ -107,7 +118,7 @@ def test_self_rewarding_iteration_judges_with_the_generators_and_syncs(staged):
     last = rows[-1]
     # Every judgement is counted once: parsed + unparsed + out of range = judgements made,
     # k = 3 per candidate the judge saw (32 prompts x 4 candidates).
-    c = {k[len("pairs/"):]: v for k, v in last.items() if k.startswith("pairs/")}
+    c = {k[len("pairs/") :]: v for k, v in last.items() if k.startswith("pairs/")}
     assert c["judge_items"] == 32 * 4
     assert c["judge_judgements"] == 3 * (c["judge_items"] - c["judge_items_too_long"])
     assert c["judge_parsed"] + c["judge_unparsed"] + c["judge_out_of_range"] == c["judge_judgements"]
@@ -141,12 +152,20 @@ def test_the_judge_rewards_ppo(staged, tmp_path):
     """reward.function=llm_judge: PPO samples are judged by the generators that sampled them
     (here the SFT stage's tiny model, which writes numbers); unjudged samples are dropped and counted."""
     run, _ = staged
-    cfg = load_config(ROOT / "configs" / "ppo_tiny.yaml", [
-        f"model.path={run / 'stages' / '00-sft' / 'checkpoints' / 'step_00008'}", "reward.function=llm_judge",
-        "run.steps=2", "rollout.prompts_per_step=16", "run.plot=false", "run.save_final=false",
-        "train.lr=1e-4", "ppo.critic_lr=1e-4",  # small steps: the judge is the policy and should stay one
-        *[f"judge.{k}={v}" for k, v in yaml.safe_load(PRESET.read_text())["judge"].items() if k != "template"],
-    ])
+    cfg = load_config(
+        ROOT / "configs" / "ppo_tiny.yaml",
+        [
+            f"model.path={run / 'stages' / '00-sft' / 'checkpoints' / 'step_00008'}",
+            "reward.function=llm_judge",
+            "run.steps=2",
+            "rollout.prompts_per_step=16",
+            "run.plot=false",
+            "run.save_final=false",
+            "train.lr=1e-4",
+            "ppo.critic_lr=1e-4",  # small steps: the judge is the policy and should stay one
+            *[f"judge.{k}={v}" for k, v in yaml.safe_load(PRESET.read_text())["judge"].items() if k != "template"],
+        ],
+    )
     cfg.judge.template = yaml.safe_load(PRESET.read_text())["judge"]["template"]
     train(cfg, run_dir=tmp_path / "ppo")
     rows = [json.loads(line) for line in (tmp_path / "ppo" / "metrics.jsonl").read_text().splitlines()]

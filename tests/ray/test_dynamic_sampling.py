@@ -33,25 +33,42 @@ def _expected(cfg) -> list[dict]:
             draws += 1
             ids, uids = sampler.next_with_uids()
             informative += [u for i, u in zip(ids, uids) if informative_prompt(train_set.rows[i]["prompt"])]
-        out.append({"draws": draws, "kept": informative[:TARGET], "shortfall": TARGET - len(informative[:TARGET]),
-                    "issued": (draws + 1) * PROMPTS})
+        out.append(
+            {
+                "draws": draws,
+                "kept": informative[:TARGET],
+                "shortfall": TARGET - len(informative[:TARGET]),
+                "issued": (draws + 1) * PROMPTS,
+            }
+        )
     return out
 
 
 def test_each_step_trains_on_the_informative_groups_it_drew(ray_cluster, tmp_path):
-    cfg = load_config(ROOT / "configs" / "ppo_tiny.yaml", [
-        f"run.steps={STEPS}", "ppo.advantage_estimator=grpo", "rollout.samples_per_prompt=4",
-        f"rollout.prompts_per_step={PROMPTS}", f"rollout.dynamic_sampling={TARGET}",
-        f"rollout.dynamic_sampling_max_draws={MAX_DRAWS}", "reward.function=tests.helpers.rewards:some_groups_informative",
-        "run.eval_every=0", "run.plot=false", "run.save_final=false"])
+    cfg = load_config(
+        ROOT / "configs" / "ppo_tiny.yaml",
+        [
+            f"run.steps={STEPS}",
+            "ppo.advantage_estimator=grpo",
+            "rollout.samples_per_prompt=4",
+            f"rollout.prompts_per_step={PROMPTS}",
+            f"rollout.dynamic_sampling={TARGET}",
+            f"rollout.dynamic_sampling_max_draws={MAX_DRAWS}",
+            "reward.function=tests.helpers.rewards:some_groups_informative",
+            "run.eval_every=0",
+            "run.plot=false",
+            "run.save_final=false",
+        ],
+    )
     expected = _expected(cfg)
     # The data gives both cases: steps that fill up with extra draws, and one that runs out.
     assert any(e["draws"] > 0 and not e["shortfall"] for e in expected) and any(e["shortfall"] for e in expected)
     run_dir = tmp_path / "run"
     train(cfg, run_dir=run_dir)
     got = [r for r in rows(run_dir) if r["step"] > 0]
-    assert [(r["dynamic_sampling/draws"], r["dynamic_sampling/groups"], r["dynamic_sampling/shortfall"]) for r in got] \
-        == [(e["draws"], TARGET - e["shortfall"], e["shortfall"]) for e in expected]
+    assert [
+        (r["dynamic_sampling/draws"], r["dynamic_sampling/groups"], r["dynamic_sampling/shortfall"]) for r in got
+    ] == [(e["draws"], TARGET - e["shortfall"], e["shortfall"]) for e in expected]
     records = read_ledger(run_dir)
     for step, e in enumerate(expected, 1):
         trained = sorted(r["uid"] for r in records if r["event"] == "trained" and r["step"] == step)

@@ -16,9 +16,17 @@ from cluster.run_context import RUN_STATE_FILE, latest_checkpoint
 
 pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parents[2]
-STOP = ["run.steps=8", "run.eval_every=1", "run.eval_before_train=false", "run.early_stop_metric=eval/n",
-        "run.early_stop_mode=min", "run.early_stop_patience=2", "run.plot=false", "rollout.prompts_per_step=8",
-        "data.eval_size=4"]
+STOP = [
+    "run.steps=8",
+    "run.eval_every=1",
+    "run.eval_before_train=false",
+    "run.early_stop_metric=eval/n",
+    "run.early_stop_mode=min",
+    "run.early_stop_patience=2",
+    "run.plot=false",
+    "rollout.prompts_per_step=8",
+    "data.eval_size=4",
+]
 
 
 def _rows(run_dir: Path) -> list[dict]:
@@ -38,8 +46,10 @@ def test_ppo_stops_early_and_saves_the_stopping_step(ray_cluster, tiny_model_pat
 
 
 def test_online_q_learning_stops_early_and_keeps_its_best_checkpoint(ray_cluster, tiny_model_path, tmp_path):
-    cfg = load_config(ROOT / "configs" / "qlearn_tiny.yaml", STOP + ["run.early_stop_keep_best=true",
-                                                                     "run.save_every=2", "run.keep_last=1"])
+    cfg = load_config(
+        ROOT / "configs" / "qlearn_tiny.yaml",
+        STOP + ["run.early_stop_keep_best=true", "run.save_every=2", "run.keep_last=1"],
+    )
     result = train(cfg, run_dir=tmp_path / "q")
     assert [r["step"] for r in _rows(tmp_path / "q")] == [1, 2, 3]
     # Step 1's evaluation is the best (the first value): its checkpoint is the run's final one; step 2's

@@ -30,17 +30,36 @@ pytestmark = pytest.mark.ray
 STEPS, PROMPTS = 8, 32
 # Longer generations than the preset's, so that a kill lands inside a generate call; a scorer
 # that takes 0.3 s a call (the preset's reward), so that one lands inside a score call.
-RUN = ["--set", f"run.steps={STEPS}", "--set", "run.save_every=2", "--set", "run.eval_every=0",
-       "--set", "run.plot=false", "--set", "model.max_new_tokens=48", "--set", f"rollout.prompts_per_step={PROMPTS}",
-       "--set", "run.keep_last=0", "--set", "reward.function=tests.helpers.rewards:slow_digit_density"]
+RUN = [
+    "--set",
+    f"run.steps={STEPS}",
+    "--set",
+    "run.save_every=2",
+    "--set",
+    "run.eval_every=0",
+    "--set",
+    "run.plot=false",
+    "--set",
+    "model.max_new_tokens=48",
+    "--set",
+    f"rollout.prompts_per_step={PROMPTS}",
+    "--set",
+    "run.keep_last=0",
+    "--set",
+    "reward.function=tests.helpers.rewards:slow_digit_density",
+]
 
 
-def _launch(ray_cluster, run_dir: Path, *extra: str, resume: bool = False,
-            preset: str = "configs/ppo_tiny.yaml") -> subprocess.Popen:
+def _launch(
+    ray_cluster, run_dir: Path, *extra: str, resume: bool = False, preset: str = "configs/ppo_tiny.yaml"
+) -> subprocess.Popen:
     env = {**ray_cluster["env"], "RAY_ADDRESS": ray_cluster["address"]}
     rayrlhf = str(Path(sys.executable).parent / "rayrlhf")
-    cmd = [rayrlhf, "train", "--resume", str(run_dir)] if resume else \
-        [rayrlhf, "train", preset, "--run-dir", str(run_dir), *RUN, *extra]
+    cmd = (
+        [rayrlhf, "train", "--resume", str(run_dir)]
+        if resume
+        else [rayrlhf, "train", preset, "--run-dir", str(run_dir), *RUN, *extra]
+    )
     return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -70,8 +89,9 @@ def uninterrupted(ray_cluster, tmp_path_factory) -> Path:
 
 def _same_as(run_dir: Path, reference: Path) -> None:
     """Per-step rewards and the final weights equal the uninterrupted run's (fp32 throughout)."""
-    assert [r["reward/mean"] for r in _rows(run_dir)] == pytest.approx([r["reward/mean"] for r in _rows(reference)],
-                                                                       abs=1e-6)
+    assert [r["reward/mean"] for r in _rows(run_dir)] == pytest.approx(
+        [r["reward/mean"] for r in _rows(reference)], abs=1e-6
+    )
     final = Path("checkpoints") / f"step_{STEPS:05d}"
     got, want = load_model_weights(run_dir / final), load_model_weights(reference / final)
     assert got.keys() == want.keys()
@@ -79,8 +99,9 @@ def _same_as(run_dir: Path, reference: Path) -> None:
         torch.testing.assert_close(got[k], want[k], atol=1e-5, rtol=1e-4, msg=k)
 
 
-def test_killed_roles_and_learner_are_restarted_and_the_run_ends_as_the_uninterrupted_one(ray_cluster,
-                                                                                         uninterrupted, tmp_path):
+def test_killed_roles_and_learner_are_restarted_and_the_run_ends_as_the_uninterrupted_one(
+    ray_cluster, uninterrupted, tmp_path
+):
     """In one run, each killed inside a call: a generator in ``generate`` (prompts in flight), the
     scorer in ``score``, the reference in ``annotate``; then a Ray Train learner worker. Ray
     restarts each role; the generator's unit is issued again with the same seed and the learners'
@@ -88,11 +109,16 @@ def test_killed_roles_and_learner_are_restarted_and_the_run_ends_as_the_uninterr
     Train restarts the learner group, which restores this run's last checkpoint and replays the
     steps after it: the run ends as the uninterrupted one, every batch in the weights once."""
     run_dir = tmp_path / "kills"
-    kills, out = kill_during_run(_launch(ray_cluster, run_dir), run_dir, [
-        (lambda: steps_logged(run_dir) >= 2, "GeneratorWorker", "generate"),
-        (lambda: steps_logged(run_dir) >= 3, "ScorerWorker", "score"),
-        (lambda: steps_logged(run_dir) >= 4, "ReferenceWorker", "annotate"),
-        (lambda: steps_logged(run_dir) >= 5, "RayTrainWorker", None)])
+    kills, out = kill_during_run(
+        _launch(ray_cluster, run_dir),
+        run_dir,
+        [
+            (lambda: steps_logged(run_dir) >= 2, "GeneratorWorker", "generate"),
+            (lambda: steps_logged(run_dir) >= 3, "ScorerWorker", "score"),
+            (lambda: steps_logged(run_dir) >= 4, "ReferenceWorker", "annotate"),
+            (lambda: steps_logged(run_dir) >= 5, "RayTrainWorker", None),
+        ],
+    )
     assert all(inside for inside, _ in kills) and kills[-1][1] < STEPS, kills
     summary = _check_exactly_once(run_dir)
     assert summary["restarts"] == {"generator": 1, "scorer": 1, "reference": 1, "learner": 1}, summary
@@ -142,8 +168,12 @@ def test_a_stopped_job_resumes_and_each_prompt_is_trained_once(ray_cluster, tmp_
     raw = [r["uid"] for r in records if r["event"] == "trained"]
     assert len(raw) > STEPS * PROMPTS
     _check_exactly_once(run_dir)
-    status = subprocess.run([str(Path(sys.executable).parent / "rayrlhf"), "status", str(run_dir)],
-                            capture_output=True, text=True, timeout=60)
+    status = subprocess.run(
+        [str(Path(sys.executable).parent / "rayrlhf"), "status", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert status.returncode == 0, status.stderr
     assert f"step       {STEPS}/{STEPS} (finished)" in status.stdout
     assert f"{STEPS * PROMPTS} trained" in status.stdout and "0 lost, 0 trained twice" in status.stdout
@@ -159,8 +189,11 @@ def _every_unit_once(run_dir: Path, units: int) -> dict:
 
 def test_a_generator_killed_in_online_q_learning_is_restarted_with_the_current_weights(ray_cluster, tmp_path):
     run_dir = tmp_path / "qlearn-gen-kill"
-    [(inside, _)], out = kill_during_run(_launch(ray_cluster, run_dir, preset="configs/qlearn_tiny.yaml"), run_dir,
-                                          [(lambda: steps_logged(run_dir) >= 2, "GeneratorWorker", "generate")])
+    [(inside, _)], out = kill_during_run(
+        _launch(ray_cluster, run_dir, preset="configs/qlearn_tiny.yaml"),
+        run_dir,
+        [(lambda: steps_logged(run_dir) >= 2, "GeneratorWorker", "generate")],
+    )
     assert inside
     summary = _every_unit_once(run_dir, STEPS * PROMPTS)
     assert summary["prompts"]["scored"] == STEPS * PROMPTS and summary["prompts"]["reissued"] >= 1
@@ -182,10 +215,20 @@ def test_a_generator_killed_while_judging_in_self_rewarding_dpo(ray_cluster, tmp
     config = tmp_path / "self_reward.yaml"
     config.write_text(yaml.safe_dump(preset))
     run_dir = tmp_path / "self-reward-gen-kill"
-    proc = _launch(ray_cluster, run_dir, "--set", "run.steps=2", "--set", "run.eval_every=0",
-                   "--set", "model.max_new_tokens=16", preset=str(config))
-    [(inside, _)], out = kill_during_run(proc, run_dir, [
-        (lambda: (run_dir / "stages" / "01-self-reward").is_dir(), "GeneratorWorker", "judge")])
+    proc = _launch(
+        ray_cluster,
+        run_dir,
+        "--set",
+        "run.steps=2",
+        "--set",
+        "run.eval_every=0",
+        "--set",
+        "model.max_new_tokens=16",
+        preset=str(config),
+    )
+    [(inside, _)], out = kill_during_run(
+        proc, run_dir, [(lambda: (run_dir / "stages" / "01-self-reward").is_dir(), "GeneratorWorker", "judge")]
+    )
     assert inside
     stage = run_dir / "stages" / "01-self-reward"
     summary = _every_unit_once(stage, 2 * 4)  # 2 steps of dpo.pairs_per_step=4 pairs
@@ -200,8 +243,9 @@ def test_roles_that_do_not_fit_the_cluster_fail_at_once(ray_cluster, tmp_path):
     from cluster.config.loading import load_config
     from cluster.driver import train
 
-    cfg = load_config(ROOT / "configs" / "ppo_tiny.yaml",
-                      ["cluster.cpus_per_learner=64", f"run.output_dir={tmp_path}", "run.steps=1"])
+    cfg = load_config(
+        ROOT / "configs" / "ppo_tiny.yaml", ["cluster.cpus_per_learner=64", f"run.output_dir={tmp_path}", "run.steps=1"]
+    )
     with pytest.raises(UserError) as err:
         train(cfg)
     msg = str(err.value)

@@ -43,18 +43,26 @@ class _Replica:
         if self.calls == self.raise_on_call:
             raise ValueError(f"bad rows {rows}")
         time.sleep(self.delay)
-        return {"groups": group_ids, "seed": seed}, {"groups": group_ids, "seed": seed, "policy_version": 0,
-                                                     "finished_at": time.time()}
+        return {"groups": group_ids, "seed": seed}, {
+            "groups": group_ids,
+            "seed": seed,
+            "policy_version": 0,
+            "finished_at": time.time(),
+        }
 
 
 def _units(n: int, per_unit: int = 2) -> list[Unit]:
-    return [Unit(k, [f"row{k}"] * per_unit, [k * per_unit + j for j in range(per_unit)], False, 100 + k)
-            for k in range(n)]
+    return [
+        Unit(k, [f"row{k}"] * per_unit, [k * per_unit + j for j in range(per_unit)], False, 100 + k) for k in range(n)
+    ]
 
 
 def _pool(replicas, on_done=None) -> GeneratorPool:
-    return GeneratorPool(len(replicas), lambda g, u: replicas[g].generate.options(num_returns=2).remote(
-        u.rows, u.group_ids, u.greedy, u.seed), on_done=on_done)
+    return GeneratorPool(
+        len(replicas),
+        lambda g, u: replicas[g].generate.options(num_returns=2).remote(u.rows, u.group_ids, u.greedy, u.seed),
+        on_done=on_done,
+    )
 
 
 def test_units_go_to_whichever_replica_is_free_and_come_back_in_unit_order(ray_cluster):

@@ -24,10 +24,18 @@ def _rise(rows: list[dict]) -> tuple[float, float]:
 
 
 def test_lora_learns_with_reference_from_disabled_adapter(ray_cluster, tiny_model_path, tmp_path):
-    cfg = load_config(ROOT / "configs" / "ppo_tiny.yaml", [
-        "run.steps=20", "lora.enabled=true", "lora.r=8", "lora.alpha=16", "train.lr=2e-2", "run.plot=false",
-        "train.gradient_checkpointing=true",
-    ])
+    cfg = load_config(
+        ROOT / "configs" / "ppo_tiny.yaml",
+        [
+            "run.steps=20",
+            "lora.enabled=true",
+            "lora.r=8",
+            "lora.alpha=16",
+            "train.lr=2e-2",
+            "run.plot=false",
+            "train.gradient_checkpointing=true",
+        ],
+    )
     result = train(cfg, run_dir=tmp_path / "run")
     rows = _rows(tmp_path / "run")
     start, end = _rise(rows)
@@ -62,10 +70,18 @@ def test_lora_learns_with_reference_from_disabled_adapter(ray_cluster, tiny_mode
 def test_two_data_parallel_learners(ray_cluster, tiny_model_path, tmp_path):
     """Two Ray Train workers (DDP over gloo): groups are sharded whole, ranks stay in step, and
     rank 0's weights keep vLLM in agreement with the trainer."""
-    cfg = load_config(ROOT / "configs" / "ppo_tiny.yaml", [
-        "run.steps=3", "cluster.num_learners=2", "ppo.advantage_estimator=rloo", "rollout.prompts_per_step=5",
-        "rollout.samples_per_prompt=3", "run.plot=false", "run.save_final=false",
-    ])
+    cfg = load_config(
+        ROOT / "configs" / "ppo_tiny.yaml",
+        [
+            "run.steps=3",
+            "cluster.num_learners=2",
+            "ppo.advantage_estimator=rloo",
+            "rollout.prompts_per_step=5",
+            "rollout.samples_per_prompt=3",
+            "run.plot=false",
+            "run.save_final=false",
+        ],
+    )
     train(cfg, run_dir=tmp_path / "run")
     rows = _rows(tmp_path / "run")
     assert len(rows) == 3

@@ -62,22 +62,35 @@ def test_two_ray_train_workers_match_one(ray_cluster, tiny_model_path, tmp_path,
     lm = tiny_lm(tiny_model_path)
     ids, att, rm = grouped_batch(lm.config.vocab_size, GROUPS, seed=3)
     kl = 0.1 if estimator == "gae" else 0.0
-    batch = experience(lm, ids, att, rm, [1.0, 0.0, 1.0, 0.5, 0.0, 0.0, 1.0], groups=GROUPS,
-                       ref_shift=0.05 if kl else None)
+    batch = experience(
+        lm, ids, att, rm, [1.0, 0.0, 1.0, 0.5, 0.0, 0.0, 1.0], groups=GROUPS, ref_shift=0.05 if kl else None
+    )
     ref = ray.put(batch)
     out, weights = {}, {}
     # With a critic and a KL term (the most passes) the two workers are sharded (FSDP2); the other
     # estimators' two workers are replicated (two replicated ranks with a critic: test_multi_learner.py).
     runs = [(1, "replicated"), (2, "fsdp" if estimator == "gae" else "replicated")]
     for n, sharding in runs:
-        cfg = load_config(overrides=[
-            f"model.path={tiny_model_path}", "train.bf16=false", "train.micro_batch_size=2", "model.generator_dtype=float32",
-            f"ppo.advantage_estimator={estimator}", f"ppo.kl_coef={kl}", "rollout.samples_per_prompt=2",
-            "train.epochs=1", "train.num_minibatches=1", f"ppo.skip_zero_advantage={n == 2}",
-            f"cluster.num_learners={n}", "cluster.cpus_per_learner=1", "cluster.threads=1",
-            # The two-worker update runs under real-time scheduling: the same maths, only sooner.
-            f"cluster.realtime_learners={n == 2}", f"train.sharding={sharding}",
-        ])
+        cfg = load_config(
+            overrides=[
+                f"model.path={tiny_model_path}",
+                "train.bf16=false",
+                "train.micro_batch_size=2",
+                "model.generator_dtype=float32",
+                f"ppo.advantage_estimator={estimator}",
+                f"ppo.kl_coef={kl}",
+                "rollout.samples_per_prompt=2",
+                "train.epochs=1",
+                "train.num_minibatches=1",
+                f"ppo.skip_zero_advantage={n == 2}",
+                f"cluster.num_learners={n}",
+                "cluster.cpus_per_learner=1",
+                "cluster.threads=1",
+                # The two-worker update runs under real-time scheduling: the same maths, only sooner.
+                f"cluster.realtime_learners={n == 2}",
+                f"train.sharding={sharding}",
+            ]
+        )
         if n == 1:
             out[1], start, end = _learn_here(cfg, tiny_model_path, ray.get(ref))
             weights[1] = (start, end)

@@ -22,14 +22,20 @@ def runs(ray_cluster, tmp_path_factory) -> dict[str, dict]:
     out_dir = tmp_path_factory.mktemp("multinode")
     env = {**ray_cluster["env"]}
     env.pop("RAY_ADDRESS", None)
-    proc = subprocess.run([sys.executable, "-m", "tests.helpers.multinode_run", str(out_dir), "disaggregated",
-                           "colocated"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.helpers.multinode_run", str(out_dir), "disaggregated", "colocated"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     results = {}
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
-            layout, payload = line[len("RESULT "):].split(" ", 1)
+            layout, payload = line[len("RESULT ") :].split(" ", 1)
             results[layout] = json.loads(payload)
     return results
 
@@ -39,7 +45,9 @@ def test_two_generators_and_two_learners_on_separate_nodes_learn(runs):
     nodes = res["nodes"]
     assert len(nodes) == 2
     gen_nodes = set(res["placement"]["generators"])
-    assert len(res["placement"]["generators"]) == 2 and gen_nodes == {n for n, r in nodes.items() if r == ["rollout_node"]}
+    assert len(res["placement"]["generators"]) == 2 and gen_nodes == {
+        n for n, r in nodes.items() if r == ["rollout_node"]
+    }
     assert nodes[res["placement"]["learner_rank0"]] == ["trainer_node"]
     assert res["placement"]["layout"] == "disaggregated" and res["placement"]["generator_placement_group"]
     # Weights crossed the nodes every step: each batch was sampled by the previous step's policy,

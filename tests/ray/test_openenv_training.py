@@ -22,9 +22,18 @@ pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS, SAMPLES = 4, 8
 EPISODES = PROMPTS * SAMPLES
-COMMON = ["env.max_turns=3", f"env.workers={EPISODES}", "env.openenv.reset_fields=prompt,answer", "run.plot=false",
-          "run.save_final=false", "run.eval_every=0", "ppo.advantage_estimator=grpo", f"rollout.samples_per_prompt={SAMPLES}",
-          f"rollout.prompts_per_step={PROMPTS}", "env.openenv.connect_wait_s=600"]
+COMMON = [
+    "env.max_turns=3",
+    f"env.workers={EPISODES}",
+    "env.openenv.reset_fields=prompt,answer",
+    "run.plot=false",
+    "run.save_final=false",
+    "run.eval_every=0",
+    "ppo.advantage_estimator=grpo",
+    f"rollout.samples_per_prompt={SAMPLES}",
+    f"rollout.prompts_per_step={PROMPTS}",
+    "env.openenv.connect_wait_s=600",
+]
 
 
 def _config(name: str, steps: int):
@@ -47,8 +56,16 @@ def _kill_and_restart(state: dict, port: int, hold: Path, done: threading.Event)
 def test_an_openenv_server_trains_like_the_environment_in_process_and_survives_its_death(ray_cluster, tmp_path):
     port, gather, hold = free_port(), tmp_path / "gather", tmp_path / "hold"
     # The first step's 32 resets wait until 32 sessions are open; step 4's resets (97-128) are held.
-    state = {"server": start_server(port, max_sessions=EPISODES, env={
-        "OPENENV_TEST_GATHER": f"{EPISODES}:{gather}", "OPENENV_TEST_HOLD": f"{hold}:{3 * EPISODES + 1}:{EPISODES}"})}
+    state = {
+        "server": start_server(
+            port,
+            max_sessions=EPISODES,
+            env={
+                "OPENENV_TEST_GATHER": f"{EPISODES}:{gather}",
+                "OPENENV_TEST_HOLD": f"{hold}:{3 * EPISODES + 1}:{EPISODES}",
+            },
+        )
+    }
     done = threading.Event()
     killer = threading.Thread(target=_kill_and_restart, args=(state, port, hold, done), daemon=True)
     killer.start()

@@ -29,8 +29,17 @@ def test_ppo_tiny_reward_rises(ray_cluster, tiny_model_path, tmp_path):
     assert end > start + 0.15, (start, end)
     # fp32 generator and learner: the rollout log-probs are the learner's own.
     assert max(r["logprob_gap/max_abs"] for r in rows) < 1e-3
-    for key in ("time/generate_s", "time/score_s", "time/reference_s", "time/learn_s", "time/sync_s",
-                "kl/ref_k1", "policy/clip_frac", "reward/std", "response/length_mean"):
+    for key in (
+        "time/generate_s",
+        "time/score_s",
+        "time/reference_s",
+        "time/learn_s",
+        "time/sync_s",
+        "kl/ref_k1",
+        "policy/clip_frac",
+        "reward/std",
+        "response/length_mean",
+    ):
         assert all(key in r and r[key] is not None for r in rows), key
     assert rows[-1]["kl/ref_k1"] > 0  # the policy moved away from the reference
     # Peak memory of each role's process is recorded (the generator holds a vLLM engine).
@@ -58,14 +67,29 @@ def _own_data(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    verl = [{"data_source": "gsm_like" if i < 10 else "mystery",
-             "prompt": [{"role": "user", "content": f"Add {i} and {i + 2}."}],
-             "reward_model": {"style": "rule", "ground_truth": str(2 * i + 2)}, "extra_info": {"index": i}}
-            for i in range(12)]
-    verl += [{"data_source": "gsm_like", "prompt": [], "reward_model": {"style": "rule", "ground_truth": "1"},
-              "extra_info": {"index": 12}},
-             {"data_source": "gsm_like", "prompt": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}],
-              "reward_model": {"style": "rule", "ground_truth": "1"}, "extra_info": {"index": 13}}]
+    verl = [
+        {
+            "data_source": "gsm_like" if i < 10 else "mystery",
+            "prompt": [{"role": "user", "content": f"Add {i} and {i + 2}."}],
+            "reward_model": {"style": "rule", "ground_truth": str(2 * i + 2)},
+            "extra_info": {"index": i},
+        }
+        for i in range(12)
+    ]
+    verl += [
+        {
+            "data_source": "gsm_like",
+            "prompt": [],
+            "reward_model": {"style": "rule", "ground_truth": "1"},
+            "extra_info": {"index": 12},
+        },
+        {
+            "data_source": "gsm_like",
+            "prompt": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}],
+            "reward_model": {"style": "rule", "ground_truth": "1"},
+            "extra_info": {"index": 13},
+        },
+    ]
     pq.write_table(pa.Table.from_pylist(verl), tmp_path / "verl.parquet")
     lines = [json.dumps({"input": f"What is {i} + {i + 2}?", "label": str(2 * i + 2)}) for i in range(10)]
     lines += [json.dumps({"input": "word " * 120, "label": "0"}) for _ in range(5)]
@@ -73,13 +97,22 @@ def _own_data(tmp_path):
     (tmp_path / "openrlhf.jsonl").write_text("\n".join(lines) + "\n")
     own = [{"prompt": f"Write the number {i} in digits."} for i in range(8)] + [{"prompt": ""}]
     datasets.Dataset.from_list(own).save_to_disk(str(tmp_path / "own"))
-    return [{"task": str(tmp_path / "verl.parquet"), "weight": 12},
-            {"task": str(tmp_path / "openrlhf.jsonl"), "weight": 15, "name": "openrlhf", "prompt_key": "input",
-             "answer_key": "label"},
-            {"task": str(tmp_path / "own"), "weight": 8, "name": "own"}]
+    return [
+        {"task": str(tmp_path / "verl.parquet"), "weight": 12},
+        {
+            "task": str(tmp_path / "openrlhf.jsonl"),
+            "weight": 15,
+            "name": "openrlhf",
+            "prompt_key": "input",
+            "answer_key": "label",
+        },
+        {"task": str(tmp_path / "own"), "weight": 8, "name": "own"},
+    ]
 
 
-def test_own_data_with_bad_rows_routed_rewards_and_trackers(ray_cluster, tiny_model_path, tmp_path, monkeypatch, capsys):
+def test_own_data_with_bad_rows_routed_rewards_and_trackers(
+    ray_cluster, tiny_model_path, tmp_path, monkeypatch, capsys
+):
     """A run on three users' data layouts mixed by weight: malformed rows, over-long prompts, a
     source without a reward and a reward function that raises or returns NaN/inf are each counted
     and none reaches the loss; rewards are routed by source; the prompts the generators received
@@ -98,15 +131,17 @@ def test_own_data_with_bad_rows_routed_rewards_and_trackers(ray_cluster, tiny_mo
     monkeypatch.setenv("WANDB_MODE", "offline")
     root = Path(__file__).resolve().parents[2]
     data = yaml.safe_load((root / "configs" / "ppo_tiny.yaml").read_text())
-    data["run"].update(steps=2, save_final=True, plot=False, export_transitions=True,
-                       trackers=["tensorboard", "wandb", "mlflow"])
+    data["run"].update(
+        steps=2, save_final=True, plot=False, export_transitions=True, trackers=["tensorboard", "wandb", "mlflow"]
+    )
     data["train"]["sharding"] = "fsdp"
     data["train"]["reference"] = "learners"  # the KL term's reference: a frozen copy sharded in the learners
     data["cluster"] = {"num_learners": 2}
     # Every usable row once per step: the train set is the 35 usable rows, each source's share its size.
     data["data"] = {"mix": _own_data(tmp_path), "train_size": 35, "eval_size": 0}
-    data["reward"] = {"by_source": {"gsm_like": "exact_match", "openrlhf": "tests.helpers.rewards:flaky",
-                                    "own": "digit_density"}}
+    data["reward"] = {
+        "by_source": {"gsm_like": "exact_match", "openrlhf": "tests.helpers.rewards:flaky", "own": "digit_density"}
+    }
     data["rollout"]["prompts_per_step"] = 35
     data["model"]["max_prompt_tokens"] = 64
     (tmp_path / "own.yaml").write_text(yaml.safe_dump(data))
@@ -137,8 +172,11 @@ def test_own_data_with_bad_rows_routed_rewards_and_trackers(ray_cluster, tiny_mo
     capsys.readouterr()
     assert cli(["data", "inspect", "--config", str(tmp_path / "own.yaml"), "--json"]) == 0
     shown = {r["prompt"]: r for r in json.loads(capsys.readouterr().out)["splits"]["train"]["rows"]}
-    sampled = [t for f in sorted((tmp_path / "run" / "data" / "transitions").glob("*.parquet"))
-               for t in pq.read_table(f).to_pylist()]
+    sampled = [
+        t
+        for f in sorted((tmp_path / "run" / "data" / "transitions").glob("*.parquet"))
+        for t in pq.read_table(f).to_pylist()
+    ]
     prompts = {json.loads(t["meta"])["prompt"]: t["prompt_ids"] for t in sampled}
     # Exported are the scored samples: every row of the two sources whose functions never fail.
     assert set(prompts) <= {p for p, r in shown.items() if r["skipped"] is None}

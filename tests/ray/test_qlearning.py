@@ -26,17 +26,27 @@ def _rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_online_q_learning_across_turns_raises_the_reward_and_resumes_with_its_buffer(ray_cluster, tiny_model_path,
-                                                                                      tmp_path):
+def test_online_q_learning_across_turns_raises_the_reward_and_resumes_with_its_buffer(
+    ray_cluster, tiny_model_path, tmp_path
+):
     """Multi-turn episodes (the generators run them, ``actors/agents/episodes.py``): the one reward comes
     after the second reply and depends on the first only, so credit has to cross the
     environment's observation; the n-step backups carry it (the backup at turn 1's last token
     bootstraps from the state before turn 2's first action)."""
     run = tmp_path / "online"
-    cfg = load_config(ROOT / "configs" / "qlearn_tiny.yaml", [
-        "run.steps=12", "run.save_every=5", "qlearn.warmup_sequences=33", "qlearn.n_step=24",
-        "env.name=tests.helpers.environments:DigitsAcrossTurns", "env.max_turns=2",
-        "train.sharding=fsdp", "cluster.num_learners=2"])
+    cfg = load_config(
+        ROOT / "configs" / "qlearn_tiny.yaml",
+        [
+            "run.steps=12",
+            "run.save_every=5",
+            "qlearn.warmup_sequences=33",
+            "qlearn.n_step=24",
+            "env.name=tests.helpers.environments:DigitsAcrossTurns",
+            "env.max_turns=2",
+            "train.sharding=fsdp",
+            "cluster.num_learners=2",
+        ],
+    )
     train(cfg, run_dir=run)
     # Stopped after step 5 and resumed: the replay buffer is refilled from the exported steps 1-5
     # (the later steps' files are removed and written again), and the run ends as the
@@ -67,33 +77,50 @@ def test_online_q_learning_across_turns_raises_the_reward_and_resumes_with_its_b
 
 def _bad_rows(path: Path) -> None:
     """Rows an exporter or a user could get wrong: each must be counted and excluded."""
-    table = pa.table({
-        "prompt_ids": [[5, 6], [5, 6], [5, 6]], "response_ids": [[7, 8], [7], []],
-        "rewards": [[0.0], [float("nan")], []], "done": [True, True, True],
-        "behaviour_version": [0, 0, 0], "group_id": [0, 1, 2],
-    })
+    table = pa.table(
+        {
+            "prompt_ids": [[5, 6], [5, 6], [5, 6]],
+            "response_ids": [[7, 8], [7], []],
+            "rewards": [[0.0], [float("nan")], []],
+            "done": [True, True, True],
+            "behaviour_version": [0, 0, 0],
+            "group_id": [0, 1, 2],
+        }
+    )
     pq.write_table(table, path)
 
 
 def test_offline_q_learning_on_transitions_a_ppo_run_exported(ray_cluster, tiny_model_path, tmp_path):
-    ppo = load_config(ROOT / "configs" / "ppo_tiny.yaml", ["run.steps=3", "run.export_transitions=true",
-                                                           "run.save_final=false"])
+    ppo = load_config(
+        ROOT / "configs" / "ppo_tiny.yaml", ["run.steps=3", "run.export_transitions=true", "run.save_final=false"]
+    )
     train(ppo, run_dir=tmp_path / "ppo")
     folder = tmp_path / "ppo" / "data" / "transitions"
     ppo_rows = _rows(tmp_path / "ppo")
     assert [r["export/transitions"] for r in ppo_rows] == [32, 32, 32]
     _bad_rows(folder / "zz-bad.parquet")
     exported, _ = read_transitions(folder)
-    cfg = load_config(ROOT / "configs" / "qlearn_tiny.yaml", [
-        f"data.transition_file={folder}", "run.steps=6", "run.eval_every=3", "qlearn.batch_sequences=32",
-        "qlearn.eval_transitions=16", "qlearn.kl_coef=0.01", "run.save_every=3", "run.eval_sampled=true"])
+    cfg = load_config(
+        ROOT / "configs" / "qlearn_tiny.yaml",
+        [
+            f"data.transition_file={folder}",
+            "run.steps=6",
+            "run.eval_every=3",
+            "qlearn.batch_sequences=32",
+            "qlearn.eval_transitions=16",
+            "qlearn.kl_coef=0.01",
+            "run.save_every=3",
+            "run.eval_sampled=true",
+        ],
+    )
     train(cfg, run_dir=tmp_path / "offline")
     # Stopped after step 3 and resumed: the same replay batches, TD losses and weights.
     stopped = crashed_copy(tmp_path / "offline", 3, tmp_path / "stopped")
     assert cli.main(["train", "--resume", str(stopped)]) == 0
     # The sampled evaluation is seeded: the resumed run's equals the uninterrupted one's.
-    assert_same_run(stopped, tmp_path / "offline", ("loss/td", "eval/loss/td", "eval/sampled_reward"), None,
-                    "step_00006")
+    assert_same_run(
+        stopped, tmp_path / "offline", ("loss/td", "eval/loss/td", "eval/sampled_reward"), None, "step_00006"
+    )
     # The ledger of its units, replay draws of transitions: every draw trained once, and the
     # resumed run drew the same transitions at each step as the uninterrupted one.
     drawn = {}

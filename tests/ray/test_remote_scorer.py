@@ -37,11 +37,23 @@ def scorer_url(serve_url, monkeypatch):
 
 
 def _config(url: str, *extra: str):
-    return load_config(ROOT / "configs" / "ppo_tiny.yaml", [
-        "ppo.advantage_estimator=grpo", "rollout.samples_per_prompt=4", "rollout.prompts_per_step=8",
-        "run.eval_every=0", "run.plot=false", "reward.function=remote", f"reward.remote.url={url}",
-        "reward.remote.api_key_env=RAYRLHF_TEST_SCORER_KEY", "reward.remote.max_retries=2",
-        "reward.remote.backoff_s=0.2", "reward.remote.max_backoff_s=1", *extra])
+    return load_config(
+        ROOT / "configs" / "ppo_tiny.yaml",
+        [
+            "ppo.advantage_estimator=grpo",
+            "rollout.samples_per_prompt=4",
+            "rollout.prompts_per_step=8",
+            "run.eval_every=0",
+            "run.plot=false",
+            "reward.function=remote",
+            f"reward.remote.url={url}",
+            "reward.remote.api_key_env=RAYRLHF_TEST_SCORER_KEY",
+            "reward.remote.max_retries=2",
+            "reward.remote.backoff_s=0.2",
+            "reward.remote.max_backoff_s=1",
+            *extra,
+        ],
+    )
 
 
 def test_grpo_learns_through_a_scorer_outage(scorer_url, tmp_path):
@@ -63,8 +75,10 @@ def test_grpo_learns_through_a_scorer_outage(scorer_url, tmp_path):
 
     chaos = threading.Thread(target=stop_and_restart)
     chaos.start()
-    train(_config(scorer_url, "run.steps=16", "reward.remote.on_failure=wait", "reward.remote.max_wait_s=180"),
-          run_dir=run_dir)
+    train(
+        _config(scorer_url, "run.steps=16", "reward.remote.on_failure=wait", "reward.remote.max_wait_s=180"),
+        run_dir=run_dir,
+    )
     chaos.join()
     rows = _rows(run_dir)
     assert [r["step"] for r in rows] == list(range(1, 17)) and outage.get("up")

@@ -18,8 +18,16 @@ pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parents[2]
 # 12 prompts, 8 per step: the sampler crosses an epoch boundary at step 2, where the run stops.
 # A constant learning rate, so that stopping at 2 and extending to 4 is the 4-step schedule.
-SETTINGS = ["run.save_every=2", "run.eval_every=0", "run.plot=false", "rollout.prompts_per_step=8",
-            "data.train_size=12", "data.eval_size=4", "train.lr_schedule=constant", "run.keep_last=0"]
+SETTINGS = [
+    "run.save_every=2",
+    "run.eval_every=0",
+    "run.plot=false",
+    "rollout.prompts_per_step=8",
+    "data.train_size=12",
+    "data.eval_size=4",
+    "train.lr_schedule=constant",
+    "run.keep_last=0",
+]
 
 
 def _rows(run_dir: Path) -> list[dict]:
@@ -37,12 +45,23 @@ def _streamed_prompts(folder: Path) -> list[str]:
     train_set, held = load_prompts("basic_arithmetic", 12, 4, 0, {"min_terms": 2, "max_terms": 2}, "")
     (folder / "train").mkdir()
     for k in range(3):
-        pq.write_table(pa.Table.from_pylist([{"prompt": r["prompt"], "answer": r["answer"]}
-                                             for r in train_set.rows[4 * k : 4 * k + 4]]), folder / "train" / f"{k}.parquet")
-    pq.write_table(pa.Table.from_pylist([{"prompt": r["prompt"], "answer": r["answer"]} for r in held.rows]),
-                   folder / "held.parquet")
-    return [f"data.task={folder / 'train'}", "data.streaming=true", "data.shuffle_buffer=3",
-            f"data.eval_task={folder / 'held.parquet'}", "data.instruction="]
+        pq.write_table(
+            pa.Table.from_pylist(
+                [{"prompt": r["prompt"], "answer": r["answer"]} for r in train_set.rows[4 * k : 4 * k + 4]]
+            ),
+            folder / "train" / f"{k}.parquet",
+        )
+    pq.write_table(
+        pa.Table.from_pylist([{"prompt": r["prompt"], "answer": r["answer"]} for r in held.rows]),
+        folder / "held.parquet",
+    )
+    return [
+        f"data.task={folder / 'train'}",
+        "data.streaming=true",
+        "data.shuffle_buffer=3",
+        f"data.eval_task={folder / 'held.parquet'}",
+        "data.instruction=",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +107,10 @@ def test_checkpoint_serves_in_vllm_and_transformers(runs):
     from cluster.roles.workers import GeneratorWorker
 
     ckpt = str(runs[0].final_checkpoint)
-    gen = ray.remote(GeneratorWorker).options(num_cpus=1).remote(
-        GeneratorConfig(model_path=ckpt, dtype="float32", max_prompt_tokens=64, max_new_tokens=12)
+    gen = (
+        ray.remote(GeneratorWorker)
+        .options(num_cpus=1)
+        .remote(GeneratorConfig(model_path=ckpt, dtype="float32", max_prompt_tokens=64, max_new_tokens=12))
     )
     rows = [{"prompt": f"What is {i} + {2 * i}?", "meta": {}} for i in range(4)]
     try:
@@ -101,7 +122,13 @@ def test_checkpoint_serves_in_vllm_and_transformers(runs):
     for i in range(exp.batch_size):
         prompt = exp.input_ids[i][exp.attention_mask[i] & ~exp.response_mask[i]]
         vllm_tokens = exp.input_ids[i][exp.response_mask[i]].tolist()
-        out = lm.generate(prompt[None], attention_mask=torch.ones_like(prompt)[None], max_new_tokens=12,
-                          do_sample=False, eos_token_id=eos, pad_token_id=eos)
-        hf_tokens = out[0, len(prompt):].tolist()[: len(vllm_tokens)]
+        out = lm.generate(
+            prompt[None],
+            attention_mask=torch.ones_like(prompt)[None],
+            max_new_tokens=12,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=eos,
+        )
+        hf_tokens = out[0, len(prompt) :].tolist()[: len(vllm_tokens)]
         assert hf_tokens == vllm_tokens, i

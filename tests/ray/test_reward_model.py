@@ -30,13 +30,26 @@ def reward_model_run(ray_cluster, tmp_path_factory):
     train_set, _ = load_prompts("spell_backward", 240, 0, 0, {}, "")
     prefs = base / "pairs.jsonl"
     prefs.write_text("".join(json.dumps(p) + "\n" for p in answer_pairs(train_set.rows, seed=0)))
-    cfg = load_config(overrides=[
-        "run.algorithm=reward_model", "run.name=rm", f"model.path={resolve_model('smollm2-135m')}",
-        f"data.preference_file={prefs}", "data.eval_size=48", "dpo.pairs_per_step=16", "run.steps=12",
-        "run.eval_every=6", "run.plot=false", "train.lr=5e-5", "reward_model.head_lr=1e-3", "train.micro_batch_size=16",
-        "reward_model.center_coef=0.01",
-        "train.lr_schedule=constant", "model.max_prompt_tokens=96", "model.max_new_tokens=24",
-    ])
+    cfg = load_config(
+        overrides=[
+            "run.algorithm=reward_model",
+            "run.name=rm",
+            f"model.path={resolve_model('smollm2-135m')}",
+            f"data.preference_file={prefs}",
+            "data.eval_size=48",
+            "dpo.pairs_per_step=16",
+            "run.steps=12",
+            "run.eval_every=6",
+            "run.plot=false",
+            "train.lr=5e-5",
+            "reward_model.head_lr=1e-3",
+            "train.micro_batch_size=16",
+            "reward_model.center_coef=0.01",
+            "train.lr_schedule=constant",
+            "model.max_prompt_tokens=96",
+            "model.max_new_tokens=24",
+        ]
+    )
     run_dir = base / "run"
     result = train(cfg, run_dir=run_dir)
     return run_dir, result.final_checkpoint
@@ -58,10 +71,21 @@ def test_reward_model_training_raises_held_out_pairwise_accuracy(reward_model_ru
 
 def test_ppo_with_the_trained_reward_model(reward_model_run, tmp_path):
     rm = reward_model_run[1]
-    cfg = load_config(ROOT / "configs" / "ppo_tiny.yaml", [
-        "run.steps=2", "run.eval_every=0", "run.plot=false", "rollout.prompts_per_step=4",
-        "rollout.samples_per_prompt=2", "data.train_size=16",
-        "data.eval_size=4", "reward.function=reward_model", f"reward.model={rm}", "reward.cpus=0"])
+    cfg = load_config(
+        ROOT / "configs" / "ppo_tiny.yaml",
+        [
+            "run.steps=2",
+            "run.eval_every=0",
+            "run.plot=false",
+            "rollout.prompts_per_step=4",
+            "rollout.samples_per_prompt=2",
+            "data.train_size=16",
+            "data.eval_size=4",
+            "reward.function=reward_model",
+            f"reward.model={rm}",
+            "reward.cpus=0",
+        ],
+    )
     train(cfg, run_dir=tmp_path / "ppo")
     rows = _rows(tmp_path / "ppo")
     assert [r["step"] for r in rows] == [1, 2]

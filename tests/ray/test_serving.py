@@ -28,9 +28,22 @@ PROMPT = "What is 12 + 7?"
 def checkpoints(ray_cluster, tmp_path_factory):
     """Two checkpoints of one short PPO run on the tiny model."""
     run = tmp_path_factory.mktemp("serve") / "run"
-    train(load_config(ROOT / "configs" / "ppo_tiny.yaml", [
-        "run.steps=2", "run.save_every=1", "run.keep_last=0", "run.eval_every=0", "run.plot=false",
-        "rollout.prompts_per_step=8", "data.train_size=16", "data.eval_size=4"]), run_dir=run)
+    train(
+        load_config(
+            ROOT / "configs" / "ppo_tiny.yaml",
+            [
+                "run.steps=2",
+                "run.save_every=1",
+                "run.keep_last=0",
+                "run.eval_every=0",
+                "run.plot=false",
+                "rollout.prompts_per_step=8",
+                "data.train_size=16",
+                "data.eval_size=4",
+            ],
+        ),
+        run_dir=run,
+    )
     return run / "checkpoints" / "step_00001", run / "checkpoints" / "step_00002"
 
 
@@ -41,11 +54,16 @@ def server(checkpoints, serve_url, monkeypatch_module):
     from serving.policy import build_policy_app
 
     monkeypatch_module.setenv("RAYRLHF_TEST_KEY", KEY)
-    app = build_policy_app({
-        "model_path": str(checkpoints[0]), "dtype": "float32", "max_model_len": 640, "api_key_env": "RAYRLHF_TEST_KEY",
-        "limits": {"max_n": 8, "max_tokens": 96},
-        "best_of_n_scorer": {"function": "actors.rewards:digit_density"},
-    })
+    app = build_policy_app(
+        {
+            "model_path": str(checkpoints[0]),
+            "dtype": "float32",
+            "max_model_len": 640,
+            "api_key_env": "RAYRLHF_TEST_KEY",
+            "limits": {"max_n": 8, "max_tokens": 96},
+            "best_of_n_scorer": {"function": "actors.rewards:digit_density"},
+        }
+    )
     serve.run(app, name="policy", route_prefix="/", blocking=False)
     url = serve_url
     from tests.conftest import wait_for
@@ -64,7 +82,9 @@ def monkeypatch_module():
 
 def _ready(url: str) -> bool:
     try:
-        return requests.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=5).status_code == 200
+        return (
+            requests.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=5).status_code == 200
+        )
     except requests.RequestException:
         return False
 
@@ -84,11 +104,15 @@ def _answers_completion_chat_and_stream(url: str) -> None:
     assert [m.id for m in client.models.list().data] == ["policy"]
     comp = client.completions.create(model="policy", prompt="The answer is", max_tokens=8, temperature=0)
     assert comp.choices[0].text and comp.usage.completion_tokens >= 1
-    chat = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": PROMPT}],
-                                          max_tokens=8, temperature=0)
+    chat = client.chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": PROMPT}], max_tokens=8, temperature=0
+    )
     assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens >= 1
-    chunks = list(client.chat.completions.create(model="policy", messages=[{"role": "user", "content": PROMPT}],
-                                                 max_tokens=8, temperature=0, stream=True))
+    chunks = list(
+        client.chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": PROMPT}], max_tokens=8, temperature=0, stream=True
+        )
+    )
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert len(chunks) >= 2
     # Greedy: the stream spells out the same reply as the plain request.
@@ -111,8 +135,13 @@ def test_chat_with_tools_is_answered_through_the_tool_call_parser(server):
     from actors.agents.tools import CALCULATOR
 
     client = _client(server)
-    reply = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "What is 37 * 41?"}],
-                                           tools=[CALCULATOR.schema()], max_tokens=8, temperature=0)
+    reply = client.chat.completions.create(
+        model="policy",
+        messages=[{"role": "user", "content": "What is 37 * 41?"}],
+        tools=[CALCULATOR.schema()],
+        max_tokens=8,
+        temperature=0,
+    )
     assert not reply.choices[0].message.tool_calls and reply.choices[0].message.content
     assert reply.choices[0].finish_reason in ("stop", "length")
 
@@ -140,9 +169,19 @@ def _best_of_n_returns_the_highest_scoring_sample(server: str) -> None:
 
 
 def _served_logprobs(url: str) -> tuple[list[int], list[float]]:
-    r = requests.post(f"{url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=120, json={
-        "model": "policy", "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "logprobs": 0,
-        "return_tokens_as_token_ids": True})
+    r = requests.post(
+        f"{url}/v1/completions",
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=120,
+        json={
+            "model": "policy",
+            "prompt": PROMPT,
+            "max_tokens": 6,
+            "temperature": 0,
+            "logprobs": 0,
+            "return_tokens_as_token_ids": True,
+        },
+    )
     assert r.status_code == 200, r.text
     lp = r.json()["choices"][0]["logprobs"]
     return [int(t.split(":")[1]) for t in lp["tokens"]], lp["token_logprobs"]
@@ -172,16 +211,24 @@ def _reload_switches_checkpoints_without_dropping_requests(server: str, checkpoi
 
     def load() -> None:  # chat requests all through the switch
         while not stop.is_set():
-            r = requests.post(f"{server}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=120,
-                              json={"model": "policy", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 16})
+            r = requests.post(
+                f"{server}/v1/chat/completions",
+                headers={"Authorization": f"Bearer {KEY}"},
+                timeout=120,
+                json={"model": "policy", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 16},
+            )
             statuses.append(r.status_code)
 
     workers = [threading.Thread(target=load) for _ in range(3)]
     for w in workers:
         w.start()
     try:
-        r = requests.post(f"{server}/v1/admin/reload", json={"model_path": str(checkpoints[1])},
-                          headers={"Authorization": f"Bearer {KEY}"}, timeout=300)
+        r = requests.post(
+            f"{server}/v1/admin/reload",
+            json={"model_path": str(checkpoints[1])},
+            headers={"Authorization": f"Bearer {KEY}"},
+            timeout=300,
+        )
     finally:
         stop.set()
         for w in workers:
@@ -198,8 +245,17 @@ def _reload_switches_checkpoints_without_dropping_requests(server: str, checkpoi
     assert served["model_path"] == str(checkpoints[1])
 
 
-REFUSALS = ["no_key", "wrong_key", "bad_json", "max_tokens_neg", "max_tokens_huge", "n_huge", "unknown_model",
-            "too_large", "reload_not_a_model"]
+REFUSALS = [
+    "no_key",
+    "wrong_key",
+    "bad_json",
+    "max_tokens_neg",
+    "max_tokens_huge",
+    "n_huge",
+    "unknown_model",
+    "too_large",
+    "reload_not_a_model",
+]
 
 
 @pytest.mark.parametrize("case", REFUSALS)
@@ -236,7 +292,9 @@ def _refuses_with_a_clear_4xx(server: str, case: str) -> None:
     assert needle in r.json()["error"]["message"]
 
 
-def test_a_trained_tool_caller_answers_with_tool_calls_and_reads_the_tool_answer(server, tiny_model_path, tmp_path_factory):
+def test_a_trained_tool_caller_answers_with_tool_calls_and_reads_the_tool_answer(
+    server, tiny_model_path, tmp_path_factory
+):
     """The tiny model, taught one calculator conversation by the SFT learner, served after a
     reload: the real ``openai`` client gets ``tool_calls`` back, sends the tool's answer as a
     ``tool`` message, and gets the final answer. Each request's prompt is exactly the token ids
@@ -248,8 +306,12 @@ def test_a_trained_tool_caller_answers_with_tool_calls_and_reads_the_tool_answer
 
     folder, metrics = train_tool_caller(tiny_model_path, tmp_path_factory.mktemp("tool_caller") / "model")
     assert metrics["loss/total"] < 0.05
-    r = requests.post(f"{server}/v1/admin/reload", json={"model_path": str(folder)},
-                      headers={"Authorization": f"Bearer {KEY}"}, timeout=300)
+    r = requests.post(
+        f"{server}/v1/admin/reload",
+        json={"model_path": str(folder)},
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=300,
+    )
     assert r.status_code == 200, r.text
     client = _client(server)
     messages = [{"role": "user", "content": QUESTION}]
@@ -262,13 +324,19 @@ def test_a_trained_tool_caller_answers_with_tool_calls_and_reads_the_tool_answer
     chat = ChatTokens(tok)
     trained_prompt = chat.prompt(QUESTION, TOOLS)
     assert first.usage.prompt_tokens == len(trained_prompt)
-    messages += [choice.message.model_dump(exclude_none=True),
-                 {"role": "tool", "tool_call_id": call.id, "content": ANSWER}]
-    second = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, max_tokens=96, temperature=0)
+    messages += [
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": ANSWER},
+    ]
+    second = client.chat.completions.create(
+        model="policy", messages=messages, tools=TOOLS, max_tokens=96, temperature=0
+    )
     assert second.choices[0].message.content == ANSWER and not second.choices[0].message.tool_calls
     # The call as the model wrote it, the answer in the response tags, as the tool_use environment answers.
     reply = tok(CALL, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-    answer = chat.after_reply([{"role": "tool", "content": f"<tool_response>\n{ANSWER}\n</tool_response>"}], reply_ended=True)
+    answer = chat.after_reply(
+        [{"role": "tool", "content": f"<tool_response>\n{ANSWER}\n</tool_response>"}], reply_ended=True
+    )
     assert second.usage.prompt_tokens == len(trained_prompt + reply + answer)
 
 
@@ -286,14 +354,25 @@ def test_the_agents_sdk_drives_a_served_tool_caller_through_the_responses_api(se
     from tests.helpers.sdk_agents import INSTRUCTIONS, sdk_tool
     from tests.helpers.tool_agent import ANSWER, QUESTION
 
-    r = requests.post(f"{server}/v1/admin/reload", json={"model_path": sdk_tool_caller},
-                      headers={"Authorization": f"Bearer {KEY}"}, timeout=300)
+    r = requests.post(
+        f"{server}/v1/admin/reload",
+        json={"model_path": sdk_tool_caller},
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=300,
+    )
     assert r.status_code == 200, r.text
     set_tracing_disabled(True)
-    agent = Agent(name="calculator", instructions=INSTRUCTIONS, tools=[sdk_tool()], model="policy",
-                  model_settings=ModelSettings(temperature=0.0))
-    config = RunConfig(model_provider=OpenAIProvider(openai_client=AsyncOpenAI(
-        base_url=f"{server}/v1", api_key=KEY, max_retries=0)), tracing_disabled=True)
+    agent = Agent(
+        name="calculator",
+        instructions=INSTRUCTIONS,
+        tools=[sdk_tool()],
+        model="policy",
+        model_settings=ModelSettings(temperature=0.0),
+    )
+    config = RunConfig(
+        model_provider=OpenAIProvider(openai_client=AsyncOpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0)),
+        tracing_disabled=True,
+    )
 
     async def both():  # one event loop: the client's connections belong to it
         plain = await Runner.run(agent, QUESTION, run_config=config, max_turns=3)
@@ -309,13 +388,20 @@ def test_the_agents_sdk_drives_a_served_tool_caller_through_the_responses_api(se
         assert len(calls) == 1 and json.loads(calls[0].raw_item.arguments) == {"expression": "37 * 41"}
         assert outputs[0].output == ANSWER
     headers = {"Authorization": f"Bearer {KEY}"}
-    reply = requests.post(f"{server}/v1/responses", json={"model": "policy", "input": QUESTION, "max_output_tokens": 8},
-                          headers=headers, timeout=120).json()
+    reply = requests.post(
+        f"{server}/v1/responses",
+        json={"model": "policy", "input": QUESTION, "max_output_tokens": 8},
+        headers=headers,
+        timeout=120,
+    ).json()
     assert len(reply["token_ids"]) == reply["usage"]["output_tokens"] > 0 and reply["output"][0]["type"] == "message"
-    bad = requests.post(f"{server}/v1/responses", json={"model": "policy", "input": [{"type": "image"}]}, headers=headers,
-                        timeout=60)
+    bad = requests.post(
+        f"{server}/v1/responses", json={"model": "policy", "input": [{"type": "image"}]}, headers=headers, timeout=60
+    )
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "input[0].type"
-    assert requests.post(f"{server}/v1/responses", json={"model": "policy", "input": "x"}, timeout=60).status_code == 401
+    assert (
+        requests.post(f"{server}/v1/responses", json={"model": "policy", "input": "x"}, timeout=60).status_code == 401
+    )
 
 
 def _listener(port: int):
@@ -348,15 +434,37 @@ def test_the_server_as_users_start_it_is_answered_by_its_replica_on_its_own_port
     port = free_port()
     url, log = f"http://127.0.0.1:{port}", tmp_path / "server.log"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAYRLHF_TEST_KEY": KEY}
-    cmd = [sys.executable, "-m", "cluster.cli", "serve", "policy", str(checkpoints[0]), "--port", str(port),
-           "--dtype", "float32", "--max-model-len", "640", "--api-key-env", "RAYRLHF_TEST_KEY", "--max-n", "8",
-           "--max-tokens", "96", "--best-of-n-scorer", "actors.rewards:digit_density"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "cluster.cli",
+        "serve",
+        "policy",
+        str(checkpoints[0]),
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "640",
+        "--api-key-env",
+        "RAYRLHF_TEST_KEY",
+        "--max-n",
+        "8",
+        "--max-tokens",
+        "96",
+        "--best-of-n-scorer",
+        "actors.rewards:digit_density",
+    ]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         # Up once it says so (after Serve reports the app running) and answers.
-        wait_for(lambda: proc.poll() is not None or ("[rayrlhf] policy server on" in log.read_text() and _ready(url)),
-                 timeout=300, interval=2)
+        wait_for(
+            lambda: proc.poll() is not None or ("[rayrlhf] policy server on" in log.read_text() and _ready(url)),
+            timeout=300,
+            interval=2,
+        )
         assert proc.poll() is None, log.read_text()[-3000:]
         replica = _listener(port)
         assert replica.name().startswith("ray::ServeReplica:policy:PolicyServer"), replica.name()

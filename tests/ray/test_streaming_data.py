@@ -18,8 +18,11 @@ def _parquet_folder(tmp_path, files=6, rows=20):
     folder = tmp_path / "big"
     folder.mkdir()
     for f in range(files):
-        pq.write_table(pa.Table.from_pylist([{"prompt": f"q{f}-{i}", "answer": str(i)} for i in range(rows)]),
-                       folder / f"part-{f:03d}.parquet", row_group_size=5)
+        pq.write_table(
+            pa.Table.from_pylist([{"prompt": f"q{f}-{i}", "answer": str(i)} for i in range(rows)]),
+            folder / f"part-{f:03d}.parquet",
+            row_group_size=5,
+        )
     return folder
 
 
@@ -85,8 +88,11 @@ def test_a_stream_larger_than_a_step_is_read_as_drawn_and_resumes_at_the_exact_r
 
 def test_broken_jsonl_lines_are_counted_as_they_stream(ray_cluster, tmp_path):
     path = tmp_path / "p.jsonl"
-    lines = [json.dumps({"input": f"p{i}", "label": str(i)}) for i in range(6)] + ["{broken", json.dumps([1]),
-                                                                                  json.dumps({"input": ""})]
+    lines = [json.dumps({"input": f"p{i}", "label": str(i)}) for i in range(6)] + [
+        "{broken",
+        json.dumps([1]),
+        json.dumps({"input": ""}),
+    ]
     path.write_text("\n".join(lines) + "\n")
     train, _ = streaming_sets(str(path), FileKeys("input", "label"), "", 1, 0, None, 4)
     sampler = StreamingSampler(train, 6)

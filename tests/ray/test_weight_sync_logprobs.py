@@ -23,8 +23,15 @@ def test_vllm_and_trainer_logprobs_agree_across_a_sync(ray_cluster, tiny_model_p
     whose CPU linear layers re-pack their weights after every load."""
     from transformers import AutoModelForCausalLM
 
-    cfg = load_config(overrides=["model.generator_dtype=float32", "model.max_new_tokens=16", "model.max_prompt_tokens=64",
-                                 "rollout.samples_per_prompt=2", f"rollout.compile={str(compiled).lower()}"])
+    cfg = load_config(
+        overrides=[
+            "model.generator_dtype=float32",
+            "model.max_new_tokens=16",
+            "model.max_prompt_tokens=64",
+            "rollout.samples_per_prompt=2",
+            f"rollout.compile={str(compiled).lower()}",
+        ]
+    )
     gen = ray.remote(GeneratorWorker).options(num_cpus=1).remote(generator_config(cfg, tiny_model_path))
     try:
         ray.get(gen.ready.remote())

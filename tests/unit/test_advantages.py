@@ -11,6 +11,7 @@ from torch.testing import assert_close
 from learners.objectives.advantages import gae_advantages, kl_shaped_rewards
 
 from tests.unit.masks import B, T, ragged_mask
+
 F64 = dict(dtype=torch.float64)
 
 

@@ -40,8 +40,9 @@ def _rows(prompts: list[str], answers: list[str] | None = None) -> list[dict]:
 def test_three_calls_are_one_trajectory_of_exactly_the_tokens_the_program_got(generator, endpoint, pool):
     prompts = ["Tell me about seven.", "Count to three."]
     agents.SEEN.clear()
-    exp, counts = generator.generate_agent_episodes(_rows(prompts), [0, 1], agents.three_turns, endpoint, LIMITS,
-                                                    pool=pool, seed=3)
+    exp, counts = generator.generate_agent_episodes(
+        _rows(prompts), [0, 1], agents.three_turns, endpoint, LIMITS, pool=pool, seed=3
+    )
     assert exp.batch_size == 2 and counts["segments"] == 2 and counts["turns"] == 6
     chat = ChatTokens(generator.tokenizer)
     for row, prompt in enumerate(prompts):
@@ -67,15 +68,18 @@ def test_three_calls_are_one_trajectory_of_exactly_the_tokens_the_program_got(ge
 
 
 def test_a_call_that_does_not_extend_the_conversation_is_a_new_segment(generator, endpoint, pool):
-    exp, counts = generator.generate_agent_episodes(_rows(["Say hi."]), [5], agents.with_side_call, endpoint, LIMITS,
-                                                    pool=pool)
+    exp, counts = generator.generate_agent_episodes(
+        _rows(["Say hi."]), [5], agents.with_side_call, endpoint, LIMITS, pool=pool
+    )
     assert exp.batch_size == 2 and counts["segments"] == 2
     assert exp.group_ids.tolist() == [5, 5] and [m["episode"]["reward"] for m in exp.meta] == [1.0, 1.0]
 
 
 def test_failing_programs_are_counted_and_bad_calls_refused(generator, endpoint, pool):
     rows = _rows([f"Task {i}." for i in range(5)], ["1", "2", "3", "4", "5"])
-    exp, counts = generator.generate_agent_episodes(rows, list(range(5)), agents.misbehaving, endpoint, LIMITS, pool=pool)
+    exp, counts = generator.generate_agent_episodes(
+        rows, list(range(5)), agents.misbehaving, endpoint, LIMITS, pool=pool
+    )
     assert exp.skipped["agent_error"] == 2  # raised; returned garbage
     assert exp.skipped["agent_no_calls"] == 1  # its only call was refused (an unknown model)
     # Mode 4 called six times with the same first message: four answered (env.max_turns), each a
@@ -102,7 +106,12 @@ def test_replies_offering_tools_carry_tool_calls_and_the_next_call_continues_the
     assert reply["content"] == "Let me compute." and reply["tool_calls"][0]["function"]["name"] == "calculator"
     assert json.loads(reply["tool_calls"][0]["function"]["arguments"]) == {"expression": "6*7"}
     assert _reply_message(text, None) == {"role": "assistant", "content": text}  # no tools offered: plain text
-    echoed = {"role": "assistant", "content": "Let me compute.", "tool_calls": [
-        {"id": "x", "type": "function", "function": {"name": "calculator", "arguments": '{"expression":"6*7"}'}}]}
+    echoed = {
+        "role": "assistant",
+        "content": "Let me compute.",
+        "tool_calls": [
+            {"id": "x", "type": "function", "function": {"name": "calculator", "arguments": '{"expression":"6*7"}'}}
+        ],
+    }
     assert _norm(echoed) == _norm(reply)
     assert _norm({**echoed, "content": "changed"}) != _norm(reply)

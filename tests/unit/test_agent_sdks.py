@@ -27,8 +27,9 @@ ROWS = [{"prompt": QUESTION, "answer": ANSWER, "meta": {}}]
 def _run(tool_caller_engine, program, rows=ROWS, n: int = 2, temperature: float = 0.0, limits=LIMITS):
     gen, endpoint, pool = tool_caller_engine
     sdk_agents.CALLS.clear()
-    exp, counts = gen.generate_agent_episodes(rows, list(range(len(rows))), program, endpoint, limits, pool=pool, seed=5,
-                                              n=n, temperature=temperature)
+    exp, counts = gen.generate_agent_episodes(
+        rows, list(range(len(rows))), program, endpoint, limits, pool=pool, seed=5, n=n, temperature=temperature
+    )
     return exp, counts, dict(sdk_agents.CALLS)
 
 
@@ -55,8 +56,12 @@ def _forward_logprobs(model, exp, i: int) -> torch.Tensor:
     return lp[exp.response_mask[i, 1:n]]
 
 
-@pytest.mark.parametrize("program", ["agents_sdk", "agents_sdk_streamed", "langgraph_react", "langgraph_react_streaming"])
-def test_an_sdk_agent_calls_its_tool_and_trains_on_exactly_the_tokens_it_was_sent(tool_caller_engine, tool_caller_hf, program):
+@pytest.mark.parametrize(
+    "program", ["agents_sdk", "agents_sdk_streamed", "langgraph_react", "langgraph_react_streaming"]
+)
+def test_an_sdk_agent_calls_its_tool_and_trains_on_exactly_the_tokens_it_was_sent(
+    tool_caller_engine, tool_caller_hf, program
+):
     exp, counts, calls = _run(tool_caller_engine, getattr(sdk_agents, program))
     assert counts["status_done"] == 2 and counts["segments"] == 2 and counts["turns"] == 4
     # Each agent called the calculator (a reply with the call, then one with the answer) and
@@ -71,7 +76,9 @@ def test_an_sdk_agent_calls_its_tool_and_trains_on_exactly_the_tokens_it_was_sen
         assert lps == pytest.approx(_wire(wire)[1], abs=1e-6)
         assert lps == pytest.approx(_forward_logprobs(tool_caller_hf, exp, i).tolist(), abs=1e-4)
         # The tool's answer sits between the two replies as context, not as an action.
-        assert "<tool_response>\n1517\n</tool_response>" in exp.completions[i] and exp.completions[i].endswith(ANSWER + "<|im_end|>")
+        assert "<tool_response>\n1517\n</tool_response>" in exp.completions[i] and exp.completions[i].endswith(
+            ANSWER + "<|im_end|>"
+        )
 
 
 def test_a_streaming_async_program_continues_its_conversation(tool_caller_engine, tool_caller_hf):
@@ -112,15 +119,30 @@ def test_completions_continue_by_text_and_by_ids_and_each_of_n_choices_is_a_segm
 BAD = [
     ("responses", {"model": "policy", "input": [{"type": "image", "url": "x"}]}, "input[0].type"),
     ("responses", {"model": "policy", "input": "hi", "previous_response_id": "resp_nope"}, "previous_response_id"),
-    ("responses", {"model": "policy", "input": "hi", "tool_choice": "required",
-                   "tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tool_choice"),
+    (
+        "responses",
+        {
+            "model": "policy",
+            "input": "hi",
+            "tool_choice": "required",
+            "tools": [{"type": "function", "name": "f", "parameters": {}}],
+        },
+        "tool_choice",
+    ),
     ("responses", {"model": "policy", "input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
     ("responses", {"model": "policy", "input": "hi", "text": {"format": {"type": "json_schema"}}}, "text.format"),
     ("responses", {"model": "gpt-nope", "input": "hi"}, "model"),
     ("chat/completions", {"model": "policy", "messages": [{"role": "user", "content": "hi"}], "n": 0}, "n"),
-    ("chat/completions", {"model": "policy", "messages": [{"role": "user", "content": "hi"}], "stream": "maybe"}, "stream"),
-    ("chat/completions", {"model": "policy", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3},
-     "top_logprobs"),
+    (
+        "chat/completions",
+        {"model": "policy", "messages": [{"role": "user", "content": "hi"}], "stream": "maybe"},
+        "stream",
+    ),
+    (
+        "chat/completions",
+        {"model": "policy", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3},
+        "top_logprobs",
+    ),
     ("chat/completions", {"model": "policy", "messages": [{"content": "hi"}]}, "messages[0].role"),
     ("completions", {"model": "policy", "prompt": ["a", "b"]}, "prompt"),
     ("completions", {"model": "policy", "prompt": "a", "echo": True}, "echo"),

@@ -18,7 +18,9 @@ def test_tiny_asset_is_built_once_and_rebuilt_when_corrupt(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(folder)
-    ids = tok.apply_chat_template([{"role": "user", "content": "2+2?"}], add_generation_prompt=True, tokenize=True)["input_ids"]
+    ids = tok.apply_chat_template([{"role": "user", "content": "2+2?"}], add_generation_prompt=True, tokenize=True)[
+        "input_ids"
+    ]
     assert tok.eos_token == "<|im_end|>" and len(ids) > 3
     assert AutoModelForCausalLM.from_pretrained(folder).config.tie_word_embeddings
 

@@ -16,15 +16,19 @@ from tests.helpers.factories import assert_grads_close, grouped_batch, make_lear
 
 def _qkv(b=2, heads=6, kv_heads=2, q=5, k=5, d=8, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(b, heads, q, d, generator=g), torch.randn(b, kv_heads, k, d, generator=g),
-            torch.randn(b, kv_heads, k, d, generator=g))
+    return (
+        torch.randn(b, heads, q, d, generator=g),
+        torch.randn(b, kv_heads, k, d, generator=g),
+        torch.randn(b, kv_heads, k, d, generator=g),
+    )
 
 
 def _sdpa(q, k, v, mask=None, is_causal=False):
     """The reference: torch's sdpa with the key/value heads repeated for grouped queries."""
     rep = q.shape[1] // k.shape[1]
-    out = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
-                                         attn_mask=mask, is_causal=is_causal)
+    out = F.scaled_dot_product_attention(
+        q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), attn_mask=mask, is_causal=is_causal
+    )
     return out.transpose(1, 2)
 
 

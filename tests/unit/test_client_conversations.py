@@ -15,8 +15,11 @@ TOOLS = [CALCULATOR.schema()]
 
 
 def _call(expression: str, id_: str) -> dict:
-    return {"id": id_, "type": "function",
-            "function": {"name": "calculator", "arguments": json.dumps({"expression": expression})}}
+    return {
+        "id": id_,
+        "type": "function",
+        "function": {"name": "calculator", "arguments": json.dumps({"expression": expression})},
+    }
 
 
 def test_tool_calls_and_answers_become_the_trained_text():
@@ -32,24 +35,37 @@ def test_tool_calls_and_answers_become_the_trained_text():
     got = from_client(messages)
     assert got == [
         {"role": "user", "content": "Add them."},
-        {"role": "assistant", "content": '<tool_call>{"name": "calculator", "arguments": {"expression": "1+2"}}</tool_call>\n'
-                                         '<tool_call>{"name": "calculator", "arguments": {"expression": "3+4"}}</tool_call>'},
+        {
+            "role": "assistant",
+            "content": '<tool_call>{"name": "calculator", "arguments": {"expression": "1+2"}}</tool_call>\n'
+            '<tool_call>{"name": "calculator", "arguments": {"expression": "3+4"}}</tool_call>',
+        },
         {"role": "tool", "content": "<tool_response>\n3\n7\n</tool_response>"},
-        {"role": "assistant", "content": 'Both:\n<tool_call>{"name": "calculator", "arguments": {"expression": "3+7"}}</tool_call>'},
+        {
+            "role": "assistant",
+            "content": 'Both:\n<tool_call>{"name": "calculator", "arguments": {"expression": "3+7"}}</tool_call>',
+        },
         {"role": "tool", "content": "<tool_response>\n10\n</tool_response>"},
         {"role": "assistant", "content": "10"},
     ]
     # Another format's tags; arguments that are not JSON kept as the model wrote them.
     fmt = ToolCallFormat(open_tag="[CALL]", close_tag="[/CALL]", response_open="[OUT]", response_close="[/OUT]")
-    odd = [{"role": "assistant", "tool_calls": [{"function": {"name": "calculator", "arguments": "{oops"}}]},
-           {"role": "tool", "content": "error"}]
-    assert from_client(odd, fmt) == [{"role": "assistant", "content": '[CALL]{"name": "calculator", "arguments": "{oops"}[/CALL]'},
-                                     {"role": "tool", "content": "[OUT]\nerror\n[/OUT]"}]
+    odd = [
+        {"role": "assistant", "tool_calls": [{"function": {"name": "calculator", "arguments": "{oops"}}]},
+        {"role": "tool", "content": "error"},
+    ]
+    assert from_client(odd, fmt) == [
+        {"role": "assistant", "content": '[CALL]{"name": "calculator", "arguments": "{oops"}[/CALL]'},
+        {"role": "tool", "content": "[OUT]\nerror\n[/OUT]"},
+    ]
 
 
 def test_a_conversation_without_tools_is_unchanged():
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi", "name": "ann"},
-                {"role": "assistant", "content": "hello"}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "hi", "name": "ann"},
+        {"role": "assistant", "content": "hello"},
+    ]
     assert from_client(messages) == messages
 
 
@@ -68,7 +84,9 @@ def test_the_tool_list_goes_where_training_put_it(tok):
     assert chat.with_tools(user, None) == user
     # A template that renders tools itself gets them through its ``tools`` argument only.
     tok2 = AutoTokenizer.from_pretrained(tok.name_or_path)
-    tok2.chat_template = ("{% if tools %}TOOLS:{{ tools | tojson }}\n{% endif %}"
-                          "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+    tok2.chat_template = (
+        "{% if tools %}TOOLS:{{ tools | tojson }}\n{% endif %}"
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    )
     own = ChatTokens(tok2)
     assert own.renders_tools(TOOLS) and own.with_tools(user, TOOLS) == user

@@ -26,7 +26,11 @@ def _functions(path: Path):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             n = node.end_lineno - node.lineno + 1
             first = node.body[0]
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+            if (
+                isinstance(first, ast.Expr)
+                and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)
+            ):
                 n -= first.end_lineno - first.lineno + 1
             yield node.name, n
 
@@ -99,8 +103,12 @@ def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 @pytest.mark.parametrize("folder", PACKAGES)
 def test_no_function_is_over_60_lines_not_counting_its_docstring(folder):
-    long = [(str(p.relative_to(ROOT)), name, n) for p in sorted((ROOT / folder).rglob("*.py"))
-            for name, n in _functions(p) if n > 60]
+    long = [
+        (str(p.relative_to(ROOT)), name, n)
+        for p in sorted((ROOT / folder).rglob("*.py"))
+        for name, n in _functions(p)
+        if n > 60
+    ]
     assert not long, long
 
 
@@ -111,8 +119,12 @@ def test_no_import_circle_among_the_projects_modules():
 
 
 def test_imports_point_down_the_layers():
-    wrong = [(m, target) for m, targets in sorted(_import_graph().items()) for target in sorted(targets)
-             if target.split(".")[0] in ABOVE.get(m.split(".")[0], ())]
+    wrong = [
+        (m, target)
+        for m, targets in sorted(_import_graph().items())
+        for target in sorted(targets)
+        if target.split(".")[0] in ABOVE.get(m.split(".")[0], ())
+    ]
     assert not wrong, wrong
 
 
@@ -130,16 +142,22 @@ def test_each_recipe_run_is_at_most_40_lines_and_imports_no_other_recipe():
         assert dict(_functions(path))["run"] <= 40, module
         tree = ast.parse(path.read_text())
         imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-        imported |= {f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module
-                     for a in n.names}
+        imported |= {
+            f"{n.module}.{a.name}"
+            for n in ast.walk(tree)
+            if isinstance(n, ast.ImportFrom) and n.module
+            for a in n.names
+        }
         imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         assert not (imported & (RECIPE_MODULES - {module})), (module, imported & RECIPE_MODULES)
 
 
-def test_the_code_passes_the_linter():
-    """ruff, as configured in pyproject.toml (syntax errors, undefined names, unused imports)."""
+def test_the_code_passes_the_linter_and_is_formatted():
+    """ruff, as configured in pyproject.toml: the linter (syntax errors, undefined names, unused
+    imports) and the formatter (``ruff format --check``: the code is as ``ruff format .`` writes it)."""
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "ruff", "check", "."], cwd=ROOT, capture_output=True, text=True)
-    assert done.returncode == 0, done.stdout[-3000:]
+    for command in (["check", "."], ["format", "--check", "."]):
+        done = subprocess.run([sys.executable, "-m", "ruff", *command], cwd=ROOT, capture_output=True, text=True)
+        assert done.returncode == 0, (command, done.stdout[-3000:])

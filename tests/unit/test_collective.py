@@ -17,8 +17,11 @@ def _rank(rank: int, world: int, port: int, out: "mp.Queue") -> None:
     # A default process group first, as in a vLLM worker or a Ray Train worker: the broadcast
     # group must live beside it.
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port + 1}", rank=rank, world_size=world)
-    store = torch.distributed.TCPStore("127.0.0.1", port, world, is_master=rank == 0, wait_for_workers=False) \
-        if rank == 0 else None
+    store = (
+        torch.distributed.TCPStore("127.0.0.1", port, world, is_master=rank == 0, wait_for_workers=False)
+        if rank == 0
+        else None
+    )
     group = join("127.0.0.1", port, rank, world, store=store)
     src = (torch.arange(N, dtype=torch.float32) / 7).to(torch.bfloat16).view(torch.int16)  # bf16 as its bit pattern
     buf = torch.from_numpy(src.numpy().copy()) if rank == 0 else torch.from_numpy(np.zeros(N, dtype=np.int16))
@@ -51,8 +54,14 @@ def test_the_buffer_must_be_on_the_groups_device_and_the_backend_known():
     with pytest.raises(ValueError, match="buffer is on cpu, the group needs meta"):
         broadcast_buffer(on_gpu, torch.zeros(8), bucket_bytes=4)
     with pytest.raises(ValueError, match="unknown weight-group backend 'mpi'"):
-        join("127.0.0.1", free_port(), 0, 1, store=torch.distributed.TCPStore(
-            "127.0.0.1", free_port(), 1, is_master=True, wait_for_workers=False), backend="mpi")
+        join(
+            "127.0.0.1",
+            free_port(),
+            0,
+            1,
+            store=torch.distributed.TCPStore("127.0.0.1", free_port(), 1, is_master=True, wait_for_workers=False),
+            backend="mpi",
+        )
 
 
 def test_a_receive_buffer_unpacks_like_the_object_store_buffer():

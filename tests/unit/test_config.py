@@ -66,16 +66,23 @@ def test_moved_keys_say_where_they_went(tmp_path, old):
 
 
 def test_moved_keys_work_in_their_new_place():
-    cfg = load_config(overrides=[
-        "train.lr=3e-4", "train.num_minibatches=2", "ppo.reward_clip=5", "ppo.truncation=mask",
-        "ppo.truncation_penalty=-0.5",
-    ])
+    cfg = load_config(
+        overrides=[
+            "train.lr=3e-4",
+            "train.num_minibatches=2",
+            "ppo.reward_clip=5",
+            "ppo.truncation=mask",
+            "ppo.truncation_penalty=-0.5",
+        ]
+    )
     assert cfg.train.lr == pytest.approx(3e-4) and cfg.train.num_minibatches == 2
     assert cfg.ppo.reward_clip == 5.0 and cfg.ppo.truncation == "mask" and cfg.ppo.truncation_penalty == -0.5
 
 
 def test_types_are_checked_and_coerced():
-    cfg = load_config(overrides=["train.lr=3e-4", "run.steps=7", "train.bf16=false", "data.task_kwargs={\"min_terms\": 3}"])
+    cfg = load_config(
+        overrides=["train.lr=3e-4", "run.steps=7", "train.bf16=false", 'data.task_kwargs={"min_terms": 3}']
+    )
     assert cfg.train.lr == pytest.approx(3e-4) and cfg.run.steps == 7 and cfg.train.bf16 is False
     assert cfg.data.task_kwargs == {"min_terms": 3}
     with pytest.raises(ConfigError, match="run.steps"):
@@ -102,7 +109,9 @@ def test_types_are_checked_and_coerced():
     with pytest.raises(ConfigError, match="train.sharding=fsdp is built for .*, without train.compile"):
         load_config(overrides=["train.sharding=fsdp", "train.compile=true"])
     # Offloading shards to host memory is for sharded GPU learners: CPU learners are there already.
-    with pytest.raises(ConfigError, match="train.cpu_offload .* needs train.sharding=fsdp and cluster.gpus_per_learner > 0"):
+    with pytest.raises(
+        ConfigError, match="train.cpu_offload .* needs train.sharding=fsdp and cluster.gpus_per_learner > 0"
+    ):
         load_config(overrides=["train.sharding=fsdp", "train.cpu_offload=true"])
     with pytest.raises(ConfigError, match="train.cpu_offload .* needs train.sharding=fsdp"):
         load_config(overrides=["train.cpu_offload=true", "cluster.gpus_per_learner=1"])
@@ -121,12 +130,24 @@ def test_algorithm_must_be_a_registered_recipe():
     with pytest.raises(ConfigError, match="dpo.pairs=spin makes its own pairs"):
         load_config(overrides=["run.algorithm=dpo", "dpo.pairs=spin", "data.preference_file=p.jsonl"])
     assert load_config(overrides=["run.algorithm=dpo"]).dpo.candidates == 4
-    cfg = load_config(overrides=["run.algorithm=dpo", "data.preference_file=p.jsonl", "dpo.pairs_per_step=4",
-                                 "train.num_minibatches=4"])
+    cfg = load_config(
+        overrides=[
+            "run.algorithm=dpo",
+            "data.preference_file=p.jsonl",
+            "dpo.pairs_per_step=4",
+            "train.num_minibatches=4",
+        ]
+    )
     assert cfg.dpo.pairs_per_step == 4
     with pytest.raises(ConfigError, match="4 pairs per step"):
-        load_config(overrides=["run.algorithm=dpo", "data.preference_file=p.jsonl", "dpo.pairs_per_step=4",
-                               "train.num_minibatches=5"])
+        load_config(
+            overrides=[
+                "run.algorithm=dpo",
+                "data.preference_file=p.jsonl",
+                "dpo.pairs_per_step=4",
+                "train.num_minibatches=5",
+            ]
+        )
 
 
 def test_lora_target_modules_from_the_command_line_is_a_list(capsys):
@@ -137,15 +158,31 @@ def test_lora_target_modules_from_the_command_line_is_a_list(capsys):
     # The CLI's --set goes the same way.
     from cluster.cli import main
 
-    assert main(["validate", str(ROOT / "configs" / "ppo_tiny.yaml"), "--set", "lora.target_modules=q_proj,v_proj"]) == 0
+    assert (
+        main(["validate", str(ROOT / "configs" / "ppo_tiny.yaml"), "--set", "lora.target_modules=q_proj,v_proj"]) == 0
+    )
     assert "config OK" in capsys.readouterr().out
 
 
 def test_schema_is_json_naming_every_section(capsys):
     schema = json.loads(config_schema())
     assert set(schema["properties"]) == {
-        "run", "model", "data", "reward", "rollout", "env", "train", "ppo", "dpo", "sft", "qlearn", "reward_model", "judge", "lora",
-        "cluster", "stages",
+        "run",
+        "model",
+        "data",
+        "reward",
+        "rollout",
+        "env",
+        "train",
+        "ppo",
+        "dpo",
+        "sft",
+        "qlearn",
+        "reward_model",
+        "judge",
+        "lora",
+        "cluster",
+        "stages",
     }
     defs = schema["$defs"]
     assert {"TrainConfig", "PPOConfig"} <= set(defs)
@@ -167,8 +204,10 @@ def test_resume_refuses_what_a_checkpoint_cannot_carry():
     with pytest.raises(ConfigError, match="model.path"):
         check_resume_compatible(saved, load_config(overrides=["model.path=smollm2-135m", "run.steps=10"]))
     with pytest.raises(ConfigError, match="ppo.advantage_estimator"):
-        check_resume_compatible(saved, load_config(overrides=[
-            "model.path=tiny", "ppo.advantage_estimator=grpo", "rollout.samples_per_prompt=4"]))
+        check_resume_compatible(
+            saved,
+            load_config(overrides=["model.path=tiny", "ppo.advantage_estimator=grpo", "rollout.samples_per_prompt=4"]),
+        )
     # The adapter's shape matters only where there is an adapter.
     check_resume_compatible(saved, load_config(overrides=["model.path=tiny", "lora.r=8"]))
     with pytest.raises(ConfigError, match="lora.enabled"):
@@ -203,9 +242,12 @@ def test_judge_section_checked_when_loading():
 
 
 def test_stages_each_validated_with_their_changes():
-    cfg = load_config(overrides=[
-        "stages=[{name: sft, set: {run.algorithm: sft, run.steps: 3}}, "
-        "{name: dpo1, set: {run.algorithm: dpo, dpo.pairs: self_judge}}]"])
+    cfg = load_config(
+        overrides=[
+            "stages=[{name: sft, set: {run.algorithm: sft, run.steps: 3}}, "
+            "{name: dpo1, set: {run.algorithm: dpo, dpo.pairs: self_judge}}]"
+        ]
+    )
     (n0, c0), (n1, c1) = stage_configs(cfg)
     assert (n0, c0.run.algorithm, c0.run.steps, c0.run.name) == ("sft", "sft", 3, "sft")
     assert (n1, c1.run.algorithm, c1.dpo.pairs, c1.run.steps) == ("dpo1", "dpo", "self_judge", cfg.run.steps)
@@ -220,15 +262,30 @@ def test_stages_each_validated_with_their_changes():
         load_config(overrides=["stages=[{name: a, sett: {}}]"])
 
 
-@pytest.mark.parametrize("sets, message", [
-    (["env.tools=[calculator,nosuchtool]"], "env.tools is set but not read with no episodes run"),
-    (["env.max_turns=3"], "env.max_turns is set but not read with no episodes run"),
-    (["env.name=tool_use", "env.openenv.action_field=text"], "env.openenv is set but not read with env.name=tool_use"),
-    (["env.name=guess_number", "env.max_tool_calls=2"], "env.max_tool_calls is set but not read with env.name=guess_number"),
-    (["env.name=http://127.0.0.1:1", "env.args={a: 1}"], "env.args is set but not read with env.name=http://127.0.0.1:1"),
-    (["rollout.agent=tests.helpers.agents:three_turns", "env.tool_timeout_s=3"], "env.tool_timeout_s is set but not read with rollout.agent"),
-    (["rollout.agent_models=[gpt-4o]"], "rollout.agent_models is set but no agent program runs"),
-])
+@pytest.mark.parametrize(
+    "sets, message",
+    [
+        (["env.tools=[calculator,nosuchtool]"], "env.tools is set but not read with no episodes run"),
+        (["env.max_turns=3"], "env.max_turns is set but not read with no episodes run"),
+        (
+            ["env.name=tool_use", "env.openenv.action_field=text"],
+            "env.openenv is set but not read with env.name=tool_use",
+        ),
+        (
+            ["env.name=guess_number", "env.max_tool_calls=2"],
+            "env.max_tool_calls is set but not read with env.name=guess_number",
+        ),
+        (
+            ["env.name=http://127.0.0.1:1", "env.args={a: 1}"],
+            "env.args is set but not read with env.name=http://127.0.0.1:1",
+        ),
+        (
+            ["rollout.agent=tests.helpers.agents:three_turns", "env.tool_timeout_s=3"],
+            "env.tool_timeout_s is set but not read with rollout.agent",
+        ),
+        (["rollout.agent_models=[gpt-4o]"], "rollout.agent_models is set but no agent program runs"),
+    ],
+)
 def test_settings_nothing_would_read_are_refused_in_one_line(sets, message):
     with pytest.raises(ConfigError, match=message):
         load_config(Path(__file__).resolve().parents[2] / "configs" / "ppo_tiny.yaml", sets)
@@ -238,4 +295,6 @@ def test_settings_their_episodes_read_are_accepted():
     root = Path(__file__).resolve().parents[2] / "configs" / "ppo_tiny.yaml"
     load_config(root, ["env.name=tool_use", "env.tools=[calculator,python]", "env.max_tool_calls=2"])
     load_config(root, ["env.name=http://127.0.0.1:1", "env.openenv.reset_fields=prompt", "env.step_timeout_s=5"])
-    load_config(root, ["rollout.agent=tests.helpers.agents:three_turns", "env.max_turns=3", "rollout.agent_models=[gpt-4o]"])
+    load_config(
+        root, ["rollout.agent=tests.helpers.agents:three_turns", "env.max_turns=3", "rollout.agent_models=[gpt-4o]"]
+    )

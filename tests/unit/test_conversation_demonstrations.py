@@ -18,7 +18,10 @@ from actors.agents.transcripts import calculator_transcript, resolve_transcripts
 TOOLS = [CALCULATOR.schema()]
 CONVERSATION = [
     {"role": "user", "content": "What is 12 * 34?"},
-    {"role": "assistant", "content": '<tool_call>{"name": "calculator", "arguments": {"expression": "12 * 34"}}</tool_call>'},
+    {
+        "role": "assistant",
+        "content": '<tool_call>{"name": "calculator", "arguments": {"expression": "12 * 34"}}</tool_call>',
+    },
     {"role": "tool", "content": "<tool_response>\n408\n</tool_response>"},
     {"role": "user", "content": "And then?"},
     {"role": "assistant", "content": "408"},
@@ -42,16 +45,23 @@ def test_the_record_is_the_whole_conversation_and_only_assistant_turns_are_train
     ids = exp.input_ids[0][exp.attention_mask[0]].tolist()
     # The chat template's own rendering of the conversation, tools listed in the system message
     # (this template renders no tools itself), up to the last reply's end token.
-    full = tok.apply_chat_template([{"role": "system", "content": tool_instructions(TOOLS)}] + CONVERSATION,
-                                   tokenize=False)
-    assert full.startswith(tok.decode(ids)) and full[len(tok.decode(ids)):].strip() == ""
+    full = tok.apply_chat_template(
+        [{"role": "system", "content": tool_instructions(TOOLS)}] + CONVERSATION, tokenize=False
+    )
+    assert full.startswith(tok.decode(ids)) and full[len(tok.decode(ids)) :].strip() == ""
     # Trained: each assistant turn's text and its EOS, nothing else.
     mask = exp.response_mask[0][exp.attention_mask[0]]
     trained = torch.tensor(ids)[mask].tolist()
-    want = [t for m in CONVERSATION if m["role"] == "assistant"
-            for t in tok(m["content"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]]
+    want = [
+        t
+        for m in CONVERSATION
+        if m["role"] == "assistant"
+        for t in tok(m["content"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    ]
     assert trained == want
-    assert exp.completions == ['<tool_call>{"name": "calculator", "arguments": {"expression": "12 * 34"}}</tool_call>\n408']
+    assert exp.completions == [
+        '<tool_call>{"name": "calculator", "arguments": {"expression": "12 * 34"}}</tool_call>\n408'
+    ]
 
 
 def test_the_ids_are_those_a_rollout_records_turn_by_turn(tok):
@@ -60,8 +70,9 @@ def test_the_ids_are_those_a_rollout_records_turn_by_turn(tok):
     chat = ChatTokens(tok)
     reply_1 = tok(CONVERSATION[1]["content"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     reply_2 = tok("408", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-    rollout = (chat.prompt(CONVERSATION[0], TOOLS) + reply_1 + chat.after_reply(CONVERSATION[2:4], reply_ended=True)
-               + reply_2)
+    rollout = (
+        chat.prompt(CONVERSATION[0], TOOLS) + reply_1 + chat.after_reply(CONVERSATION[2:4], reply_ended=True) + reply_2
+    )
     exp, _ = _encode(tok, [normalise_demonstration({"messages": CONVERSATION, "tools": TOOLS})[0]])
     assert exp.input_ids[0][exp.attention_mask[0]].tolist() == rollout
 
@@ -89,8 +100,13 @@ def test_budgets_count_over_long_conversations(tok):
 
 
 def test_calculator_transcripts_are_what_the_tool_use_environment_answers():
-    rows = reasoning_gym_rows("basic_arithmetic", 24, 3, {"min_terms": 2, "max_terms": 3, "min_digits": 2,
-                                                          "max_digits": 3}, "Answer with just the final answer.").rows
+    rows = reasoning_gym_rows(
+        "basic_arithmetic",
+        24,
+        3,
+        {"min_terms": 2, "max_terms": 3, "min_digits": 2, "max_digits": 3},
+        "Answer with just the final answer.",
+    ).rows
     demos, skipped = transcript_demonstrations(rows, resolve_transcripts("calculator"), TOOLS)
     assert len(demos) + sum(skipped.values()) == len(rows) and len(demos) >= 20
     make = environment_factory(EnvSpec("tool_use", verifier="reasoning_gym", tools=["calculator"]))
@@ -107,10 +123,12 @@ def test_calculator_transcripts_are_what_the_tool_use_environment_answers():
 
 def test_rows_without_a_transcript_are_counted():
     good = {"prompt": "Calculate 2 + 3.", "answer": "5", "meta": {"expression": "2 + 3"}}
-    rows = [good,
-            {"prompt": "Calculate.", "answer": "5", "meta": {}},  # no expression
-            {"prompt": "Calculate 2 + 2.", "answer": "5", "meta": {"expression": "2 + 2"}},  # the tool disagrees
-            {"prompt": "x", "answer": "1", "meta": {"expression": "import os"}}]  # not arithmetic
+    rows = [
+        good,
+        {"prompt": "Calculate.", "answer": "5", "meta": {}},  # no expression
+        {"prompt": "Calculate 2 + 2.", "answer": "5", "meta": {"expression": "2 + 2"}},  # the tool disagrees
+        {"prompt": "x", "answer": "1", "meta": {"expression": "import os"}},
+    ]  # not arithmetic
     demos, skipped = transcript_demonstrations(rows, calculator_transcript, TOOLS)
     assert [d["index"] for d in demos] == [0] and skipped == {"no_transcript": 3}
     call = json.loads(demos[0]["messages"][1]["content"].removeprefix("<tool_call>").removesuffix("</tool_call>"))
@@ -132,9 +150,15 @@ def test_a_run_gets_transcripts_from_its_task_with_the_env_tools(tmp_path):
     from cluster.config.loading import load_config
     from cluster.data.sources import load_demonstrations
 
-    sets = ["run.algorithm=sft", "sft.transcripts=calculator", "env.name=tool_use", "env.tools=[calculator, python]",
-            "data.train_size=12", "data.eval_size=4",
-            "data.task_kwargs={min_terms: 2, max_terms: 2, min_digits: 2, max_digits: 2}"]
+    sets = [
+        "run.algorithm=sft",
+        "sft.transcripts=calculator",
+        "env.name=tool_use",
+        "env.tools=[calculator, python]",
+        "data.train_size=12",
+        "data.eval_size=4",
+        "data.task_kwargs={min_terms: 2, max_terms: 2, min_digits: 2, max_digits: 2}",
+    ]
     cfg = load_config("configs/calculator_smollm2.yaml", sets)
     train, held, description = load_demonstrations(cfg)
     assert len(train.rows) == 12 and len(held.task_rows) == 4 and "calculator transcripts" in description

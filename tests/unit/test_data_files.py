@@ -33,7 +33,9 @@ def _write_all_formats(tmp_path):
     out["parquet"] = tmp_path / "a.parquet"
     pq.write_table(pa.Table.from_pylist(ROWS), out["parquet"])
     out["csv"] = tmp_path / "a.csv"
-    out["csv"].write_text("prompt,answer,level\n" + "".join(f"\"{r['prompt']}\",{r['answer']},{r['level']}\n" for r in ROWS))
+    out["csv"].write_text(
+        "prompt,answer,level\n" + "".join(f'"{r["prompt"]}",{r["answer"]},{r["level"]}\n' for r in ROWS)
+    )
     shards = tmp_path / "shards"
     shards.mkdir()
     pq.write_table(pa.Table.from_pylist(ROWS[:4]), shards / "part-000.parquet")
@@ -42,7 +44,9 @@ def _write_all_formats(tmp_path):
     out["dataset"] = tmp_path / "ds"
     datasets.Dataset.from_list(ROWS).save_to_disk(str(out["dataset"]))
     dd = tmp_path / "dd"
-    datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS), "test": datasets.Dataset.from_list(ROWS[:2])}).save_to_disk(str(dd))
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(ROWS), "test": datasets.Dataset.from_list(ROWS[:2])}
+    ).save_to_disk(str(dd))
     out["dataset_dict"] = dd
     return out
 
@@ -75,15 +79,39 @@ def test_unreadable_sources_are_one_clear_error(tmp_path):
 
 
 def test_verl_layout_works_as_it_is_and_bad_rows_are_counted(tmp_path):
-    good = [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": f"Q{i}? Let's think step by step."}],
-             "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(i)},
-             "extra_info": {"split": "train", "index": i}} for i in range(4)]
-    bad = [{"data_source": "x", "prompt": [{"role": "user", "content": "  "}], "ability": "math",
-            "reward_model": {"style": "rule", "ground_truth": "1"}, "extra_info": {"split": "train", "index": 9}},
-           {"data_source": "x", "prompt": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}],
-            "ability": "math", "reward_model": {"style": "rule", "ground_truth": "1"}, "extra_info": {"split": "train", "index": 10}},
-           {"data_source": "x", "prompt": None, "ability": "math",
-            "reward_model": {"style": "rule", "ground_truth": "1"}, "extra_info": {"split": "train", "index": 11}}]
+    good = [
+        {
+            "data_source": "openai/gsm8k",
+            "prompt": [{"role": "user", "content": f"Q{i}? Let's think step by step."}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": str(i)},
+            "extra_info": {"split": "train", "index": i},
+        }
+        for i in range(4)
+    ]
+    bad = [
+        {
+            "data_source": "x",
+            "prompt": [{"role": "user", "content": "  "}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": "1"},
+            "extra_info": {"split": "train", "index": 9},
+        },
+        {
+            "data_source": "x",
+            "prompt": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": "1"},
+            "extra_info": {"split": "train", "index": 10},
+        },
+        {
+            "data_source": "x",
+            "prompt": None,
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": "1"},
+            "extra_info": {"split": "train", "index": 11},
+        },
+    ]
     path = tmp_path / "train.parquet"
     pq.write_table(pa.Table.from_pylist(good + bad), path)
     ps = file_rows(str(path), "Answer with just the final answer.")
@@ -123,8 +151,10 @@ def test_prompt_ids_are_the_chat_templates_own(tiny_model_path):
         prompt_token_ids(tok, "2+2?", {"messages": messages}, chat_template=False)
 
 
-@pytest.mark.parametrize("total,weights,want", [(10, [1, 1], [5, 5]), (10, [3, 1], [8, 2]), (7, [1, 1, 1], [3, 2, 2]),
-                                                (0, [1, 2], [0, 0]), (5, [0.5], [5])])
+@pytest.mark.parametrize(
+    "total,weights,want",
+    [(10, [1, 1], [5, 5]), (10, [3, 1], [8, 2]), (7, [1, 1, 1], [3, 2, 2]), (0, [1, 2], [0, 0]), (5, [0.5], [5])],
+)
 def test_weighted_counts_hand_values(total, weights, want):
     assert weighted_counts(total, weights) == want
 
@@ -143,8 +173,10 @@ def test_weighted_counts_sum_and_stay_within_one_of_the_exact_share():
 
 
 def _cfg(tmp_path, **data):
-    return load_config(overrides=[f"data.{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in data.items()]
-                       + ["model.path=tiny"])
+    return load_config(
+        overrides=[f"data.{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in data.items()]
+        + ["model.path=tiny"]
+    )
 
 
 def test_a_mixture_follows_its_weights_and_tags_each_rows_source(tmp_path):
@@ -181,16 +213,23 @@ def test_a_bad_source_is_one_line(tmp_path):
 def test_preferences_and_demonstrations_from_every_layout(tmp_path):
     import datasets
 
-    trl = [{"prompt": [{"role": "user", "content": f"q{i}"}], "chosen": [{"role": "assistant", "content": "good"}],
-            "rejected": [{"role": "assistant", "content": "bad"}]} for i in range(3)]
+    trl = [
+        {
+            "prompt": [{"role": "user", "content": f"q{i}"}],
+            "chosen": [{"role": "assistant", "content": "good"}],
+            "rejected": [{"role": "assistant", "content": "bad"}],
+        }
+        for i in range(3)
+    ]
     datasets.Dataset.from_list(trl).save_to_disk(str(tmp_path / "prefs"))
     (tmp_path / "p.csv").write_text("prompt,chosen,rejected\nq9,yes,no\nq10,same,same\n")
     prefs = read_preferences(f"{tmp_path / 'prefs'},{tmp_path / 'p.csv'}")
     assert [r["prompt"][-1]["content"] for r in prefs.rows] == ["q0", "q1", "q2", "q9"]
     assert [r["index"] for r in prefs.rows] == [0, 1, 2, 3] and prefs.skipped == {"identical_pair": 1}
     (tmp_path / "d1.json").write_text(json.dumps([{"prompt": "a", "response": "b"}]))
-    (tmp_path / "d2.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "c"},
-                                                                {"role": "assistant", "content": "d"}]}) + "\n")
+    (tmp_path / "d2.jsonl").write_text(
+        json.dumps({"messages": [{"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]}) + "\n"
+    )
     demos = read_demonstrations([str(tmp_path / "d1.json"), str(tmp_path / "d2.jsonl")])
     assert len(demos.rows) == 2 and "response" in demos.rows[0] and "messages" in demos.rows[1]
 
@@ -204,8 +243,24 @@ def test_data_inspect_shows_the_ids_and_the_skips_a_run_applies(tmp_path, tiny_m
     rows = [{"question": f"What is {i}+1?", "label": str(i + 1)} for i in range(5)]
     rows += [{"question": "word " * 200, "label": "0"}, {"label": "3"}]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows) + "{broken\n")
-    code = main(["data", "inspect", str(path), "--json", "--set", "model.path=tiny", "--set", "data.prompt_key=question",
-                 "--set", "data.answer_key=label", "--set", "data.eval_size=0", "--set", "model.max_prompt_tokens=64"])
+    code = main(
+        [
+            "data",
+            "inspect",
+            str(path),
+            "--json",
+            "--set",
+            "model.path=tiny",
+            "--set",
+            "data.prompt_key=question",
+            "--set",
+            "data.answer_key=label",
+            "--set",
+            "data.eval_size=0",
+            "--set",
+            "model.max_prompt_tokens=64",
+        ]
+    )
     assert code == 0
     report = json.loads(capsys.readouterr().out)
     assert report["skipped_at_load"] == {"empty_or_malformed_prompt": 1, "malformed_row": 1}
@@ -226,10 +281,18 @@ def test_data_inspect_shows_pairs_and_demonstrations_as_the_learners_get_them(tm
     from cluster.cli import main
 
     prefs = tmp_path / "p.csv"
-    prefs.write_text("prompt,chosen,rejected\n" + "".join(f"q{i},good {i},bad {i}\n" for i in range(6))
-                     + "q9," + "long " * 80 + ",x\n")
+    prefs.write_text(
+        "prompt,chosen,rejected\n"
+        + "".join(f"q{i},good {i},bad {i}\n" for i in range(6))
+        + "q9,"
+        + "long " * 80
+        + ",x\n"
+    )
     common = ["--set", "model.path=tiny", "--set", "data.eval_size=0", "--set", "model.max_new_tokens=16", "--json"]
-    assert main(["data", "inspect", str(prefs), "--set", "run.algorithm=dpo", "--set", "dpo.pairs_per_step=2", *common]) == 0
+    assert (
+        main(["data", "inspect", str(prefs), "--set", "run.algorithm=dpo", "--set", "dpo.pairs_per_step=2", *common])
+        == 0
+    )
     report = json.loads(capsys.readouterr().out)
     part = report["splits"]["train"]
     assert report["kind"] == "preferences" and part["too_long"] == 1 and len(part["rows"]) == 12
@@ -269,8 +332,11 @@ def test_a_text_prompts_own_messages_column_is_not_taken_for_the_prompt(tmp_path
     from transformers import AutoTokenizer
 
     path = tmp_path / "chat.jsonl"
-    row = {"prompt": "2+2?", "answer": "4", "messages": [{"role": "user", "content": "2+2?"},
-                                                          {"role": "assistant", "content": "4"}]}
+    row = {
+        "prompt": "2+2?",
+        "answer": "4",
+        "messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}],
+    }
     path.write_text(json.dumps(row) + "\n")
     r = file_rows(str(path), "Be brief.").rows[0]
     assert "messages" not in r["meta"] and r["meta"]["source_messages"] == row["messages"]
@@ -286,11 +352,27 @@ def test_your_own_prompts_go_in_as_written_unless_an_instruction_is_set(tmp_path
     mix = [{"task": str(own), "weight": 1}, {"task": "basic_arithmetic", "weight": 1}]
     train, _, _ = prompt_sets(_cfg(tmp_path, mix=mix, train_size=32, eval_size=2))
     by_source = {r["meta"]["data_source"]: r["prompt"] for r in train.rows}
-    assert by_source["own"].endswith(").") and by_source["basic_arithmetic"].endswith("Answer with just the final answer.")
+    assert by_source["own"].endswith(").") and by_source["basic_arithmetic"].endswith(
+        "Answer with just the final answer."
+    )
     train, _, _ = prompt_sets(_cfg(tmp_path, mix=mix, train_size=32, eval_size=2, instruction="Be brief."))
     assert all(r["prompt"].endswith("Be brief.") for r in train.rows)
     assert main(["data", "inspect", str(own), "--set", "model.path=tiny", "--set", "data.eval_size=2"]) == 0
     assert f"no instruction appended to {own}'s prompts" in capsys.readouterr().out
-    assert main(["data", "inspect", str(own), "--set", "model.path=tiny", "--set", "data.eval_size=2",
-                 "--set", "data.instruction=Be brief."]) == 0
+    assert (
+        main(
+            [
+                "data",
+                "inspect",
+                str(own),
+                "--set",
+                "model.path=tiny",
+                "--set",
+                "data.eval_size=2",
+                "--set",
+                "data.instruction=Be brief.",
+            ]
+        )
+        == 0
+    )
     assert f"instruction appended to {own}'s text prompts: 'Be brief.'" in capsys.readouterr().out

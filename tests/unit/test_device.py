@@ -91,11 +91,14 @@ def test_the_sentinel_catches_a_tensor_created_without_a_device():
         assert (data + torch.zeros(3, device=data.device)).device == data.device
 
 
-@pytest.mark.parametrize(("estimator", "micro", "path_key"), [
-    ("gae", 2, None),  # separate old-policy pass, critic, KL in the reward, ragged micro-batches
-    ("grpo", 8, "learner/fused_old_pass"),
-    ("grpo", 2, "learner/streamed_old_pass"),
-])
+@pytest.mark.parametrize(
+    ("estimator", "micro", "path_key"),
+    [
+        ("gae", 2, None),  # separate old-policy pass, critic, KL in the reward, ragged micro-batches
+        ("grpo", 8, "learner/fused_old_pass"),
+        ("grpo", 2, "learner/streamed_old_pass"),
+    ],
+)
 def test_ppo_step_creates_every_tensor_on_the_models_device(tiny_model_path, estimator, micro, path_key):
     batch = _ppo_batch(tiny_model_path)
     kl = 0.1 if estimator == "gae" else 0.0

@@ -38,7 +38,7 @@ def test_matches_a_naive_loop():
                 want = 0.0
                 if mask[b, t]:
                     later = [k for k in idx if k >= t]
-                    want = sum(discount ** j * float(teacher[b, k] - student[b, k]) for j, k in enumerate(later))
+                    want = sum(discount**j * float(teacher[b, k] - student[b, k]) for j, k in enumerate(later))
                 assert math.isclose(float(got[b, t]), want, rel_tol=1e-5, abs_tol=1e-6), (b, t, discount)
 
 
@@ -88,7 +88,9 @@ def test_two_learners_match_one_with_distillation(tiny_model_path):
     exp = _batch(tiny_model_path)
     ppo = {"advantage_estimator": "grpo", "kl_coef": 0.0, "teacher": "t", "distill_coef": 1.0, "task_coef": 0.0}
     g, _, _ = _compare(tiny_model_path, exp, {"micro_batch_size": 2}, ppo)
-    g_task, _, _ = _compare(tiny_model_path, exp, {"micro_batch_size": 2}, {"advantage_estimator": "grpo", "kl_coef": 0.0})
+    g_task, _, _ = _compare(
+        tiny_model_path, exp, {"micro_batch_size": 2}, {"advantage_estimator": "grpo", "kl_coef": 0.0}
+    )
     assert not torch.allclose(g, g_task)  # the teacher's term moved the step
 
 

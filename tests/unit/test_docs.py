@@ -35,15 +35,21 @@ def _commands(path: Path) -> list[str]:
 
 
 def test_the_site_builds_strictly(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
-                          cwd=ROOT, capture_output=True, text=True, env={"NO_MKDOCS_2_WARNING": "1", "PATH": "/usr/bin:/bin"})
+    done = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={"NO_MKDOCS_2_WARNING": "1", "PATH": "/usr/bin:/bin"},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / "site" / "reference" / "config" / "index.html").is_file()
 
 
 def test_the_configuration_reference_is_the_schemas_current_output():
     assert (ROOT / "docs" / "reference" / "config.md").read_text() == config_markdown() + "\n", (
-        "docs/reference/config.md is stale: rayrlhf config --markdown > docs/reference/config.md")
+        "docs/reference/config.md is stale: rayrlhf config --markdown > docs/reference/config.md"
+    )
 
 
 def test_the_readme_is_a_front_page():
@@ -64,6 +70,7 @@ def test_every_command_in_the_readme_and_getting_started_is_valid(command, capsy
 def _report():
     """``benchmarks/report.py``, imported by path (``benchmarks/`` is scripts, not a package)."""
     import importlib.util
+
     spec = importlib.util.spec_from_file_location("benchmarks_report", ROOT / "benchmarks" / "report.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -73,7 +80,8 @@ def _report():
 def test_the_benchmarks_page_is_the_reports_current_output():
     page = (ROOT / "docs" / "benchmarks.md").read_text()
     assert _report().render(ROOT / "docs" / "results") == page, (
-        "docs/benchmarks.md is stale: .venv/bin/python benchmarks/report.py")
+        "docs/benchmarks.md is stale: .venv/bin/python benchmarks/report.py"
+    )
 
 
 def test_every_result_file_has_a_section_on_the_benchmarks_page():
@@ -85,7 +93,8 @@ def test_every_result_file_has_a_section_on_the_benchmarks_page():
 def test_a_result_file_without_a_description_gets_a_generic_table(tmp_path):
     (tmp_path / "results").mkdir()
     (tmp_path / "results" / "zz_new_bench.json").write_text(
-        '{"date": "2027-01-01", "median": {"a": 2.0, "b": 1.0}, "ratio_b_over_a": 0.5, "samples": [3, 1, 2]}')
+        '{"date": "2027-01-01", "median": {"a": 2.0, "b": 1.0}, "ratio_b_over_a": 0.5, "samples": [3, 1, 2]}'
+    )
     page = _report().render(tmp_path / "results")
     assert "### zz_new_bench" in page and "## Other results" in page
     assert "| median | a | 2 |  |" in page and "| — | ratio_b_over_a |  | 0.5x |" in page
@@ -96,6 +105,7 @@ def test_a_result_file_without_a_description_gets_a_generic_table(tmp_path):
 def _anchors(path: Path) -> set[str]:
     """The heading ids MkDocs gives a page (the toc extension's slugs, ``_1`` ... for repeats)."""
     from markdown.extensions.toc import slugify
+
     seen: dict[str, int] = {}
     out = set()
     text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
@@ -117,5 +127,7 @@ def test_links_into_the_benchmark_pages_resolve():
             if anchor not in targets[name]:
                 broken.append(f"{page.relative_to(ROOT)}: {name}#{anchor}")
         if page.name in targets:
-            broken += [f"{page.name}: #{a}" for a in re.findall(r"\]\(#([\w-]+)\)", text) if a not in targets[page.name]]
+            broken += [
+                f"{page.name}: #{a}" for a in re.findall(r"\]\(#([\w-]+)\)", text) if a not in targets[page.name]
+            ]
     assert not broken, broken

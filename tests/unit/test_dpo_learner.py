@@ -113,8 +113,9 @@ def test_lora_dpo_computes_its_reference_with_the_adapter_off(tiny_model_path):
     """No ref_logprobs in the batch: the learner scores the base model itself. At the start the
     adapter is a no-op (LoRA B = 0), so the loss is exactly the reference's log 2."""
     batch = preference_batch(tiny_lm(tiny_model_path), 3, ref_shift=None)
-    learner = make_dpo_learner(tiny_model_path, lora={"r": 4, "target_modules": ["q_proj", "v_proj"]},
-                               train={"lr": 1e-2})
+    learner = make_dpo_learner(
+        tiny_model_path, lora={"r": 4, "target_modules": ["q_proj", "v_proj"]}, train={"lr": 1e-2}
+    )
     g, m = _step(learner, batch)
     assert m["loss/total"] == pytest.approx(math.log(2), abs=1e-5)
     assert 0 < learner.trainable_fraction < 0.5 and g.abs().sum() > 0

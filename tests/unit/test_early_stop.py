@@ -25,23 +25,32 @@ def test_stops_after_patience_evaluations_without_improvement_and_saves(tmp_path
         return {"saved": folder, "version": 5}
 
     sampler = PromptSampler(10, 2, 0)
-    rows = [{"step": 1, "eval/loss/total": 1.0}, {"step": 2}, {"step": 3, "eval/loss/total": 0.9},
-            {"step": 4, "eval/loss/total": 0.95}]
+    rows = [
+        {"step": 1, "eval/loss/total": 1.0},
+        {"step": 2},
+        {"step": 3, "eval/loss/total": 0.9},
+        {"step": 4, "eval/loss/total": 0.95},
+    ]
     assert [ctx.early_stop(r, save, sampler) for r in rows] == [False] * 4 and not saves
     assert ctx.early == {"best": 0.9, "best_step": 3, "bad": 1, "stopped": False}
     assert ctx.early_stop({"step": 5, "eval/loss/total": 0.97}, save, sampler) is True
     assert saves == [ctx.checkpoint_path(5)]
-    state = json.loads((tmp_path / "run" / "checkpoints" / "step_00005" / "trainer_state" / "run_state.json").read_text())
+    state = json.loads(
+        (tmp_path / "run" / "checkpoints" / "step_00005" / "trainer_state" / "run_state.json").read_text()
+    )
     assert state["step"] == 5 and state["version"] == 5 and state["early_stop"]["stopped"] is True
     # A staged run treats the stopped stage as finished (5 of 20 steps).
     assert stage_done(tmp_path / "run", ctx.cfg) == tmp_path / "run" / "checkpoints" / "step_00005"
 
 
-@pytest.mark.parametrize("metric, mode, values, stops_at", [
-    ("eval/accuracy", "auto", [0.2, 0.3, 0.3, 0.25], 3),  # higher is better; a tie is no improvement
-    ("eval/nll", "auto", [2.0, 1.0, 1.5, 0.5], None),
-    ("eval/accuracy", "min", [0.2, 0.3, 0.4], 2),
-])
+@pytest.mark.parametrize(
+    "metric, mode, values, stops_at",
+    [
+        ("eval/accuracy", "auto", [0.2, 0.3, 0.3, 0.25], 3),  # higher is better; a tie is no improvement
+        ("eval/nll", "auto", [2.0, 1.0, 1.5, 0.5], None),
+        ("eval/accuracy", "min", [0.2, 0.3, 0.4], 2),
+    ],
+)
 def test_direction(tmp_path, metric, mode, values, stops_at):
     ctx = _ctx(tmp_path, f"run.early_stop_metric={metric}", "run.early_stop_patience=2", f"run.early_stop_mode={mode}")
     save = lambda: {"saved": str(tmp_path / "ck"), "version": 0}  # noqa: E731

@@ -114,13 +114,21 @@ def test_failing_environments_are_dropped_and_counted_while_the_others_finish(ge
 
 
 def test_turn_and_token_limits_end_episodes(generator):
-    endless = lambda: type("Endless", (), {"reset": lambda self, row: row["prompt"],  # noqa: E731
-                                            "step": lambda self, a: Step("More.", 0.0, False, {})})()
-    exp, counts = generator.generate_episodes(_rows(2), [0, 1], endless,
-                                              EpisodeLimits(max_turns=3, max_tokens=256, max_new_tokens=6))
+    endless = lambda: type(
+        "Endless",
+        (),
+        {
+            "reset": lambda self, row: row["prompt"],  # noqa: E731
+            "step": lambda self, a: Step("More.", 0.0, False, {}),
+        },
+    )()
+    exp, counts = generator.generate_episodes(
+        _rows(2), [0, 1], endless, EpisodeLimits(max_turns=3, max_tokens=256, max_new_tokens=6)
+    )
     assert counts["status_max_turns"] == 2 and counts["turns"] == 6
-    exp, counts = generator.generate_episodes(_rows(2), [0, 1], endless,
-                                              EpisodeLimits(max_turns=50, max_tokens=120, max_new_tokens=16))
+    exp, counts = generator.generate_episodes(
+        _rows(2), [0, 1], endless, EpisodeLimits(max_turns=50, max_tokens=120, max_new_tokens=16)
+    )
     assert counts["status_max_tokens"] == 2
     assert int(exp.attention_mask.sum(1).max()) <= 120
 
@@ -173,8 +181,15 @@ def test_an_interrupted_batch_goes_on_from_its_last_turn_boundaries(generator):
 
     limits = EpisodeLimits(max_turns=3, max_tokens=256, max_new_tokens=10)
     journal: dict[int, list[dict]] = {}
-    full, _ = generator.generate_episodes(_rows(4), list(range(4)), Scripted, limits, n=2, seed=5,
-                                          journal=lambda key, snap: journal.setdefault(key, []).append(snap))
+    full, _ = generator.generate_episodes(
+        _rows(4),
+        list(range(4)),
+        Scripted,
+        limits,
+        n=2,
+        seed=5,
+        journal=lambda key, snap: journal.setdefault(key, []).append(snap),
+    )
     assert sorted(journal) == list(range(8)) and all([len(s["spans"]) for s in v] == [1, 2] for v in journal.values())
     resume = {k: v[0] for k, v in journal.items()}
     for snap in resume.values():  # marks what the second run must take over rather than sample
@@ -186,7 +201,7 @@ def test_an_interrupted_batch_goes_on_from_its_last_turn_boundaries(generator):
         start, end, _ = meta["episode"]["spans"][0]
         offset = int((again.attention_mask[i] & ~again.response_mask[i]).long().cumprod(0).sum())  # prompt length
         lp = again.rollout_logprobs[i]
-        assert torch.all(lp[offset + start:offset + end] == -1.25)  # turn 1: taken over
+        assert torch.all(lp[offset + start : offset + end] == -1.25)  # turn 1: taken over
         later = again.response_mask[i].clone()
         later[: offset + end] = False
         assert torch.allclose(lp[later], full.rollout_logprobs[i][later], atol=1e-4)  # turns 2, 3: sampled

@@ -32,13 +32,7 @@ HAND_SCORES = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0], **F64)
 # Ragged: prompt zeros at the start, padding at the end, different response
 # lengths, one interior masked token (row 4, t=2).
 HAND_MASK = torch.tensor(
-    [
-        [0, 1, 1, 1, 0, 0],
-        [0, 0, 1, 1, 1, 1],
-        [0, 1, 1, 0, 0, 0],
-        [0, 0, 0, 1, 1, 0],
-        [0, 1, 0, 1, 1, 0],
-    ],
+    [[0, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1], [0, 1, 1, 0, 0, 0], [0, 0, 0, 1, 1, 0], [0, 1, 0, 1, 1, 0]],
     dtype=torch.bool,
 )
 
@@ -292,8 +286,7 @@ def naive_whiten(values: list[list[float]], mask: list[list[float]], eps: float 
     mean = sum(flat) / n if n else 0.0
     var = sum((v - mean) ** 2 for v in flat) / (n - 1) if n > 1 else 0.0
     return [
-        [(v - mean) / math.sqrt(var + eps) if m != 0 else 0.0 for v, m in zip(vr, mr)]
-        for vr, mr in zip(values, mask)
+        [(v - mean) / math.sqrt(var + eps) if m != 0 else 0.0 for v, m in zip(vr, mr)] for vr, mr in zip(values, mask)
     ]
 
 

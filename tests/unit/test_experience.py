@@ -12,10 +12,15 @@ def make(b=2, length=5, resp_start=2, nresp=(3, 2)):
         att[i, : resp_start + n] = True
         resp[i, resp_start : resp_start + n] = True
     return Experience(
-        input_ids=ids, attention_mask=att, response_mask=resp,
-        rollout_logprobs=torch.where(resp, -1.0, 0.0), group_ids=torch.arange(b),
-        truncated=torch.zeros(b, dtype=torch.bool), policy_version=3,
-        completions=[f"c{i}" for i in range(b)], meta=[{"i": i} for i in range(b)],
+        input_ids=ids,
+        attention_mask=att,
+        response_mask=resp,
+        rollout_logprobs=torch.where(resp, -1.0, 0.0),
+        group_ids=torch.arange(b),
+        truncated=torch.zeros(b, dtype=torch.bool),
+        policy_version=3,
+        completions=[f"c{i}" for i in range(b)],
+        meta=[{"i": i} for i in range(b)],
     )
 
 
@@ -89,8 +94,18 @@ def test_trimmed_drops_only_all_padding_columns():
     ids = torch.tensor([[5, 6, 7, 0, 0], [5, 6, 0, 0, 0]])
     att = ids != 0
     rm = torch.tensor([[False, True, True, False, False], [False, True, False, False, False]])
-    exp = Experience(ids, att, rm, rm.float() * -1.0, torch.arange(2), torch.zeros(2, dtype=torch.bool), 0,
-                     ["a", "b"], [{}, {}], scores=torch.ones(2))
+    exp = Experience(
+        ids,
+        att,
+        rm,
+        rm.float() * -1.0,
+        torch.arange(2),
+        torch.zeros(2, dtype=torch.bool),
+        0,
+        ["a", "b"],
+        [{}, {}],
+        scores=torch.ones(2),
+    )
     t = exp.trimmed()
     assert t.seq_len == 3 and t.batch_size == 2
     assert torch.equal(t.input_ids, ids[:, :3]) and torch.equal(t.response_mask, rm[:, :3])

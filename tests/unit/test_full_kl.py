@@ -30,8 +30,12 @@ def test_matches_a_naive_loop_and_is_not_symmetric():
         for row, ref_row in zip(logits.tolist(), ref.tolist()):
             zp = sum(math.exp(z / t) for z in row)
             zq = sum(math.exp(z / t) for z in ref_row)
-            naive.append(sum(math.exp(a / t) / zp * (math.log(math.exp(a / t) / zp) - math.log(math.exp(b / t) / zq))
-                             for a, b in zip(row, ref_row)))
+            naive.append(
+                sum(
+                    math.exp(a / t) / zp * (math.log(math.exp(a / t) / zp) - math.log(math.exp(b / t) / zq))
+                    for a, b in zip(row, ref_row)
+                )
+            )
         torch.testing.assert_close(full_kl(logits, ref, t), torch.tensor(naive), atol=1e-5, rtol=1e-5)
     assert (full_kl(logits, ref) - full_kl(ref, logits)).abs().max() > 1e-2
 

@@ -94,7 +94,9 @@ def test_no_logits_are_kept_for_the_backward_pass():
     w = torch.randn(vocab, hdim, requires_grad=True)
     labels = torch.randint(0, vocab, (n,))
     logits_bytes = n * vocab * 4
-    plain = _saved_bytes(lambda: torch.cat([_plain(h[s:s + 64], w, labels[s:s + 64], 1.0) for s in range(0, n, 64)]))
+    plain = _saved_bytes(
+        lambda: torch.cat([_plain(h[s : s + 64], w, labels[s : s + 64], 1.0) for s in range(0, n, 64)])
+    )
     fused = _saved_bytes(lambda: fused_head_logprobs(h, w, labels, 1.0, 64))
     assert plain >= logits_bytes  # every chunk's logits, alive until backward
     assert fused < logits_bytes / 10  # hidden, weight, labels and one logsumexp per row

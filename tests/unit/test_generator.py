@@ -12,8 +12,9 @@ ENGINE_MAX_MODEL_LEN = 96  # the `generator` fixture's engine (tests/conftest.py
 
 def test_generate_builds_a_valid_record_and_counts_skips(generator):
     prompts = ["What is 2 + 2?", "", "word " * 200, "Name a number."]
-    exp = generator.generate(prompts, [{"i": i} for i in range(4)], [10, 11, 12, 13], max_new_tokens=12,
-                             max_prompt_tokens=64, n=3)
+    exp = generator.generate(
+        prompts, [{"i": i} for i in range(4)], [10, 11, 12, 13], max_new_tokens=12, max_prompt_tokens=64, n=3
+    )
     assert exp.skipped["empty_prompt"] == 1 and exp.skipped["prompt_too_long"] == 1
     assert exp.batch_size == 6  # 2 usable prompts x 3 samples, groups kept together
     assert exp.group_ids.tolist() == [10, 10, 10, 13, 13, 13]
@@ -63,15 +64,18 @@ def test_a_seeded_call_samples_reproducibly(generator):
     assert a.completions == b.completions and a.completions != c.completions
 
 
-@pytest.mark.parametrize("threads,first_core,cores,bind", [
-    (0, 0, 2, "0-1"),   # one generator: every core
-    (1, 0, 2, "0"),     # a pool of two with one thread each: generator 0 on core 0 ...
-    (1, 1, 2, "1"),     # ... and generator 1 on core 1
-    (2, 2, 8, "2-3"),
-    (2, 8, 8, "0-1"),   # wrapped to the node's cores
-    (4, 6, 8, "0-3"),   # would run past the last core: starts again at 0
-    (16, 0, 8, "0-7"),  # more threads than cores: every core once
-])
+@pytest.mark.parametrize(
+    "threads,first_core,cores,bind",
+    [
+        (0, 0, 2, "0-1"),  # one generator: every core
+        (1, 0, 2, "0"),  # a pool of two with one thread each: generator 0 on core 0 ...
+        (1, 1, 2, "1"),  # ... and generator 1 on core 1
+        (2, 2, 8, "2-3"),
+        (2, 8, 8, "0-1"),  # wrapped to the node's cores
+        (4, 6, 8, "0-3"),  # would run past the last core: starts again at 0
+        (16, 0, 8, "0-7"),  # more threads than cores: every core once
+    ],
+)
 def test_generators_sharing_a_node_bind_their_threads_to_different_cores(monkeypatch, threads, first_core, cores, bind):
     from actors.rollout.generator import configure_vllm_env
 
@@ -125,8 +129,11 @@ def test_a_weight_load_lands_between_decoding_steps_and_each_token_records_its_v
     generator._load = lambda named, version: (loaded_at.append(len(steps)), real_load(named, version))[1]
     prompts = [f"Count from {i}:" for i in range(8)]
     out = {}
-    worker = threading.Thread(target=lambda: out.update(exp=generator.generate(
-        prompts, max_new_tokens=60, ignore_eos=True, temperature=1.0, n=2, seed=5)))
+    worker = threading.Thread(
+        target=lambda: out.update(
+            exp=generator.generate(prompts, max_new_tokens=60, ignore_eos=True, temperature=1.0, n=2, seed=5)
+        )
+    )
     probe_ids = generator.encode_prompt("What is 3 + 4? The answer is 7.")
     try:
         worker.start()

@@ -74,7 +74,8 @@ def test_every_panel_queries_prometheus(dashboard):
             for _, matchers in SELECTOR.findall(expr):
                 assert re.search(r'\brun\s*=~\s*"\$run"', matchers), f"{p['title']}: {expr}"
             assert len(METRIC_NAME.findall(expr)) == len(SELECTOR.findall(expr)), (
-                f"{p['title']}: a ray_rayrlhf_* name without a label selector in {expr}")
+                f"{p['title']}: a ray_rayrlhf_* name without a label selector in {expr}"
+            )
 
 
 def test_queries_name_only_exported_metrics_and_tags(dashboard):

@@ -11,16 +11,19 @@ from learners.experience import Experience
 PAT = JudgeConfig().score_pattern
 
 
-@pytest.mark.parametrize("reply, expected", [
-    ("The reply is relevant and correct.\nScore: 4", (4.0, "parsed")),
-    ("Score: 2 ... on reflection, Score: 3", (3.0, "parsed")),  # the last verdict counts
-    ("Score:5", (5.0, "parsed")),
-    ("Score: 2.5", (2.5, "parsed")),
-    ("", (None, "unparsed")),  # an empty reply
-    ("I would give it four points.", (None, "unparsed")),
-    ("Score: 11", (None, "out_of_range")),  # 11 on a 5-point scale
-    ("Score: -1", (None, "out_of_range")),
-])
+@pytest.mark.parametrize(
+    "reply, expected",
+    [
+        ("The reply is relevant and correct.\nScore: 4", (4.0, "parsed")),
+        ("Score: 2 ... on reflection, Score: 3", (3.0, "parsed")),  # the last verdict counts
+        ("Score:5", (5.0, "parsed")),
+        ("Score: 2.5", (2.5, "parsed")),
+        ("", (None, "unparsed")),  # an empty reply
+        ("I would give it four points.", (None, "unparsed")),
+        ("Score: 11", (None, "out_of_range")),  # 11 on a 5-point scale
+        ("Score: -1", (None, "out_of_range")),
+    ],
+)
 def test_parse_score(reply, expected):
     assert parse_score(reply, PAT, 0, 5) == expected
 
@@ -34,15 +37,17 @@ def test_template_filled_literally():
     text = judge_prompt(DEFAULT_TEMPLATE, "What is {x}?", "It is {y}.")
     assert "User: What is {x}?" in text and "<response>It is {y}.</response>" in text
     assert "{prompt}" not in text and "{response}" not in text
-    assert 'Score: <total points>' in text
+    assert "Score: <total points>" in text
 
 
 def test_aggregate_counts_add_up_and_means():
     cfg = JudgeConfig()
-    replies = [["Score: 4", "Score: 2", ""],          # mean of the valid ones: 3
-               ["Score: 11", "no verdict", "Score: 5"],  # 5
-               ["", "Score: 9", "nothing"],            # no valid judgement -> NaN
-               []]                                       # never judged (prompt too long)
+    replies = [
+        ["Score: 4", "Score: 2", ""],  # mean of the valid ones: 3
+        ["Score: 11", "no verdict", "Score: 5"],  # 5
+        ["", "Score: 9", "nothing"],  # no valid judgement -> NaN
+        [],
+    ]  # never judged (prompt too long)
     scores, counts = aggregate(replies, cfg)
     assert scores[:2] == [3.0, 5.0] and math.isnan(scores[2]) and math.isnan(scores[3])
     assert counts["judgements"] == 9
@@ -51,12 +56,15 @@ def test_aggregate_counts_add_up_and_means():
     assert (counts["items"], counts["items_scored"], counts["items_unscored"]) == (4, 2, 2)
 
 
-@pytest.mark.parametrize("kw, msg", [
-    ({"template": "Rate {response}"}, "{prompt}"),
-    ({"score_pattern": "Score: \\d+"}, "capturing group"),
-    ({"score_pattern": "Score: (\\d+"}, "regular expression"),
-    ({"min_score": 5, "max_score": 5}, "below"),
-])
+@pytest.mark.parametrize(
+    "kw, msg",
+    [
+        ({"template": "Rate {response}"}, "{prompt}"),
+        ({"score_pattern": "Score: \\d+"}, "capturing group"),
+        ({"score_pattern": "Score: (\\d+"}, "regular expression"),
+        ({"min_score": 5, "max_score": 5}, "below"),
+    ],
+)
 def test_bad_judge_config(kw, msg):
     with pytest.raises(ValueError, match=msg):
         JudgeConfig(**kw)
@@ -70,8 +78,20 @@ class FakeEngine:
         self.replies = replies_by_response
         self.calls = []
 
-    def generate(self, prompts, meta, group_ids, *, max_new_tokens, max_prompt_tokens, temperature, n, seed=None,
-                 top_p=1.0, top_k=0):
+    def generate(
+        self,
+        prompts,
+        meta,
+        group_ids,
+        *,
+        max_new_tokens,
+        max_prompt_tokens,
+        temperature,
+        n,
+        seed=None,
+        top_p=1.0,
+        top_k=0,
+    ):
         self.calls.append(dict(n=n, temperature=temperature, max_new_tokens=max_new_tokens, top_p=top_p, top_k=top_k))
         rows, completions = [], []
         for text, m in zip(prompts, meta):
@@ -83,10 +103,17 @@ class FakeEngine:
                 completions.append(r)
         if not rows:
             raise ValueError("no usable prompt")
-        e = Experience(input_ids=torch.ones(len(rows), 2, dtype=torch.long), attention_mask=torch.ones(len(rows), 2, dtype=torch.bool),
-                       response_mask=torch.ones(len(rows), 2, dtype=torch.bool), rollout_logprobs=torch.zeros(len(rows), 2),
-                       group_ids=torch.arange(len(rows)), truncated=torch.zeros(len(rows), dtype=torch.bool),
-                       policy_version=0, completions=completions, meta=rows)
+        e = Experience(
+            input_ids=torch.ones(len(rows), 2, dtype=torch.long),
+            attention_mask=torch.ones(len(rows), 2, dtype=torch.bool),
+            response_mask=torch.ones(len(rows), 2, dtype=torch.bool),
+            rollout_logprobs=torch.zeros(len(rows), 2),
+            group_ids=torch.arange(len(rows)),
+            truncated=torch.zeros(len(rows), dtype=torch.bool),
+            policy_version=0,
+            completions=completions,
+            meta=rows,
+        )
         return e
 
 
@@ -127,10 +154,17 @@ def test_judge_scorer_drops_unjudged_samples_and_reports_counts():
     cfg = JudgeConfig(samples=2, max_prompt_tokens=len(DEFAULT_TEMPLATE) + 200)
     engine = FakeEngine({"good": ["Score: 5", "Score: 4"], "junk": ["hmm", "no idea"]})
     scorer = JudgeScorer(cfg, None, engine=engine)
-    exp = Experience(input_ids=torch.ones(2, 3, dtype=torch.long), attention_mask=torch.ones(2, 3, dtype=torch.bool),
-                     response_mask=torch.tensor([[False, True, True]] * 2), rollout_logprobs=torch.zeros(2, 3),
-                     group_ids=torch.arange(2), truncated=torch.zeros(2, dtype=torch.bool), policy_version=0,
-                     completions=["good", "junk"], meta=[{"prompt": "q1"}, {"prompt": "q2"}]).validate()
+    exp = Experience(
+        input_ids=torch.ones(2, 3, dtype=torch.long),
+        attention_mask=torch.ones(2, 3, dtype=torch.bool),
+        response_mask=torch.tensor([[False, True, True]] * 2),
+        rollout_logprobs=torch.zeros(2, 3),
+        group_ids=torch.arange(2),
+        truncated=torch.zeros(2, dtype=torch.bool),
+        policy_version=0,
+        completions=["good", "junk"],
+        meta=[{"prompt": "q1"}, {"prompt": "q2"}],
+    ).validate()
     out = scorer.score(exp)
     assert out.completions == ["good"] and out.scores.tolist() == [4.5]
     assert out.skipped == {"unjudged": 1}
@@ -148,8 +182,13 @@ def verdict_word(reply: str):
 
 
 def test_a_score_parser_function_reads_replies_and_sampling_settings_reach_the_engine():
-    cfg = JudgeConfig(samples=4, top_p=0.9, top_k=20, score_parser="tests.unit.test_judge:verdict_word",
-                      max_prompt_tokens=len(DEFAULT_TEMPLATE) + 200)
+    cfg = JudgeConfig(
+        samples=4,
+        top_p=0.9,
+        top_k=20,
+        score_parser="tests.unit.test_judge:verdict_word",
+        max_prompt_tokens=len(DEFAULT_TEMPLATE) + 200,
+    )
     engine = FakeEngine({"A": ["Excellent work.", "poor", "Score: 5", "boom"], "B": ["weird", "poor.", "", ""]})
     scores, counts, _ = Judge(cfg).judge(engine, ["q1", "q2"], ["A", "B"])
     assert engine.calls[0]["top_p"] == 0.9 and engine.calls[0]["top_k"] == 20

@@ -30,8 +30,11 @@ ROOT = Path(__file__).resolve().parents[2]
 MANIFEST_DIR = ROOT / "cluster" / "kuberay"
 CRD_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "kuberay-crds"
 GUIDE = ROOT / "docs" / "kubernetes.md"
-CRD_FILES = {"RayJob": "ray.io_rayjobs.yaml", "RayCluster": "ray.io_rayclusters.yaml",
-             "RayService": "ray.io_rayservices.yaml"}
+CRD_FILES = {
+    "RayJob": "ray.io_rayjobs.yaml",
+    "RayCluster": "ray.io_rayclusters.yaml",
+    "RayService": "ray.io_rayservices.yaml",
+}
 MANIFESTS = [f"{kind}-{flavour}.yaml" for kind in ("rayjob", "rayservice", "raycluster") for flavour in ("cpu", "gpu")]
 # Where the Dockerfile puts the source; manifests name config files by this absolute path.
 IMAGE_APP_DIR = "/home/ray/rayrlhf"
@@ -47,7 +50,7 @@ Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 needs_crds = pytest.mark.skipif(
     not CRD_DIR.parent.is_dir(),
     reason=f"KubeRay CRD schemas not found at {CRD_DIR} (the shared folder beside the checkout); "
-           "the manifests' schema checks need them",
+    "the manifests' schema checks need them",
 )
 
 
@@ -105,8 +108,11 @@ def strict(node):
         out.setdefault("anyOf", [{"type": "integer"}, {"type": "string"}])
     if node.get("nullable") is True and isinstance(out.get("type"), str):
         out["type"] = [out["type"], "null"]
-    if ("properties" in out and "additionalProperties" not in out
-            and node.get("x-kubernetes-preserve-unknown-fields") is not True):
+    if (
+        "properties" in out
+        and "additionalProperties" not in out
+        and node.get("x-kubernetes-preserve-unknown-fields") is not True
+    ):
         out["additionalProperties"] = False
     if node.get("x-kubernetes-validations"):
         out[CEL] = [rule.get("rule", "") for rule in node["x-kubernetes-validations"]]
@@ -124,8 +130,8 @@ def validator(kind: str):
     from jsonschema import Draft7Validator, FormatChecker, validators
 
     formats = FormatChecker()
-    formats.checks("int32")(lambda v: not isinstance(v, int) or -(2 ** 31) <= v < 2 ** 31)
-    formats.checks("int64")(lambda v: not isinstance(v, int) or -(2 ** 63) <= v < 2 ** 63)
+    formats.checks("int32")(lambda v: not isinstance(v, int) or -(2**31) <= v < 2**31)
+    formats.checks("int64")(lambda v: not isinstance(v, int) or -(2**63) <= v < 2**63)
     Strict = validators.extend(Draft7Validator, {CEL: _cel_not_checked})
     return Strict(strict(crd_schema(kind)), format_checker=formats)
 
@@ -156,8 +162,11 @@ def metadata_errors(doc: dict) -> list[str]:
 
 # -- the manifests' pods ---------------------------------------------------------------------------
 def cluster_spec(doc: dict) -> dict:
-    return {"RayJob": lambda s: s["rayClusterSpec"], "RayService": lambda s: s["rayClusterConfig"],
-            "RayCluster": lambda s: s}[doc["kind"]](doc["spec"])
+    return {
+        "RayJob": lambda s: s["rayClusterSpec"],
+        "RayService": lambda s: s["rayClusterConfig"],
+        "RayCluster": lambda s: s,
+    }[doc["kind"]](doc["spec"])
 
 
 def groups(doc: dict) -> list[tuple[str, dict]]:
@@ -193,7 +202,8 @@ def test_other_documents_are_the_pvc():
             continue
         assert doc.get("apiVersion") == "v1" and doc.get("kind") == "PersistentVolumeClaim", (
             f"{name}: only ray.io resources and the PersistentVolumeClaim belong here, got "
-            f"{doc.get('apiVersion')} {doc.get('kind')}")
+            f"{doc.get('apiVersion')} {doc.get('kind')}"
+        )
         assert not metadata_errors(doc), metadata_errors(doc)
         assert set(doc["spec"]) <= {"accessModes", "resources", "storageClassName", "volumeMode", "selector"}
         # Head (driver) and workers (learners, generators) read and write the same paths.
@@ -229,7 +239,7 @@ def test_strict_validation_rejects_what_the_api_server_would():
         spec["headGroupSpec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["cpu"] = "2 cores"
 
     def replicas_over_int32(spec):
-        spec["workerGroupSpecs"][0]["replicas"] = 2 ** 31
+        spec["workerGroupSpecs"][0]["replicas"] = 2**31
 
     errs = errors_after(unknown_field)
     assert any("bogus" in e and "headGroupSpec" in e for e in errs), errs
@@ -333,7 +343,7 @@ def parse_train(words: list[str]) -> tuple[str | None, list[str], bool]:
             overrides.append(words[i + 1])
             i += 2
         elif w.startswith("--set="):
-            overrides.append(w[len("--set="):])
+            overrides.append(w[len("--set=") :])
             i += 1
         elif w in ("--run-dir", "--resume"):
             resume = resume or w == "--resume"
@@ -356,7 +366,7 @@ def check_train(words: list[str], where: str) -> tuple[str | None, list[str]]:
     assert config or resume, f"{where}: rayrlhf train without a config file"
     rel = None
     if config:
-        rel = config[len(IMAGE_APP_DIR) + 1:] if config.startswith(IMAGE_APP_DIR + "/") else config
+        rel = config[len(IMAGE_APP_DIR) + 1 :] if config.startswith(IMAGE_APP_DIR + "/") else config
         assert not Path(rel).is_absolute(), f"{where}: {config} is outside the image's copy of the repository"
         assert (ROOT / rel).is_file(), f"{where}: {rel} is not a config file of this repository"
     assert all("=" in o for o in overrides), overrides

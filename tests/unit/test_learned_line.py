@@ -18,9 +18,13 @@ def test_the_change_and_its_standard_error_are_the_binomial_ones():
 
 
 def test_the_line_names_both_evaluations_the_band_and_the_train_reward_by_thirds():
-    rows = [{"step": 0, "eval/accuracy": 0.25, "eval/n": 256.0, "eval/sampled_accuracy": 0.125, "eval/sampled_n": 256.0}]
+    rows = [
+        {"step": 0, "eval/accuracy": 0.25, "eval/n": 256.0, "eval/sampled_accuracy": 0.125, "eval/sampled_n": 256.0}
+    ]
     rows += [{"step": s, "reward/mean": r} for s, r in zip(range(1, 7), [0.1, 0.2, 0.3, 0.3, 0.5, 0.6])]
-    rows += [{"step": 6, "eval/accuracy": 0.3125, "eval/n": 256.0, "eval/sampled_accuracy": 0.25, "eval/sampled_n": 256.0}]
+    rows += [
+        {"step": 6, "eval/accuracy": 0.3125, "eval/n": 256.0, "eval/sampled_accuracy": 0.25, "eval/sampled_n": 256.0}
+    ]
     line = learned_line(rows)
     _, se = change_with_error(0.25, 256, 0.3125, 256)
     assert line.startswith("[rayrlhf] learned: held-out greedy accuracy 0.250 (step 0) -> 0.312 (step 6): +0.062 ± ")

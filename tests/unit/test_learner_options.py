@@ -15,8 +15,9 @@ from tests.helpers.factories import experience, flat_grads, make_learner, ragged
 def _exp(lm, scores, truncated=None, ref=True, groups=None, ref_shift=0.0):
     """An on-policy record of ``lm`` over the shared ragged batch (6 rows)."""
     ids, att, rm = ragged_batch(lm.config.vocab_size)
-    return experience(lm, ids, att, rm, scores, groups=groups, truncated=truncated,
-                      ref_shift=ref_shift if ref else None)
+    return experience(
+        lm, ids, att, rm, scores, groups=groups, truncated=truncated, ref_shift=ref_shift if ref else None
+    )
 
 
 def test_lora_reference_is_the_base_model_and_export_is_merged(tiny_model_path, tmp_path):
@@ -66,7 +67,8 @@ def test_lora_reference_is_the_base_model_and_export_is_merged(tiny_model_path, 
 @pytest.mark.parametrize("mode", ["keep", "penalize", "mask"])
 def test_truncation_modes(tiny_model_path, mode):
     learner = make_learner(
-        tiny_model_path, train={"micro_batch_size": 6},
+        tiny_model_path,
+        train={"micro_batch_size": 6},
         ppo={"advantage_estimator": "reinforce_pp", "kl_coef": 0.0, "truncation": mode, "truncation_penalty": -2.0},
     )
     exp = _exp(learner.model.lm, [1.0] * 6, truncated=[True, False, True, False, False, False])
@@ -113,7 +115,7 @@ def _expected_group_advantages(scores, groups, estimator):
 def test_critic_free_estimators_train_without_value_loss(tiny_model_path, estimator):
     scores, groups = [1, 0, 0, 1, 1, 0], [5, 5, 5, 9, 9, 9]
     learner = make_learner(
-        tiny_model_path, train={"micro_batch_size": 3, "lr": 1e-2}, ppo={"advantage_estimator": estimator},
+        tiny_model_path, train={"micro_batch_size": 3, "lr": 1e-2}, ppo={"advantage_estimator": estimator}
     )
     seen = {}
     orig = learner._advantages
@@ -174,8 +176,9 @@ def test_adaptive_kl_controller_state_is_checkpointed(tiny_model_path, tmp_path)
 
 
 def test_critic_free_checkpoint_has_no_critic(tiny_model_path, tmp_path):
-    learner = make_learner(tiny_model_path, train={"micro_batch_size": 6},
-                           ppo={"advantage_estimator": "grpo", "kl_coef": 0.0})
+    learner = make_learner(
+        tiny_model_path, train={"micro_batch_size": 6}, ppo={"advantage_estimator": "grpo", "kl_coef": 0.0}
+    )
     learner.train_step(_exp(learner.model.lm, [1, 0, 1, 0, 1, 0], groups=[0, 0, 1, 1, 2, 2], ref=False))
     folder = learner.save(tmp_path / "ckpt")
     assert not (folder / "critic").exists() and not (folder / "value_head.safetensors").exists()
@@ -211,4 +214,5 @@ def test_no_kl_term_means_no_reference(tiny_model_path):
     assert PPOConfig(**with_kl).uses_reference and PPOConfig(kl_coef=0, kl_controller="adaptive").uses_reference
     with pytest.raises(RuntimeError, match="needs LoRA"):
         make_learner(tiny_model_path, train={"micro_batch_size": 6}, ppo=with_kl).train_step(
-            _exp(base, [1, 0, 1, 0, 1, 0], ref=False, groups=[0, 0, 1, 1, 2, 2]))
+            _exp(base, [1, 0, 1, 0, 1, 0], ref=False, groups=[0, 0, 1, 1, 2, 2])
+        )

@@ -34,8 +34,9 @@ def test_optimizer_is_the_fused_adamw_kernel_with_the_plain_update(tiny_model_pa
     groups, i = [], 0
     for g in learner.optimizer.param_groups:  # the same groups and hyperparameters, looped
         n = len(g["params"])
-        groups.append({**{k: v for k, v in g.items() if k not in ("params", "fused", "foreach")},
-                       "params": twins[i : i + n]})
+        groups.append(
+            {**{k: v for k, v in g.items() if k not in ("params", "fused", "foreach")}, "params": twins[i : i + n]}
+        )
         i += n
     loop = torch.optim.AdamW(groups, foreach=False, fused=False)
     gen = torch.Generator().manual_seed(0)
@@ -61,8 +62,11 @@ class _CountWeightCasts(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if (func is torch.ops.aten._to_copy.default and kwargs.get("dtype") == torch.bfloat16
-                and args[0].data_ptr() in self.ptrs):
+        if (
+            func is torch.ops.aten._to_copy.default
+            and kwargs.get("dtype") == torch.bfloat16
+            and args[0].data_ptr() in self.ptrs
+        ):
             self.count += 1
         return func(*args, **kwargs)
 
@@ -84,16 +88,20 @@ def _dpo(path):  # 4 pairs: 2 per minibatch, 1 per micro-batch
 def _sft(path):
     lm = tiny_lm(path)
     ids, att, rm = grouped_batch(lm.config.vocab_size, list(range(8)), seed=1)
-    return make_sft_learner(path, train=_TRAIN), experience(lm, ids, att, rm, [0.0] * 8, groups=list(range(8)),
-                                                            ref_shift=None)
+    return make_sft_learner(path, train=_TRAIN), experience(
+        lm, ids, att, rm, [0.0] * 8, groups=list(range(8)), ref_shift=None
+    )
 
 
 def _two_minibatch_step(path, make, module, share: bool, monkeypatch):
     """Gradients of both optimiser steps of one step (2 minibatches x 2 micro-batches, bf16), and
     the weight casts it made in forward passes' worth; ``share=False`` runs every micro-batch's
     autocast on its own."""
-    monkeypatch.setattr(module, "shared_weight_casts", shared_weight_casts if share else
-                        (lambda bf16, device: shared_weight_casts(False, device)))
+    monkeypatch.setattr(
+        module,
+        "shared_weight_casts",
+        shared_weight_casts if share else (lambda bf16, device: shared_weight_casts(False, device)),
+    )
     learner, batch = make(path)
     grads = []
     learner.on_gradients = lambda params: grads.append([p.grad.detach().clone() for p in params])
@@ -150,11 +158,14 @@ def test_compiled_decoder_layers_give_the_eager_gradients(tiny_model_path, lora)
     batches = []
     for seed, groups in ((0, [0, 0, 0, 0, 1, 1, 1, 1]), (1, [0, 0, 1, 1, 2, 2])):
         ids, att, rm = grouped_batch(lm.config.vocab_size, groups, seed=seed)
-        batches.append(experience(lm, ids, att, rm, [float(i % 2) for i in range(len(groups))], groups=groups,
-                                  ref_shift=None))
+        batches.append(
+            experience(lm, ids, att, rm, [float(i % 2) for i in range(len(groups))], groups=groups, ref_shift=None)
+        )
     ppo = {"advantage_estimator": "grpo", "kl_coef": 0.0, "loss_agg": "token_mean"}
-    eager, compiled = (make_learner(tiny_model_path, train={"micro_batch_size": 4, "compile": c}, ppo=ppo, lora=lora)
-                       for c in (False, True))
+    eager, compiled = (
+        make_learner(tiny_model_path, train={"micro_batch_size": 4, "compile": c}, ppo=ppo, lora=lora)
+        for c in (False, True)
+    )
     assert all(layer._compiled_call_impl is not None for layer in decoder_layers(compiled.model.lm))
     assert all(layer._compiled_call_impl is None for layer in decoder_layers(eager.model.lm))
     for batch in batches:

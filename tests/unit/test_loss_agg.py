@@ -18,12 +18,7 @@ def hand_example() -> tuple[torch.Tensor, torch.Tensor]:
     Masked-out positions hold NaN / inf: they must never leak into the result.
     """
     x = torch.tensor(
-        [
-            [1.0, 2.0, 3.0, NAN, float("inf")],
-            [NAN, 7.0, 8.0, 9.0, NAN],
-            [11.0, 12.0, 13.0, 14.0, 15.0],
-        ],
-        **F64,
+        [[1.0, 2.0, 3.0, NAN, float("inf")], [NAN, 7.0, 8.0, 9.0, NAN], [11.0, 12.0, 13.0, 14.0, 15.0]], **F64
     )
     m = torch.tensor(
         [

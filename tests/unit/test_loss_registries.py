@@ -51,8 +51,9 @@ def test_a_registered_estimator_is_accepted_and_gives_the_learners_advantages(ti
         assert "constant_half" in PPOConfig.model_json_schema()["properties"]["advantage_estimator"]["enum"]
         assert needs_group("constant_half") and not needs_group("reinforce_pp")
         assert "constant_half" in advantages.GROUP_ESTIMATORS and "constant_half" in advantages.ESTIMATORS
-        learner = make_learner(tiny_model_path, ppo={"advantage_estimator": "constant_half", "kl_coef": 0.0,
-                                                     "skip_zero_advantage": False})
+        learner = make_learner(
+            tiny_model_path, ppo={"advantage_estimator": "constant_half", "kl_coef": 0.0, "skip_zero_advantage": False}
+        )
         assert not learner.use_critic
         lm = learner.model.lm
         ids, att, rm = ragged_batch(lm.config.vocab_size, b=4)
@@ -63,8 +64,10 @@ def test_a_registered_estimator_is_accepted_and_gives_the_learners_advantages(ti
         unregister_estimator("constant_half")
     assert "constant_half" not in advantages.ESTIMATORS
     known = ("gae", "grpo", "dr_grpo", "rloo", "reinforce_pp")
-    _one_line_error(lambda: PPOConfig(advantage_estimator="constant_half"),
-                    "ppo.advantage_estimator must be one of gae, grpo, dr_grpo, rloo, reinforce_pp; got 'constant_half'")
+    _one_line_error(
+        lambda: PPOConfig(advantage_estimator="constant_half"),
+        "ppo.advantage_estimator must be one of gae, grpo, dr_grpo, rloo, reinforce_pp; got 'constant_half'",
+    )
     _one_line_error(lambda: get_estimator("sarsa"), "sarsa", *known)
 
 

@@ -64,9 +64,7 @@ def test_masked_whiten_hand() -> None:
     m = torch.tensor([[1.0, 1.0, 1.0, 0.0]], dtype=torch.float64)
     assert_close(masked_whiten(x, m), torch.tensor([[-1.0, 0.0, 1.0, 48.0]], dtype=torch.float64))
     # shift_mean=False adds the mean (4) back
-    assert_close(
-        masked_whiten(x, m, shift_mean=False), torch.tensor([[3.0, 4.0, 5.0, 52.0]], dtype=torch.float64)
-    )
+    assert_close(masked_whiten(x, m, shift_mean=False), torch.tensor([[3.0, 4.0, 5.0, 52.0]], dtype=torch.float64))
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

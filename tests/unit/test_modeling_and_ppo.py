@@ -48,8 +48,10 @@ def test_chunked_logprobs_match_full_log_softmax(tiny_model_path):
 
 def test_ppo_step_moves_policy_towards_rewarded_samples(tiny_model_path):
     learner = make_learner(
-        tiny_model_path, train={"lr": 1e-2, "epochs": 4, "num_minibatches": 1, "micro_batch_size": 3},
-        ppo={"critic_lr": 1e-2, "kl_coef": 0.0}, seed=0,
+        tiny_model_path,
+        train={"lr": 1e-2, "epochs": 4, "num_minibatches": 1, "micro_batch_size": 3},
+        ppo={"critic_lr": 1e-2, "kl_coef": 0.0},
+        seed=0,
     )
     lm = learner.model.lm
     ids, att, rm = ragged_batch(lm.config.vocab_size)
@@ -87,7 +89,9 @@ def test_fused_on_policy_step_equals_separate_old_pass(tiny_model_path):
     # needs old values before the update), then two micro-batches.
     for micro in (6, 3):
         m, g = _step_capturing_gradients(
-            tiny_model_path, exp, train={"lr": 1e-2, "epochs": 1, "num_minibatches": 1, "micro_batch_size": micro},
+            tiny_model_path,
+            exp,
+            train={"lr": 1e-2, "epochs": 1, "num_minibatches": 1, "micro_batch_size": micro},
             ppo={"critic_lr": 1e-2, "advantage_estimator": "gae", "kl_coef": 0.05},
         )
         assert m["learner/fused_old_pass"] == float(micro == 6)
@@ -97,8 +101,16 @@ def test_fused_on_policy_step_equals_separate_old_pass(tiny_model_path):
     # A real gradient, on the policy and on the critic (value head: the last parameters).
     assert g_a.abs().sum() > 0 and g_a[-lm.config.hidden_size - 1 :].abs().sum() > 0
     torch.testing.assert_close(g_b, g_a, **GRAD_TOL)
-    for k in ("loss/policy", "loss/value", "loss/total", "kl/ref_k1", "advantage/mean", "policy/entropy",
-              "policy/grad_norm", "value/mean"):
+    for k in (
+        "loss/policy",
+        "loss/value",
+        "loss/total",
+        "kl/ref_k1",
+        "advantage/mean",
+        "policy/entropy",
+        "policy/grad_norm",
+        "value/mean",
+    ):
         torch.testing.assert_close(m_b[k], m_a[k], atol=1e-6, rtol=1e-4, msg=k)
     # The KL to the reference (shifted by 0.01) entered the rewards on both paths.
     assert abs(m_a["kl/ref_k1"] - 0.01) < 1e-5
@@ -114,10 +126,14 @@ def test_streamed_on_policy_step_equals_fused(tiny_model_path):
     results = {}
     for micro in (6, 2):
         m, g = _step_capturing_gradients(
-            tiny_model_path, exp, train={"lr": 1e-2, "epochs": 1, "num_minibatches": 1, "micro_batch_size": micro},
+            tiny_model_path,
+            exp,
+            train={"lr": 1e-2, "epochs": 1, "num_minibatches": 1, "micro_batch_size": micro},
             ppo={"advantage_estimator": "grpo", "kl_coef": 0.0},
         )
-        assert (m["learner/fused_old_pass"], m["learner/streamed_old_pass"]) == ((1.0, 0.0) if micro == 6 else (0.0, 1.0))
+        assert (m["learner/fused_old_pass"], m["learner/streamed_old_pass"]) == (
+            (1.0, 0.0) if micro == 6 else (0.0, 1.0)
+        )
         # The old pass is the policy before the update: it matches the rollout log-probs.
         assert m["logprob_gap/max_abs"] < 1e-5
         results[micro] = (m, g)
@@ -162,7 +178,9 @@ def test_fused_head_logprobs_give_the_plain_paths_ppo_gradient(tiny_model_path, 
 
     calls = []
     real = learners.training.modeling.fused_head_logprobs
-    monkeypatch.setattr(learners.training.modeling, "fused_head_logprobs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(
+        learners.training.modeling, "fused_head_logprobs", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
     for bf16, tol in ((False, GRAD_TOL), (True, dict(atol=2e-3, rtol=2e-2))):
         runs = {}
         for fused in (False, True):
@@ -206,9 +224,16 @@ def test_zero_advantage_rows_skip_their_passes_with_the_same_step(tiny_model_pat
         train = {"lr": 1e-2, "epochs": 1, "num_minibatches": 1, "micro_batch_size": micro}
         results = {}
         for skip in (True, False):
-            learner = make_learner(tiny_model_path, train=train, ppo={
-                "advantage_estimator": "grpo", "kl_coef": 0.0, "skip_zero_advantage": skip,
-                "rollout_correction": correction})
+            learner = make_learner(
+                tiny_model_path,
+                train=train,
+                ppo={
+                    "advantage_estimator": "grpo",
+                    "kl_coef": 0.0,
+                    "skip_zero_advantage": skip,
+                    "rollout_correction": correction,
+                },
+            )
             ran = _count_rows(learner)
             captured = []
             learner.on_gradients = lambda params: captured.append(flat_grads(params))
@@ -227,7 +252,9 @@ def test_zero_advantage_rows_skip_their_passes_with_the_same_step(tiny_model_pat
         assert abs(m_s["logprob_gap/max_abs"] - (0.3 if batch is stale else 0.0)) < 1e-5
         if batch is stale:
             # Float32 log-probs of rows batched differently: equal to rounding (a few 1e-7 with AVX-512).
-            torch.testing.assert_close(m_s["rollout_is/weight_mean"], m_f["rollout_is/weight_mean"], atol=1e-6, rtol=1e-5)
+            torch.testing.assert_close(
+                m_s["rollout_is/weight_mean"], m_f["rollout_is/weight_mean"], atol=1e-6, rtol=1e-5
+            )
 
 
 def test_zero_advantage_rows_are_not_skipped_where_they_carry_a_gradient(tiny_model_path):
@@ -237,8 +264,9 @@ def test_zero_advantage_rows_are_not_skipped_where_they_carry_a_gradient(tiny_mo
     ids, att, rm = ragged_batch(lm.config.vocab_size)
     exp = experience(lm, ids, att, rm, [1.0, 0.0, 0.2, 0.3, 0.3, 0.3], groups=[0, 0, 0, 1, 1, 1], ref_shift=0.01)
     for ppo in ({"entropy_coef": 0.01, "kl_coef": 0.0}, {"kl_coef": 0.05}, {"kl_coef": 0.0, "kl_loss_coef": 0.1}):
-        learner = make_learner(tiny_model_path, train={"micro_batch_size": 2},
-                               ppo={"advantage_estimator": "grpo", **ppo})
+        learner = make_learner(
+            tiny_model_path, train={"micro_batch_size": 2}, ppo={"advantage_estimator": "grpo", **ppo}
+        )
         ran = _count_rows(learner)
         m = learner.train_step(exp)
         assert "learner/zero_advantage_rows" not in m and sum(ran) == 6, ppo
@@ -256,8 +284,11 @@ def test_a_batch_with_no_advantage_still_steps_the_optimiser(tiny_model_path):
     flat = experience(lm, ids, att, rm, [0.0, 0.0, 0.0, 1.0, 1.0, 1.0], groups=groups, ref_shift=None)
     params = {}
     for skip in (True, False):
-        learner = make_learner(tiny_model_path, train={"lr": 1e-2, "micro_batch_size": 2},
-                               ppo={"advantage_estimator": "grpo", "kl_coef": 0.0, "skip_zero_advantage": skip})
+        learner = make_learner(
+            tiny_model_path,
+            train={"lr": 1e-2, "micro_batch_size": 2},
+            ppo={"advantage_estimator": "grpo", "kl_coef": 0.0, "skip_zero_advantage": skip},
+        )
         learner.train_step(first)
         before = torch.cat([p.detach().reshape(-1).clone() for p in learner.trainable])
         m = learner.train_step(flat)

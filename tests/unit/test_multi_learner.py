@@ -124,8 +124,13 @@ def test_whole_batch_statistics_reinforce_pp_and_kl_controller(tiny_model_path):
     """REINFORCE++ whitens over the whole batch and the adaptive KL controller measures the whole
     batch: every rank ends with the one-learner coefficient."""
     batch = _batch(tiny_model_path, ref_shift=0.3)
-    ppo = {"advantage_estimator": "reinforce_pp", "kl_controller": "adaptive", "kl_coef": 0.1,
-           "kl_target": 0.01, "kl_horizon": 100}
+    ppo = {
+        "advantage_estimator": "reinforce_pp",
+        "kl_controller": "adaptive",
+        "kl_coef": 0.1,
+        "kl_target": 0.01,
+        "kl_horizon": 100,
+    }
     _, m1, results = _compare(tiny_model_path, batch, {"micro_batch_size": 2}, ppo)
     assert m1["kl/coef_next"] != m1["kl/coef"]
     assert all(m["kl/coef_next"] == pytest.approx(m1["kl/coef_next"], rel=1e-9) for _, m in results)
@@ -141,8 +146,9 @@ def test_two_learners_skipping_zero_advantage_rows_match_one_running_them(tiny_m
     for micro in (8, 2):  # fused and streamed
         train = {"micro_batch_size": micro}
         ppo = {"advantage_estimator": "grpo", "kl_coef": 0.0}
-        g1, m1 = _step(make_learner(tiny_model_path, train=train, ppo={**ppo, "skip_zero_advantage": False}),
-                       batch, Collective())
+        g1, m1 = _step(
+            make_learner(tiny_model_path, train=train, ppo={**ppo, "skip_zero_advantage": False}), batch, Collective()
+        )
         assert "learner/zero_advantage_rows" not in m1 and g1.abs().sum() > 0
         learners = _learners(tiny_model_path, train, ppo, 2)
         results = run_ranks(2, lambda rank, comm: _step(learners[rank], batch, comm))
@@ -174,8 +180,14 @@ def test_two_learners_match_one_with_each_policy_objective(tiny_model_path, poli
     the global minibatch add up to the one-learner step. A ratio away from 1 (the reference
     shift is the old policy's offset, clip ranges that bind) exercises the clipping."""
     batch = _batch(tiny_model_path)
-    ppo = {"advantage_estimator": "grpo", "policy_loss": policy_loss, "kl_coef": 0.0, "clip_eps": 0.01,
-           "clip_eps_high": 0.02, "loss_agg": "seq_mean_token_mean"}
+    ppo = {
+        "advantage_estimator": "grpo",
+        "policy_loss": policy_loss,
+        "kl_coef": 0.0,
+        "clip_eps": 0.01,
+        "clip_eps_high": 0.02,
+        "loss_agg": "seq_mean_token_mean",
+    }
     _compare(tiny_model_path, batch, {"micro_batch_size": 2, "epochs": 2}, ppo)
 
 

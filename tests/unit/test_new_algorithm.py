@@ -96,7 +96,9 @@ def test_a_toy_algorithm_in_a_package_of_its_own_runs_through_the_framework(toy_
     # Its own checks and its section's keys are enforced like the built-in ones.
     with pytest.raises(ConfigError, match="toy.weight must be >= 0"):
         load_config(overrides=[*sets, "toy.weight=-1"])
-    with pytest.raises(ConfigError, match="unknown config key 'toy.wieght' in section 'toy'; valid keys: weight, with_reference"):
+    with pytest.raises(
+        ConfigError, match="unknown config key 'toy.wieght' in section 'toy'; valid keys: weight, with_reference"
+    ):
         load_config(overrides=[*sets, "toy.wieght=1"])
     assert main(["train", "--dry-run", *sum((["--set", s] for s in sets), [])]) == 0
     assert "toy:\n  weight: 0.5" in capsys.readouterr().out
@@ -105,8 +107,10 @@ def test_a_toy_algorithm_in_a_package_of_its_own_runs_through_the_framework(toy_
     ids, att, rm = grouped_batch(lm.config.vocab_size, list(range(4)), seed=3)
     batch = experience(lm, ids, att, rm, [0.0] * 4, groups=list(range(4)), ref_shift=None)
     toy = build_learner(learner_spec(cfg, tiny_model_path, 0), default_collective())
-    sft = build_learner(learner_spec(load_config(overrides=[f"model.path={tiny_model_path}", "run.algorithm=sft"]),
-                                     tiny_model_path, 0), default_collective())
+    sft = build_learner(
+        learner_spec(load_config(overrides=[f"model.path={tiny_model_path}", "run.algorithm=sft"]), tiny_model_path, 0),
+        default_collective(),
+    )
     metrics = toy.train_step(batch)
     assert metrics["toy/weight"] == 0.5 and metrics["loss/total"] == sft.train_step(batch)["loss/total"]
     for (name, a), (_, b) in zip(toy.model.named_parameters(), sft.model.named_parameters()):

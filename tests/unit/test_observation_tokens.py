@@ -22,14 +22,23 @@ def _multi_turn_batch(lm, scores: list[float]) -> Experience:
     att = torch.ones(b, LENGTH, dtype=torch.bool)
     att[:, -2:] = False
     act = torch.zeros_like(att)
-    act[:, PROMPT:PROMPT + TURN] = True
-    act[:, PROMPT + TURN + OBS:PROMPT + 2 * TURN + OBS] = True
+    act[:, PROMPT : PROMPT + TURN] = True
+    act[:, PROMPT + TURN + OBS : PROMPT + 2 * TURN + OBS] = True
     with torch.no_grad():
         lp = sequence_logprobs(lm, ids, att, act)
-    return Experience(input_ids=ids, attention_mask=att, response_mask=act, rollout_logprobs=lp,
-                      group_ids=torch.tensor([0, 0, 1, 1]), truncated=torch.zeros(b, dtype=torch.bool),
-                      policy_version=0, completions=[""] * b, meta=[{}] * b,
-                      scores=torch.tensor(scores), ref_logprobs=lp.clone()).validate()
+    return Experience(
+        input_ids=ids,
+        attention_mask=att,
+        response_mask=act,
+        rollout_logprobs=lp,
+        group_ids=torch.tensor([0, 0, 1, 1]),
+        truncated=torch.zeros(b, dtype=torch.bool),
+        policy_version=0,
+        completions=[""] * b,
+        meta=[{}] * b,
+        scores=torch.tensor(scores),
+        ref_logprobs=lp.clone(),
+    ).validate()
 
 
 def _observations(exp: Experience) -> torch.Tensor:
@@ -59,8 +68,10 @@ def test_the_loss_is_the_loss_on_the_models_tokens_alone(tiny_model_path):
     got, _ = step_with_grads(make_learner(tiny_model_path, ppo=hp, train=train), exp)
     # Garbage at the observation positions (log-probs, reference log-probs) changes nothing.
     obs = _observations(exp)
-    noisy = exp.replace(rollout_logprobs=torch.where(obs, torch.tensor(-40.0), exp.rollout_logprobs),
-                        ref_logprobs=torch.where(obs, torch.tensor(-7.0), exp.ref_logprobs)).validate()
+    noisy = exp.replace(
+        rollout_logprobs=torch.where(obs, torch.tensor(-40.0), exp.rollout_logprobs),
+        ref_logprobs=torch.where(obs, torch.tensor(-7.0), exp.ref_logprobs),
+    ).validate()
     again, _ = step_with_grads(make_learner(tiny_model_path, ppo=hp, train=train), noisy)
     assert torch.allclose(got["g"], again["g"], atol=1e-7)
     # The naive loss: on-policy GRPO's gradient is -(1/N) sum over the action tokens of A * grad log p.

@@ -16,7 +16,10 @@ GOOD = [
     {"prompt": "What is 2 + 3?", "chosen": "5", "rejected": "6"},
     {"prompt": [USER], "chosen": "The answer is 5.", "rejected": "It is 7."},
     # Conversational: no prompt field, the shared context before the assistant's reply is the prompt.
-    {"chosen": [USER, {"role": "assistant", "content": "5"}], "rejected": [USER, {"role": "assistant", "content": "4"}]},
+    {
+        "chosen": [USER, {"role": "assistant", "content": "5"}],
+        "rejected": [USER, {"role": "assistant", "content": "4"}],
+    },
 ]
 BAD = [
     ("{not json", "malformed_row"),
@@ -24,9 +27,15 @@ BAD = [
     (json.dumps({"prompt": "q", "chosen": "a"}), "missing_field"),
     (json.dumps({"prompt": "q", "chosen": "same", "rejected": " same "}), "identical_pair"),
     (json.dumps({"prompt": "q", "chosen": [USER], "rejected": "b"}), "malformed_row"),  # no assistant reply
-    (json.dumps({"chosen": [USER, {"role": "assistant", "content": "5"}],
-                 "rejected": [{"role": "user", "content": "other"}, {"role": "assistant", "content": "4"}]}),
-     "missing_field"),  # contexts differ: no common prompt
+    (
+        json.dumps(
+            {
+                "chosen": [USER, {"role": "assistant", "content": "5"}],
+                "rejected": [{"role": "user", "content": "other"}, {"role": "assistant", "content": "4"}],
+            }
+        ),
+        "missing_field",
+    ),  # contexts differ: no common prompt
     (json.dumps({"prompt": 3, "chosen": "a", "rejected": "b"}), "malformed_row"),
 ]
 
@@ -47,7 +56,11 @@ def test_every_bad_row_is_counted_by_reason(tmp_path):
     assert prefs.skipped == expected
     assert len(prefs) + sum(prefs.skipped.values()) == len(GOOD) + len(BAD)
     assert [r["prompt"] for r in prefs.rows] == [[USER]] * 3
-    assert [(r["chosen"], r["rejected"]) for r in prefs.rows] == [("5", "6"), ("The answer is 5.", "It is 7."), ("5", "4")]
+    assert [(r["chosen"], r["rejected"]) for r in prefs.rows] == [
+        ("5", "6"),
+        ("The answer is 5.", "It is 7."),
+        ("5", "4"),
+    ]
     with pytest.raises(FileNotFoundError, match="preference file not found"):
         read_preferences(tmp_path / "missing.jsonl")
 
@@ -58,16 +71,19 @@ def test_parquet_round_trip(tmp_path):
     back = read_preferences(path)
     assert back.skipped == {}
     assert [(r["prompt"], r["chosen"], r["rejected"]) for r in back.rows] == [
-        (r["prompt"], r["chosen"], r["rejected"]) for r in rows]
+        (r["prompt"], r["chosen"], r["rejected"]) for r in rows
+    ]
 
 
 def test_encoded_pairs_share_their_prompt_and_end_with_eos(tiny_model_path):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
-    rows = [{"prompt": [USER], "chosen": "5", "rejected": "six, I think"},
-            {"prompt": [USER], "chosen": "word " * 50, "rejected": "x"},  # chosen over the budget
-            {"prompt": [{"role": "user", "content": "Name a colour."}], "chosen": "Blue.", "rejected": "Seven."}]
+    rows = [
+        {"prompt": [USER], "chosen": "5", "rejected": "six, I think"},
+        {"prompt": [USER], "chosen": "word " * 50, "rejected": "x"},  # chosen over the budget
+        {"prompt": [{"role": "user", "content": "Name a colour."}], "chosen": "Blue.", "rejected": "Seven."},
+    ]
     exp, skipped = encode_pairs(rows, tok, max_prompt_tokens=64, max_response_tokens=16)
     assert skipped == {"too_long": 1} and exp.skipped == {"too_long": 1}
     assert exp.batch_size == 4 and exp.group_ids.tolist() == [0, 0, 1, 1] and exp.scores.tolist() == [1, 0, 1, 0]
@@ -87,8 +103,10 @@ def test_encoded_pairs_train_the_dpo_learner(tiny_model_path):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
-    rows = [{"prompt": [USER], "chosen": "5", "rejected": "six"},
-            {"prompt": [{"role": "user", "content": "Name a colour."}], "chosen": "Blue.", "rejected": "Seven."}]
+    rows = [
+        {"prompt": [USER], "chosen": "5", "rejected": "six"},
+        {"prompt": [{"role": "user", "content": "Name a colour."}], "chosen": "Blue.", "rejected": "Seven."},
+    ]
     exp, _ = encode_pairs(rows, tok, max_prompt_tokens=64, max_response_tokens=16)
     lm = tiny_lm(tiny_model_path)
     with torch.no_grad():

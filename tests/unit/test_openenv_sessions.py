@@ -51,11 +51,18 @@ def test_the_servers_http_routes_are_stateless_and_a_session_is_not(server):
     assert requests.post(f"{url}/reset", json={"prompt": "Question."}, timeout=30).json()["done"] is False
     # A step after a reset over HTTP runs on a fresh environment: it ends at once, reward 0.
     assert requests.post(f"{url}/step", json={"action": {"message": "7"}}, timeout=30).json() == {
-        "observation": {"prompt": ""}, "reward": 0.0, "done": True}
+        "observation": {"prompt": ""},
+        "reward": 0.0,
+        "done": True,
+    }
     make = environment_factory(EnvSpec(url, openenv=OPTS))
     # Over the session: three turns, the reward of the first reply given after the third.
     assert _play(make, 0, ("12 3a", "no digits", "none")) == [
-        "Question 0.", Step("Turn 2.", 0.0, False, {}), Step("Turn 3.", 0.0, False, {}), Step(None, 3 / 4, True, {})]
+        "Question 0.",
+        Step("Turn 2.", 0.0, False, {}),
+        Step("Turn 3.", 0.0, False, {}),
+        Step(None, 3 / 4, True, {}),
+    ]
 
 
 def test_more_episodes_than_the_server_holds_wait_for_a_session_and_all_finish(tmp_path):

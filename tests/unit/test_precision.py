@@ -16,8 +16,10 @@ ARM_BF16 = "processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\n"
 @pytest.fixture
 def native(monkeypatch):
     """Sets what the CPU is said to support: ``native(True)`` or ``native(False)``."""
+
     def set_native(value: bool) -> None:
         monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: value)
+
     return set_native
 
 

@@ -46,8 +46,14 @@ def _naive(kind: str, beta: float, eps: float, gamma: float) -> list[float]:
 
 
 def _loss(kind: str, beta: float = 0.1, eps: float = 0.0, gamma: float = 0.5, **tensors):
-    args = dict(chosen_logps=PI_W, rejected_logps=PI_L, ref_chosen_logps=REF_W, ref_rejected_logps=REF_L,
-                chosen_lengths=LEN_W, rejected_lengths=LEN_L)
+    args = dict(
+        chosen_logps=PI_W,
+        rejected_logps=PI_L,
+        ref_chosen_logps=REF_W,
+        ref_rejected_logps=REF_L,
+        chosen_lengths=LEN_W,
+        rejected_lengths=LEN_L,
+    )
     args.update(tensors)
     return preference_loss(kind=kind, beta=beta, label_smoothing=eps, simpo_gamma=gamma, **args)
 
@@ -92,8 +98,9 @@ def test_gradients_against_autograd_gradcheck(kind):
     # Hinge is not differentiable at its kink; these inputs keep beta*h away from 1.
     w = PI_W.clone().requires_grad_(True)
     l_ = PI_L.clone().requires_grad_(True)
-    fn = lambda a, b: preference_loss(a, b, REF_W, REF_L, kind=kind, beta=0.7, label_smoothing=0.1,
-                                      chosen_lengths=LEN_W, rejected_lengths=LEN_L).sum()
+    fn = lambda a, b: preference_loss(
+        a, b, REF_W, REF_L, kind=kind, beta=0.7, label_smoothing=0.1, chosen_lengths=LEN_W, rejected_lengths=LEN_L
+    ).sum()
     assert torch.autograd.gradcheck(fn, (w, l_))
 
 

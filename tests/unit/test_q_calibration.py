@@ -28,7 +28,9 @@ def test_reference_terms_equal_a_full_forward_pass(tiny_model_path):
     states = rm & (torch.rand(rm.shape, generator=torch.Generator().manual_seed(1)) < 0.7)
     got = reference_logit_terms(lm, ids, att, states, rm, micro_batch_size=2, chunk=3)
     logits = _full_logits(lm, ids, att)
-    torch.testing.assert_close(got["logsumexp"], torch.where(states, torch.logsumexp(logits, -1), 0.0), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        got["logsumexp"], torch.where(states, torch.logsumexp(logits, -1), 0.0), atol=1e-5, rtol=1e-5
+    )
     taken = torch.zeros_like(got["taken"])
     taken[:, 1:] = logits[:, :-1].gather(2, ids[:, 1:, None]).squeeze(2)
     torch.testing.assert_close(got["taken"], torch.where(rm, taken, 0.0), atol=1e-5, rtol=1e-5)
@@ -55,8 +57,11 @@ def test_calibrated_q_and_its_targets_by_hand(tiny_model_path):
     """At the start Q = 0 for every action and the targets are the rewards; after three updates
     (target network an EMA behind the online one) Q = logits - logits_ref of the taken token and
     y = r + logsumexp(target logits) - logsumexp(reference logits) of the next state."""
-    q = make_q_learner(tiny_model_path, train={"lr": 1e-3, **OWN_REFERENCE},
-                       qlearn={**CALIBRATED, "n_step": 1, "mc_lower_bound": False, "target_decay": 0.5})
+    q = make_q_learner(
+        tiny_model_path,
+        train={"lr": 1e-3, **OWN_REFERENCE},
+        qlearn={**CALIBRATED, "n_step": 1, "mc_lower_bound": False, "target_decay": 0.5},
+    )
     batch = mdp_batch()
     ref_logits = _full_logits(tiny_lm(tiny_model_path), batch.input_ids, batch.attention_mask)
     _, rewards, _ = q.episodes(batch)
@@ -79,8 +84,11 @@ def test_calibrated_q_reaches_the_soft_bellman_fixed_point(tiny_model_path):
     """Gamma 0.9, one-step backups, no regulariser: after training, Q(s_t, a_t) = r_t + 0.9 V(s_{t+1})
     with Q and V measured against the reference, and Q = r at the last actions, from full passes."""
     batch = mdp_batch()
-    q = make_q_learner(tiny_model_path, train={"lr": 1e-3, **OWN_REFERENCE},
-                       qlearn={**CALIBRATED, "gamma": 0.9, "mc_lower_bound": False, "conservative_weight": 0.0})
+    q = make_q_learner(
+        tiny_model_path,
+        train={"lr": 1e-3, **OWN_REFERENCE},
+        qlearn={**CALIBRATED, "gamma": 0.9, "mc_lower_bound": False, "conservative_weight": 0.0},
+    )
     for _ in range(400):
         metrics = q.train_step(batch)
     ref_logits = _full_logits(tiny_lm(tiny_model_path), batch.input_ids, batch.attention_mask)
@@ -96,10 +104,16 @@ def test_calibrated_q_reaches_the_soft_bellman_fixed_point(tiny_model_path):
 def test_two_learners_take_the_one_learner_calibrated_step(tiny_model_path):
     batch = mdp_batch()
     hp = {**CALIBRATED, "n_step": 2}
-    g1, m1 = step_with_grads(make_q_learner(tiny_model_path, qlearn=hp, train={**OWN_REFERENCE, "micro_batch_size": 8}), batch)
-    learners = [make_q_learner(tiny_model_path, qlearn=hp, train={**OWN_REFERENCE, "micro_batch_size": 1}) for _ in range(2)]
+    g1, m1 = step_with_grads(
+        make_q_learner(tiny_model_path, qlearn=hp, train={**OWN_REFERENCE, "micro_batch_size": 8}), batch
+    )
+    learners = [
+        make_q_learner(tiny_model_path, qlearn=hp, train={**OWN_REFERENCE, "micro_batch_size": 1}) for _ in range(2)
+    ]
     seen: list[list[int]] = [[], []]  # rows of each rank's reference passes
-    for rank, learner in enumerate(learners):  # loaded here: two threads in from_pretrained at once share its meta-device context
+    for rank, learner in enumerate(
+        learners
+    ):  # loaded here: two threads in from_pretrained at once share its meta-device context
         learner._frozen_reference()
         terms = learner.base_logit_terms
         learner.base_logit_terms = lambda ids, *a, _t=terms, _s=seen[rank]: _s.append(ids.shape[0]) or _t(ids, *a)

@@ -14,16 +14,29 @@ from learners.training.distributed import Collective
 from learners.objectives.reward_shaping import centered_returns, groups_with_signal
 from tests.helpers.factories import make_q_learner, step_with_grads, transitions_batch
 
-HP = {"calibration": "reference", "conservative": "logsumexp", "conservative_weight": 1.0, "value_grad": 0.0,
-      "reward_baseline": "group_mean", "reward_scale": 5.0, "n_step": 8, "mc_lower_bound": True}
+HP = {
+    "calibration": "reference",
+    "conservative": "logsumexp",
+    "conservative_weight": 1.0,
+    "value_grad": 0.0,
+    "reward_baseline": "group_mean",
+    "reward_scale": 5.0,
+    "n_step": 8,
+    "mc_lower_bound": True,
+}
 TRAIN = {"epochs": 1, "num_minibatches": 1, "lr": 1e-2, "reference": "learners", "shared_prefix": False}
 
 # Prompt 5 6 7; tokens A=10, B=11, C=12, EOS=2. Group 0: a solved and a failed episode (signal).
 # Group 1: both solved at their last token (uniform). Group 2: both earn 1, one at its second
 # token of three, one at its last (signal: the targets of the first's later tokens differ).
-EPISODES = [([10, 12, 2], [0, 0, 1.0]), ([10, 2], [0, 0.0]),
-            ([11, 2], [0, 1.0]), ([12, 10, 2], [0, 0, 1.0]),
-            ([11, 12, 2], [0, 1.0, 0]), ([10, 2], [0, 1.0])]
+EPISODES = [
+    ([10, 12, 2], [0, 0, 1.0]),
+    ([10, 2], [0, 0.0]),
+    ([11, 2], [0, 1.0]),
+    ([12, 10, 2], [0, 0, 1.0]),
+    ([11, 12, 2], [0, 1.0, 0]),
+    ([10, 2], [0, 1.0]),
+]
 GROUPS = [0, 0, 1, 1, 2, 2]
 
 
@@ -88,8 +101,9 @@ class _PeerKeepsAll(Collective):
 def test_ranks_keep_a_group_any_of_them_keeps(tiny_model_path):
     """Sharded ranks must pass the same rows: a group another rank keeps (a centered reward it did
     not round to 0) is kept here too, so the uniform group trains as in a plain learner."""
-    learner = make_q_learner(tiny_model_path, train=TRAIN, qlearn={**HP, "skip_uniform_groups": True},
-                             comm=_PeerKeepsAll())
+    learner = make_q_learner(
+        tiny_model_path, train=TRAIN, qlearn={**HP, "skip_uniform_groups": True}, comm=_PeerKeepsAll()
+    )
     got, metrics = step_with_grads(learner, _batch())
     want, _ = step_with_grads(make_q_learner(tiny_model_path, train=TRAIN, qlearn=HP), _batch())
     assert metrics["learner/uniform_group_rows"] == 0.0 and metrics["learner/sequences"] == 6.0

@@ -18,8 +18,14 @@ from cluster.config.loading import load_config
 from learners.objectives.td_losses import reference_valued
 from tests.helpers.factories import flat_grads, make_q_learner, mdp_batch, step_with_grads, taken_logits, tiny_lm
 
-HP = {"calibration": "reference", "conservative": "logsumexp", "conservative_weight": 0.0, "value_grad": 0.0,
-      "n_step": 3, "mc_lower_bound": False}
+HP = {
+    "calibration": "reference",
+    "conservative": "logsumexp",
+    "conservative_weight": 0.0,
+    "value_grad": 0.0,
+    "n_step": 3,
+    "mc_lower_bound": False,
+}
 TRAIN = {"epochs": 1, "num_minibatches": 1, "lr": 1e-2, "reference": "learners", "shared_prefix": False}
 
 
@@ -48,7 +54,9 @@ def _hand_gradient(lm, ref_lm, batch, returns, mask) -> tuple[torch.Tensor, floa
         ref = F.log_softmax(ref_lm(input_ids=batch.input_ids, attention_mask=att).logits.float(), 2)
     rows, cols = mask.nonzero(as_tuple=True)
     actions = batch.input_ids[rows, cols]
-    ratio = logp[rows, cols - 1].gather(1, actions[:, None]).squeeze(1) - ref[rows, cols - 1].gather(1, actions[:, None]).squeeze(1)
+    ratio = logp[rows, cols - 1].gather(1, actions[:, None]).squeeze(1) - ref[rows, cols - 1].gather(
+        1, actions[:, None]
+    ).squeeze(1)
     loss = (0.5 * (ratio - returns[rows, cols]) ** 2).mean()
     loss.backward()
     return flat_grads([p for p in lm.parameters() if p.requires_grad]), loss.item()
@@ -58,8 +66,10 @@ def test_the_learners_gradient_is_the_log_ratio_regression_by_hand(tiny_model_pa
     """One step moves the model off the reference (both variants take the same first step: at the
     reference every V is 0); the second step's gradient is the log-ratio regression's, by hand."""
     batch = mdp_batch()
-    learners = {sv: make_q_learner(tiny_model_path, train=TRAIN, qlearn={**HP, "state_value": sv})
-                for sv in ("reference", "model")}
+    learners = {
+        sv: make_q_learner(tiny_model_path, train=TRAIN, qlearn={**HP, "state_value": sv})
+        for sv in ("reference", "model")
+    }
     firsts = {sv: step_with_grads(q, batch)[0]["g"] for sv, q in learners.items()}
     torch.testing.assert_close(firsts["reference"], firsts["model"], atol=1e-5, rtol=1e-4)
 
@@ -89,14 +99,19 @@ def test_bootstraps_read_zero_and_run_no_target_pass(tiny_model_path):
     assert soft.train_step(batch)["learner/target_pass"] == 1.0 and len(soft.target_params) > 0
     # The Monte-Carlo bound lifts each target to its return-to-go where rewards follow: the first
     # two actions of A C EOS (0 0 1) and the first of A EOS (0 .3) and of B EOS (.1 .5), 4 of 7.
-    bounded = make_q_learner(tiny_model_path, train=TRAIN,
-                             qlearn={**HP, "n_step": 1, "state_value": "reference", "mc_lower_bound": True})
+    bounded = make_q_learner(
+        tiny_model_path, train=TRAIN, qlearn={**HP, "n_step": 1, "state_value": "reference", "mc_lower_bound": True}
+    )
     assert bounded.evaluate(batch)["eval/q/mc_bound_active"] == pytest.approx(4 / 7)
 
 
 def test_the_config_refuses_state_value_reference_without_calibration_or_with_a_level_gradient():
-    base = ["run.algorithm=qlearn", "qlearn.state_value=reference", "train.reference=learners",
-            "qlearn.conservative=logsumexp"]
+    base = [
+        "run.algorithm=qlearn",
+        "qlearn.state_value=reference",
+        "train.reference=learners",
+        "qlearn.conservative=logsumexp",
+    ]
     with pytest.raises(ConfigError, match="state_value=reference"):
         load_config(None, base + ["qlearn.value_grad=0"])  # uncalibrated
     with pytest.raises(ConfigError, match="value_grad=0"):

@@ -68,7 +68,9 @@ def test_the_learners_gradient_is_the_td_gradient_taken_by_hand(tiny_model_path,
     torch.testing.assert_close(got["g"], want, atol=1e-5, rtol=1e-4)
     assert metrics["loss/td"] == pytest.approx(loss.item(), abs=1e-5)
     if weight == 0:  # and not the plain step's
-        learner = make_q_learner(tiny_model_path, train={"epochs": 1, "num_minibatches": 1}, qlearn={**hp, "value_grad": 1.0})
+        learner = make_q_learner(
+            tiny_model_path, train={"epochs": 1, "num_minibatches": 1}, qlearn={**hp, "value_grad": 1.0}
+        )
         plain, plain_metrics = step_with_grads(learner, batch)
         assert (plain["g"] - want).abs().max() > 1e-3
         assert plain_metrics["loss/td"] == pytest.approx(metrics["loss/td"], abs=1e-6)

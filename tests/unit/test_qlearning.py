@@ -7,8 +7,13 @@ import math
 import pytest
 import torch
 
-from learners.objectives.advantages import (discounted_returns, episode_mask, q_learning_targets, reads_bootstrap,
-                                 token_rewards_from_scores)
+from learners.objectives.advantages import (
+    discounted_returns,
+    episode_mask,
+    q_learning_targets,
+    reads_bootstrap,
+    token_rewards_from_scores,
+)
 from learners.experience import ExperienceError
 from learners.objectives.td_losses import conservative_penalty, cql_penalty, td_loss
 from learners.training.modeling import max_q_after_positions, q_heads_at_positions
@@ -36,12 +41,12 @@ def naive_targets(rewards, next_max, mask, done, gamma, n, mc):
         for i, t in enumerate(pos):
             rest = pos[i:]
             j = min(n, len(rest))
-            y = sum(gamma ** k * float(rewards[b, rest[k]]) for k in range(j))
+            y = sum(gamma**k * float(rewards[b, rest[k]]) for k in range(j))
             u = rest[j - 1]
             if not (u == pos[-1] and done[b]):
-                y += gamma ** j * float(next_max[b, u])
+                y += gamma**j * float(next_max[b, u])
             if mc:
-                y = max(y, sum(gamma ** k * float(rewards[b, s]) for k, s in enumerate(rest)))
+                y = max(y, sum(gamma**k * float(rewards[b, s]) for k, s in enumerate(rest)))
             out[b, t] = y
     return out
 
@@ -173,7 +178,9 @@ def test_chunked_q_heads_equal_full_logits_values_and_gradients(tiny_model_path)
         full = logits[b, t - 1]
         assert small["q"][b, t].item() == pytest.approx(full[ids[b, t]].item(), abs=1e-4)
         assert small["sq_dev_sum"][b, t].item() == pytest.approx(((full - 0.3) ** 2).sum().item(), rel=1e-5)
-        assert small["logprobs"][b, t].item() == pytest.approx(torch.log_softmax(full / 0.7, -1)[ids[b, t]].item(), abs=1e-5)
+        assert small["logprobs"][b, t].item() == pytest.approx(
+            torch.log_softmax(full / 0.7, -1)[ids[b, t]].item(), abs=1e-5
+        )
         assert small["q_max"][b, t].item() == pytest.approx(full.max().item(), abs=1e-5)
         assert small["logsumexp"][b, t].item() == pytest.approx(torch.logsumexp(full, -1).item(), abs=1e-5)
     nxt = max_q_after_positions(hidden, rm, head, chunk=2)
@@ -260,7 +267,9 @@ def test_two_learners_take_the_one_learner_step(tiny_model_path, kl_coef):
     ranks give one rank's gradient, also over micro-batches and shared-prefix passes."""
     batch = _scored_groups(tiny_model_path)
     hp = {"kl_coef": kl_coef, "n_step": 2, "bootstrap_truncated": True}
-    g1, m1 = step_with_grads(make_q_learner(tiny_model_path, qlearn=hp, train={"micro_batch_size": 8, "shared_prefix": False}), batch)
+    g1, m1 = step_with_grads(
+        make_q_learner(tiny_model_path, qlearn=hp, train={"micro_batch_size": 8, "shared_prefix": False}), batch
+    )
     learners = [make_q_learner(tiny_model_path, qlearn=hp, train={"micro_batch_size": 2}) for _ in range(2)]
     results = run_ranks(2, lambda rank, comm: step_with_grads(learners[rank], batch, comm))
     for g, m in results:
@@ -307,8 +316,9 @@ def _q_table(learner, batch):
 
 
 def _train(path, batch, steps, **hp):
-    q = make_q_learner(path, train={"lr": 3e-3, "shared_prefix": False},
-                       qlearn={"mc_lower_bound": False, "target_decay": 0.9, **hp})
+    q = make_q_learner(
+        path, train={"lr": 3e-3, "shared_prefix": False}, qlearn={"mc_lower_bound": False, "target_decay": 0.9, **hp}
+    )
     for _ in range(steps):
         m = q.train_step(batch)
     return q, m
@@ -330,8 +340,14 @@ def test_q_values_converge_to_the_closed_form_optimum(converged, gamma):
     Q = tables[gamma]
     A, B, C, EOS = 10, 11, 12, 2
     s0, sA, sAC, sB = Q[0, 2], Q[0, 3], Q[0, 4], Q[2, 3]
-    want = {"Q(sAC,EOS)": (sAC[EOS], 1.0), "Q(sA,C)": (sA[C], gamma), "Q(sA,EOS)": (sA[EOS], 0.3),
-            "Q(s0,A)": (s0[A], gamma * max(gamma, 0.3)), "Q(sB,EOS)": (sB[EOS], 0.5), "Q(s0,B)": (s0[B], 0.1 + 0.5 * gamma)}
+    want = {
+        "Q(sAC,EOS)": (sAC[EOS], 1.0),
+        "Q(sA,C)": (sA[C], gamma),
+        "Q(sA,EOS)": (sA[EOS], 0.3),
+        "Q(s0,A)": (s0[A], gamma * max(gamma, 0.3)),
+        "Q(sB,EOS)": (sB[EOS], 0.5),
+        "Q(s0,B)": (s0[B], 0.1 + 0.5 * gamma),
+    }
     for name, (got, expected) in want.items():
         assert float(got) == pytest.approx(expected, abs=TOL_Q), name
     assert metrics[gamma]["loss/td"] < 1e-3
@@ -379,15 +395,22 @@ def test_n_step_and_one_step_agree_at_convergence(tiny_model_path):
     """An MDP whose branching is at the root only: the data's continuations are the greedy ones,
     so n-step returns and one-step backups share their fixed point (gamma 0.9):
     Q(s0, A) = 0.81, Q(s0, B) = 0.55, Q(s0, D) = 0.2 + 0.9 * (0.1 + 0.9 * 0.2) = 0.452."""
-    batch = transitions_batch([5, 6, 7], [([10, 12, 2], [0, 0, 1.0]), ([11, 2], [0.1, 0.5]),
-                                          ([13, 12, 2], [0.2, 0.1, 0.2])])
+    batch = transitions_batch(
+        [5, 6, 7], [([10, 12, 2], [0, 0, 1.0]), ([11, 2], [0.1, 0.5]), ([13, 12, 2], [0.2, 0.1, 0.2])]
+    )
     tables = {}
     for n in (1, 3):
         q, _ = _train(tiny_model_path, batch, 300, gamma=0.9, n_step=n)
         tables[n] = _q_table(q, batch)
     for n, Q in tables.items():
-        for (row, pos, tok), want in {(0, 2, 10): 0.81, (0, 2, 11): 0.55, (0, 2, 13): 0.452, (0, 3, 12): 0.9,
-                                      (2, 3, 12): 0.28, (2, 4, 2): 0.2}.items():
+        for (row, pos, tok), want in {
+            (0, 2, 10): 0.81,
+            (0, 2, 11): 0.55,
+            (0, 2, 13): 0.452,
+            (0, 3, 12): 0.9,
+            (2, 3, 12): 0.28,
+            (2, 4, 2): 0.2,
+        }.items():
             assert float(Q[row, pos, tok]) == pytest.approx(want, abs=TOL_Q), (n, row, pos, tok)
-    for (row, pos, tok) in [(0, 2, 10), (0, 2, 11), (0, 2, 13)]:
+    for row, pos, tok in [(0, 2, 10), (0, 2, 11), (0, 2, 13)]:
         assert float(tables[1][row, pos, tok]) == pytest.approx(float(tables[3][row, pos, tok]), abs=TOL_Q)

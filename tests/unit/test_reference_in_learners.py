@@ -42,8 +42,10 @@ def test_dpo_with_its_own_reference(tiny_model_path):
     lm = tiny_lm(tiny_model_path)
     pairs = preference_batch(lm, 3, seed=2, ref_shift=0.0)
     g_ref, m_ref = step_with_grads(make_dpo_learner(tiny_model_path, dpo={"beta": 0.5}), pairs)
-    g, m = step_with_grads(make_dpo_learner(tiny_model_path, train={"reference": "learners"}, dpo={"beta": 0.5}),
-                           pairs.replace(ref_logprobs=None))
+    g, m = step_with_grads(
+        make_dpo_learner(tiny_model_path, train={"reference": "learners"}, dpo={"beta": 0.5}),
+        pairs.replace(ref_logprobs=None),
+    )
     assert_grads_close(g, g_ref)
     assert m["loss/total"] == pytest.approx(m_ref["loss/total"], rel=1e-5)
 

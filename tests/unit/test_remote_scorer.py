@@ -87,7 +87,9 @@ def endpoint():
 
 
 def _scorer(url, **kw):
-    settings = dict(url=url, batch_size=2, concurrency=2, timeout_s=5, max_retries=2, backoff_s=0.01, max_backoff_s=0.05)
+    settings = dict(
+        url=url, batch_size=2, concurrency=2, timeout_s=5, max_retries=2, backoff_s=0.01, max_backoff_s=0.05
+    )
     settings.update(kw)
     on_error = settings.pop("on_error", "skip")
     return RemoteScorer(RemoteSettings(**settings), on_error=on_error)
@@ -161,8 +163,14 @@ def test_auth_errors_are_not_retried(endpoint):
 
 def test_reply_parsing():
     assert parse_reply(b'{"scores": [1, null, 2.5]}', 3) == [1.0, None, 2.5]
-    for bad in (b'{"scores": [1]}', b'[1, 2]', b'{"scores": ["high", 1]}', b'{"scores": [true, 1]}',
-                b'{"scores": [NaN, 1]}', b"nope"):
+    for bad in (
+        b'{"scores": [1]}',
+        b"[1, 2]",
+        b'{"scores": ["high", 1]}',
+        b'{"scores": [true, 1]}',
+        b'{"scores": [NaN, 1]}',
+        b"nope",
+    ):
         with pytest.raises(_Retryable):
             parse_reply(bad, 2)
 

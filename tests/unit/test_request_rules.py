@@ -12,9 +12,16 @@ import pytest
 from serving.common import Limits, configure_guard
 
 KEY = "k-123"
-TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "Evaluates arithmetic.",
-                                           "parameters": {"type": "object", "properties": {
-                                               "expression": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluates arithmetic.",
+            "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}},
+        },
+    }
+]
 
 
 @pytest.fixture()
@@ -23,12 +30,18 @@ def stack(tiny_model_path):
     from serving.common import Guard
 
     class Rules:  # PolicyServer's rules without the engine it would start
-        apply_rules, _as_trained, _chat_tokens = (PolicyServer.apply_rules, PolicyServer._as_trained,
-                                                  PolicyServer._chat_tokens)
+        apply_rules, _as_trained, _chat_tokens = (
+            PolicyServer.apply_rules,
+            PolicyServer._as_trained,
+            PolicyServer._chat_tokens,
+        )
 
     server = Rules()
-    server.limits, server.model_path, server._chat = Limits(max_n=4, max_tokens=32, max_body_bytes=4096), \
-        tiny_model_path, None
+    server.limits, server.model_path, server._chat = (
+        Limits(max_n=4, max_tokens=32, max_body_bytes=4096),
+        tiny_model_path,
+        None,
+    )
     configure_guard(GUARD, KEY, server.limits.max_body_bytes)
     seen: list[dict] = []
 
@@ -71,16 +84,25 @@ def test_chat_without_max_tokens_gets_the_limit_and_the_length_header_follows_th
 def test_bodies_the_rules_do_not_change_reach_the_engine_byte_for_byte(stack):
     app, seen, _ = stack
     raw = b'{"model":"policy","prompt":"The answer is",  "max_tokens":8}'
-    for path, body in (("/v1/completions", raw), ("/v1/chat/completions", b"{not json"),
-                       ("/v1/chat/completions", b"[1, 2]"), ("/v1/models", b"")):
+    for path, body in (
+        ("/v1/completions", raw),
+        ("/v1/chat/completions", b"{not json"),
+        ("/v1/chat/completions", b"[1, 2]"),
+        ("/v1/models", b""),
+    ):
         assert post(app, path, body).status_code == 200
     assert [s["body"] for s in seen] == [raw, b"{not json", b"[1, 2]", b""]
 
 
-@pytest.mark.parametrize("field, value, needle", [("n", 5, "n must be between 1 and 4"),
-                                                   ("max_tokens", -1, "max_tokens must be"),
-                                                   ("max_tokens", 10**9, "max_tokens must be"),
-                                                   ("max_completion_tokens", 33, "max_tokens must be")])
+@pytest.mark.parametrize(
+    "field, value, needle",
+    [
+        ("n", 5, "n must be between 1 and 4"),
+        ("max_tokens", -1, "max_tokens must be"),
+        ("max_tokens", 10**9, "max_tokens must be"),
+        ("max_completion_tokens", 33, "max_tokens must be"),
+    ],
+)
 def test_requests_over_the_limits_are_refused_before_the_engine(stack, field, value, needle):
     app, seen, _ = stack
     for path in ("/v1/chat/completions", "/v1/completions"):
@@ -102,12 +124,25 @@ def test_a_tool_conversation_reaches_the_engine_as_the_agents_saw_it_in_training
     from actors.agents.chat_tokens import from_client
 
     app, seen, server = stack
-    messages = [{"role": "user", "content": "What is 37 * 41?"},
-                {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {
-                    "name": "calculator", "arguments": json.dumps({"expression": "37 * 41"})}}]},
-                {"role": "tool", "tool_call_id": "c1", "content": "1517"}]
-    assert post(app, "/v1/chat/completions", {**CHAT, "messages": messages, "tools": TOOLS,
-                                              "max_tokens": 8}).status_code == 200
+    messages = [
+        {"role": "user", "content": "What is 37 * 41?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "calculator", "arguments": json.dumps({"expression": "37 * 41"})},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "1517"},
+    ]
+    assert (
+        post(app, "/v1/chat/completions", {**CHAT, "messages": messages, "tools": TOOLS, "max_tokens": 8}).status_code
+        == 200
+    )
     sent = json.loads(seen[0]["body"])
     expected = server._chat_tokens().with_tools(from_client(messages), TOOLS)
     assert sent["messages"] == expected and sent["tools"] == TOOLS and sent["max_tokens"] == 8

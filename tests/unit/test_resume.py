@@ -23,8 +23,14 @@ def _batches(path, n=3):
 
 
 SETTINGS = dict(
-    train={"lr": 1e-2, "epochs": 2, "num_minibatches": 2, "micro_batch_size": 2, "lr_schedule": "cosine",
-           "warmup_steps": 1},
+    train={
+        "lr": 1e-2,
+        "epochs": 2,
+        "num_minibatches": 2,
+        "micro_batch_size": 2,
+        "lr_schedule": "cosine",
+        "warmup_steps": 1,
+    },
     ppo={"critic_lr": 1e-2, "kl_controller": "adaptive", "kl_coef": 0.1, "kl_target": 0.01, "kl_horizon": 50},
 )
 
@@ -124,8 +130,9 @@ def test_lr_schedules_against_hand_values():
 
 
 def test_learner_follows_its_schedule(tiny_model_path):
-    learner = make_learner(tiny_model_path, train={"lr": 1e-2, "lr_schedule": "linear", "warmup_steps": 2},
-                           total_steps=4)
+    learner = make_learner(
+        tiny_model_path, train={"lr": 1e-2, "lr_schedule": "linear", "warmup_steps": 2}, total_steps=4
+    )
     lrs = []
     for b in _batches(tiny_model_path, 4):
         lrs.append(learner.train_step(b.replace(policy_version=learner.version))["learner/lr"])
@@ -156,7 +163,9 @@ def test_resume_needs_a_complete_checkpoint(tmp_path):
     assert latest_checkpoint(tmp_path / "run") is None  # a crash mid-save is not resumed from
 
 
-def test_a_run_directory_named_relative_to_the_working_folder_resumes_from_an_absolute_checkpoint(tmp_path, monkeypatch):
+def test_a_run_directory_named_relative_to_the_working_folder_resumes_from_an_absolute_checkpoint(
+    tmp_path, monkeypatch
+):
     """`rayrlhf train --resume runs/x`: the learners (Ray Train workers, in a folder of their own)
     load the checkpoint, so the run context hands them an absolute path."""
     import json
@@ -168,8 +177,9 @@ def test_a_run_directory_named_relative_to_the_working_folder_resumes_from_an_ab
     state = tmp_path / "runs" / "x" / "checkpoints" / "step_00002" / "trainer_state"
     state.mkdir(parents=True)
     rng = random.getstate()
-    (state / RUN_STATE_FILE).write_text(json.dumps({"step": 2, "sampler": {"consumed": 8}, "version": 2,
-                                                    "python_rng": [rng[0], list(rng[1]), rng[2]]}))
+    (state / RUN_STATE_FILE).write_text(
+        json.dumps({"step": 2, "sampler": {"consumed": 8}, "version": 2, "python_rng": [rng[0], list(rng[1]), rng[2]]})
+    )
     monkeypatch.chdir(tmp_path)
     ctx = RunContext(load_config(overrides=["run.steps=4"]), "runs/x", resume=True)
     assert ctx.dir == tmp_path / "runs" / "x"

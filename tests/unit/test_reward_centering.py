@@ -115,8 +115,13 @@ def test_the_calibrated_learner_backs_up_centered_returns(tiny_model_path):
     its sequence's centered return; trained, the failed sequences' actions sit below 0 and the
     solved one's above. Without centering the failed ones' target is the 0 they start at."""
     batch = transitions_batch([5, 6, 7], [([10, 12, 2], [0, 0, 1.0]), ([11, 2], [0, 0]), ([12, 13, 2], [0, 0, 0])])
-    hp = {"calibration": "reference", "conservative": "logsumexp", "conservative_weight": 0.0, "n_step": 8,
-          "mc_lower_bound": False}
+    hp = {
+        "calibration": "reference",
+        "conservative": "logsumexp",
+        "conservative_weight": 0.0,
+        "n_step": 8,
+        "mc_lower_bound": False,
+    }
     train = {"lr": 1e-3, "reference": "learners", "shared_prefix": False}
     ref = None
     results = {}

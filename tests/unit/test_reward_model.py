@@ -134,8 +134,9 @@ def test_reward_model_scorer_gives_the_learners_rewards(tiny_model_path, tmp_pat
     learner = make_rm_learner(tiny_model_path, seed=7)
     folder = learner.save(tmp_path / "rm", tokenizer_from=tiny_model_path)
     rows = [{"prompt": [{"role": "user", "content": "What is 2 + 2?"}], "chosen": "4", "rejected": "five", "index": 0}]
-    exp, _ = encode_pairs(rows, AutoTokenizer.from_pretrained(tiny_model_path), max_prompt_tokens=64,
-                          max_response_tokens=16)
+    exp, _ = encode_pairs(
+        rows, AutoTokenizer.from_pretrained(tiny_model_path), max_prompt_tokens=64, max_response_tokens=16
+    )
     with torch.no_grad():
         expected = learner.rewards(exp).tolist()
     scorer = RewardModelScorer(str(folder), batch_size=1, max_tokens=64)

@@ -56,8 +56,12 @@ def test_a_weighted_sum_equals_a_naive_loop():
 
 
 def test_a_failing_component_fails_only_its_samples_and_means_reach_the_row():
-    scorer = RoutedScorer({"a": [(f"{__name__}:broken_on_x", 1.0, {}), (f"{__name__}:length", 1.0, {})],
-                           "b": [(f"{__name__}:length", 2.0, {})]})
+    scorer = RoutedScorer(
+        {
+            "a": [(f"{__name__}:broken_on_x", 1.0, {}), (f"{__name__}:length", 1.0, {})],
+            "b": [(f"{__name__}:length", 2.0, {})],
+        }
+    )
     values, counts = scorer.score_texts([""] * 4, ["x", "ok", "abc", "x"], _meta(["a", "a", "b", "b"]))
     assert values == [None, 3.0, 6.0, 2.0] and counts == {"reward_nonfinite": 1}
     # Two shards' metrics sum, and each component's and source's mean is over the samples it scored.
@@ -75,14 +79,24 @@ def test_the_config_builds_the_routed_scorer_and_rejects_what_cannot_combine():
     from actors.rewards.scorer_factory import build_scorer
     from cluster.config.role_settings import scorer_spec
 
-    cfg = load_config(overrides=['reward.by_source={"gsm8k": exact_match, "toy": [{function: digit_density, weight: 2}]}'])
+    cfg = load_config(
+        overrides=['reward.by_source={"gsm8k": exact_match, "toy": [{function: digit_density, weight: 2}]}']
+    )
     scorer = build_scorer(scorer_spec(cfg))
     assert isinstance(scorer, RoutedScorer)
-    values, _ = scorer.score_texts(["", ""], ["7", "12"], [{"data_source": "gsm8k", "answer": "7"}, {"data_source": "toy"}])
+    values, _ = scorer.score_texts(
+        ["", ""], ["7", "12"], [{"data_source": "gsm8k", "answer": "7"}, {"data_source": "toy"}]
+    )
     assert values == [1.0, 2.0]
     comps = load_config(overrides=["reward.components=[exact_match, {function: digit_density, weight: 0.5}]"])
     assert scorer_spec(comps).routes == {None: [("exact_match", 1.0, {}), ("digit_density", 0.5, {})]}
     with pytest.raises(ConfigError, match="replace reward.function"):
-        load_config(overrides=["reward.components=[exact_match]", "reward.function=remote", "reward.remote.url=http://127.0.0.1:1"])
+        load_config(
+            overrides=[
+                "reward.components=[exact_match]",
+                "reward.function=remote",
+                "reward.remote.url=http://127.0.0.1:1",
+            ]
+        )
     with pytest.raises(ConfigError, match="set one"):
         load_config(overrides=["reward.components=[exact_match]", "reward.by_source={a: exact_match}"])

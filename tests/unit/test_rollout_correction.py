@@ -93,8 +93,11 @@ def test_weighted_policy_loss_scales_each_tokens_gradient():
 
 
 def _grad(path, exp, ppo):
-    learner = make_learner(path, train={"lr": 1e-2, "epochs": 1, "num_minibatches": 1, "micro_batch_size": 6},
-                           ppo={"advantage_estimator": "grpo", "kl_coef": 0.0, **ppo})
+    learner = make_learner(
+        path,
+        train={"lr": 1e-2, "epochs": 1, "num_minibatches": 1, "micro_batch_size": 6},
+        ppo={"advantage_estimator": "grpo", "kl_coef": 0.0, **ppo},
+    )
     captured = []
     learner.on_gradients = lambda params: captured.append(flat_grads(params))
     return learner.train_step(exp), captured[0]

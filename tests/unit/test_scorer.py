@@ -10,8 +10,15 @@ from tests.unit.test_experience import make
 
 @pytest.mark.parametrize(
     "text, want",
-    [("5 + 8 = 13", "13"), ("The answer is 42.", "42"), ("\\boxed{7} then 9", "7"), ("x = -3", "-3"),
-     ("1,234", "1234"), ("no number", "no number"), ("", None)],
+    [
+        ("5 + 8 = 13", "13"),
+        ("The answer is 42.", "42"),
+        ("\\boxed{7} then 9", "7"),
+        ("x = -3", "-3"),
+        ("1,234", "1234"),
+        ("no number", "no number"),
+        ("", None),
+    ],
 )
 def test_extract_final_answer(text, want):
     assert extract_final_answer(text) == want
@@ -20,7 +27,9 @@ def test_extract_final_answer(text, want):
 def test_reasoning_gym_checker_on_real_entries():
     from actors.data.tasks import reasoning_gym_rows
 
-    rows = reasoning_gym_rows("basic_arithmetic", 4, 1, {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}, "Answer.").rows
+    rows = reasoning_gym_rows(
+        "basic_arithmetic", 4, 1, {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}, "Answer."
+    ).rows
     meta = {k: [r["meta"][k] for r in rows] for k in rows[0]["meta"]}
     good = [f"{r['meta']['entry']['metadata']['expression']} = {r['answer']}" for r in rows]
     bad = [f"= {int(r['answer']) + 1}" for r in rows]
@@ -82,8 +91,16 @@ def test_scorer_spec_from_the_run_config(monkeypatch):
     assert spec.judge_engine.max_model_len == cfg.judge.max_prompt_tokens + cfg.judge.max_new_tokens
     assert self_judging(load_config(overrides=["reward.function=llm_judge"]))
     monkeypatch.setenv("MY_SCORER_KEY", "k1")
-    spec = scorer_spec(load_config(overrides=["reward.function=remote", "reward.remote.url=http://127.0.0.1:9/v1/score",
-                                              "reward.remote.api_key_env=MY_SCORER_KEY", "reward.remote.on_failure=stop"]))
+    spec = scorer_spec(
+        load_config(
+            overrides=[
+                "reward.function=remote",
+                "reward.remote.url=http://127.0.0.1:9/v1/score",
+                "reward.remote.api_key_env=MY_SCORER_KEY",
+                "reward.remote.on_failure=stop",
+            ]
+        )
+    )
     assert isinstance(spec.remote, RemoteSettings) and spec.remote.api_key == "k1" and spec.remote.on_failure == "stop"
     with pytest.raises(ConfigError, match="reward.model"):
         load_config(overrides=["reward.function=reward_model"])

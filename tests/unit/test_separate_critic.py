@@ -56,8 +56,9 @@ def _batch(path):
 
 def _grads(learner, batch):
     with torch.no_grad():  # a shared head starts at 0, which would pass no gradient to the trunk at first
-        learner.model.value_head.weight.copy_(torch.randn(learner.model.value_head.weight.shape,
-                                                          generator=torch.Generator().manual_seed(2)))
+        learner.model.value_head.weight.copy_(
+            torch.randn(learner.model.value_head.weight.shape, generator=torch.Generator().manual_seed(2))
+        )
     policy = [p for p in learner.model.lm.parameters() if p.requires_grad]
     got = {}
     learner.on_gradients = lambda params: got.update(policy=flat_grads(policy))
@@ -95,14 +96,19 @@ def test_a_restored_learner_continues_as_the_uninterrupted_one(tiny_model_path, 
     for a, b in zip(straight.model.lm.state_dict().values(), resumed.model.lm.state_dict().values()):
         torch.testing.assert_close(a, b)
     fresh = make_learner(tiny_model_path, ppo=ppo)
-    moved = [not torch.equal(a, b) for a, b in zip(fresh.model.critic.state_dict().values(),
-                                                  straight.model.critic.state_dict().values())]
+    moved = [
+        not torch.equal(a, b)
+        for a, b in zip(fresh.model.critic.state_dict().values(), straight.model.critic.state_dict().values())
+    ]
     assert any(moved)  # the critic trained
 
 
 def test_with_lora_the_critic_has_its_own_adapter_rank(tiny_model_path):
-    learner = make_learner(tiny_model_path, ppo={**GAE, "critic": "separate", "critic_lora_r": 2},
-                           lora={"r": 4, "target_modules": ["q_proj", "v_proj"]})
+    learner = make_learner(
+        tiny_model_path,
+        ppo={**GAE, "critic": "separate", "critic_lora_r": 2},
+        lora={"r": 4, "target_modules": ["q_proj", "v_proj"]},
+    )
     critic_a = [p for n, p in learner.model.critic.named_parameters() if "lora_A" in n]
     policy_a = [p for n, p in learner.model.lm.named_parameters() if "lora_A" in n]
     assert critic_a and policy_a and critic_a[0].shape[0] == 2 and policy_a[0].shape[0] == 4
@@ -127,8 +133,9 @@ def test_the_critic_is_clipped_on_its_own_norm(tiny_model_path):
     batch = _batch(tiny_model_path)
     steps = []
     for vf in (0.0, 1e4):
-        learner = make_learner(tiny_model_path, train={"max_grad_norm": 1e-3},
-                               ppo={**GAE, "critic": "separate", "vf_coef": vf})
+        learner = make_learner(
+            tiny_model_path, train={"max_grad_norm": 1e-3}, ppo={**GAE, "critic": "separate", "vf_coef": vf}
+        )
         steps.append([p.detach().clone() for p in learner.model.lm.parameters()])
         learner.train_step(batch)
         steps[-1] = [a - p.detach() for a, p in zip(steps[-1], learner.model.lm.parameters())]

@@ -38,7 +38,8 @@ def test_builders_refuse_unknown_settings():
 
 
 def test_a_server_started_on_its_own_cluster_runs_rays_workers_at_the_daemons_priority_keeps_no_idle_workers_and_a_slower_control_loop(
-        monkeypatch):
+    monkeypatch,
+):
     """`rayrlhf serve` on a local cluster: Ray's worker niceness (15 by default) is set to 0 so the
     engine is not preempted by Ray's own daemons, no idle Python workers are kept or prestarted
     (each wakes 100 times a second), and Serve's control loop runs every second, not every 0.1 s;
@@ -47,8 +48,12 @@ def test_a_server_started_on_its_own_cluster_runs_rays_workers_at_the_daemons_pr
 
     from serving.common import use_server_cluster_env
 
-    wanted = {"RAY_worker_niceness": "0", "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "1", "RAY_num_workers_soft_limit": "0",
-              "RAY_prestart_worker_first_driver": "0"}
+    wanted = {
+        "RAY_worker_niceness": "0",
+        "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "1",
+        "RAY_num_workers_soft_limit": "0",
+        "RAY_prestart_worker_first_driver": "0",
+    }
     for name in wanted:
         monkeypatch.delenv(name, raising=False)
     use_server_cluster_env()
@@ -72,16 +77,30 @@ def test_serve_policy_flags_become_the_applications_settings(tiny_model_path):
 
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers(dest="command"))
-    ns = parser.parse_args(["serve", "policy", tiny_model_path, "--kv-cache-gib", "3", "--max-n", "4",
-                            "--max-tokens", "64", "--dtype", "float32"])
+    ns = parser.parse_args(
+        [
+            "serve",
+            "policy",
+            tiny_model_path,
+            "--kv-cache-gib",
+            "3",
+            "--max-n",
+            "4",
+            "--max-tokens",
+            "64",
+            "--dtype",
+            "float32",
+        ]
+    )
     args = policy_args(ns)
     assert set(args) <= set(POLICY_ARGS)
     assert (args["kv_cache_gib"], args["dtype"], args["limits"]) == (3, "float32", {"max_tokens": 64, "max_n": 4})
     assert "best_of_n_scorer" not in args
     cfg = llm_config(args["model_path"], kv_cache_gib=args["kv_cache_gib"], dtype=args["dtype"])
     assert cfg.runtime_env["env_vars"]["VLLM_CPU_KVCACHE_SPACE"] == "3"
-    ns = parser.parse_args(["serve", "policy", tiny_model_path, "--best-of-n-scorer", "reward_model",
-                            "--scorer-model", "/rm"])
+    ns = parser.parse_args(
+        ["serve", "policy", tiny_model_path, "--best-of-n-scorer", "reward_model", "--scorer-model", "/rm"]
+    )
     assert policy_args(ns)["best_of_n_scorer"] == {"function": "reward_model", "model": "/rm"}
 
 
@@ -115,14 +134,16 @@ def test_sigterm_stops_a_server_as_ctrl_c_does():
     import subprocess
     import sys
 
-    code = ("import os, signal, time\n"
-            "from serving.cli import stop_on_sigterm\n"
-            "stop_on_sigterm()\n"
-            "try:\n"
-            "    os.kill(os.getpid(), signal.SIGTERM)\n"
-            "    time.sleep(30)\n"
-            "except KeyboardInterrupt:\n"
-            "    print('stopped as by Ctrl-C')\n")
+    code = (
+        "import os, signal, time\n"
+        "from serving.cli import stop_on_sigterm\n"
+        "stop_on_sigterm()\n"
+        "try:\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(30)\n"
+        "except KeyboardInterrupt:\n"
+        "    print('stopped as by Ctrl-C')\n"
+    )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert (done.returncode, done.stdout.strip()) == (0, "stopped as by Ctrl-C"), done.stderr[-2000:]
 
@@ -162,8 +183,9 @@ def test_direct_ingress_pins_the_replica_to_the_servers_port_and_releases_it_at_
 
     env = direct_ingress_env(8123)
     assert env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
-    assert range(int(env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"]),
-                 int(env["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"])) == range(8123, 8124)
+    assert range(
+        int(env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"]), int(env["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"])
+    ) == range(8123, 8124)
     assert float(env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"]) <= 1
     assert env["RAY_SERVE_PORT_QUARANTINE_S"] == "0"
 

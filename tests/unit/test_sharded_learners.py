@@ -44,14 +44,26 @@ CASES = {
     # the shared value head (trained with the trunk), two epochs: two optimiser steps
     "gae": ("ppo", {"micro_batch_size": 2, "epochs": 2}, {"advantage_estimator": "gae"}, "groups"),
     # two epochs of two global minibatches (each rank's share of each), the shared critic
-    "gae_minibatches": ("ppo", {"micro_batch_size": 2, "epochs": 2, "num_minibatches": 2},
-                        {"advantage_estimator": "gae", "kl_coef": 0.1}, "groups"),
+    "gae_minibatches": (
+        "ppo",
+        {"micro_batch_size": 2, "epochs": 2, "num_minibatches": 2},
+        {"advantage_estimator": "gae", "kl_coef": 0.1},
+        "groups",
+    ),
     # a separate critic: its own decoder's layers sharded beside the policy's
-    "gae_separate_critic": ("ppo", {"micro_batch_size": 2},
-                            {"advantage_estimator": "gae", "critic": "separate", "critic_lr": 1e-4}, "groups"),
+    "gae_separate_critic": (
+        "ppo",
+        {"micro_batch_size": 2},
+        {"advantage_estimator": "gae", "critic": "separate", "critic_lr": 1e-4},
+        "groups",
+    ),
     # activation checkpointing: each layer runs again in the backward pass, gathered again
-    "grpo_checkpointed": ("ppo", {"micro_batch_size": 2, "gradient_checkpointing": True},
-                          {"advantage_estimator": "grpo", "kl_coef": 0.1}, "groups"),
+    "grpo_checkpointed": (
+        "ppo",
+        {"micro_batch_size": 2, "gradient_checkpointing": True},
+        {"advantage_estimator": "grpo", "kl_coef": 0.1},
+        "groups",
+    ),
     # one fused pass on rank 0 while rank 1, with no rows, runs an idle one
     "fused_empty_rank": ("ppo", {"micro_batch_size": 8}, {"advantage_estimator": "grpo", "kl_coef": 0.0}, "one_group"),
     # 7 demonstrations in minibatches of 4 and 3, every other row to each rank, one row per pass:
@@ -60,7 +72,12 @@ CASES = {
     # 3 pairs, one pair per pass: 2 passes on rank 0, 1 and an idle one on rank 1
     "dpo": ("dpo", {"micro_batch_size": 2}, {"beta": 0.5}, "pairs"),
     # LoRA: the learner's own reference pass (adapter off) on its rows, the weights merged shard by shard
-    "grpo_lora": ("ppo_lora", {"micro_batch_size": 2}, {"advantage_estimator": "grpo", "kl_coef": 0.1}, "groups_no_ref"),
+    "grpo_lora": (
+        "ppo_lora",
+        {"micro_batch_size": 2},
+        {"advantage_estimator": "grpo", "kl_coef": 0.1},
+        "groups_no_ref",
+    ),
     "dpo_lora": ("dpo_lora", {"micro_batch_size": 2}, {"beta": 0.5}, "pairs_no_ref"),
     # the shared critic trained through the adapter beside its value head
     "gae_lora": ("ppo_lora", {"micro_batch_size": 2}, {"advantage_estimator": "gae"}, "groups"),
@@ -70,59 +87,96 @@ CASES = {
     "qlearn": ("qlearn", {"micro_batch_size": 2, "num_minibatches": 2}, {"n_step": 2, "kl_coef": 0.1}, "groups"),
     # calibrated Q: the frozen copy's log-normaliser of every state (sharded beside the policy)
     # shifts the online Q and the target's maximum
-    "qlearn_calibrated": ("qlearn", {"micro_batch_size": 2, "reference": "learners"},
-                          {"n_step": 2, "calibration": "reference", "conservative": "logsumexp"}, "groups_no_ref"),
+    "qlearn_calibrated": (
+        "qlearn",
+        {"micro_batch_size": 2, "reference": "learners"},
+        {"n_step": 2, "calibration": "reference", "conservative": "logsumexp"},
+        "groups_no_ref",
+    ),
     # the EMA of the adapter alone; the reference is the base model, computed by the learner
     "qlearn_lora": ("qlearn_lora", {"micro_batch_size": 2, "num_minibatches": 2}, {"kl_coef": 0.1}, "groups_no_ref"),
     # train.reference=learners: a frozen copy of the initial model sharded beside the policy; PPO
     # runs it on each rank's own rows (over 4 ranks one has none: an idle reference pass)
-    "grpo_kl_own_reference": ("ppo", {"micro_batch_size": 2, "reference": "learners"},
-                              {"advantage_estimator": "grpo", "kl_coef": 0.1}, "groups_no_ref"),
+    "grpo_kl_own_reference": (
+        "ppo",
+        {"micro_batch_size": 2, "reference": "learners"},
+        {"advantage_estimator": "grpo", "kl_coef": 0.1},
+        "groups_no_ref",
+    ),
     # the exact KL loss over the vocabulary: the frozen model's hidden states and its LM head
     # (gathered once from its shards) beside the policy's, two epochs (the second's KL moves)
-    "grpo_full_kl_own_reference": ("ppo", {"micro_batch_size": 2, "reference": "learners", "epochs": 2},
-                                   {"advantage_estimator": "grpo", "kl_coef": 0.0, "kl_loss_coef": 0.5,
-                                    "kl_loss_estimator": "full"}, "groups_no_ref"),
-    "grpo_full_kl_lora": ("ppo_lora", {"micro_batch_size": 2, "epochs": 2},
-                          {"advantage_estimator": "grpo", "kl_coef": 0.0, "kl_loss_coef": 0.5,
-                           "kl_loss_estimator": "full"}, "groups_no_ref"),
+    "grpo_full_kl_own_reference": (
+        "ppo",
+        {"micro_batch_size": 2, "reference": "learners", "epochs": 2},
+        {"advantage_estimator": "grpo", "kl_coef": 0.0, "kl_loss_coef": 0.5, "kl_loss_estimator": "full"},
+        "groups_no_ref",
+    ),
+    "grpo_full_kl_lora": (
+        "ppo_lora",
+        {"micro_batch_size": 2, "epochs": 2},
+        {"advantage_estimator": "grpo", "kl_coef": 0.0, "kl_loss_coef": 0.5, "kl_loss_estimator": "full"},
+        "groups_no_ref",
+    ),
     "dpo_own_reference": ("dpo", {"micro_batch_size": 2, "reference": "learners"}, {"beta": 0.5}, "pairs_no_ref"),
     # a reward model: the trunk and the reward head, one pair per pass (2 passes; 1 and an idle one)
     "reward_model": ("reward_model", {"micro_batch_size": 2}, {}, "pairs"),
     # train.cpu_offload: shards, gradients and AdamW state in host memory (on a CPU device FSDP's
     # offload path runs with its copies landing where they are)
-    "grpo_kl_offloaded": ("ppo", {"micro_batch_size": 2, "cpu_offload": True},
-                          {"advantage_estimator": "grpo", "kl_coef": 0.1}, "groups"),
+    "grpo_kl_offloaded": (
+        "ppo",
+        {"micro_batch_size": 2, "cpu_offload": True},
+        {"advantage_estimator": "grpo", "kl_coef": 0.1},
+        "groups",
+    ),
 }
 # bf16 learners: the sharded units gather bf16 weights (FSDP's mixed precision), the replicated
 # learner casts its fp32 weights under autocast: the same step within bf16 rounding.
-MIXED = {"grpo_kl_bf16": ("ppo", {"micro_batch_size": 2, "bf16": True}, {"advantage_estimator": "grpo", "kl_coef": 0.1},
-                          "groups")}
+MIXED = {
+    "grpo_kl_bf16": (
+        "ppo",
+        {"micro_batch_size": 2, "bf16": True},
+        {"advantage_estimator": "grpo", "kl_coef": 0.1},
+        "groups",
+    )
+}
 LORA = {"r": 4, "alpha": 8.0}
 PROBE = [5, 17, 3, 42, 8, 11, 29]  # token ids of a verified-sync probe
 # Over 4 ranks (rows 3, 2, 2 and 0): one case of each pass structure.
-FOUR_RANKS = ("grpo_kl", "gae_minibatches", "gae_separate_critic", "fused_empty_rank", "sft", "dpo_lora", "qlearn", "reward_model",
-              "grpo_kl_own_reference")
-BUILDERS = {"ppo": lambda path, train, own: make_learner(path, train=train, ppo=own),
-            "sft": lambda path, train, own: make_sft_learner(path, train=train),
-            "dpo": lambda path, train, own: make_dpo_learner(path, train=train, dpo=own),
-            "ppo_lora": lambda path, train, own: make_learner(path, train=train, ppo=own, lora=LORA),
-            "dpo_lora": lambda path, train, own: make_dpo_learner(path, train=train, dpo=own, lora=LORA),
-            "sft_lora": lambda path, train, own: make_sft_learner(path, train=train, lora=LORA),
-            "qlearn": lambda path, train, own: make_q_learner(path, train=train, qlearn=own),
-            "qlearn_lora": lambda path, train, own: make_q_learner(path, train=train, qlearn=own, lora=LORA),
-            "reward_model": lambda path, train, own: make_rm_learner(path, train=train, rm=own)}
+FOUR_RANKS = (
+    "grpo_kl",
+    "gae_minibatches",
+    "gae_separate_critic",
+    "fused_empty_rank",
+    "sft",
+    "dpo_lora",
+    "qlearn",
+    "reward_model",
+    "grpo_kl_own_reference",
+)
+BUILDERS = {
+    "ppo": lambda path, train, own: make_learner(path, train=train, ppo=own),
+    "sft": lambda path, train, own: make_sft_learner(path, train=train),
+    "dpo": lambda path, train, own: make_dpo_learner(path, train=train, dpo=own),
+    "ppo_lora": lambda path, train, own: make_learner(path, train=train, ppo=own, lora=LORA),
+    "dpo_lora": lambda path, train, own: make_dpo_learner(path, train=train, dpo=own, lora=LORA),
+    "sft_lora": lambda path, train, own: make_sft_learner(path, train=train, lora=LORA),
+    "qlearn": lambda path, train, own: make_q_learner(path, train=train, qlearn=own),
+    "qlearn_lora": lambda path, train, own: make_q_learner(path, train=train, qlearn=own, lora=LORA),
+    "reward_model": lambda path, train, own: make_rm_learner(path, train=train, rm=own),
+}
 
 
 def _batches(path: str) -> dict:
     lm = tiny_lm(path)
     ids, att, rm = grouped_batch(lm.config.vocab_size, GROUPS, seed=3)
     one = grouped_batch(lm.config.vocab_size, ONE_GROUP, seed=4)
-    return {"groups": experience(lm, ids, att, rm, SCORES, groups=GROUPS, ref_shift=0.05),
-            "one_group": experience(lm, *one, [1.0, 0.0, 0.5], groups=ONE_GROUP, ref_shift=None),
-            "pairs": preference_batch(lm, 3, seed=5, ref_shift=0.1),
-            "groups_no_ref": experience(lm, ids, att, rm, SCORES, groups=GROUPS, ref_shift=None),
-            "pairs_no_ref": preference_batch(lm, 3, seed=5, ref_shift=None)}
+    return {
+        "groups": experience(lm, ids, att, rm, SCORES, groups=GROUPS, ref_shift=0.05),
+        "one_group": experience(lm, *one, [1.0, 0.0, 0.5], groups=ONE_GROUP, ref_shift=None),
+        "pairs": preference_batch(lm, 3, seed=5, ref_shift=0.1),
+        "groups_no_ref": experience(lm, ids, att, rm, SCORES, groups=GROUPS, ref_shift=None),
+        "pairs_no_ref": preference_batch(lm, 3, seed=5, ref_shift=None),
+    }
 
 
 def _learner(path: str, case: str, sharded: bool):
@@ -147,15 +201,24 @@ def _step(learner, batch) -> tuple[torch.Tensor, dict, dict]:
     metrics = learner.train_step(batch)
     weights = learner.policy_state_dict()
     head, critic = learner.model.value_head, getattr(learner.model, "critic", None)
-    weights.update({f"value_head.{k}": _full(v).detach().clone() for k, v in (head.state_dict() if head else {}).items()})
-    weights.update({f"critic.{k}": _full(v).detach().clone() for k, v in (critic.state_dict() if critic else {}).items()})
-    weights.update({f"target.{n}": _full(t).clone() for n, t in zip(getattr(learner, "target_names", ()),
-                                                                     getattr(learner, "target_params", ()))})
+    weights.update(
+        {f"value_head.{k}": _full(v).detach().clone() for k, v in (head.state_dict() if head else {}).items()}
+    )
+    weights.update(
+        {f"critic.{k}": _full(v).detach().clone() for k, v in (critic.state_dict() if critic else {}).items()}
+    )
+    weights.update(
+        {
+            f"target.{n}": _full(t).clone()
+            for n, t in zip(getattr(learner, "target_names", ()), getattr(learner, "target_params", ()))
+        }
+    )
     return captured["g"], metrics, weights
 
 
-def _every_case(rank: int, world: int, path: str, batches: dict, save_to: str | None = None,
-                cases: tuple[str, ...] = tuple(CASES)) -> dict:
+def _every_case(
+    rank: int, world: int, path: str, batches: dict, save_to: str | None = None, cases: tuple[str, ...] = tuple(CASES)
+) -> dict:
     from learners.training.distributed import default_collective
 
     out = {}
@@ -190,8 +253,13 @@ def _held(learner, seen: list) -> dict:
     moments = [v for p in params for v in learner.optimizer.state[p].values() if v.dim()]
     groups = [m._get_fsdp_state()._fsdp_param_group for m in learner.model.modules() if hasattr(m, "_get_fsdp_state")]
     offloaded = {fp.offload_to_cpu for g in groups if g is not None for fp in g.fsdp_params}
-    return {"computed_in": set(seen), "shards": {p.dtype for p in params}, "grads": {p.grad.dtype for p in params if p.grad is not None},
-            "moments": {v.dtype for v in moments}, "offloaded": offloaded}
+    return {
+        "computed_in": set(seen),
+        "shards": {p.dtype for p in params},
+        "grads": {p.grad.dtype for p in params if p.grad is not None},
+        "moments": {v.dtype for v in moments},
+        "offloaded": offloaded,
+    }
 
 
 def _count_model_loads() -> list:
@@ -263,7 +331,8 @@ def _assert_weights_close(got: dict, ref: dict) -> None:
     for name, w in ref.items():
         diff = (got[name] - w).abs()
         assert float(diff.max()) <= 2.5 * LR and float(diff.mean()) <= 0.002 * LR, (
-            f"{name}: max {float(diff.max()) / LR:.3g} lr, mean {float(diff.mean()) / LR:.3g} lr")
+            f"{name}: max {float(diff.max()) / LR:.3g} lr, mean {float(diff.mean()) / LR:.3g} lr"
+        )
 
 
 @pytest.mark.parametrize("case, ranks", [(c, 2) for c in CASES] + [(c, 4) for c in FOUR_RANKS])
@@ -286,7 +355,8 @@ def test_sharded_ranks_take_the_replicated_step(runs, case, ranks):
         # Whole groups are dealt round-robin: over 4 ranks groups 10, 20 and 30 and none.
         expected = {2: ([0.0, 2.0], [2.0, 5.0]), 4: ([0.0, 0.0, 0.0, 2.0], [0.0, 2.0, 2.0, 3.0])}[ranks]
         assert sorted(m["learner/local_sequences"] for _, m, _ in (r[case] for r in both)) == (
-            expected[0] if case == "fused_empty_rank" else expected[1])
+            expected[0] if case == "fused_empty_rank" else expected[1]
+        )
 
 
 def test_only_rank_0_reads_the_initial_model(runs):
@@ -316,8 +386,13 @@ def test_bf16_sharded_ranks_gather_bf16_weights_and_keep_fp32_masters(runs):
     g1, m1, w1 = replicated["grpo_kl_bf16"]
     for r in both:
         g, m, w = r["grpo_kl_bf16"]
-        assert r["grpo_kl_bf16.held"] == {"computed_in": {torch.bfloat16}, "shards": {torch.float32},
-                                          "grads": {torch.float32}, "moments": {torch.float32}, "offloaded": {False}}
+        assert r["grpo_kl_bf16.held"] == {
+            "computed_in": {torch.bfloat16},
+            "shards": {torch.float32},
+            "grads": {torch.float32},
+            "moments": {torch.float32},
+            "offloaded": {False},
+        }
         assert r["grpo_kl.held"]["computed_in"] == {torch.float32}
         cosine = float(torch.nn.functional.cosine_similarity(g.double(), g1.double(), dim=0))
         # measured: cosine 0.99998, norms within 1e-5, weights 0.004 lr apart on average
@@ -328,7 +403,7 @@ def test_bf16_sharded_ranks_gather_bf16_weights_and_keep_fp32_masters(runs):
         # The probe (what a sync is verified by) reads bf16 weights here, fp32 ones replicated: within
         # the bf16 probe tolerance (measured 0.03 at most).
         probe, probe1 = torch.tensor(r["grpo_kl_bf16.probe"]), torch.tensor(replicated["grpo_kl_bf16.probe"])
-        assert torch.isfinite(probe).all() and float((probe - probe1).abs().max()) < 0.1, (probe - probe1)
+        assert torch.isfinite(probe).all() and float((probe - probe1).abs().max()) < 0.1, probe - probe1
 
 
 def test_a_sharded_run_resumes_with_another_number_of_ranks(runs):
@@ -348,8 +423,9 @@ def test_a_sharded_run_resumes_with_another_number_of_ranks(runs):
 
     lm = AutoModelForCausalLM.from_pretrained(str(tmp / "b"))
     after_two = replicated["chain"][1][2]
-    _assert_weights_close({"w": lm.model.layers[0].mlp.up_proj.weight.detach()},
-                          {"w": after_two["model.layers.0.mlp.up_proj.weight"]})
+    _assert_weights_close(
+        {"w": lm.model.layers[0].mlp.up_proj.weight.detach()}, {"w": after_two["model.layers.0.mlp.up_proj.weight"]}
+    )
 
 
 def test_a_sharded_lora_checkpoint_restores_on_another_number_of_ranks(runs, tiny_model_path):
@@ -361,7 +437,9 @@ def test_a_sharded_lora_checkpoint_restores_on_another_number_of_ranks(runs, tin
     after = {k: v for k, v in replicated["grpo_lora"][2].items() if not k.startswith("value_head.")}
     _assert_weights_close(replicated["lora_restored"], after)
     start = AutoModelForCausalLM.from_pretrained(tiny_model_path).state_dict()
-    assert not torch.equal(after["model.layers.0.self_attn.q_proj.weight"], start["model.layers.0.self_attn.q_proj.weight"])
+    assert not torch.equal(
+        after["model.layers.0.self_attn.q_proj.weight"], start["model.layers.0.self_attn.q_proj.weight"]
+    )
     merged = AutoModelForCausalLM.from_pretrained(str(tmp / "b_grpo_lora")).state_dict()
     _assert_weights_close({k: merged[k] for k in after}, after)
 
@@ -392,5 +470,8 @@ def test_a_learner_not_built_for_sharding_says_so(tiny_model_path, monkeypatch):
         make_sft_learner(tiny_model_path, train={"sharding": "fsdp"})
     # Sharded LoRA weights are merged shard by shard as s B A: an embedding's adapter is refused.
     with pytest.raises(ValueError, match=r"adapts linear layers only, not \['model.embed_tokens'\]"):
-        make_learner(tiny_model_path, train={"sharding": "fsdp"},
-                     lora={"r": 4, "alpha": 8.0, "target_modules": ["q_proj", "embed_tokens"]})
+        make_learner(
+            tiny_model_path,
+            train={"sharding": "fsdp"},
+            lora={"r": 4, "alpha": 8.0, "target_modules": ["q_proj", "embed_tokens"]},
+        )

@@ -90,7 +90,8 @@ def test_learner_update_is_the_same_with_and_without_sharing(tiny_model_path):
     results = {}
     for shared in (False, True):
         learner = make_learner(
-            tiny_model_path, seed=0,
+            tiny_model_path,
+            seed=0,
             train={"lr": 1e-2, "epochs": 1, "num_minibatches": 1, "micro_batch_size": 3, "shared_prefix": shared},
             # Every row runs (the single-sample group has advantage 0), so the micro-batches are as below.
             ppo={"advantage_estimator": "grpo", "kl_coef": 0.0, "skip_zero_advantage": False},
@@ -150,7 +151,9 @@ def test_packed_rows_are_bounded(tiny_model_path):
     lm = tiny_lm(tiny_model_path)
     decoder = lm.get_decoder()
     ids, att, rm, groups = _grouped_batch(lm.config.vocab_size)
-    packed_len = max(PROMPT_LENS[g] + sum(int(rm[i].sum()) for i, h in enumerate(GROUPS) if h == g) for g in PROMPT_LENS)
+    packed_len = max(
+        PROMPT_LENS[g] + sum(int(rm[i].sum()) for i, h in enumerate(GROUPS) if h == g) for g in PROMPT_LENS
+    )
     calls = _decoder_calls(decoder)
     for bound, expected in ((packed_len, [4]), (packed_len - 1, [2, 2])):
         calls.clear()

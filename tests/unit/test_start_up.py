@@ -15,8 +15,10 @@ def _in_fresh_python(code: str) -> str:
 def test_lighter_gc_raises_only_generation_0s_threshold_and_never_lowers_it():
     got = _in_fresh_python("import gc; from actors.start_up import lighter_gc; lighter_gc(); print(gc.get_threshold())")
     assert got == f"({GEN0_THRESHOLD}, 10, 10)"
-    got = _in_fresh_python("import gc; gc.set_threshold(50000, 3, 4); from actors.start_up import lighter_gc; "
-                           "lighter_gc(); print(gc.get_threshold(), gc.isenabled())")
+    got = _in_fresh_python(
+        "import gc; gc.set_threshold(50000, 3, 4); from actors.start_up import lighter_gc; "
+        "lighter_gc(); print(gc.get_threshold(), gc.isenabled())"
+    )
     assert got == "(50000, 3, 4) True"
 
 
@@ -27,7 +29,8 @@ def test_freeze_imports_collects_garbage_first_and_freezes_the_rest():
         "a = Node(); a.me = a; dead = weakref.ref(a); del a\n"  # a cycle: only the collector frees it
         "kept = Node()\n"
         "from actors.start_up import freeze_imports; freeze_imports()\n"
-        "print(dead() is None, gc.get_freeze_count() > 0, gc.is_tracked(kept))")
+        "print(dead() is None, gc.get_freeze_count() > 0, gc.is_tracked(kept))"
+    )
     assert got == "True True True"
 
 

@@ -47,8 +47,7 @@ class StandIn:
 
 
 def _ctx(tmp_path, *overrides, resume=False):
-    cfg = load_config(overrides=["run.plot=false", "run.trackers=[]", "cluster.metrics_export=false",
-                                 *overrides])
+    cfg = load_config(overrides=["run.plot=false", "run.trackers=[]", "cluster.metrics_export=false", *overrides])
     return RunContext(cfg, tmp_path / "run", resume=resume)
 
 
@@ -61,9 +60,20 @@ def test_evaluations_follow_the_schedule_and_checkpoints_carry_the_recipes_posit
     recipe = StandIn(ctx)
     result = run_steps(ctx, recipe)
     # Step 0 evaluates the starting policy; then every 2 steps and after the last, each right after its step.
-    assert recipe.events == [("eval", 0, None), ("step", 1), ("step", 2), ("save", 2), ("eval", 2, "w2"),
-                             ("step", 3), ("step", 4), ("save", 4), ("eval", 4, "w4"), ("step", 5), ("save", 5),
-                             ("eval", 5, "w5")]
+    assert recipe.events == [
+        ("eval", 0, None),
+        ("step", 1),
+        ("step", 2),
+        ("save", 2),
+        ("eval", 2, "w2"),
+        ("step", 3),
+        ("step", 4),
+        ("save", 4),
+        ("eval", 4, "w4"),
+        ("step", 5),
+        ("save", 5),
+        ("eval", 5, "w5"),
+    ]
     assert [r["step"] for r in result.history] == [0, 1, 2, 3, 4, 5]
     assert [("eval/accuracy" in r) for r in result.history] == [True, False, True, False, True, True]
     # Each checkpoint records the stream's position after its step (3 prompts per step) and its version.
@@ -114,8 +124,16 @@ def test_early_stop_saves_the_stopping_step_and_a_resume_runs_nothing_more(tmp_p
 
 
 def test_early_stop_can_keep_the_best_checkpoint(tmp_path):
-    ctx = _ctx(tmp_path, "run.steps=10", "run.eval_every=1", "run.early_stop_metric=eval/accuracy",
-               "run.early_stop_patience=2", "run.early_stop_keep_best=true", "run.save_every=3", "run.keep_last=1")
+    ctx = _ctx(
+        tmp_path,
+        "run.steps=10",
+        "run.eval_every=1",
+        "run.early_stop_metric=eval/accuracy",
+        "run.early_stop_patience=2",
+        "run.early_stop_keep_best=true",
+        "run.save_every=3",
+        "run.keep_last=1",
+    )
     recipe = StandIn(ctx, metric=[0.1, 0.2, 0.5, 0.4, 0.3])
     result = run_steps(ctx, recipe)
     best = Path(ctx.checkpoint_path(2))

@@ -25,10 +25,16 @@ def test_parquet_rows_come_in_file_order_in_blocks_of_the_asked_size(tmp_path):
 
 def test_csv_cells_stay_strings_a_bom_is_not_part_of_the_first_name_and_ragged_rows_do_not_stop_it(tmp_path):
     path = tmp_path / "p.csv"
-    path.write_text("\ufeffprompt,answer\nWhat is 5 + 2?,007\n\"a, quoted\",1.50\nshort\nlong,1,extra\n", encoding="utf-8")
+    path.write_text(
+        '\ufeffprompt,answer\nWhat is 5 + 2?,007\n"a, quoted",1.50\nshort\nlong,1,extra\n', encoding="utf-8"
+    )
     blocks, rows = _rows(path, 3)
-    assert rows == [{"prompt": "What is 5 + 2?", "answer": "007"}, {"prompt": "a, quoted", "answer": "1.50"},
-                    {"prompt": "short", "answer": None}, {"prompt": "long", "answer": "1"}]
+    assert rows == [
+        {"prompt": "What is 5 + 2?", "answer": "007"},
+        {"prompt": "a, quoted", "answer": "1.50"},
+        {"prompt": "short", "answer": None},
+        {"prompt": "long", "answer": "1"},
+    ]
     assert all(b.schema == blocks[0].schema for b in blocks)  # the header's string columns in every block
 
 

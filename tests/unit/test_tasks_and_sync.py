@@ -15,7 +15,9 @@ def test_jsonl_malformed_rows_are_counted(tmp_path):
 
 
 def test_held_out_split_is_disjoint():
-    train, held = load_prompts("basic_arithmetic", 200, 20, 0, {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}, "")
+    train, held = load_prompts(
+        "basic_arithmetic", 200, 20, 0, {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}, ""
+    )
     assert len(train) == 200 and len(held) == 20
     assert not {r["prompt"] for r in train.rows} & {r["prompt"] for r in held.rows}
 

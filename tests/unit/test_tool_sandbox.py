@@ -63,17 +63,23 @@ def _attacks(root: Path, port: int) -> dict[str, str]:
         "subprocess": "import subprocess; print(subprocess.run(['id'], capture_output=True).stdout)",
         "os_system": f"import os; r = os.system('touch {root}/by_system'); print('ran', r); assert r == 0",
         "ctypes_system": f"import ctypes; r = ctypes.CDLL(None).system(b'touch {root}/by_ctypes'); assert r == 0, r",
-        "fork_200": ("import ctypes; libc = ctypes.CDLL(None); ok = 0\n"
-                     "for _ in range(200):\n"
-                     "    pid = libc.fork()\n"
-                     "    if pid == 0: libc.sleep(600); libc._exit(0)\n"
-                     "    ok += pid > 0\n"
-                     "print('forked', ok); assert ok == 200, f'forked {ok} of 200'"),
+        "fork_200": (
+            "import ctypes; libc = ctypes.CDLL(None); ok = 0\n"
+            "for _ in range(200):\n"
+            "    pid = libc.fork()\n"
+            "    if pid == 0: libc.sleep(600); libc._exit(0)\n"
+            "    ok += pid > 0\n"
+            "print('forked', ok); assert ok == 200, f'forked {ok} of 200'"
+        ),
         "socket": f"import socket; s = socket.create_connection(('127.0.0.1', {port}), timeout=2); print('connected')",
-        "ctypes_socket": ("import ctypes; libc = ctypes.CDLL(None); fd = libc.socket(2, 1, 0)\n"
-                          "assert fd >= 0, 'no socket'; print('socket', fd)"),
-        "other_processes": ("import os; pids = [p for p in os.listdir('/proc') if p.isdigit()]\n"
-                            "assert len(pids) > 3, pids; print(open(f'/proc/{max(pids, key=int)}/environ').read())"),
+        "ctypes_socket": (
+            "import ctypes; libc = ctypes.CDLL(None); fd = libc.socket(2, 1, 0)\n"
+            "assert fd >= 0, 'no socket'; print('socket', fd)"
+        ),
+        "other_processes": (
+            "import os; pids = [p for p in os.listdir('/proc') if p.isdigit()]\n"
+            "assert len(pids) > 3, pids; print(open(f'/proc/{max(pids, key=int)}/environ').read())"
+        ),
         "host_process_environ": f"print(open('/proc/{psutil.Process().pid}/environ').read())",
         "memory": "x = bytearray(4 * 2**30); print('allocated')",
         "cpu": "while True: pass",
@@ -88,7 +94,7 @@ def test_every_escape_fails_inside_the_sandbox_and_leaves_the_host_as_it_was(hos
     from actors.agents.tools import Tool, run_python
 
     tool = Tool("python", lambda code: run_python(code, limits), "", {})
-    env = ToolUse(lambda row: (lambda reply: 0.0), ToolBox([tool], timeout_s=60), max_tool_calls=100)
+    env = ToolUse(lambda row: lambda reply: 0.0, ToolBox([tool], timeout_s=60), max_tool_calls=100)
     env.reset({"prompt": "x", "answer": "0"})
     answers = {}
     for name, code in _attacks(root, port).items():
@@ -130,12 +136,18 @@ def test_your_own_code_tools_run_in_the_same_sandbox(host, tmp_path, monkeypatch
         "    '''Runs a shell command.'''\n"
         "    done = subprocess.run(['sh', '-c', command], capture_output=True, text=True)\n"
         "    return done.stdout + done.stderr\n\n"
-        "def plain_reader(path: str) -> str:\n    return open(path).read()\n")
+        "def plain_reader(path: str) -> str:\n    return open(path).read()\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     before = _state(root)
     box = ToolBox(resolve_tools(["my_tools:shell", "my_tools:plain_reader"], sandboxed=("my_tools:plain_reader",)))
     out = box.call(ToolCall("shell", {"command": f"echo hello; rm -f {root}/checkpoint.bin; touch {root}/x; ls /"}))
-    assert out.status == "ok" and out.text.startswith('"hello\\n') and "Read-only file system" in out.text or "No such" in out.text
+    assert (
+        out.status == "ok"
+        and out.text.startswith('"hello\\n')
+        and "Read-only file system" in out.text
+        or "No such" in out.text
+    )
     assert box.call(ToolCall("plain_reader", {"path": str(root / "secret.txt")})).status == "error"
     assert _state(root) == before
 
@@ -146,17 +158,30 @@ def test_a_run_that_would_use_the_python_tool_without_its_sandbox_stops_before_i
     from cluster.data.sources import check_environment
 
     root = Path(__file__).resolve().parents[2]
-    cfg = load_config(root / "configs" / "ppo_tiny.yaml", ["env.name=tool_use", "env.tools=[calculator,python]",
-                                                           "reward.function=exact_match"])
+    cfg = load_config(
+        root / "configs" / "ppo_tiny.yaml",
+        ["env.name=tool_use", "env.tools=[calculator,python]", "reward.function=exact_match"],
+    )
     check_environment(cfg)  # here, the sandbox builds
     monkeypatch.setattr(sandbox, "bwrap_binary", lambda: None)
     sandbox._probe.cache_clear()
     try:
-        with pytest.raises(UserError, match=r"^env.name: the python tool runs model-written code in a sandbox, and "
-                                            r"bubblewrap \(bwrap\) is not installed"):
+        with pytest.raises(
+            UserError,
+            match=r"^env.name: the python tool runs model-written code in a sandbox, and "
+            r"bubblewrap \(bwrap\) is not installed",
+        ):
             check_environment(cfg)
-        check_environment(load_config(root / "configs" / "ppo_tiny.yaml", [
-            "env.name=tool_use", "env.tools=[calculator,python]", "reward.function=exact_match",
-            "env.python_sandbox=unsafe"]))
+        check_environment(
+            load_config(
+                root / "configs" / "ppo_tiny.yaml",
+                [
+                    "env.name=tool_use",
+                    "env.tools=[calculator,python]",
+                    "reward.function=exact_match",
+                    "env.python_sandbox=unsafe",
+                ],
+            )
+        )
     finally:
         sandbox._probe.cache_clear()

@@ -9,19 +9,32 @@ import time
 import pytest
 
 from actors.agents.tools import (
-    CALCULATOR, PYTHON, SandboxLimits, Tool, ToolBox, ToolCall, ToolCallFormat, calculate, parse_tool_calls,
-    resolve_tools, run_python,
+    CALCULATOR,
+    PYTHON,
+    SandboxLimits,
+    Tool,
+    ToolBox,
+    ToolCall,
+    ToolCallFormat,
+    calculate,
+    parse_tool_calls,
+    resolve_tools,
+    run_python,
 )
 
 
 def test_calls_are_parsed_between_tags_and_malformed_ones_are_marked():
-    text = ('Let me compute. <tool_call>{"name": "calculator", "arguments": {"expression": "37 * 41"}}</tool_call>'
-            '<tool_call>{"name": "python", "arguments": "{\\"code\\": \\"print(1)\\"}"}</tool_call>'
-            "<tool_call>{not json}</tool_call><tool_call>[1, 2]</tool_call>"
-            '<tool_call>{"name": "calculator", "arguments": 5}</tool_call><tool_call>{"name": "x"')
+    text = (
+        'Let me compute. <tool_call>{"name": "calculator", "arguments": {"expression": "37 * 41"}}</tool_call>'
+        '<tool_call>{"name": "python", "arguments": "{\\"code\\": \\"print(1)\\"}"}</tool_call>'
+        "<tool_call>{not json}</tool_call><tool_call>[1, 2]</tool_call>"
+        '<tool_call>{"name": "calculator", "arguments": 5}</tool_call><tool_call>{"name": "x"'
+    )
     calls = parse_tool_calls(text)
-    assert [(c.name, c.arguments) for c in calls[:2]] == [("calculator", {"expression": "37 * 41"}),
-                                                           ("python", {"code": "print(1)"})]
+    assert [(c.name, c.arguments) for c in calls[:2]] == [
+        ("calculator", {"expression": "37 * 41"}),
+        ("python", {"code": "print(1)"}),
+    ]
     assert [bool(c.error) for c in calls] == [False, False, True, True, True, True]
     assert parse_tool_calls("no calls here") == []
     fmt = ToolCallFormat("[CALL]", "[/CALL]")
@@ -44,8 +57,11 @@ def test_every_failure_becomes_an_error_observation_with_a_counted_status():
     def broken() -> str:
         raise KeyError("boom")
 
-    box = ToolBox([CALCULATOR, Tool("slow", slow), Tool("broken", broken), Tool("big", lambda: "x" * 10_000)],
-                  timeout_s=0.3, max_output_chars=100)
+    box = ToolBox(
+        [CALCULATOR, Tool("slow", slow), Tool("broken", broken), Tool("big", lambda: "x" * 10_000)],
+        timeout_s=0.3,
+        max_output_chars=100,
+    )
     cases = {
         "ok": ToolCall("calculator", {"expression": "6 * 7"}),
         "timeout": ToolCall("slow", {"seconds": 5}),
@@ -93,13 +109,17 @@ def test_the_policy_servers_hermes_parser_reads_the_format_agents_train_with(tin
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.tool_parsers.hermes_tool_parser import Hermes2ProToolParser
 
-    text = ('Let me use the calculator. <tool_call>{"name": "calculator", "arguments": {"expression": "37 * 41"}}'
-            '</tool_call>\n<tool_call>{"name": "python", "arguments": {"code": "print(2 ** 10)"}}</tool_call>')
+    text = (
+        'Let me use the calculator. <tool_call>{"name": "calculator", "arguments": {"expression": "37 * 41"}}'
+        '</tool_call>\n<tool_call>{"name": "python", "arguments": {"code": "print(2 ** 10)"}}</tool_call>'
+    )
     parser = Hermes2ProToolParser(AutoTokenizer.from_pretrained(tiny_model_path))
-    request = ChatCompletionRequest(model="policy", messages=[{"role": "user", "content": "x"}],
-                                    tools=[CALCULATOR.schema(), PYTHON.schema()])
+    request = ChatCompletionRequest(
+        model="policy", messages=[{"role": "user", "content": "x"}], tools=[CALCULATOR.schema(), PYTHON.schema()]
+    )
     served = parser.extract_tool_calls(text, request)
     assert served.tools_called and served.content.strip() == "Let me use the calculator."
     ours = parse_tool_calls(text)
-    assert [(c.function.name, json.loads(c.function.arguments)) for c in served.tool_calls] == \
-        [(c.name, c.arguments) for c in ours]
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in served.tool_calls] == [
+        (c.name, c.arguments) for c in ours
+    ]

@@ -10,8 +10,10 @@ from cluster.ops.metrics import RunLog
 from cluster.ops.trackers import start_trackers
 from tests.helpers.trackers import mlflow_run, wandb_offline_run
 
-ROWS = [{"step": s, "reward/mean": 0.1 * s, "loss/total": 1.0 / s, "skipped": {"reward_error": s}, "note": "x"}
-        for s in (1, 2, 3)]
+ROWS = [
+    {"step": s, "reward/mean": 0.1 * s, "loss/total": 1.0 / s, "skipped": {"reward_error": s}, "note": "x"}
+    for s in (1, 2, 3)
+]
 
 
 def _log(run_dir, rows, config, checkpoint_at=None):

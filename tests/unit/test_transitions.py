@@ -11,8 +11,14 @@ import torch
 
 from actors.data.replay import ReplayBuffer
 from actors.data.transitions import (
-    TRANSITION_SCHEMA, Transition, TransitionsError, export_experience, read_transitions,
-    transitions_from_experience, transitions_to_experience, write_transitions,
+    TRANSITION_SCHEMA,
+    Transition,
+    TransitionsError,
+    export_experience,
+    read_transitions,
+    transitions_from_experience,
+    transitions_to_experience,
+    write_transitions,
 )
 from learners.experience import Experience
 
@@ -33,10 +39,17 @@ def make_exp(token_rewards: bool, version: int = 4) -> Experience:
     lp = torch.where(resp, -0.5 - torch.arange(length).float() / 10, 0.0)
     tr = torch.where(resp, torch.arange(length).float() + 0.25, 0.0) if token_rewards else None
     return Experience(
-        input_ids=ids, attention_mask=att, response_mask=resp, rollout_logprobs=lp,
-        group_ids=torch.tensor([3, 3, 8]), truncated=torch.tensor([False, True, False]),
-        policy_version=version, completions=["a", "b", "c"], meta=[{"q": i} for i in range(3)],
-        scores=torch.tensor([1.0, -2.0, 0.5]), token_rewards=tr,
+        input_ids=ids,
+        attention_mask=att,
+        response_mask=resp,
+        rollout_logprobs=lp,
+        group_ids=torch.tensor([3, 3, 8]),
+        truncated=torch.tensor([False, True, False]),
+        policy_version=version,
+        completions=["a", "b", "c"],
+        meta=[{"q": i} for i in range(3)],
+        scores=torch.tensor([1.0, -2.0, 0.5]),
+        token_rewards=tr,
     ).validate()
 
 
@@ -86,9 +99,18 @@ def test_a_multi_turn_row_keeps_its_observations_as_no_actions(tmp_path):
     att = torch.tensor([[True] * 8 + [False]])
     resp = torch.tensor([[False, False, True, True, False, False, True, True, False]])
     lp = torch.where(resp, torch.tensor(-0.25), torch.tensor(0.0))
-    exp = Experience(input_ids=ids, attention_mask=att, response_mask=resp, rollout_logprobs=lp,
-                     group_ids=torch.tensor([1]), truncated=torch.tensor([False]), policy_version=2,
-                     completions=["t"], meta=[{}], scores=torch.tensor([0.75])).validate()
+    exp = Experience(
+        input_ids=ids,
+        attention_mask=att,
+        response_mask=resp,
+        rollout_logprobs=lp,
+        group_ids=torch.tensor([1]),
+        truncated=torch.tensor([False]),
+        policy_version=2,
+        completions=["t"],
+        meta=[{}],
+        scores=torch.tensor([0.75]),
+    ).validate()
     rows, skipped = transitions_from_experience(exp)
     assert not skipped and rows[0].prompt_ids == [5, 6] and rows[0].response_ids == [7, 8, 20, 21, 9, 10]
     assert rows[0].action_mask == [True, True, False, False, True, True]
@@ -101,8 +123,9 @@ def test_a_multi_turn_row_keeps_its_observations_as_no_actions(tmp_path):
 
 
 def _t(version: int, group: int, done: bool = True, logprobs: bool = True) -> Transition:
-    return Transition([1, 2], [3, 4], [0.0, 1.0], done, version, [-1.0, -2.0] if logprobs else None, group,
-                      f"c{group}", {"g": group})
+    return Transition(
+        [1, 2], [3, 4], [0.0, 1.0], done, version, [-1.0, -2.0] if logprobs else None, group, f"c{group}", {"g": group}
+    )
 
 
 def test_directory_is_read_in_file_name_order(tmp_path):
@@ -123,8 +146,17 @@ def test_directory_is_read_in_file_name_order(tmp_path):
         read_transitions(tmp_path / "missing")
 
 
-GOOD = dict(prompt_ids=[1, 2], response_ids=[3, 4], rewards=[0.0, 1.0], done=True, behaviour_version=7,
-            behaviour_logprobs=[-1.0, -1.0], group_id=0, completion="ok", meta='{"a": 1}')
+GOOD = dict(
+    prompt_ids=[1, 2],
+    response_ids=[3, 4],
+    rewards=[0.0, 1.0],
+    done=True,
+    behaviour_version=7,
+    behaviour_logprobs=[-1.0, -1.0],
+    group_id=0,
+    completion="ok",
+    meta='{"a": 1}',
+)
 BAD = [
     ({"rewards": [1.0]}, "length_mismatch"),
     ({"behaviour_logprobs": [-1.0]}, "length_mismatch"),
@@ -142,8 +174,11 @@ BAD = [
 
 
 def test_bad_rows_are_counted_and_excluded(tmp_path):
-    good = [{**GOOD, "group_id": 1}, {**GOOD, "group_id": 2, "meta": None, "behaviour_logprobs": None},
-            {**GOOD, "group_id": 3, "meta": ""}]
+    good = [
+        {**GOOD, "group_id": 1},
+        {**GOOD, "group_id": 2, "meta": None, "behaviour_logprobs": None},
+        {**GOOD, "group_id": 3, "meta": ""},
+    ]
     bad = [{**GOOD, **change, "group_id": 100 + i} for i, (change, _) in enumerate(BAD)]
     pq.write_table(pa.Table.from_pylist(good[:1] + bad + good[1:], schema=TRANSITION_SCHEMA), tmp_path / "x.parquet")
     rows, skipped = read_transitions(tmp_path / "x.parquet", vocab_size=50)
@@ -205,6 +240,7 @@ def test_replay_buffer_samples_whole_groups_for_a_group_baseline():
     """whole_groups (qlearn.reward_baseline=group_mean): a batch holds every row of each group it
     touches, as many groups as fit in n rows (at least one, none twice), deterministically per
     (seed, step); a buffer larger than the batch no longer splits a prompt's samples."""
+
     def filled(seed=0, sizes=(4, 4, 3, 4, 1, 4)):
         buf = ReplayBuffer(capacity=100, seed=seed, whole_groups=True)
         buf.add([_t(0, g) for g, k in enumerate(sizes) for _ in range(k)])
@@ -236,7 +272,9 @@ def test_replay_buffer_samples_whole_groups_for_a_group_baseline():
     worker = ReplayWorker(capacity=100, seed=0, pad_token_id=0, whole_groups=True)
     worker.add_rows(filled().sample(100, 0))
     assert worker.sample(9, step=3).group_ids.tolist() == [t.group_id for t in worker.buffer.sample(9, 3)]
-    assert all(groups(worker.buffer.sample(9, s))[g] == sizes[g] for s in range(5) for g in groups(worker.buffer.sample(9, s)))
+    assert all(
+        groups(worker.buffer.sample(9, s))[g] == sizes[g] for s in range(5) for g in groups(worker.buffer.sample(9, s))
+    )
 
 
 def test_replay_worker_refills_the_exported_steps_up_to_the_checkpoint(tmp_path):
@@ -245,8 +283,18 @@ def test_replay_worker_refills_the_exported_steps_up_to_the_checkpoint(tmp_path)
     from cluster.roles.workers import ReplayWorker
 
     def rows(step):
-        return [Transition(prompt_ids=[1, 2], response_ids=[3, step], rewards=[0.0, float(step)], done=True,
-                           behaviour_version=step, behaviour_logprobs=None, group_id=step * 10 + i) for i in range(3)]
+        return [
+            Transition(
+                prompt_ids=[1, 2],
+                response_ids=[3, step],
+                rewards=[0.0, float(step)],
+                done=True,
+                behaviour_version=step,
+                behaviour_logprobs=None,
+                group_id=step * 10 + i,
+            )
+            for i in range(3)
+        ]
 
     for step in (1, 2, 3, 4):
         write_transitions(rows(step), tmp_path / f"step-{step:06d}.parquet")
@@ -260,7 +308,9 @@ def test_replay_worker_refills_the_exported_steps_up_to_the_checkpoint(tmp_path)
     # ... and removed: the resumed run takes step 4 again and writes it anew.
     assert stats["removed_after_checkpoint"] == 1 and not (tmp_path / "step-000004.parquet").exists()
     assert (tmp_path / "step-notes.parquet").exists()
-    assert [t.group_id for t in worker.buffer.sample(7, step=4)] == [t.group_id for t in uninterrupted.sample(7, step=4)]
+    assert [t.group_id for t in worker.buffer.sample(7, step=4)] == [
+        t.group_id for t in uninterrupted.sample(7, step=4)
+    ]
     batch = worker.sample(4, step=4)
     assert batch.batch_size == 4 and batch.token_rewards is not None
 
@@ -268,8 +318,18 @@ def test_replay_worker_refills_the_exported_steps_up_to_the_checkpoint(tmp_path)
 def test_offline_split_holds_out_whole_prompts():
     from cluster.recipes.qlearn import split_by_group
 
-    rows = [Transition(prompt_ids=[1], response_ids=[2], rewards=[0.0], done=True, behaviour_version=0,
-                       behaviour_logprobs=None, group_id=i // 4) for i in range(40)]  # 10 prompts x 4 samples
+    rows = [
+        Transition(
+            prompt_ids=[1],
+            response_ids=[2],
+            rewards=[0.0],
+            done=True,
+            behaviour_version=0,
+            behaviour_logprobs=None,
+            group_id=i // 4,
+        )
+        for i in range(40)
+    ]  # 10 prompts x 4 samples
     train, held = split_by_group(rows, 6, seed=0)
     assert len(held) == 8 and len(train) == 32  # two whole prompts
     assert not {t.group_id for t in train} & {t.group_id for t in held}
@@ -281,4 +341,6 @@ def test_the_q_recipe_samples_whole_prompts_exactly_for_a_per_prompt_baseline():
     from cluster.recipes.qlearn import whole_prompts
 
     assert whole_prompts(Config.model_validate({"qlearn": {"reward_baseline": "group_mean"}}))
-    assert not any(whole_prompts(Config.model_validate({"qlearn": {"reward_baseline": b}})) for b in ("none", "batch_mean"))
+    assert not any(
+        whole_prompts(Config.model_validate({"qlearn": {"reward_baseline": b}})) for b in ("none", "batch_mean")
+    )

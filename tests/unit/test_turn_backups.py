@@ -37,10 +37,10 @@ def _naive(r, nq, mask, done, n, gamma, mc):
         last = len(p) - 1
         for i in range(len(p)):
             j = min(n, last - i + 1)
-            y = sum(gamma ** k * float(r[b, p[i + k]]) for k in range(j))
+            y = sum(gamma**k * float(r[b, p[i + k]]) for k in range(j))
             tail = i + j - 1
             boot = float(nq[b, p[tail + 1] - 1]) if tail < last else (0.0 if done[b] else float(nq[b, p[last]]))
-            y += gamma ** j * boot
+            y += gamma**j * boot
             if mc:
                 y = max(y, sum(gamma ** (k - i) * float(r[b, p[k]]) for k in range(i, last + 1)))
             out[b, p[i]] = y

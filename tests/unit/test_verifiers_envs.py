@@ -21,8 +21,9 @@ def _episodes(tool_caller_engine, env_id: str, n_rows: int, temperature: float, 
     gen, endpoint, pool = tool_caller_engine
     program = VerifiersProgram(env_id, args or {}, LIMITS.max_new_tokens, keep_traces=True)
     rows = task_rows(load_environment(env_id, args or {}))[:n_rows]
-    exp, counts = gen.generate_agent_episodes(rows, list(range(n_rows)), program, endpoint, LIMITS, pool=pool, seed=3,
-                                              temperature=temperature)
+    exp, counts = gen.generate_agent_episodes(
+        rows, list(range(n_rows)), program, endpoint, LIMITS, pool=pool, seed=3, temperature=temperature
+    )
     return exp, counts, list(program.traces.values())
 
 
@@ -37,7 +38,9 @@ def _check_against_traces(gen, tool_caller_hf, exp, traces) -> None:
         edges = torch.diff(torch.cat([torch.tensor([0]), mask.int(), torch.tensor([0])])).tolist()
         starts = [k for k, e in enumerate(edges) if e == 1]
         ends = [k for k, e in enumerate(edges) if e == -1]
-        spans.append(tuple(tok.decode([t for t in ids[a:b].tolist() if t != tok.eos_token_id]) for a, b in zip(starts, ends)))
+        spans.append(
+            tuple(tok.decode([t for t in ids[a:b].tolist() if t != tok.eos_token_id]) for a, b in zip(starts, ends))
+        )
         n = int(exp.attention_mask[i].sum())
         with torch.no_grad():
             logits = tool_caller_hf(ids[None, :n]).logits[0, :-1]
@@ -73,6 +76,9 @@ def test_a_multi_turn_environment_is_one_trajectory_per_episode(tool_caller_engi
 def test_an_environment_that_does_not_load_is_one_line_and_its_config_can_be_overridden():
     with pytest.raises(ValueError, match=r"verifiers:no_such_env_module: .*not found"):
         load_environment("no_such_env_module", {})
-    with pytest.raises(ValueError, match=r"verifiers:tests.helpers.vf.tools: env.args: taskset.num_taskz: Extra inputs are not permitted$"):
+    with pytest.raises(
+        ValueError,
+        match=r"verifiers:tests.helpers.vf.tools: env.args: taskset.num_taskz: Extra inputs are not permitted$",
+    ):
         load_environment("tests.helpers.vf.tools", {"taskset": {"num_taskz": 2}})
     assert len(task_rows(load_environment("tests.helpers.vf.tools", {"taskset": {"num_tasks": 3}}))) == 3

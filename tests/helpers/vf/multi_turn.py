@@ -40,8 +40,10 @@ class TurnsConfig(vf.TasksetConfig):
 class TurnsTaskset(vf.Taskset[TurnsTask, TurnsConfig]):
     def load(self):
         for i in range(self.config.num_tasks):
-            yield TurnsTask(TurnsData(id=f"turns-{i}", prompt=[{"role": "user", "content": f"Count from {i}."}],
-                                      answer=str(i)), self.config.task)
+            yield TurnsTask(
+                TurnsData(id=f"turns-{i}", prompt=[{"role": "user", "content": f"Count from {i}."}], answer=str(i)),
+                self.config.task,
+            )
 
 
 class TurnsEnvConfig(vf.EnvConfig):

@@ -7,10 +7,19 @@ import verifiers.v1 as vf
 
 # The tool as the package lists it to the model (its MCP server's schema, prefixed): what a tiny
 # model is taught to call (tests/helpers/sdk_agents.py: demonstrations).
-LISTED = {"type": "function", "function": {
-    "name": "calc_calculator", "description": "Evaluate an arithmetic expression.",
-    "parameters": {"type": "object", "properties": {"expression": {"title": "Expression", "type": "string"}},
-                   "required": ["expression"], "title": "calculatorArguments"}}}
+LISTED = {
+    "type": "function",
+    "function": {
+        "name": "calc_calculator",
+        "description": "Evaluate an arithmetic expression.",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"title": "Expression", "type": "string"}},
+            "required": ["expression"],
+            "title": "calculatorArguments",
+        },
+    },
+}
 
 
 class CalculatorToolset(vf.Toolset[vf.ToolsetConfig]):
