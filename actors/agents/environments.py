@@ -197,9 +197,6 @@ class EpisodeLimits:
     step_timeout_s: float = 30.0
 
 
-BUILTIN_ENVIRONMENTS = ("guess_number", "feedback", "tool_use")
-
-
 def openenv_options(spec: EnvSpec) -> Any:
     """The OpenEnv mapping of ``spec`` (its API key read from the named variable here, in the
     process that talks to the server)."""
@@ -212,51 +209,87 @@ def openenv_options(spec: EnvSpec) -> Any:
     return OpenEnvOptions(**opts, timeout_s=spec.step_timeout_s, api_key=os.environ.get(key_env, "") if key_env else "")
 
 
-def environment_factory(spec: EnvSpec) -> Callable[[], Any]:
-    """A function that makes one fresh environment per episode. Raises ValueError on a bad spec."""
+#: Built-in environment name -> a builder of its per-episode factory from the spec.
+ENVIRONMENTS: dict[str, Callable[[EnvSpec], Callable[[], Any]]] = {}
+
+
+def register_environment(name: str) -> Callable:
+    """Decorator: ``builder(spec) -> factory`` of the built-in environment ``name`` (``env.name``)."""
+
+    def add(builder: Callable[[EnvSpec], Callable[[], Any]]) -> Callable[[EnvSpec], Callable[[], Any]]:
+        if name in ENVIRONMENTS:
+            raise ValueError(f"environment {name!r} is already registered")
+        ENVIRONMENTS[name] = builder
+        return builder
+
+    return add
+
+
+@register_environment("guess_number")
+def _guess_number(spec: EnvSpec) -> Callable[[], Any]:
+    return lambda: GuessNumber(**spec.args)
+
+
+def _check_row(spec: EnvSpec) -> Callable[[dict], Callable[[str], float]]:
+    """The spec's verifier bound to an episode's row (the answer checker of feedback and tool_use)."""
+    from actors.rewards.scorer import resolve_reward_fn
+
+    fn = resolve_reward_fn(spec.verifier)
+    kwargs = dict(spec.verifier_kwargs)
+
+    def check_row(row: dict) -> Callable[[str], float]:
+        return verifier(lambda p, c, **m: fn(p, c, **m, **kwargs), row)
+
+    return check_row
+
+
+@register_environment("feedback")
+def _feedback(spec: EnvSpec) -> Callable[[], Any]:
+    check_row = _check_row(spec)
+    return lambda: Feedback(check_row, **spec.args)
+
+
+@register_environment("tool_use")
+def _tool_use(spec: EnvSpec) -> Callable[[], Any]:
     from actors.agents.tools import resolve_tools
 
-    if spec.name == "guess_number":
-        return lambda: GuessNumber(**spec.args)
+    check_row = _check_row(spec)
+    tools = resolve_tools(
+        spec.tools or ["calculator"], spec.python_sandbox, tuple(spec.python_packages), tuple(spec.sandbox_tools)
+    )
+    toolbox = ToolBox(tools, timeout_s=spec.tool_timeout_s)
+    return lambda: ToolUse(check_row, toolbox, max_tool_calls=spec.max_tool_calls, **spec.args)
+
+
+def environment_factory(spec: EnvSpec) -> Callable[[], Any]:
+    """A function that makes one fresh environment per episode: a registered built-in, an OpenEnv
+    server (an http(s):// URL) or your own ``module:factory``. Raises ValueError on a bad spec."""
+    if spec.name in ENVIRONMENTS:
+        return ENVIRONMENTS[spec.name](spec)
     if spec.name.startswith(("http://", "https://")):
         from actors.agents.openenv import OpenEnvServer
 
         if spec.args:
             raise ValueError("env.args are an environment constructor's arguments; an OpenEnv server takes env.openenv")
         return OpenEnvServer(spec.name, openenv_options(spec))
-    if spec.name in ("feedback", "tool_use"):
-        from actors.rewards.scorer import resolve_reward_fn
-
-        fn = resolve_reward_fn(spec.verifier)
-        kwargs = dict(spec.verifier_kwargs)
-
-        def check_row(row: dict) -> Callable[[str], float]:
-            return verifier(lambda p, c, **m: fn(p, c, **m, **kwargs), row)
-
-        if spec.name == "feedback":
-            return lambda: Feedback(check_row, **spec.args)
-        toolbox = ToolBox(
-            resolve_tools(
-                spec.tools or ["calculator"],
-                spec.python_sandbox,
-                tuple(spec.python_packages),
-                tuple(spec.sandbox_tools),
-            ),
-            timeout_s=spec.tool_timeout_s,
-        )
-        return lambda: ToolUse(check_row, toolbox, max_tool_calls=spec.max_tool_calls, **spec.args)
     if ":" in spec.name:
-        module, attr = spec.name.split(":", 1)
-        try:
-            factory = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as e:
-            raise ValueError(f"environment {spec.name!r}: {e}") from e
-        from actors.agents.openenv import is_openenv_environment_class, local_factory
-
-        if is_openenv_environment_class(factory):
-            return local_factory(factory, dict(spec.args), openenv_options(spec), spec.openenv.get("action_class", ""))
-        return lambda: factory(**spec.args)
+        return _own_factory(spec)
     raise ValueError(
-        f"environment {spec.name!r} is neither a built-in ({', '.join(BUILTIN_ENVIRONMENTS)}), "
+        f"environment {spec.name!r} is neither a built-in ({', '.join(ENVIRONMENTS)}), "
         "an http(s):// URL nor 'module:factory'"
     )
+
+
+def _own_factory(spec: EnvSpec) -> Callable[[], Any]:
+    """``module:factory``: an OpenEnv ``Environment`` class runs in-process, anything else is
+    called with ``env.args`` once per episode."""
+    module, attr = spec.name.split(":", 1)
+    try:
+        factory = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"environment {spec.name!r}: {e}") from e
+    from actors.agents.openenv import is_openenv_environment_class, local_factory
+
+    if is_openenv_environment_class(factory):
+        return local_factory(factory, dict(spec.args), openenv_options(spec), spec.openenv.get("action_class", ""))
+    return lambda: factory(**spec.args)

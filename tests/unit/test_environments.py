@@ -70,3 +70,20 @@ def test_environment_factory_builds_each_kind_and_names_a_bad_one():
     for bad in ("nope", "no_such_module:Env", "actors.agents.tools:missing"):
         with pytest.raises(ValueError, match="environment"):
             environment_factory(EnvSpec(bad))
+
+
+def test_a_built_in_environment_is_one_decorated_builder():
+    from actors.agents import environments
+
+    @environments.register_environment("countdown")
+    def _countdown(spec):
+        return lambda: GuessNumber(**spec.args)
+
+    try:
+        assert isinstance(environment_factory(EnvSpec("countdown", {"high": 2}))(), GuessNumber)
+        with pytest.raises(ValueError, match="already registered"):
+            environments.register_environment("countdown")(_countdown)
+        with pytest.raises(ValueError, match=r"neither a built-in \(guess_number, feedback, tool_use, countdown\)"):
+            environment_factory(EnvSpec("nope"))
+    finally:
+        del environments.ENVIRONMENTS["countdown"]
