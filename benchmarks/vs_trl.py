@@ -42,7 +42,7 @@ def schedule(cfg) -> tuple[list[list[dict]], list[dict]]:
     """The prompts (or an environment's own rows) rayrlhf's driver will draw, step by step (same
     loader, sampler and seed), and the held-out rows."""
     from cluster.data.sources import load_task_prompts
-    from cluster.run_context import PromptSampler
+    from cluster.data.prompts import PromptSampler
 
     train_set, eval_set, _ = load_task_prompts(cfg)
     sampler = PromptSampler(len(train_set.rows), cfg.rollout.prompts_per_step, cfg.run.seed)

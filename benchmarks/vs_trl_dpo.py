@@ -75,7 +75,7 @@ def rayrlhf_order(pairs_file: Path, steps: int) -> list[dict]:
     """The pairs in the order rayrlhf's recipe trains on them (same loader, split and sampler)."""
     from cluster.config.loading import load_config
     from cluster.recipes.dpo import load_data
-    from cluster.run_context import PromptSampler
+    from cluster.data.prompts import PromptSampler
 
     cfg = load_config(overrides=_overrides(pairs_file, steps))
     train_set, _, _ = load_data(cfg)

@@ -1,5 +1,7 @@
-"""What every recipe shares: checks before start, the cluster connection, the run directory,
-per-phase timers, metrics and progress, evaluation, checkpoints and resume.
+"""What every recipe shares: checks before start, the run directory, per-phase timers, metrics
+and progress, checkpoints, early stopping and resume. The cluster connection is its own object
+(``cluster/connection.py``), as are the prompt sampler and the held-out evaluation
+(``cluster/data/prompts.py``).
 
 A recipe (``cluster/recipes/<algorithm>.py``) holds only its algorithm's loop; everything here
 is the same for every algorithm.
@@ -16,7 +18,6 @@ import contextlib
 import json
 import logging
 import math
-import os
 import random
 import shutil
 import time
@@ -27,8 +28,9 @@ from typing import Any, Iterator
 
 import yaml
 
-from actors.start_up import SETUP_HOOK
 from cluster.config import Config, UserError
+from cluster.data.prompts import PromptSampler
+from cluster.connection import ClusterConnection
 from cluster.ops.metrics import RunLog
 
 log = logging.getLogger("rayrlhf.run")
@@ -45,50 +47,6 @@ class RunResult:
     seconds: float
     # A staged run: each stage's result, in order (those run in this call).
     stages: list["RunResult"] = field(default_factory=list)
-
-
-class PromptSampler:
-    """Epoch-wise shuffled prompt indices. The order is a pure function of (seed, epoch), so the
-    sampler's whole state is the number of prompts consumed: a resumed run continues exactly
-    where the interrupted one stopped, none repeated or skipped."""
-
-    def __init__(self, num_rows: int, per_step: int, seed: int, consumed: int = 0) -> None:
-        if num_rows < 1:
-            raise ValueError("no prompts to sample from")
-        self.num_rows, self.per_step, self.seed, self.consumed = num_rows, per_step, seed, consumed
-        self._perm: tuple[int, list[int]] | None = None
-
-    def _epoch(self, epoch: int) -> list[int]:
-        if self._perm is None or self._perm[0] != epoch:
-            order = list(range(self.num_rows))
-            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
-            self._perm = (epoch, order)
-        return self._perm[1]
-
-    def next_with_uids(self) -> tuple[list[int], list[int]]:
-        """The next step's rows and their uids: positions in the run's prompt stream, unique per
-        draw (a prompt drawn again in a later epoch gets a new one) and the same on resume."""
-        first = self.consumed
-        rows = self.next()
-        return rows, list(range(first, first + len(rows)))
-
-    def next(self) -> list[int]:
-        out: list[int] = []
-        while len(out) < self.per_step:
-            epoch, pos = divmod(self.consumed, self.num_rows)
-            take = min(self.per_step - len(out), self.num_rows - pos)
-            out += self._epoch(epoch)[pos : pos + take]
-            self.consumed += take
-        return out
-
-    def state_dict(self) -> dict[str, int]:
-        return {"consumed": self.consumed}
-
-
-def sampling_seed(run_seed: int, step: int) -> int:
-    """Seed of a step's sampling: a function of the step, so a resumed run samples as the
-    uninterrupted one would."""
-    return run_seed * 100_003 + step
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
@@ -158,93 +116,26 @@ class RunContext:
         self.final_checkpoint: Path | None = None
         self._last_version = int(self.run_state["version"])
         self.times: dict[str, float] = {}
-        self.started_cluster = self.connected = False
-        self.join_reason = ""
-        self.dashboard_url = ""
+        self.cluster = ClusterConnection(cfg.cluster)
 
     # -- cluster ---------------------------------------------------------------------------------
     def connect(self) -> None:
-        """Joins the configured / ambient cluster, else starts a local one; then checks that the
-        roles fit it (a request no node can meet would otherwise wait forever)."""
-        import ray
+        """Joins or starts the cluster and checks that the run's roles fit it
+        (``cluster/connection.py``); Ray metrics join the run's sinks."""
+        from cluster.roles.resources import role_requests
 
-        from cluster.roles.resources import check_fits, cluster_node_cpus, cluster_resources, role_requests
-
-        cfg = self.cfg
-        requests = role_requests(cfg)
-        if not ray.is_initialized():
-            self._init_ray(sum(r.count * r.cpus for r in requests))
-            self.connected = True  # this run made the connection: ``close`` leaves it
-        check_fits(requests, cluster_node_cpus(), cluster_resources())
-        self._announce_cluster()
-        if cfg.cluster.metrics_export:
+        self.cluster.connect(role_requests(self.cfg))
+        if self.cfg.cluster.metrics_export:
             from cluster.ops.telemetry import RayMetricsSink
 
             self.runlog.sinks.append(RayMetricsSink(self.dir.name))
 
-    def _init_ray(self, needed_cpus: float) -> None:
-        import ray
-
-        cfg = self.cfg
-        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-        # Job-wide default for every worker, Ray Train's included: Ray would otherwise pin each
-        # process's OpenMP pool to its reserved CPUs (often 1); the roles work one phase at a time.
-        env_vars = {
-            "RAY_USAGE_STATS_ENABLED": "0",
-            "TOKENIZERS_PARALLELISM": "false",
-            "OMP_NUM_THREADS": str(cfg.cluster.threads or os.cpu_count() or 1),
-        }
-        runtime_env = job_runtime_env(env_vars, lighter_gc=cfg.cluster.lighter_gc)
-        address = cfg.cluster.address or os.environ.get("RAY_ADDRESS", "")
-        if not address:
-            address = running_local_cluster(cfg.cluster.temp_dir or None) or ""
-            if address:  # a head started by `ray start` on this machine: join it, as `ray job submit` runs do
-                self.join_reason = (
-                    f"joined the cluster `ray start` left at {address}; "
-                    "cluster.address=local starts a run's own instead"
-                )
-        if address and address != "local":
-            self.dashboard_url = ray.init(address=address, runtime_env=runtime_env, log_to_driver=True).dashboard_url
-            return
-        kwargs: dict[str, Any] = dict(
-            address="local",
-            num_cpus=cfg.cluster.num_cpus or max(os.cpu_count() or 1, math.ceil(needed_cpus)),
-            include_dashboard=cfg.cluster.include_dashboard,
-            dashboard_host=cfg.cluster.dashboard_host,
-            runtime_env=runtime_env,
-        )
-        if cfg.cluster.temp_dir:
-            kwargs["_temp_dir"] = cfg.cluster.temp_dir
-        self.dashboard_url = ray.init(**kwargs).dashboard_url
-        self.started_cluster = True
-
-    def _announce_cluster(self) -> None:
-        """One line on the cluster (Ray's own start-up messages go to the log file)."""
-        import ray
-
-        nodes = [n for n in ray.nodes() if n.get("Alive")]
-        cpus = sum(n["Resources"].get("CPU", 0) for n in nodes)
-        ports = sorted({n.get("MetricsExportPort") for n in nodes if n.get("MetricsExportPort")})
-        url = self.dashboard_url
-        print(
-            f"[rayrlhf] Ray cluster: {len(nodes)} node(s), {cpus:g} CPUs"
-            + (f"; dashboard http://{url}" if url else "")
-            + (f"; Prometheus metrics on port {', '.join(map(str, ports))}" if ports else "")
-            + ("" if self.started_cluster else f" (joined{': ' + self.join_reason if self.join_reason else ''})")
-            + (" (started for this run)" if self.started_cluster else ""),
-            flush=True,
-        )
-
     def close(self) -> None:
-        """Closes the run's log; leaves the cluster if this run connected (a caller's own
-        connection is kept; a joined cluster keeps running, one started for the run stops). Ray
-        prints the repeated worker and raylet lines it held back (its log deduplication) when the
-        driver disconnects: here, still through ``rayrlhf train``'s quiet console, not at exit."""
-        import ray
-
+        """Closes the run's log, then leaves the cluster if this run connected. Ray prints the
+        repeated worker and raylet lines it held back (its log deduplication) when the driver
+        disconnects: here, still through ``rayrlhf train``'s quiet console, not at exit."""
         self.runlog.close()
-        if self.connected:
-            ray.shutdown()
+        self.cluster.close()
 
     # -- the loop --------------------------------------------------------------------------------
     def steps(self) -> range:
@@ -413,83 +304,6 @@ class RunContext:
         if learned:  # the last line: what the run learned, with its uncertainty
             print(learned, flush=True)
         return RunResult(self.dir, self.runlog.rows, self.final_checkpoint, seconds)
-
-
-def held_out_eval(rollout: Any, rows: list[dict], sampled_seed: int | None = None) -> dict[str, float]:
-    """The policy on held-out prompts: greedy accuracy (score >= 1 counts as solved); with
-    ``sampled_seed``, also the mean reward and accuracy of the rollout's samples
-    (``rollout.samples_per_prompt`` per prompt at its temperature, seeded: every evaluation draws
-    the same random numbers, so two evaluations differ by the policy, not by the draw). Both
-    generations are queued at once, so a generator done with its greedy units starts sampling."""
-    if not rows:
-        return {}
-    ids = list(range(len(rows)))
-    greedy = rollout.submit(rows, ids, greedy=True)
-    sampled = rollout.submit(rows, ids, seed=sampled_seed) if sampled_seed is not None else None
-    scores = _scores(rollout, rollout.collect(greedy)[0])
-    row = {
-        "eval/accuracy": _solved(scores),
-        "eval/mean_score": sum(scores) / max(len(scores), 1),
-        "eval/n": float(len(scores)),
-    }
-    if sampled is not None:
-        samples = _scores(rollout, rollout.collect(sampled)[0])
-        row.update(
-            {
-                "eval/sampled_reward": sum(samples) / max(len(samples), 1),
-                "eval/sampled_accuracy": _solved(samples),
-                "eval/sampled_n": float(len(samples)),
-            }
-        )
-    return row
-
-
-def eval_seed(cfg: Config) -> int | None:
-    """The seed of ``held_out_eval``'s sampled evaluation (``run.eval_sampled``): step 0's, which
-    no training step samples with."""
-    return sampling_seed(cfg.run.seed, 0) if cfg.run.eval_sampled else None
-
-
-def _scores(rollout: Any, exp_refs: list) -> list[float]:
-    _, score_stats = rollout.score_checked(exp_refs)
-    return [x for s in score_stats for x in s["scores"]]
-
-
-def _solved(scores: list[float]) -> float:
-    return sum(1.0 for x in scores if x >= 1.0) / max(len(scores), 1)
-
-
-def job_runtime_env(env_vars: dict[str, str], lighter_gc: bool = True) -> dict[str, Any]:
-    """The job's runtime environment: ``env_vars`` for every worker, and (``cluster.lighter_gc``)
-    the setup hook that makes each worker's start-up imports cheaper (``actors/start_up.py``)
-    unless the job already has a hook of its own (``ray job submit --runtime-env-json``: Ray
-    refuses a second one)."""
-    from ray._private import ray_constants
-
-    env: dict[str, Any] = {"env_vars": dict(env_vars)}
-    if lighter_gc and not os.environ.get(ray_constants.WORKER_PROCESS_SETUP_HOOK_ENV_VAR):
-        env["worker_process_setup_hook"] = SETUP_HOOK
-    return env
-
-
-def running_local_cluster(temp_dir: str | None = None) -> str | None:
-    """The address of a head that `ray start` left running on this machine (Ray's own address
-    file in its temp folder), if its GCS answers; None otherwise (also for a stale file).
-    ``ray.init()`` without an address would join such a head by itself and then refuse the
-    resources a local start passes."""
-    import socket
-
-    from ray._private.utils import read_ray_address
-
-    address = read_ray_address(temp_dir)
-    if not address or ":" not in address:
-        return None
-    host, port = address.rsplit(":", 1)
-    try:
-        with socket.create_connection((host, int(port)), timeout=2.0):
-            return address
-    except (OSError, ValueError):
-        return None
 
 
 def _tuple_state(state: Any) -> Any:

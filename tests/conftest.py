@@ -119,7 +119,7 @@ def ray_cluster(tiny_model_path):
     outlives the run (a detached actor)."""
     import ray
 
-    from cluster.run_context import job_runtime_env
+    from cluster.connection import job_runtime_env
 
     port, dash = free_port(), free_port()
     temp = _SESSION_TMP

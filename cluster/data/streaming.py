@@ -201,7 +201,7 @@ class StreamingSampler:
 
 def make_sampler(train_set: Any, per_step: int, seed: int, state: dict[str, int]) -> Any:
     """The sampler of a recipe's train set: a ``StreamingSampler`` for a streamed one."""
-    from cluster.run_context import PromptSampler
+    from cluster.data.prompts import PromptSampler
 
     if isinstance(train_set, StreamingPrompts):
         return StreamingSampler(train_set, per_step, **state)

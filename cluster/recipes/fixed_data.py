@@ -15,7 +15,8 @@ from typing import Any, Callable
 import ray
 
 from cluster.roles import Roles
-from cluster.run_context import PromptSampler, RunContext, eval_seed, held_out_eval
+from cluster.run_context import RunContext
+from cluster.data.prompts import PromptSampler, eval_seed, held_out_eval
 from cluster.step_loop import StepOutcome
 from learners.experience import Experience
 

@@ -24,7 +24,8 @@ import torch
 
 from actors.data.offline_data import encode_pairs, write_preferences
 from cluster.config import UserError
-from cluster.run_context import PromptSampler, RunContext
+from cluster.run_context import RunContext
+from cluster.data.prompts import PromptSampler
 from learners.dpo import preference_pairs
 from learners.experience import Experience
 

@@ -41,7 +41,8 @@ from cluster.ops.ledger import issue_records, outcome_records
 from cluster.ops.metrics import step_metrics
 from cluster.recipes.dynamic_sampling import Refill, informative_uids, select_groups
 from cluster.roles import Roles
-from cluster.run_context import RunContext, RunResult, eval_seed, held_out_eval, sampling_seed
+from cluster.run_context import RunContext, RunResult
+from cluster.data.prompts import eval_seed, held_out_eval, sampling_seed
 from cluster.data.streaming import make_sampler
 from cluster.step_loop import StepOutcome, run_steps
 from cluster.roles.transports import make_transport

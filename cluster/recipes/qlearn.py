@@ -38,7 +38,8 @@ from cluster.data.sources import load_task_prompts
 from cluster.ops.ledger import issue_records, outcome_records
 from cluster.ops.metrics import step_metrics
 from cluster.roles import Roles
-from cluster.run_context import PromptSampler, RunContext, RunResult, eval_seed, held_out_eval, sampling_seed
+from cluster.run_context import RunContext, RunResult
+from cluster.data.prompts import PromptSampler, eval_seed, held_out_eval, sampling_seed
 from cluster.data.streaming import make_sampler
 from cluster.step_loop import StepOutcome, run_steps
 

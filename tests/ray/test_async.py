@@ -18,7 +18,7 @@ from cluster.config.loading import load_config
 from cluster.driver import train
 from tests.helpers.runs import assert_same_run, crashed_copy
 from cluster.ops.ledger import read_ledger, valid_records
-from cluster.run_context import PromptSampler
+from cluster.data.prompts import PromptSampler
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.ray

@@ -12,7 +12,7 @@ from cluster.config.loading import load_config
 from cluster.data.sources import load_task_prompts
 from cluster.driver import train
 from cluster.ops.ledger import read_ledger, summarize
-from cluster.run_context import PromptSampler
+from cluster.data.prompts import PromptSampler
 from tests.helpers.rewards import informative_prompt
 from tests.helpers.runs import rows
 

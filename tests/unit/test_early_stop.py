@@ -7,7 +7,8 @@ import pytest
 
 from cluster.config.loading import load_config
 from cluster.driver import stage_done
-from cluster.run_context import PromptSampler, RunContext
+from cluster.run_context import RunContext
+from cluster.data.prompts import PromptSampler
 
 
 def _ctx(tmp_path, *overrides):

@@ -12,7 +12,7 @@ import torch
 from cluster.config.loading import load_config
 from cluster.driver import with_prompt_offset
 from cluster.recipes import pairs
-from cluster.run_context import PromptSampler
+from cluster.data.prompts import PromptSampler
 from learners.experience import Experience
 
 ROWS = [{"prompt": f"q{i}", "meta": {}, "id": i} for i in range(40)]

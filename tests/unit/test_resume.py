@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from cluster.run_context import PromptSampler, RunContext, latest_checkpoint
+from cluster.run_context import RunContext, latest_checkpoint
+from cluster.data.prompts import PromptSampler
 from learners.base import get_learner, load_learner_state
 from learners.training.optim import lr_multiplier
 from tests.helpers.factories import experience, make_learner, ragged_batch, tiny_lm

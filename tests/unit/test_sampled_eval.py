@@ -7,7 +7,7 @@ records what it was asked and scores each reply as a fixed function of (prompt, 
 import pytest
 
 from cluster.config import Config
-from cluster.run_context import eval_seed, held_out_eval, sampling_seed
+from cluster.data.prompts import eval_seed, held_out_eval, sampling_seed
 
 
 class Rollout:

@@ -37,7 +37,7 @@ def test_freeze_imports_collects_garbage_first_and_freezes_the_rest():
 def test_the_job_runtime_env_sets_the_hook_unless_the_job_has_one(monkeypatch):
     from ray._private import ray_constants
 
-    from cluster.run_context import job_runtime_env
+    from cluster.connection import job_runtime_env
 
     monkeypatch.delenv(ray_constants.WORKER_PROCESS_SETUP_HOOK_ENV_VAR, raising=False)
     env_vars = {"OMP_NUM_THREADS": "2"}

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from cluster.config.loading import load_config
 from cluster.driver import stage_done
-from cluster.run_context import RUN_STATE_FILE, PromptSampler, RunContext, latest_checkpoint
+from cluster.run_context import RUN_STATE_FILE, RunContext, latest_checkpoint
+from cluster.data.prompts import PromptSampler
 from cluster.step_loop import StepOutcome, run_steps
 
 
