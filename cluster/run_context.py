@@ -71,6 +71,45 @@ def preflight(cfg: Config) -> tuple[str, Any, Any, str]:
     return model_path, train_set, eval_set, description
 
 
+def fresh_start(seed: int) -> tuple[None, dict[str, Any]]:
+    """A new run's state (step 0, no prompt consumed, version 0); the driver's RNG seeded."""
+    random.seed(seed)
+    return None, {"step": 0, "sampler": {"consumed": 0}, "version": 0}
+
+
+def resume_point(run_dir: Path, seed: int) -> tuple[Path, dict[str, Any]]:
+    """The newest complete checkpoint of ``run_dir`` and the run state written into it (the
+    driver's RNG restored from it); UserError when there is none."""
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
+        raise UserError(f"--resume {run_dir}: no complete checkpoint under {run_dir / CHECKPOINTS_DIR}")
+    state = json.loads((ckpt / "trainer_state" / RUN_STATE_FILE).read_text())
+    random.setstate(_tuple_state(state["python_rng"]))
+    return ckpt, state
+
+
+def open_run_log(cfg: Config, run_dir: Path, keep_until_step: int | None) -> RunLog:
+    """The run's metric sinks: the JSONL log and progress line (``RunLog``, with the config
+    saved), ``train.log`` beside it, and the experiment trackers ``run.trackers`` names."""
+    from cluster.ops.console import attach_run_dir
+
+    runlog = RunLog(run_dir, cfg.run.steps, keep_until_step=keep_until_step)
+    runlog.save_config(cfg.to_dict())
+    attach_run_dir(run_dir)
+    if cfg.run.trackers:
+        from cluster.ops.trackers import start_trackers
+
+        runlog.sinks += start_trackers(
+            cfg.run.trackers,
+            run_dir,
+            cfg.to_dict(),
+            wandb_project=cfg.run.wandb_project,
+            mlflow_uri=cfg.run.mlflow_tracking_uri,
+            mlflow_experiment=cfg.run.mlflow_experiment,
+        )
+    return runlog
+
+
 class RunContext:
     """One run: its directory, log, timers, checkpoints and (when resuming) the state to continue."""
 
@@ -81,34 +120,9 @@ class RunContext:
         # Absolute: Ray Train's workers run in a folder of their own, so a relative path (a
         # checkpoint to resume from, say) would name nothing there.
         self.dir = (Path(run_dir) if run_dir else Path(cfg.run.output_dir) / f"{cfg.run.name}-{stamp}").absolute()
-        self.resume_from: Path | None = None
-        self.run_state: dict[str, Any] = {"step": 0, "sampler": {"consumed": 0}, "version": 0}
-        if resume:
-            ckpt = latest_checkpoint(self.dir)
-            if ckpt is None:
-                raise UserError(f"--resume {self.dir}: no complete checkpoint under {self.dir / CHECKPOINTS_DIR}")
-            self.resume_from = ckpt
-            self.run_state = json.loads((ckpt / "trainer_state" / RUN_STATE_FILE).read_text())
-            random.setstate(_tuple_state(self.run_state["python_rng"]))
-        else:
-            random.seed(cfg.run.seed)
+        self.resume_from, self.run_state = resume_point(self.dir, cfg.run.seed) if resume else fresh_start(cfg.run.seed)
         self.start_step = int(self.run_state["step"])
-        self.runlog = RunLog(self.dir, cfg.run.steps, keep_until_step=self.start_step if resume else None)
-        self.runlog.save_config(cfg.to_dict())
-        from cluster.ops.console import attach_run_dir
-
-        attach_run_dir(self.dir)
-        if cfg.run.trackers:
-            from cluster.ops.trackers import start_trackers
-
-            self.runlog.sinks += start_trackers(
-                cfg.run.trackers,
-                self.dir,
-                cfg.to_dict(),
-                wandb_project=cfg.run.wandb_project,
-                mlflow_uri=cfg.run.mlflow_tracking_uri,
-                mlflow_experiment=cfg.run.mlflow_experiment,
-            )
+        self.runlog = open_run_log(cfg, self.dir, keep_until_step=self.start_step if resume else None)
         # Early stopping: best value, its step, evaluations since (carried by checkpoints).
         self.early = dict(
             self.run_state.get("early_stop") or {"best": None, "best_step": None, "bad": 0, "stopped": False}
