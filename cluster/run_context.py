@@ -303,12 +303,6 @@ class RunContext:
         seconds = time.time() - self.t_start
         from cluster.ops.learned import learned_line
 
-        evals = [r["eval/accuracy"] for r in self.runlog.rows if r.get("eval/accuracy") is not None]
-        if len(evals) > 1:
-            print(
-                f"[rayrlhf] held-out {self.runlog.eval_label}: {evals[0]:.3f} (first evaluation) -> {evals[-1]:.3f} (last)",
-                flush=True,
-            )
         print(
             f"[rayrlhf] done in {seconds:.0f}s; metrics: {self.runlog.path}"
             + (f"; checkpoint: {self.final_checkpoint}" if self.final_checkpoint else ""),

@@ -248,7 +248,7 @@ def test_ray_job_submit_on_a_cluster_started_as_the_readme_says(tiny_model_path,
     rows = [json.loads(l) for l in (runs[0] / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(11))  # step 0: the starting policy's evaluation
     assert "eval/accuracy" in rows[0] and "eval/accuracy" in rows[-1]
-    assert "before training: held-out greedy accuracy" in logs and "(first evaluation) ->" in logs
+    assert "before training: held-out greedy accuracy" in logs and "[rayrlhf] learned: held-out greedy accuracy" in logs
     assert (runs[0] / "curves.png").is_file()
     assert (runs[0] / "checkpoints" / "step_00010" / "model.safetensors").is_file()
     events = list((runs[0] / "tensorboard").glob("events.out.tfevents.*"))

@@ -14,18 +14,21 @@ from pydantic import ValidationError
 from cluster.config import IMMUTABLE_ON_RESUME, MOVED_KEYS, Config, ConfigError, StageConfig
 
 
-def _format_error(err: ValidationError, data: dict) -> str:
+def _format_error(err: ValidationError, data: dict, root: Any = Config, prefix: tuple[str, ...] = ()) -> str:
+    """One line naming every bad key; ``root``: the model validated, found under ``prefix`` (a
+    plugin's section) in the config."""
     msgs = []
     for e in err.errors():
-        loc = [str(x) for x in e["loc"]]
+        inner = [str(x) for x in e["loc"]]
+        loc = [*prefix, *inner]
         key = ".".join(loc)
         if e["type"] == "extra_forbidden":
             moved = MOVED_KEYS.get(key)
             if moved:
                 msgs.append(f"config key {key!r} has moved to {moved}")
                 continue
-            section_cls: Any = Config
-            for part in loc[:-1]:
+            section_cls: Any = root
+            for part in inner[:-1]:
                 if part.isdigit():  # an item of the stage list
                     section_cls = StageConfig
                     continue
@@ -80,15 +83,7 @@ def _check_plugin_sections(data: dict) -> None:
         try:
             model.model_validate(data.get(name) or {})
         except ValidationError as e:
-            msgs = []
-            for err in e.errors():
-                key = ".".join([name, *map(str, err["loc"])])
-                msgs.append(
-                    f"unknown config key {key!r} in section '{name}'; valid keys: {', '.join(sorted(model.model_fields))}"
-                    if err["type"] == "extra_forbidden"
-                    else f"{key}: {err['msg']} (got {err.get('input')!r})"
-                )
-            raise ConfigError("; ".join(msgs)) from None
+            raise ConfigError(_format_error(e, data, root=model, prefix=(name,))) from None
 
 
 def _resolve_generator_dtype(cfg: Config) -> None:

@@ -1366,41 +1366,48 @@ class Config(Section):
             + self._data_and_shaping_checks()
         )
         for ok, msg in checks:
-            if not ok:
-                raise ConfigError(msg)
+            if not ok:  # a message naming the recipes that support a setting is built only when it fails
+                raise ConfigError(msg() if callable(msg) else msg)
         try:
             self.judge_config()
         except ValueError as e:
             raise ConfigError(str(e)) from None
         return self
 
-    def _feature_checks(self, recipe: Any) -> list[tuple[bool, str]]:
-        """Settings only some recipes are built for (``Recipe.features``; the messages name them)."""
+    def _feature_checks(self, recipe: Any) -> list[tuple[bool, Any]]:
+        """Settings only some recipes are built for (``Recipe.features``; the messages, built when
+        a check fails, name the recipes that support each)."""
         from cluster.recipes import supporting
 
         rollout, has = self.rollout, recipe.features
         return [
             (
                 not rollout.inflight_updates or ("inflight_updates" in has and rollout.max_staleness > 0),
-                f"rollout.inflight_updates needs run.algorithm={supporting('inflight_updates')} with rollout.max_staleness > 0 "
-                "(in a synchronous run no generation is running when the weights sync)",
+                lambda: (
+                    f"rollout.inflight_updates needs run.algorithm={supporting('inflight_updates')} with rollout.max_staleness > 0 "
+                    "(in a synchronous run no generation is running when the weights sync)"
+                ),
             ),
             (
                 self.cluster.layout == "disaggregated" or "colocated" in has,
-                f"cluster.layout=colocated is built for run.algorithm={supporting('colocated')}, not "
-                f"run.algorithm={recipe.name}",
+                lambda: (
+                    f"cluster.layout=colocated is built for run.algorithm={supporting('colocated')}, not "
+                    f"run.algorithm={recipe.name}"
+                ),
             ),
             (
                 self.train.sharding == "replicated" or ("fsdp" in has and not self.train.compile),
-                f"train.sharding=fsdp is built for run.algorithm={supporting('fsdp')}, without train.compile",
+                lambda: f"train.sharding=fsdp is built for run.algorithm={supporting('fsdp')}, without train.compile",
             ),
             (
                 not self.data.streaming or "streaming" in has,
-                f"data.streaming streams prompts to run.algorithm={supporting('streaming')}, not {recipe.name}",
+                lambda: f"data.streaming streams prompts to run.algorithm={supporting('streaming')}, not {recipe.name}",
             ),
             (
                 not rollout.dynamic_sampling or "dynamic_sampling" in has,
-                f"rollout.dynamic_sampling needs run.algorithm={supporting('dynamic_sampling')}, not {recipe.name}",
+                lambda: (
+                    f"rollout.dynamic_sampling needs run.algorithm={supporting('dynamic_sampling')}, not {recipe.name}"
+                ),
             ),
         ]
 
@@ -1590,7 +1597,9 @@ class Config(Section):
             (not (env.name and self.rollout.agent), "env.name and rollout.agent are two kinds of episodes: set one"),
             (
                 "episodes" in recipe.features,
-                f"episodes (env.name, rollout.agent) need run.algorithm={supporting('episodes')}, not {recipe.name}",
+                lambda: (
+                    f"episodes (env.name, rollout.agent) need run.algorithm={supporting('episodes')}, not {recipe.name}"
+                ),
             ),
             (
                 self.reward.function not in ("llm_judge", "reward_model", "remote"),

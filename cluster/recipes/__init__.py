@@ -20,6 +20,7 @@ from a module named in ``run.plugins`` (its section: ``Recipe.section_model``).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -93,14 +94,20 @@ class Recipe:
 _LOADED: dict[str, Recipe] = {}
 
 
+#: Names registered by ``register_recipe`` (a plugin's), as against the built-in ``RECIPES``.
+_REGISTERED: set[str] = set()
+
+
 def register_recipe(name: str, target: str) -> None:
     """Registers (or replaces) a recipe: ``target`` as in ``RECIPES``."""
     RECIPES[name] = target
+    _REGISTERED.add(name)
     _LOADED.pop(name, None)
 
 
 def unregister_recipe(name: str) -> None:
     RECIPES.pop(name, None)
+    _REGISTERED.discard(name)
     _LOADED.pop(name, None)
 
 
@@ -124,8 +131,6 @@ def get_recipe(name: str) -> Recipe:
 
 
 def _with_module(recipe: Recipe, module: str) -> Recipe:
-    import dataclasses
-
     unknown = set(recipe.features) - FEATURES
     if unknown:
         raise UnknownRecipe(
@@ -154,11 +159,7 @@ def recipe_module(name: str) -> ModuleType:
 
 
 def plugin_sections() -> dict[str, Any]:
-    """Config sections of registered recipes that ``Config`` does not define (section -> model)."""
-    out = {}
-    for name in list(RECIPES):
-        if not RECIPES[name].startswith("cluster.recipes."):
-            recipe = get_recipe(name)
-            if recipe.section_model is not None:
-                out[recipe.section] = recipe.section_model
-    return out
+    """Config sections of registered plugins' recipes, which ``Config`` does not define (section ->
+    model). Built-in recipes' sections are ``Config`` fields: their modules are not imported here."""
+    recipes = [get_recipe(name) for name in sorted(_REGISTERED)]
+    return {r.section: r.section_model for r in recipes if r.section_model is not None}
