@@ -26,7 +26,7 @@ from pathlib import Path
 BUILTIN_ASSETS = ("smollm2-135m", "tiny", "tiny-moe")
 _MARKER = "rayrlhf_asset.json"
 # Bumped per asset when its recipe changes, so that only that asset is rebuilt.
-_ASSET_VERSIONS = {"smollm2-135m": 2, "tiny": 3, "tiny-moe": 1}
+_ASSET_VERSIONS = {"smollm2-135m": 2, "tiny": 3, "tiny-moe": 2}
 
 # ChatML, as SmolLM2-Instruct uses: the tiny model gets the same template so that prompt
 # handling is exercised identically in fast tests and real runs.
@@ -185,7 +185,10 @@ def _tiny_tokenizer(tmp: Path):
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=512, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+        vocab_size=512,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     bpe.train_from_iterator(_tiny_corpus(), trainer=trainer)
     tok = PreTrainedTokenizerFast(
@@ -275,6 +278,10 @@ def build_tiny_moe(cache: Path) -> Path:
                 # A random router at std 0.02 routes every token almost uniformly (ties everywhere):
                 # a spread gate gives distinct, learnable routes, as a trained model has.
                 layer.mlp.gate.weight.normal_(0.0, 0.5)
+                # Experts at std 0.06 rather than 0.02: their outputs a real share of the residual
+                # stream, so that a token routed elsewhere has visibly other log-probs.
+                layer.mlp.experts.gate_up_proj.normal_(0.0, 0.06)
+                layer.mlp.experts.down_proj.normal_(0.0, 0.06)
         model.save_pretrained(str(tmp), safe_serialization=True)
         return {"parameters": sum(p.numel() for p in model.parameters())}
 

@@ -79,6 +79,8 @@ class TrainParams(Protocol):
     sharding: str  # "replicated" or "fsdp" (learners/training/sharding.py)
     cpu_offload: bool  # sharded shards and optimiser state in host memory (learners/training/sharding.py)
     reference: str  # "actor" or "learners": where reference log-probs come from without LoRA
+    routing_replay: str  # "none", "record" or "rollout" (learners/training/routing.py)
+    router_aux_loss: bool
 
 
 @dataclass

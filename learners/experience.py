@@ -68,6 +68,10 @@ class Experience:
     # within a row when a weight update landed mid-generation (``rollout.inflight_updates``).
     # None: every token was sampled by ``policy_version``.
     token_versions: torch.Tensor | None = None
+    # (B, L, layers, k) int16: the experts the generator's MoE layers routed each token to
+    # (``train.routing_replay``), -1 where none was recorded (padding, a prefix-cache hit, the
+    # last token, which no pass computed). None: a dense model, or routes not recorded.
+    routes: torch.Tensor | None = None
     # Counters of samples dropped or flagged on the way (bad reward, over-long prompt, ...).
     skipped: dict[str, int] = field(default_factory=dict)
 
@@ -110,6 +114,10 @@ class Experience:
                     f"token_versions hold version {int(sampled.min())}, older than the "
                     f"record's policy_version {self.policy_version}"
                 )
+        if self.routes is not None and (
+            self.routes.dim() != 4 or tuple(self.routes.shape[:2]) != (b, length) or self.routes.dtype != torch.int16
+        ):
+            raise ExperienceError(f"routes must be int16 (B, L, layers, k) with (B, L) = {(b, length)}")
         for name in ("group_ids", "truncated", "scores"):
             t = getattr(self, name)
             if t is not None and tuple(t.shape) != (b,):
@@ -164,7 +172,7 @@ class Experience:
             **{
                 f.name: getattr(self, f.name)[:, :length]
                 for f in dataclasses.fields(self)
-                if isinstance(getattr(self, f.name), torch.Tensor) and getattr(self, f.name).dim() == 2
+                if isinstance(getattr(self, f.name), torch.Tensor) and getattr(self, f.name).dim() >= 2
             },
         )
 
@@ -182,6 +190,8 @@ class Experience:
             if f.name == "token_versions" and any(v is not None for v in vals):
                 # A part without them was sampled by its policy_version throughout.
                 vals = [v if v is not None else p.policy_version * p.response_mask.long() for v, p in zip(vals, parts)]
+            if f.name == "routes" and any(v is not None for v in vals):
+                vals = [_routes_or_missing(v, p, next(x for x in vals if x is not None)) for v, p in zip(vals, parts)]
             if f.name == "policy_version":
                 out[f.name] = min(vals)
             elif f.name == "skipped":
@@ -194,10 +204,11 @@ class Experience:
                 out[f.name] = [x for v in vals for x in v]
             elif vals[0] is None or any(v is None for v in vals):
                 out[f.name] = None
-            elif vals[0].dim() == 2:
-                fill = pad_token_id if f.name == "input_ids" else 0
+            elif vals[0].dim() >= 2:
+                fill = {"input_ids": pad_token_id, "routes": -1}.get(f.name, 0)
+                trailing = (0, 0) * (vals[0].dim() - 2)
                 out[f.name] = torch.cat(
-                    [torch.nn.functional.pad(v, (0, length - v.shape[1]), value=fill) for v in vals]
+                    [torch.nn.functional.pad(v, (*trailing, 0, length - v.shape[1]), value=fill) for v in vals]
                 )
             else:
                 out[f.name] = torch.cat(vals)
@@ -219,3 +230,10 @@ class Experience:
 
     def replace(self, **changes: Any) -> "Experience":
         return dataclasses.replace(self, **changes)
+
+
+def _routes_or_missing(routes: torch.Tensor | None, part: Experience, like: torch.Tensor) -> torch.Tensor:
+    """A part's routes, or all-missing ones (-1) shaped like ``like`` for a part without any."""
+    if routes is not None:
+        return routes
+    return torch.full((part.batch_size, part.seq_len, *like.shape[2:]), -1, dtype=like.dtype)

@@ -127,6 +127,7 @@ class PolicyLearner(Learner):
             self.model.to(self.device)
         # Sharded: each layer's run is a collective every rank must make alike, whatever its rows.
         self.model.one_call_per_layer = self.sharded
+        self._set_up_routing(train)
         self.version = 0
         # Called with the trainable parameters once their gradients are global, before clipping
         # and the optimiser step (tests compare gradients here).
@@ -136,6 +137,44 @@ class PolicyLearner(Learner):
         self._reference_model = None
         # Its LM head's weight, whole, for the exact KL over the vocabulary (``base_head_weight``).
         self._base_head = None
+
+    def _set_up_routing(self, train: TrainParams) -> None:
+        """MoE routing replay and router health (``train.routing_replay``, ``router_aux_loss``)."""
+        from learners.training.routing import RouterStats, routers
+
+        mode = getattr(train, "routing_replay", "none")
+        moe = bool(routers(self.model.lm))
+        if mode != "none" and not moe:
+            raise ValueError(
+                f"train.routing_replay={mode} needs a mixture-of-experts model; {self.ctx.model_path} has no router"
+            )
+        if mode != "none" and train.gradient_checkpointing:
+            raise ValueError(
+                "train.routing_replay does not combine with train.gradient_checkpointing (recomputed routers)"
+            )
+        self.model.routing = mode
+        self.model.router_stats = RouterStats() if mode != "none" else None
+        self.model.router_aux = bool(getattr(train, "router_aux_loss", False)) and mode != "none"
+
+    def router_aux_term(self, share: float) -> torch.Tensor | float:
+        """With ``train.router_aux_loss``: the last pass's load-balancing loss (mean over the MoE
+        layers) times the model's ``router_aux_loss_coef`` and this micro-batch's ``share`` of the
+        minibatch; else 0."""
+        stats = self.model.router_stats
+        if not self.model.router_aux or stats is None or not stats.aux_losses:
+            return 0.0
+        coef = float(getattr(self.model.lm.config, "router_aux_loss_coef", 0.0) or 0.0)
+        return coef * share * torch.stack(stats.aux_losses).mean()
+
+    def router_metrics(self) -> dict[str, float]:
+        """This step's router health (``RouterStats.metrics``), then a fresh count."""
+        from learners.training.routing import RouterStats
+
+        stats = self.model.router_stats
+        if stats is None:
+            return {}
+        self.model.router_stats = RouterStats()
+        return stats.metrics()
 
     @property
     def reference_in_learner(self) -> bool:
@@ -426,7 +465,16 @@ class PolicyLearner(Learner):
 
     @contextlib.contextmanager
     def policy_weights(self) -> Iterator[dict[str, torch.Tensor]]:
-        """Policy weights in transformers (checkpoint) naming, without extra heads or a tied
+        """Policy weights in transformers checkpoint naming (``_training_weights``, fused experts
+        split per expert: ``learners/training/expert_layout.py``); consume them inside."""
+        from learners.training.expert_layout import checkpoint_layout
+
+        with self._training_weights() as sd:
+            yield checkpoint_layout(sd)
+
+    @contextlib.contextmanager
+    def _training_weights(self) -> Iterator[dict[str, torch.Tensor]]:
+        """Policy weights in transformers naming (fused experts as trained), without extra heads or a tied
         lm_head copy. With LoRA the adapters are merged into the base weights for the duration of
         the context (vLLM gets plain dense weights) and unmerged after: consume them inside.
         Sharded learners yield their shards: every rank reads each tensor with ``full_tensor``."""
@@ -623,15 +671,21 @@ class PolicyLearner(Learner):
                 if getattr(result, "unexpected_keys", None):
                     raise ValueError(f"adapter in {folder} does not fit this model: {result.unexpected_keys[:3]}")
         elif self.sharded:
-            weights = {f"lm.{k}": v for k, v in load_model_weights(folder).items()}
+            weights = {f"lm.{k}": v for k, v in self._checkpoint_weights(folder).items()}
             missing, unexpected = load_full_weights(self.model, weights, strict=False)
             self._check_fit(folder, [m.removeprefix("lm.") for m in missing if m.startswith("lm.")], unexpected)
         else:
-            missing, unexpected = self.model.lm.load_state_dict(load_model_weights(folder), strict=False)
+            missing, unexpected = self.model.lm.load_state_dict(self._checkpoint_weights(folder), strict=False)
             self._check_fit(folder, missing, unexpected)
             self.model.lm.tie_weights()
         self.restore_extra(folder)
         self.load_trainer_state(folder)
+
+    def _checkpoint_weights(self, folder: Path) -> dict[str, torch.Tensor]:
+        """The folder's weights in this model's layout (fused experts stacked back)."""
+        from learners.training.expert_layout import training_layout
+
+        return training_layout(load_model_weights(folder), self.model.lm.state_dict().keys())
 
     def _restore_sharded_adapter(self, folder: Path, adapter: dict[str, torch.Tensor]) -> None:
         """A saved adapter (peft's naming: no adapter name) into this rank's shards."""

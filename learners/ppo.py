@@ -111,6 +111,19 @@ _MEASURED_ON_RUN_ROWS = (
 )
 
 
+def router_step_metrics(before: dict[str, float], during: dict[str, float]) -> dict[str, float]:
+    """A step's router health: the old-policy pass's (the engine's routes against the weights that
+    sampled them), and the mismatch of the update's passes, whose weights move away from the
+    ones that routed the rollout (``router/update_route_mismatch``). A fused old pass is the
+    first update pass: then ``during`` holds it all."""
+    if not before:
+        return during
+    out = dict(before)
+    if "router/route_mismatch" in during:
+        out["router/update_route_mismatch"] = during["router/route_mismatch"]
+    return out
+
+
 class _Shares(NamedTuple):
     """A micro-batch's weights in its global minibatch's aggregates: ``tok`` its share of the
     loss normaliser's tokens, ``agg`` of the policy loss's aggregate (tokens or sequences, by
@@ -239,6 +252,7 @@ class PPOLearner(PolicyLearner):
             exp.group_ids if self.tr.shared_prefix else None,
             grad=grad,
             ref_states=ref_states,
+            routes=exp.routes,
         )
 
     def _pass(
@@ -250,6 +264,7 @@ class PPOLearner(PolicyLearner):
         *,
         grad: bool,
         ref_states: torch.Tensor | None = None,
+        routes: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         """The policy's pass; with ``ref_states`` (the frozen model's hidden states over the same
         rows) also the exact KL to it over the vocabulary (``kl_full``)."""
@@ -265,6 +280,7 @@ class PPOLearner(PolicyLearner):
                 with_entropy=True,
                 group_ids=group_ids,
                 fused=self.tr.fused_logprobs,
+                routes=routes,
                 **ref,
             )
 
@@ -421,6 +437,7 @@ class PPOLearner(PolicyLearner):
             return {"learner/empty_batch": 1.0, "learner/sequences": float(batch.batch_size)}
         step = self._prepare(batch, t0, lr)
         old = self._old_policy(step)
+        router_before = self.router_metrics()  # the weights that sampled the batch (empty: dense)
         # No KL term (beta = 0, no KL loss): no reference pass ran, and the penalty is an exact 0.
         ref_logprobs = step.batch.ref_logprobs if step.batch.ref_logprobs is not None else old.logprobs
         est = Estimate(
@@ -429,7 +446,8 @@ class PPOLearner(PolicyLearner):
         t_prep = time.perf_counter() - t0
         stats, grad_norms, old_logprobs = self._run_update(step, old, est)
         self.version += 1
-        return self._step_metrics(step, old, old_logprobs, est, stats, grad_norms, t_prep)
+        metrics = self._step_metrics(step, old, old_logprobs, est, stats, grad_norms, t_prep)
+        return {**metrics, **router_step_metrics(router_before, self.router_metrics())}
 
     def _prepare(self, batch: Experience, t0: float, lr: float) -> _Step:
         """The global batch of a step: each rank's rows (whole groups), the reference's log-probs
@@ -709,7 +727,7 @@ class PPOLearner(PolicyLearner):
                     returns[micro, :width],
                 )
                 loss = self._micro_loss(out, part, fixed, shares, totals, full_kl=ref_states is not None)
-                loss.backward()
+                (loss + self.router_aux_term(shares.tok)).backward()
             self._pad_passes(idle, idle_out)
             if normalisers is not None or not micros:  # a rank may have run nothing: its gradients are 0
                 fill_missing_gradients(self.trainable)

@@ -32,6 +32,9 @@ class EngineLoop:
         self._waiting = 0
         self._count = threading.Lock()
         self.closed = False
+        # Attach each finished request's MoE routes (``CompletionOutput.routed_experts``), taken
+        # from the worker's route capture (``actors/rollout/vllm_ext.py``) as it finishes.
+        self.capture_routes = False
 
     @property
     def generating(self) -> bool:
@@ -103,6 +106,8 @@ class EngineLoop:
                         idle = True
                     else:
                         for out in self.llm.llm_engine.step():
+                            if out.finished and self.capture_routes:
+                                attach_routes(self.llm, out)
                             if out.finished:
                                 riders = self._riders.pop(out.request_id, None)
                                 if riders is not None:
@@ -148,6 +153,17 @@ class EngineLoop:
             yield
         finally:
             self._engine.release()
+
+
+def attach_routes(llm: Any, out: Any) -> None:
+    """Sets each completion's ``routed_experts`` from the worker's capture (and frees it there).
+    vLLM runs the ``n`` samples of a request as child requests ``{index}_{id}``."""
+    keys = [out.request_id] if len(out.outputs) == 1 else [f"{c.index}_{out.request_id}" for c in out.outputs]
+    if len(out.outputs) == 1 and out.outputs[0].index:
+        keys = [f"{out.outputs[0].index}_{out.request_id}"]
+    routes = llm.collective_rpc("rayrlhf_take_routes", args=(keys,))[0]
+    for key, comp in zip(keys, out.outputs):
+        comp.routed_experts = routes.get(key)
 
 
 def _external_id(request_id: str) -> str:

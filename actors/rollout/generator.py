@@ -31,7 +31,7 @@ import torch
 from actors.agents.chat_tokens import ChatTokens
 from actors.rollout.engine_loop import EngineLoop
 from actors.agents.environments import EnvSpec, EpisodeLimits
-from actors.rollout.records import Sampled, to_experience, token_versions
+from actors.rollout.records import Sampled, padded_routes, share_prompt_routes, to_experience, token_versions
 from learners.experience import Experience
 
 log = logging.getLogger("rayrlhf.generator")
@@ -122,6 +122,9 @@ class GeneratorConfig:
     # LoRA adapter syncs (``learners/training/lora_sync.py``): the base model folder the adapters' factors
     # are merged into ("" : syncs send whole weights).
     lora_base: str = ""
+    # Record the experts every MoE layer routed each token to (``Sampled.routes``, rollout
+    # routing replay; ``actors/rollout/vllm_ext.py:RouteCaptureExtension``).
+    capture_routes: bool = False
 
 
 def _fit_context(model_path: str, wanted: int) -> int:
@@ -221,6 +224,8 @@ class Generator:
         )
         # One decoding step at a time under a lock; loads and probes land between steps.
         self.loop = EngineLoop(self.llm)
+        if cfg.capture_routes:
+            self._enable_route_capture()
         # Weight loads that landed while a generation was running.
         self.inflight_loads = 0
         self.llm.llm_engine.set_weight_version(str(self.version))
@@ -236,6 +241,14 @@ class Generator:
             dtype,
             "compiled" if cfg.compile else "eager",
         )
+
+    def _enable_route_capture(self) -> None:
+        layers = self.llm.collective_rpc("rayrlhf_enable_route_capture")[0]
+        if not layers:
+            raise ValueError(
+                f"train.routing_replay records MoE routes, but {self.cfg.model_path} has no MoE layer vLLM routes"
+            )
+        self.loop.capture_routes = True
 
     @classmethod
     def from_config(cls, cfg: GeneratorConfig) -> "Generator":
@@ -518,7 +531,9 @@ def _sampled_rows(kept: list[tuple[list[int], dict, int]], outputs: list) -> lis
     """One row per completion of each kept prompt's ``RequestOutput``."""
     rows: list[Sampled] = []
     for (ids, m, g), out in zip(kept, outputs):
-        for comp in out.outputs:
+        routes = [padded_routes(c.routed_experts, len(ids) + len(c.token_ids)) for c in out.outputs]
+        share_prompt_routes(routes, len(ids))
+        for comp, comp_routes in zip(out.outputs, routes):
             resp = list(comp.token_ids)
             lps = [float(step[tok].logprob) for tok, step in zip(resp, comp.logprobs)]
             rows.append(
@@ -531,6 +546,7 @@ def _sampled_rows(kept: list[tuple[list[int], dict, int]], outputs: list) -> lis
                     m,
                     g,
                     token_versions(comp.weight_versions, len(resp)),
+                    routes=comp_routes,
                 )
             )
     return rows

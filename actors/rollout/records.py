@@ -8,7 +8,7 @@ generator turns them into the record. This module imports no strategy, so they a
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -28,6 +28,9 @@ class Sampled(NamedTuple):
     group: int
     versions: list[int | None]
     action: list[bool] | None = None
+    # (len(prompt) + len(response), layers, k) int16 experts per token, -1 where none
+    # (``actors/rollout/vllm_ext.py:RouteCaptureExtension``); None: not recorded.
+    routes: torch.Tensor | None = None
 
 
 class Rollout(NamedTuple):
@@ -70,6 +73,7 @@ def to_experience(rows: list[Sampled], skipped: dict[str, int], pad_token_id: in
         versions[i, n_p : n_p + n_r] = vs * acts
     truncated = torch.tensor([row.truncated for row in rows], dtype=torch.bool)
     skipped = dict(skipped, truncated=int(truncated.sum()))
+    routes = _stacked_routes(rows, length)
     sampled = versions[response]
     oldest = int(sampled.min()) if len(sampled) else version
     # One version throughout (no update landed mid-generation): the scalar says it all.
@@ -85,5 +89,47 @@ def to_experience(rows: list[Sampled], skipped: dict[str, int], pad_token_id: in
         completions=[row.text for row in rows],
         meta=[row.meta for row in rows],
         token_versions=versions if mixed else None,
+        routes=routes,
         skipped=skipped,
     ).validate()
+
+
+def _stacked_routes(rows: list[Sampled], length: int) -> torch.Tensor | None:
+    """(B, length, layers, k) int16 routes of the rows, -1 where a row has none; None if no row has."""
+    like = next((row.routes for row in rows if row.routes is not None), None)
+    if like is None:
+        return None
+    out = torch.full((len(rows), length, *like.shape[1:]), -1, dtype=torch.int16)
+    for i, row in enumerate(rows):
+        if row.routes is not None:
+            n = min(len(row.routes), length)
+            out[i, :n] = row.routes[:n]
+    return out
+
+
+def padded_routes(routed: Any, length: int) -> torch.Tensor | None:
+    """vLLM's ``CompletionOutput.routed_experts`` (positions x layers x k; no route for the last
+    token, which no pass computes) as ``length`` rows of int16, -1 where none."""
+    if routed is None:
+        return None
+    routed = torch.as_tensor(routed).to(torch.int16)
+    out = torch.full((length, *routed.shape[1:]), -1, dtype=torch.int16)
+    n = min(len(routed), length)
+    out[:n] = routed[:n]
+    return out
+
+
+def share_prompt_routes(routes: list[torch.Tensor | None], prompt_len: int) -> None:
+    """In place: the samples of one prompt share its tokens, and the engine computed them once
+    (its prefix cache serves the others), so a prompt position one sample lacks takes the route
+    of a sample that has it: the keys and values every sample attended to were computed there."""
+    have = [r for r in routes if r is not None]
+    if len(have) < 2:
+        return
+    prompt = torch.stack([r[:prompt_len] for r in have])  # (n, P, layers, k)
+    known = (prompt >= 0).all(-1)  # (n, P, layers)
+    first = known.float().argmax(0)  # the first sample that has each (position, layer)
+    best = prompt.gather(0, first[None, :, :, None].expand(1, *prompt.shape[1:])).squeeze(0)
+    for r in have:
+        missing = (r[:prompt_len] < 0).any(-1)
+        r[:prompt_len][missing] = best[missing]

@@ -43,6 +43,7 @@ def generator_config(
         max_model_len=cfg.judge.max_prompt_tokens + cfg.judge.max_new_tokens if uses_judge(cfg) else 0,
         gpu_memory_utilization=cfg.rollout.gpu_memory_utilization if cfg.rollout.gpus_per_generator > 0 else 0.0,
         compile=cfg.rollout.compile,
+        capture_routes=cfg.train.routing_replay != "none",
         lora_base=(base_model or model_path) if cfg.lora.enabled and cfg.lora.sync == "adapter" else "",
         **episode_settings(cfg),
     )

@@ -702,6 +702,20 @@ class TrainConfig(Section):
         "when longer than 1,024 tokens, the continuations attend to the prompt's cached keys/values. "
         "Same result, fewer FLOPs.",
     )
+    routing_replay: Literal["none", "record", "rollout"] = _f(
+        "none",
+        "Mixture-of-experts policies (learners/training/routing.py): rollout replays in every learner pass the "
+        "experts the generators routed each sampled token to (rollout routing replay, R3: the learner's router "
+        "still weighs them, so it keeps its gradient); record carries and measures the routes without replaying "
+        "them (router/route_mismatch says how often the learner would route a token otherwise); none: neither. "
+        "Routes are int16 per token, layer and top-k slot. With record or rollout the passes run rows unpacked "
+        "(no shared_prefix).",
+    )
+    router_aux_loss: bool = _f(
+        False,
+        "Mixture-of-experts policies: add the model's load-balancing loss (Switch Transformer's, weighted by "
+        "its config's router_aux_loss_coef) to the policy loss. Measured (router/aux_loss) either way.",
+    )
 
 
 def _registered(key: str) -> tuple[str, ...]:

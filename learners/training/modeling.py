@@ -108,6 +108,12 @@ class PolicyWithValueHead(nn.Module):
         # Every pass runs each decoder layer once (sharded weights: each run is a collective that
         # every rank must make alike), so a shared prompt never takes the two-call prompt-cache pass.
         self.one_call_per_layer = False
+        # Mixture-of-experts routing (learners/training/routing.py): "none", "record" (routes
+        # measured against the learner's own) or "rollout" (replayed); health summed into
+        # ``router_stats`` when set, the load-balancing losses kept when ``router_aux``.
+        self.routing = "none"
+        self.router_stats = None
+        self.router_aux = False
         if self.value_head is not None:
             nn.init.zeros_(self.value_head.weight)
             nn.init.zeros_(self.value_head.bias)
@@ -127,6 +133,7 @@ class PolicyWithValueHead(nn.Module):
         run: Callable[[], Any] | None = None,
         ref_states: torch.Tensor | None = None,
         ref_head: torch.Tensor | None = None,
+        routes: torch.Tensor | None = None,
     ) -> Any:
         """Per-token log-probs (and values / entropy) at ``positions_mask``.
 
@@ -149,10 +156,16 @@ class PolicyWithValueHead(nn.Module):
         ``run``: instead, a learner's own computation over the modules (Q-values, a reward head),
         returned as it is. Run inside ``forward`` so that sharded weights are gathered around it
         and its gradients reduced after it, as for any pass (FSDP hooks the module's forward).
+
+        ``routes`` (B, L, layers, k): the experts the generator routed each token to, replayed or
+        measured by ``self.routing`` (``routed_hidden``).
         """
         if run is not None:
             return run()
-        hidden = self.hidden(input_ids, attention_mask, positions_mask, group_ids)
+        if self.routing != "none":
+            hidden = self.routed_hidden(input_ids, attention_mask, routes)
+        else:
+            hidden = self.hidden(input_ids, attention_mask, positions_mask, group_ids)
         critic = getattr(self, "critic", None)
         out = heads_at_positions(
             hidden,
@@ -198,6 +211,27 @@ class PolicyWithValueHead(nn.Module):
             one_call=self.one_call_per_layer,
         )
         self.rows_shared += input_ids.shape[0] if shared else 0
+        self.rows_total += input_ids.shape[0]
+        return hidden
+
+    def routed_hidden(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, routes: torch.Tensor | None
+    ) -> torch.Tensor:
+        """(B, L, H) hidden states with the MoE routers replaying (or measuring) ``routes``: rows
+        as they are laid out, one decoder call. A token's route decides the log-probs of the tokens
+        after it, so a row's last token needs none (the engine never computes it)."""
+        from learners.training.routing import replay_routes
+
+        counted = attention_mask.bool()
+        last = counted.long().cumsum(1) == counted.long().sum(1, keepdim=True)
+        needed = counted & ~last if routes is not None else torch.zeros_like(counted)
+        replay = self.routing == "rollout"
+        if self.router_stats is not None:
+            self.router_stats.aux_losses.clear()  # the last pass's only (router_aux_term)
+        with replay_routes(
+            self.lm, routes, counted, self.router_stats, needed=needed, replay=replay, aux=self.router_aux
+        ):
+            hidden = self.lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask.long()).last_hidden_state
         self.rows_total += input_ids.shape[0]
         return hidden
 

@@ -158,7 +158,9 @@ def test_load_balancing_loss_is_k_when_balanced_and_matches_transformers():
     ours = load_balancing_loss(p, own, torch.ones(12, dtype=torch.bool))
     assert torch.isclose(ours, load_balancing_loss_func((logits,), num_experts=4, top_k=2), atol=1e-6)
     stats = RouterStats()
-    stats.add(0, 1, p, own, torch.ones(12, dtype=torch.bool), torch.zeros(12, dtype=torch.bool), own[:, 0] < 0, own[:, 0] < 0)
+    stats.add(
+        0, 1, p, own, torch.ones(12, dtype=torch.bool), torch.zeros(12, dtype=torch.bool), own[:, 0] < 0, own[:, 0] < 0
+    )
     assert abs(stats.metrics()["router/aux_loss"] - float(ours)) < 1e-5
 
 

@@ -1,0 +1,105 @@
+"""The tiny mixture-of-experts model (``cluster/assets.py:tiny-moe``) on the real vLLM engine and
+the real learner: vLLM samples from it and records each token's experts
+(``actors/rollout/vllm_ext.py:RouteCaptureExtension``), the record carries them (int16), and the
+learner replays them (``train.routing_replay``, ``learners/training/routing.py``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from learners.training.routing import routers
+from tests.helpers.factories import make_learner
+
+PROMPTS = ["What is 2 + 2?", "the answer is", "What is 13 * 7?", "sum plus", "calculate the total of 5 and 9"]
+
+
+@pytest.fixture(scope="module")
+def moe_path() -> str:
+    from cluster.assets import build_tiny_moe
+
+    return str(build_tiny_moe(Path(os.environ["RAYRLHF_CACHE"])))
+
+
+@pytest.fixture(scope="module")
+def sampled(moe_path):
+    """Four samples of each prompt from the MoE engine, routes recorded."""
+    from actors.rollout.generator import Generator
+    from tests.helpers.engines import engine_config
+
+    gen = Generator(dataclasses.replace(engine_config(moe_path, 256), capture_routes=True))
+    try:
+        yield gen.generate(PROMPTS, n=4, max_new_tokens=24, temperature=1.0, seed=0)
+    finally:
+        gen.close()
+
+
+def _learner(path: str, mode: str, perturb: float = 0.0):
+    ln = make_learner(path, train={"routing_replay": mode}, ppo={"advantage_estimator": "grpo"})
+    if perturb:
+        # The engine's and the trainer's kernels compute router logits slightly differently; a
+        # small deterministic perturbation of the learner's router stands for that difference.
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for r in routers(ln.model.lm):
+                r.weight.add_(perturb * torch.randn(r.weight.shape, generator=g))
+    return ln
+
+
+def _gap(ln, exp) -> torch.Tensor:
+    lps, _ = ln.evaluate_old(exp)
+    return (lps - exp.rollout_logprobs).abs()[exp.response_mask]
+
+
+def test_the_engine_records_every_computed_tokens_experts_compactly(sampled):
+    exp = sampled
+    assert exp.routes is not None and exp.routes.dtype == torch.int16 and tuple(exp.routes.shape[2:]) == (2, 2)
+    real = exp.attention_mask
+    missing = (exp.routes < 0).any(-1).any(-1) & real
+    last = real.long().cumsum(1) == real.long().sum(1, keepdim=True)
+    # Every token but each row's last (no pass computes it) has its route, prompts included: the
+    # samples the prefix cache served take the route of the one that computed the prompt.
+    assert torch.equal(missing, last & real)
+    assert bool((exp.routes[real & ~last] < 8).all()) and bool((exp.routes[~real] == -1).all())
+    ids = exp.routes[real & ~last].long()
+    assert bool((ids[..., 0] != ids[..., 1]).all())  # top-2: two distinct experts
+
+
+def test_replayed_routes_equal_the_engines_and_close_the_logprob_gap(sampled, moe_path):
+    """fp32 on both sides: the learner routes as the engine did and its log-probs match (the dense
+    tolerance). With the learner's router a little off (as kernels differ), its own routing picks
+    other experts for some tokens (route_mismatch) and the gap grows; replay restores the
+    engine's experts for every replayed token and shrinks the gap."""
+    exp = sampled
+    same = _learner(moe_path, "record")
+    assert float(_gap(same, exp).max()) < 1e-4
+    assert same.router_metrics()["router/route_mismatch"] == 0.0
+
+    off = _learner(moe_path, "record", perturb=0.002)
+    gap_off = _gap(off, exp)
+    m_off = off.router_metrics()
+    on = _learner(moe_path, "rollout", perturb=0.002)
+    gap_on = _gap(on, exp)
+    m_on = on.router_metrics()
+    assert m_off["router/route_mismatch"] > 0, m_off
+    assert float(gap_on.mean()) < float(gap_off.mean()) and float(gap_on.max()) < float(gap_off.max())
+    assert m_on["router/fallback_tokens"] == 0.0
+    # The replaying pass's experts are the recorded ones at every token that has a route.
+    chosen = []
+    hooks = [r.register_forward_hook(lambda m, i, o: chosen.append(o[2])) for r in routers(on.model.lm)]
+    with torch.no_grad():
+        on.model.routed_hidden(exp.input_ids, exp.attention_mask, exp.routes)
+    for h in hooks:
+        h.remove()
+    recorded = exp.routes.reshape(-1, 2, 2).long()
+    have = (recorded >= 0).all(-1)
+    for layer, picked in enumerate(chosen):
+        assert torch.equal(picked[have[:, layer]], recorded[:, layer][have[:, layer]])
+    print(
+        f"route mismatch {m_off['router/route_mismatch']:.4f}; gap max {float(gap_off.max()):.4f} -> "
+        f"{float(gap_on.max()):.4f}, mean {float(gap_off.mean()):.5f} -> {float(gap_on.mean()):.5f}"
+    )
