@@ -103,3 +103,26 @@ def test_replayed_routes_equal_the_engines_and_close_the_logprob_gap(sampled, mo
         f"route mismatch {m_off['router/route_mismatch']:.4f}; gap max {float(gap_off.max()):.4f} -> "
         f"{float(gap_on.max()):.4f}, mean {float(gap_off.mean()):.5f} -> {float(gap_on.mean()):.5f}"
     )
+
+
+def test_a_checkpoint_is_per_expert_and_restores_into_the_fused_experts(moe_path, tmp_path):
+    """The learner trains fused experts (transformers 5); its checkpoint holds the per-expert
+    names vLLM and transformers read, and a learner restores it exactly."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    ln = _learner(moe_path, "none")
+    with torch.no_grad():
+        for p in ln.model.lm.parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    folder = ln.save(tmp_path / "ckpt", tokenizer_from=moe_path)
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "model.layers.0.mlp.experts.7.up_proj.weight" in names and not any("gate_up_proj" in n for n in names)
+    again = _learner(moe_path, "none")
+    again.restore(folder)
+    for (name, a), b in zip(ln.model.lm.state_dict().items(), again.model.lm.state_dict().values()):
+        assert torch.equal(a, b), name
+    ids = torch.tensor([[1, 5, 9, 30, 40, 41]])
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    assert torch.allclose(hf(input_ids=ids).logits, ln.model.lm(input_ids=ids).logits, atol=1e-4)
