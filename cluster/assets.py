@@ -210,6 +210,20 @@ def _token_ids(tok) -> dict:
     )
 
 
+# The dimensions both tiny models share (the MoE one adds its experts).
+_TINY_DIMS = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=1024,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-5,
+    initializer_range=0.02,
+)
+
+
 def build_tiny(cache: Path) -> Path:
     def make(tmp: Path) -> dict:
         import torch
@@ -217,18 +231,7 @@ def build_tiny(cache: Path) -> Path:
 
         tok = _tiny_tokenizer(tmp)
         torch.manual_seed(0)
-        cfg = LlamaConfig(
-            **_token_ids(tok),
-            hidden_size=128,
-            intermediate_size=256,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            max_position_embeddings=1024,
-            tie_word_embeddings=True,
-            rms_norm_eps=1e-5,
-            initializer_range=0.02,
-        )
+        cfg = LlamaConfig(**_token_ids(tok), **_TINY_DIMS)
         model = LlamaForCausalLM(cfg).to(torch.float32)
         with torch.no_grad():
             # Pretrained models have large embedding norms; at std 0.02 the tied output head gives
@@ -253,22 +256,14 @@ def build_tiny_moe(cache: Path) -> Path:
         torch.manual_seed(0)
         cfg = Qwen3MoeConfig(
             **_token_ids(tok),
-            hidden_size=128,
-            intermediate_size=256,
+            **_TINY_DIMS,
             moe_intermediate_size=64,
             num_experts=8,
             num_experts_per_tok=2,
             norm_topk_prob=True,
             decoder_sparse_step=1,
             mlp_only_layers=[],
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
             head_dim=64,
-            max_position_embeddings=1024,
-            tie_word_embeddings=True,
-            rms_norm_eps=1e-5,
-            initializer_range=0.02,
             router_aux_loss_coef=0.001,
         )
         model = Qwen3MoeForCausalLM(cfg).to(torch.float32)

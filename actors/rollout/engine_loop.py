@@ -159,8 +159,6 @@ def attach_routes(llm: Any, out: Any) -> None:
     """Sets each completion's ``routed_experts`` from the worker's capture (and frees it there).
     vLLM runs the ``n`` samples of a request as child requests ``{index}_{id}``."""
     keys = [out.request_id] if len(out.outputs) == 1 else [f"{c.index}_{out.request_id}" for c in out.outputs]
-    if len(out.outputs) == 1 and out.outputs[0].index:
-        keys = [f"{out.outputs[0].index}_{out.request_id}"]
     routes = llm.collective_rpc("rayrlhf_take_routes", args=(keys,))[0]
     for key, comp in zip(keys, out.outputs):
         comp.routed_experts = routes.get(key)
