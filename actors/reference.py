@@ -35,6 +35,9 @@ class ReferenceConfig:
     shared_prefix: bool = True
     # Torch device of the model ("cpu", "cuda"); records arrive and leave on the CPU.
     device: str = "cpu"
+    # A mixture of experts routes each token by the experts the generator recorded
+    # (``Experience.routes``; train.routing_replay=rollout), as the learner's passes do.
+    routing_replay: bool = False
 
 
 class Reference:
@@ -50,6 +53,7 @@ class Reference:
         trust_remote_code: bool = False,
         shared_prefix: bool = True,
         device: str = "cpu",
+        routing_replay: bool = False,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -74,6 +78,7 @@ class Reference:
         self.chunk = chunk
         self.temperature = temperature
         self.shared_prefix = shared_prefix
+        self.routing_replay = routing_replay
 
     @classmethod
     def from_config(cls, cfg: ReferenceConfig) -> "Reference":
@@ -87,6 +92,7 @@ class Reference:
             trust_remote_code=cfg.trust_remote_code,
             shared_prefix=cfg.shared_prefix,
             device=cfg.device,
+            routing_replay=cfg.routing_replay,
         )
 
     def logprobs(self, exp: Experience) -> torch.Tensor:
@@ -102,6 +108,7 @@ class Reference:
             chunk=self.chunk,
             bf16=self.bf16,
             group_ids=on.group_ids if self.shared_prefix else None,
+            routes=on.routes if self.routing_replay else None,
         ).to(exp.input_ids.device)
 
     def annotate(self, exp: Experience) -> tuple[Experience, float]:

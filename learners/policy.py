@@ -346,12 +346,14 @@ class PolicyLearner(Learner):
         positions: torch.Tensor,
         group_ids: torch.Tensor | None,
         temperature: float = 1.0,
+        routes: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """(B, L) log-probs of the frozen initial model: the LoRA policy with its adapter disabled
         (no second copy of the weights), or with ``train.reference=learners`` the learner's own
-        frozen copy. Sharded ranks run aligned passes."""
+        frozen copy. Sharded ranks run aligned passes. ``routes``: replayed (MoE, as the policy's
+        passes replay them)."""
 
-        def logprobs(lm, ids, att, pos, groups):
+        def logprobs(lm, ids, att, pos, groups, routes=None):
             return sequence_logprobs(
                 lm,
                 ids,
@@ -363,9 +365,10 @@ class PolicyLearner(Learner):
                 bf16=self.tr.bf16,
                 # Sharded: every row in full, so each pass is one decoder call on every rank.
                 group_ids=groups if self.tr.shared_prefix and not self.sharded else None,
+                routes=routes,
             )
 
-        return self._base_passes(logprobs, input_ids, attention_mask, positions, group_ids)
+        return self._base_passes(logprobs, input_ids, attention_mask, positions, group_ids, routes=routes)
 
     @torch.no_grad()
     def base_logit_terms(
@@ -423,10 +426,12 @@ class PolicyLearner(Learner):
         positions: torch.Tensor,
         group_ids: torch.Tensor | None,
         *masks: torch.Tensor,
+        routes: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``fn(lm, ids, att, positions, group_ids, *masks)`` on the frozen initial model, one pass
         per micro-batch; sharded ranks then run idle passes up to the most any rank runs (on a
-        two-token row, its positions standing in for every mask)."""
+        two-token row, its positions standing in for every mask). ``routes``: passed to ``fn``
+        (as ``routes=``) for the rows, never for the idle passes, which route by themselves."""
         if not self.reference_in_learner:
             raise RuntimeError(
                 "reference log-probs in the learner: needs LoRA or train.reference=learners "
@@ -439,7 +444,8 @@ class PolicyLearner(Learner):
         passes = -(-input_ids.shape[0] // self.tr.micro_batch_size)
         idle = self.aligned(passes) - passes
         with off, whole(root):
-            out = fn(root.lm, input_ids, attention_mask, positions, group_ids, *masks)  # no rows: empty results
+            extra = {} if routes is None else {"routes": routes}
+            out = fn(root.lm, input_ids, attention_mask, positions, group_ids, *masks, **extra)  # no rows: empty
             for _ in range(idle):
                 ids, att, pos = idle_inputs(self.device)
                 fn(root.lm, ids, att, pos, None, *(pos for _ in masks))

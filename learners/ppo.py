@@ -326,8 +326,14 @@ class PPOLearner(PolicyLearner):
     def reference_logprobs(self, exp: Experience) -> torch.Tensor:
         """(B, L) log-probs of the frozen initial model (LoRA: the adapter disabled; else the
         learner's own copy, ``train.reference=learners``)."""
+        replay = self.model.routing == "rollout"
         return self.base_logprobs(
-            exp.input_ids, exp.attention_mask, exp.response_mask, exp.group_ids, temperature=self.temperature
+            exp.input_ids,
+            exp.attention_mask,
+            exp.response_mask,
+            exp.group_ids,
+            temperature=self.temperature,
+            routes=exp.routes if replay else None,
         )
 
     def _gather(self, local: torch.Tensor, rows: list[int], shape: tuple[int, int]) -> torch.Tensor:

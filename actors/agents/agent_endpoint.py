@@ -52,7 +52,7 @@ from actors.agents.openai_api import (
     responses_reply,
     responses_stream,
 )
-from actors.rollout.records import Rollout, Sampled, token_versions
+from actors.rollout.records import Rollout, Sampled, row_routes, share_group_prompt_routes, token_versions
 
 log = logging.getLogger("rayrlhf.agent")
 
@@ -73,6 +73,8 @@ class Segment:
     versions: list[int | None] = field(default_factory=list)
     truncated: bool = False
     calls: int = 0
+    # Per call: the MoE experts the engine routed its context and reply to (None: not recorded).
+    call_routes: list[Any] = field(default_factory=list)
 
     @property
     def length(self) -> int:
@@ -86,6 +88,7 @@ class Segment:
             action=list(self.action),
             logprobs=list(self.logprobs),
             versions=list(self.versions),
+            call_routes=list(self.call_routes),
         )
 
 
@@ -386,6 +389,7 @@ class AgentRunner:
             target.logprobs += [0.0] * len(delta) + choice.logprobs
             target.versions += [None] * len(delta) + token_versions(comp.weight_versions, len(choice.token_ids))
             target.truncated, target.calls = comp.finish_reason == "length", target.calls + 1
+            target.call_routes.append(getattr(comp, "routed_experts", None))
             if target.kind == "chat":
                 target.messages = list(ask.messages) + [choice.message]
             else:  # a prompt given as ids has no text to go on from by text
@@ -507,12 +511,14 @@ def play_agents(
                 ep.group,
                 seg.versions,
                 seg.action,
+                row_routes(seg.call_routes, len(seg.prompt_ids), seg.action),
             )
             for seg in ep.segments
         ]
     if not out:
         errors = sorted({ep.error or str(ep.status) for ep in episodes})[:3]
         raise ValueError(f"no agent episode of a batch of {len(episodes)} finished: {dropped}; e.g. {errors}")
+    share_group_prompt_routes(out)
     return Rollout(out, dropped, counts)
 
 

@@ -28,7 +28,7 @@ from typing import Any, Callable
 from actors.agents.chat_tokens import ChatTokens
 from actors.agents.env_step import as_step
 from actors.agents.environments import EpisodeLimits
-from actors.rollout.records import Rollout, Sampled, token_versions
+from actors.rollout.records import Rollout, Sampled, row_routes, share_group_prompt_routes, token_versions
 
 log = logging.getLogger("rayrlhf.episodes")
 
@@ -54,6 +54,8 @@ class Episode:
     # Per turn: whether the reply ended by itself (not cut at its token limit).
     ended: list[bool] = field(default_factory=list)
     info: dict[str, Any] = field(default_factory=dict)
+    # Per turn: the MoE experts the engine routed the call's tokens to (None: not recorded).
+    turn_routes: list[Any] = field(default_factory=list)
     # None while running; done, max_turns, max_tokens, env_error, env_timeout, prompt_too_long.
     status: str | None = None
     truncated: bool = False
@@ -152,6 +154,7 @@ class EpisodeRunner:
         ep.texts.append(comp.text)
         ep.truncated = comp.finish_reason == "length"
         ep.ended.append(not ep.truncated)
+        ep.turn_routes.append(getattr(comp, "routed_experts", None))
         self._call_env(ep, self._step, ep, comp.text)
 
     def expecting(self) -> bool:
@@ -356,7 +359,9 @@ def play_episodes(
             ep.group,
             ep.versions,
             ep.action,
+            row_routes(ep.turn_routes, len(ep.prompt_ids), ep.action),
         )
         for ep in kept
     ]
+    share_group_prompt_routes(out)
     return Rollout(out, dropped, counts)

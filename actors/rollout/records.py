@@ -14,6 +14,9 @@ import torch
 
 from learners.experience import Experience
 
+# The route value of a token the learner routes by design (a multi-turn row's observations).
+from learners.training.routing import OBSERVED
+
 
 class Sampled(NamedTuple):
     """One record row as sampled: the prompt's ids, then the response's (a multi-turn episode's
@@ -29,7 +32,8 @@ class Sampled(NamedTuple):
     versions: list[int | None]
     action: list[bool] | None = None
     # (len(prompt) + len(response), layers, k) int16 experts per token, -1 where none
-    # (``actors/rollout/vllm_ext.py:RouteCaptureExtension``); None: not recorded.
+    # (``actors/rollout/vllm_ext.py:RouteCaptureExtension``), OBSERVED at a multi-turn row's
+    # observations (``row_routes``); None: not recorded.
     routes: torch.Tensor | None = None
 
 
@@ -133,3 +137,41 @@ def share_prompt_routes(routes: list[torch.Tensor | None], prompt_len: int) -> N
     for r in have:
         missing = (r[:prompt_len] < 0).any(-1)
         r[:prompt_len][missing] = best[missing]
+
+
+def row_routes(calls: list[Any], prompt_len: int, action: list[bool]) -> torch.Tensor | None:
+    """(prompt_len + len(action), layers, k) int16 routes of a multi-turn row from the routes of
+    each engine call that sampled part of it (``CompletionOutput.routed_experts``, over the call's
+    whole context and reply, -1 where its prefix cache served a position), in call order.
+
+    A position takes the route of the first call that computed it: the turn whose tokens were
+    sampled after it (a later call recomputes it only where the cache had dropped it). A turn's
+    last sampled token gets its route from the next call, which computes it first; an episode's
+    last token has none, as in a single reply. Observation tokens (``action`` False) are
+    OBSERVED: the learner routes them. None when no call returned routes (a dense model, or
+    turns sampled before a resume, whose snapshots carry none: those tokens fall back, counted)."""
+    have = [r for r in calls if r is not None]
+    if not have:
+        return None
+    length = prompt_len + len(action)
+    out: torch.Tensor | None = None
+    for routed in have:
+        r = padded_routes(routed, length)
+        out = torch.full_like(r, -1) if out is None else out
+        fill = (out < 0).any(-1, keepdim=True) & (r >= 0).all(-1, keepdim=True)
+        out = torch.where(fill, r, out)
+    observed = torch.zeros(length, dtype=torch.bool)
+    observed[prompt_len:] = ~torch.tensor(action, dtype=torch.bool)
+    out[observed] = OBSERVED
+    return out
+
+
+def share_group_prompt_routes(rows: list[Sampled]) -> None:
+    """``share_prompt_routes`` over each set of rows that sampled one prompt (same group, same
+    prompt ids): multi-turn rows whose first call the engine's prefix cache served."""
+    by_prompt: dict[tuple, list[torch.Tensor]] = {}
+    for row in rows:
+        if row.routes is not None:
+            by_prompt.setdefault((row.group, tuple(row.prompt)), []).append(row.routes)
+    for (_, prompt), routes in by_prompt.items():
+        share_prompt_routes(routes, len(prompt))

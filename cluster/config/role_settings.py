@@ -164,6 +164,7 @@ def reference_config(cfg: Config, model_path: str) -> ReferenceConfig:
         trust_remote_code=cfg.model.trust_remote_code,
         shared_prefix=cfg.train.shared_prefix,
         device="cuda" if cfg.cluster.gpus_per_reference > 0 else "cpu",
+        routing_replay=cfg.train.routing_replay == "rollout",
     )
 
 

@@ -219,12 +219,16 @@ class PolicyWithValueHead(nn.Module):
     ) -> torch.Tensor:
         """(B, L, H) hidden states with the MoE routers replaying (or measuring) ``routes``: rows
         as they are laid out, one decoder call. A token's route decides the log-probs of the tokens
-        after it, so a row's last token needs none (the engine never computes it)."""
-        from learners.training.routing import replay_routes
+        after it, so a row's last token needs none (the engine never computes it), nor does an
+        observation of a multi-turn row (``OBSERVED``, -2: routed by the learner by design)."""
+        from learners.training.routing import OBSERVED, replay_routes
 
         counted = attention_mask.bool()
         last = counted.long().cumsum(1) == counted.long().sum(1, keepdim=True)
-        needed = counted & ~last if routes is not None else torch.zeros_like(counted)
+        if routes is None:
+            needed = torch.zeros_like(counted)
+        else:
+            needed = counted & ~last & ~(routes == OBSERVED).any(-1).any(-1)
         replay = self.routing == "rollout"
         if self.router_stats is not None:
             self.router_stats.aux_losses.clear()  # the last pass's only (router_aux_term)
@@ -645,20 +649,24 @@ def sequence_logprobs(
     chunk: int = 1024,
     bf16: bool = False,
     group_ids: torch.Tensor | None = None,
+    routes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """(B, L) log-probs of a plain causal LM at ``positions_mask``, in micro-batches (no grad).
 
     Rows are right-padded; micro-batches take rows of similar length and drop the columns that
     are padding in all of them, so padding costs (almost) no compute. With ``group_ids`` a
-    prompt's samples stay in one micro-batch and run the prompt once (``shared_prefix_hidden``)."""
+    prompt's samples stay in one micro-batch and run the prompt once (``shared_prefix_hidden``).
+    ``routes`` (B, L, layers, k): a mixture of experts routes each token by them (rollout routing
+    replay, ``learners/training/routing.py``; -1: its own router); rows then run in full."""
     out = torch.zeros_like(input_ids, dtype=torch.float32)
     lengths = attention_mask.sum(1)
+    group_ids = None if routes is not None else group_ids
     order = micro_batch_order(lengths, group_ids)
     for s in range(0, input_ids.shape[0], micro_batch_size):
         idx = order[s : s + micro_batch_size]
         width = max(int(lengths[idx].max()), 1)
         ids = input_ids[idx, :width]
-        with autocast(bf16, input_ids.device):
+        with autocast(bf16, input_ids.device), _replaying(lm, routes, idx, width, attention_mask):
             hidden, _ = decoder_hidden(
                 lm.get_decoder(),
                 ids,
@@ -675,6 +683,15 @@ def sequence_logprobs(
                 chunk=chunk,
             )["logprobs"]
     return out
+
+
+def _replaying(lm: nn.Module, routes: torch.Tensor | None, idx: torch.Tensor, width: int, attention_mask):
+    """A micro-batch's routing replay (``routing.replay_routes``), or nothing without routes."""
+    if routes is None:
+        return contextlib.nullcontext()
+    from learners.training.routing import replay_routes
+
+    return replay_routes(lm, routes[idx, :width], attention_mask[idx, :width].bool())
 
 
 @torch.no_grad()

@@ -19,7 +19,8 @@ the engine's weights as well would cut the router out of training.
 
 ``routes`` everywhere: int (..., layers, k) expert ids, -1 where none was recorded (padding, a
 prompt token the engine served from its prefix cache, a record from before routes existed); such
-tokens fall back to the learner's own routing and are counted.
+tokens fall back to the learner's own routing and are counted. ``OBSERVED`` (-2) marks a token the
+learner routes by design (a multi-turn row's observations): its own routing, not counted.
 
 Works on the routers of transformers 5 (``Qwen3MoeTopKRouter`` and the same ``*TopKRouter``
 convention: ``forward(hidden) -> (logits, weights, indices)``, attributes ``top_k``,
@@ -35,6 +36,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+# Routed by the learner by design (kept equal to ``actors/rollout/records.py:OBSERVED``).
+OBSERVED = -2
 
 
 def replayed_topk(

@@ -26,16 +26,22 @@ def moe_path() -> str:
 
 
 @pytest.fixture(scope="module")
-def sampled(moe_path):
-    """Four samples of each prompt from the MoE engine, routes recorded."""
+def moe_generator(moe_path):
+    """The module's one vLLM engine of the MoE model, routes recorded."""
     from actors.rollout.generator import Generator
     from tests.helpers.engines import engine_config
 
     gen = Generator(dataclasses.replace(engine_config(moe_path, 256), capture_routes=True))
     try:
-        yield gen.generate(PROMPTS, n=4, max_new_tokens=24, temperature=1.0, seed=0)
+        yield gen
     finally:
         gen.close()
+
+
+@pytest.fixture(scope="module")
+def sampled(moe_generator):
+    """Four samples of each prompt from the MoE engine."""
+    return moe_generator.generate(PROMPTS, n=4, max_new_tokens=24, temperature=1.0, seed=0)
 
 
 def _learner(path: str, mode: str, perturb: float = 0.0):
@@ -126,3 +132,56 @@ def test_a_checkpoint_is_per_expert_and_restores_into_the_fused_experts(moe_path
     ids = torch.tensor([[1, 5, 9, 30, 40, 41]])
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     assert torch.allclose(hf(input_ids=ids).logits, ln.model.lm(input_ids=ids).logits, atol=1e-4)
+
+
+class _TwoTurns:
+    """A tool-like observation after the first reply, done after the second."""
+
+    def reset(self, row: dict) -> str:
+        self.turn = 0
+        return row["prompt"]
+
+    def step(self, action: str):
+        from actors.agents.environments import Step
+
+        self.turn += 1
+        return Step(None, 1.0, True, {}) if self.turn == 2 else Step("Result: 42. Go on.", 0.0, False, {})
+
+
+def test_multi_turn_rows_keep_the_routes_of_the_models_tokens_and_the_learner_routes_observations(
+    moe_generator, moe_path
+):
+    """Episodes of two turns: every action token but the episode's last carries the experts the
+    engine routed it to (a turn's last token from the next turn's prefill), observations are
+    left to the learner (OBSERVED), and the replaying learner uses the engine's experts at every
+    recorded token, with no fallback and a smaller gap than its own routing."""
+    from actors.agents.environments import EpisodeLimits
+    from actors.rollout.records import OBSERVED
+
+    rows = [{"prompt": p, "answer": "", "meta": {}} for p in PROMPTS[:3]]
+    limits = EpisodeLimits(max_turns=2, max_tokens=200, max_new_tokens=12)
+    exp, counts = moe_generator.generate_episodes(rows, [0, 1, 2], _TwoTurns, limits, n=2, seed=3)
+    assert counts["status_done"] == 6 and exp.routes is not None
+    real, act = exp.attention_mask, exp.response_mask
+    last = real.long().cumsum(1) == real.long().sum(1, keepdim=True)
+    observed = real & ~act & (torch.arange(exp.seq_len)[None] >= exp.response_mask.long().argmax(1)[:, None])
+    assert bool(observed.any())
+    assert bool((exp.routes[observed] == OBSERVED).all())
+    recorded = (exp.routes >= 0).all(-1).all(-1)
+    assert torch.equal(recorded, real & ~last & ~observed)
+    off, on = _learner(moe_path, "record", perturb=0.002), _learner(moe_path, "rollout", perturb=0.002)
+    gap_off, gap_on = _gap(off, exp), _gap(on, exp)
+    m_on = on.router_metrics()
+    assert m_on["router/fallback_tokens"] == 0.0 and m_on["router/replayed_tokens"] > 0
+    assert off.router_metrics()["router/route_mismatch"] > 0
+    assert float(gap_on.mean()) < float(gap_off.mean())
+    chosen = []
+    hooks = [r.register_forward_hook(lambda m, i, o: chosen.append(o[2])) for r in routers(on.model.lm)]
+    with torch.no_grad():
+        on.model.routed_hidden(exp.input_ids, exp.attention_mask, exp.routes)
+    for h in hooks:
+        h.remove()
+    flat = exp.routes.reshape(-1, 2, 2).long()
+    have = recorded.reshape(-1)
+    for layer, picked in enumerate(chosen):
+        assert torch.equal(picked[have], flat[have, layer])

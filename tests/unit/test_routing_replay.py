@@ -169,3 +169,41 @@ def test_a_routes_shape_that_does_not_fit_the_model_is_an_error():
     with pytest.raises(ValueError, match="3 MoE layers, the model has 2 routers"):
         with replay_routes(model, torch.zeros(1, 4, 3, 2, dtype=torch.int16), torch.ones(1, 4, dtype=torch.bool)):
             pass
+
+
+def _random_routes(shape, experts: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    *lead, k = shape
+    n = 1
+    for d in lead:
+        n *= d
+    return torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(n)]).reshape(shape).to(torch.int16)
+
+
+def test_the_reference_pass_replays_the_routes_in_micro_batches_of_padded_rows():
+    """``sequence_logprobs(routes=)`` (the reference's and the frozen base's pass) gives each row
+    the log-probs of a forward over its recorded experts, whatever the micro-batching and padding;
+    without the routes, the model's own routing gives others."""
+    from learners.training.modeling import sequence_logprobs
+
+    model = _tiny_moe()
+    lengths = [6, 4, 5]
+    ids = torch.randint(1, 64, (3, 6), generator=torch.Generator().manual_seed(4))
+    att = torch.arange(6)[None] < torch.tensor(lengths)[:, None]
+    pos = att.clone()
+    pos[:, :2] = False
+    routes = _random_routes((3, 6, 2, 2), 4, seed=5)
+    routes[~att] = -1
+    want = torch.zeros(3, 6)
+    for i, n in enumerate(lengths):
+        logits = _explicit_forward(model, ids[i : i + 1, :n], routes[i : i + 1, :n])[0]
+        lp = torch.log_softmax(logits[:-1].double(), -1).gather(-1, ids[i, 1:n, None].long())[:, 0]
+        want[i, 1:n] = lp.float()
+    want = want * pos
+    groups = torch.tensor([0, 0, 1])
+    with torch.no_grad():
+        for mb in (1, 2, 3):
+            got = sequence_logprobs(model, ids, att, pos, micro_batch_size=mb, group_ids=groups, routes=routes)
+            assert torch.allclose(got, want, atol=1e-5), mb
+        own = sequence_logprobs(model, ids, att, pos, micro_batch_size=2)
+    assert not torch.allclose(own, want, atol=1e-3)
