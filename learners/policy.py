@@ -167,14 +167,27 @@ class PolicyLearner(Learner):
         return coef * share * torch.stack(stats.aux_losses).mean()
 
     def router_metrics(self) -> dict[str, float]:
-        """This step's router health (``RouterStats.metrics``), then a fresh count."""
-        from learners.training.routing import RouterStats
+        """This step's router health over every rank's rows (``RouterStats.metrics``), then a
+        fresh count. Every rank calls it at the same point (a collective with several)."""
+        from learners.training.routing import RouterStats, routers
 
         stats = self.model.router_stats
         if stats is None:
             return {}
         self.model.router_stats = RouterStats()
+        if self.comm.world > 1:  # every rank's rows: the same numbers as one learner over the batch
+            found = routers(self.model.lm)
+            stats = stats.summed(self.comm.all_reduce_sum, len(found), int(found[0].weight.shape[0]))
         return stats.metrics()
+
+    @contextlib.contextmanager
+    def uncounted_routing(self):
+        """Within the block the router health counts nothing: a sharded rank's idle passes."""
+        stats, self.model.router_stats = self.model.router_stats, None
+        try:
+            yield
+        finally:
+            self.model.router_stats = stats
 
     @property
     def reference_in_learner(self) -> bool:
@@ -288,7 +301,8 @@ class PolicyLearner(Learner):
 
     def idle_outputs(self) -> dict[str, torch.Tensor]:
         """The outputs of a pass over a two-token row, reaching what a training pass reaches."""
-        return self.model(*idle_inputs(self.device), chunk=self.tr.logprob_chunk)
+        with self.uncounted_routing():
+            return self.model(*idle_inputs(self.device), chunk=self.tr.logprob_chunk)
 
     def idle_passes(self, n: int, *, grad: bool) -> None:
         """``n`` passes whose loss is 0 (``learners/training/sharding.py``)."""

@@ -298,7 +298,8 @@ class PPOLearner(PolicyLearner):
         return self.base_states(local.input_ids, local.attention_mask)
 
     def idle_outputs(self) -> dict[str, torch.Tensor]:
-        return self._pass(*idle_inputs(self.device), None, grad=torch.is_grad_enabled())
+        with self.uncounted_routing():
+            return self._pass(*idle_inputs(self.device), None, grad=torch.is_grad_enabled())
 
     def _pad_passes(self, extra: int, idle_out: dict[str, torch.Tensor] | None) -> None:
         """``extra`` idle training passes after this rank's own (sharded ranks with fewer rows);

@@ -55,6 +55,14 @@ def tiny_model_path() -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_moe_path() -> str:
+    """The tiny mixture of experts (Qwen3-MoE, 2 layers x 8 experts, top-2), random weights."""
+    from cluster.assets import build_tiny_moe
+
+    return str(build_tiny_moe(Path(os.environ["RAYRLHF_CACHE"])))
+
+
+@pytest.fixture(scope="session")
 def sdk_tool_caller(tiny_model_path, tmp_path_factory) -> str:
     """The tiny model taught the calculator conversation as the OpenAI Agents SDK and LangChain
     send it (``tests/helpers/sdk_agents.py``): through either client it calls the tool, reads its

@@ -111,6 +111,25 @@ class RouterStats:
         self.mismatched += int((mismatched & replayed & counted).sum())
         self.fallback += int(fallback.sum())
 
+    def summed(self, all_reduce_sum, layers: int, experts: int) -> "RouterStats":
+        """These counts summed over ranks by ``all_reduce_sum`` (every rank calls it, those
+        without a counted pass too, with zeros): the health of the whole step's batch."""
+        load = self.load if self.load is not None else torch.zeros(layers, experts)
+        prob = self.prob if self.prob is not None else torch.zeros(layers, experts)
+        tokens = self.tokens if self.tokens is not None else torch.zeros(layers)
+        counts = torch.tensor([self.compared, self.mismatched, self.fallback], dtype=torch.float64)
+        flat = all_reduce_sum(torch.cat([load.reshape(-1), prob.reshape(-1), tokens, counts.float()]).double())
+        n = layers * experts
+        out = RouterStats(
+            load=flat[:n].reshape(layers, experts).float(),
+            prob=flat[n : 2 * n].reshape(layers, experts).float(),
+            tokens=flat[2 * n : 2 * n + layers].float(),
+        )
+        out.compared, out.mismatched, out.fallback = (int(round(float(v))) for v in flat[2 * n + layers :])
+        if not float(out.tokens.sum()):
+            out.load = out.prob = out.tokens = None
+        return out
+
     def metrics(self, prefix: str = "router/") -> dict[str, float]:
         """Per layer: the largest and smallest expert's share of the top-k assignments and the
         load's normalised entropy (1: uniform); overall: the mismatch and fallback fractions and

@@ -6,8 +6,6 @@ learner replays them (``train.routing_replay``, ``learners/training/routing.py``
 from __future__ import annotations
 
 import dataclasses
-import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,10 +17,8 @@ PROMPTS = ["What is 2 + 2?", "the answer is", "What is 13 * 7?", "sum plus", "ca
 
 
 @pytest.fixture(scope="module")
-def moe_path() -> str:
-    from cluster.assets import build_tiny_moe
-
-    return str(build_tiny_moe(Path(os.environ["RAYRLHF_CACHE"])))
+def moe_path(tiny_moe_path) -> str:
+    return tiny_moe_path
 
 
 @pytest.fixture(scope="module")
