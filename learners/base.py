@@ -54,6 +54,8 @@ class LoRAParams(Protocol):
     alpha: float
     dropout: float
     target_modules: list
+    # peft target_parameters: fused tensors (a mixture of experts' experts); may be absent.
+    target_parameters: list
 
 
 class TrainParams(Protocol):

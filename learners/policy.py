@@ -29,6 +29,7 @@ from learners.base import (
 )
 from learners.training.distributed import Collective
 from learners.experience import Experience
+from learners.training.lora_sync import model_name
 from learners.training.modeling import (
     PolicyWithValueHead,
     add_residual_dropout,
@@ -113,6 +114,7 @@ class PolicyLearner(Learner):
                     lora_alpha=lora.alpha,
                     lora_dropout=lora.dropout,
                     target_modules=list(lora.target_modules),
+                    target_parameters=list(getattr(lora, "target_parameters", None) or []) or None,
                     task_type="CAUSAL_LM",
                     bias="none",
                 ),
@@ -250,6 +252,11 @@ class PolicyLearner(Learner):
             from learners.training.lora_sync import unsupported_adapters
 
             unsupported = unsupported_adapters(self.model.lm)
+            if getattr(self.ctx.lora, "target_parameters", None):
+                raise ValueError(
+                    "train.sharding=fsdp with lora.target_parameters (LoRA on fused expert tensors) is not built yet: "
+                    "adapt the attention (lora.target_modules) or train replicated"
+                )
             if unsupported:  # _merged_shards merges s B A shard by shard: linear adapters only
                 raise ValueError(
                     f"train.sharding=fsdp with LoRA adapts linear layers only, not {unsupported[:3]} "
@@ -515,7 +522,7 @@ class PolicyLearner(Learner):
             for k, v in lm.get_base_model().state_dict().items():
                 if "lora_" in k:
                     continue
-                name = k.replace(".base_layer.", ".")
+                name = model_name(k)
                 if tied and name == "lm_head.weight":
                     continue
                 sd[name] = v
@@ -565,7 +572,7 @@ class PolicyLearner(Learner):
                 )
         sd = {}
         for k, v in base.state_dict().items():
-            name = k.replace(".base_layer.", ".")
+            name = model_name(k)
             if "lora_" in k or (tied and name == "lm_head.weight"):
                 continue
             sd[name] = merged.get(name, v)

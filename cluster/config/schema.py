@@ -1163,6 +1163,12 @@ class LoRAConfig(Section):
     target_modules: CommaList = _f(
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], "Module names that get adapters."
     )
+    target_parameters: CommaList = _f(
+        [],
+        "Parameters that get adapters (peft's target_parameters), for a mixture of experts' fused expert tensors: "
+        "mlp.experts.gate_up_proj,mlp.experts.down_proj gives each expert its own rank-r pair (docs/moe.md). "
+        "Not yet with train.sharding=fsdp.",
+    )
     sync: Literal["adapter", "merged"] = _f(
         "adapter",
         "What a weight sync sends the generators: 'adapter' (the LoRA factors only, merged by each "
@@ -1297,6 +1303,7 @@ IMMUTABLE_ON_RESUME = (
     "lora.enabled",
     "lora.r",
     "lora.target_modules",
+    "lora.target_parameters",
     "ppo.advantage_estimator",
     "ppo.critic",
     "ppo.critic_init",

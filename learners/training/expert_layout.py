@@ -28,15 +28,20 @@ def checkpoint_layout(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
             continue
         if hasattr(tensor, "full_tensor"):
             tensor = tensor.full_tensor()
-        prefix = match["prefix"]
         for e in range(tensor.shape[0]):
-            if match["kind"] == "down_proj":
-                out[f"{prefix}.{e}.down_proj.weight"] = tensor[e]
-            else:
-                gate, up = tensor[e].chunk(2, dim=0)
-                out[f"{prefix}.{e}.gate_proj.weight"] = gate
-                out[f"{prefix}.{e}.up_proj.weight"] = up
+            for weight, rows in expert_rows(match["prefix"], match["kind"], e, tensor.shape[1]):
+                out[weight] = tensor[e][rows]
     return out
+
+
+def expert_rows(prefix: str, kind: str, e: int, rows: int) -> list[tuple[str, slice]]:
+    """The checkpoint weights of expert ``e`` of the fused tensor ``<prefix>.<kind>`` and the rows
+    of its (rows, in) matrix that each one is: ``down_proj`` whole, ``gate_up_proj`` halved into
+    the gate projection, then the up projection (transformers' ``chunk(2)``)."""
+    if kind == "down_proj":
+        return [(f"{prefix}.{e}.down_proj.weight", slice(0, rows))]
+    half = rows // 2
+    return [(f"{prefix}.{e}.gate_proj.weight", slice(0, half)), (f"{prefix}.{e}.up_proj.weight", slice(half, rows))]
 
 
 _PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<kind>gate_proj|up_proj|down_proj)\.weight$")

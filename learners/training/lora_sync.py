@@ -10,12 +10,15 @@ dense weights: no LoRA kernels in the decoding loop, in-flight weight updates an
 verified-sync probe work as with merged weights.
 
 The factors travel under the adapted weight's checkpoint name with a suffix (``<name>::lora_A``,
-``<name>::lora_B``; B already scaled by s), in the transports' usual framing. ``merge_into_base``
+``<name>::lora_B``; B already scaled by s), in the transports' usual framing. LoRA on a mixture of
+experts' fused expert tensors (peft's ``target_parameters``: one rank-r factor pair per expert)
+travels as the same pairs per expert under the per-expert checkpoint names. ``merge_into_base``
 turns them back into dense weights, one at a time.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -51,11 +54,46 @@ def adapter_factors(peft_model: Any) -> dict[str, torch.Tensor]:
         raise ValueError(f"adapter sync cannot carry the adapters of {unsupported[:3]} (not plain linear LoRA)")
     adapter = peft_model.active_adapter
     out: dict[str, torch.Tensor] = {}
+    experts: dict[tuple[str, int], list[tuple[str, torch.Tensor, torch.Tensor]]] = {}
     for name, module in peft_model.get_base_model().named_modules():
-        if isinstance(module, LoraLayer) and adapter in module.lora_A:
-            out[f"{name}.weight{SUFFIX_A}"] = module.lora_A[adapter].weight
-            out[f"{name}.weight{SUFFIX_B}"] = module.lora_B[adapter].weight * module.scaling[adapter]
+        if not (isinstance(module, LoraLayer) and adapter in module.lora_A):
+            continue
+        if hasattr(module, "parameter_name"):  # peft's ParamWrapper: LoRA on fused expert tensors
+            for key, entries in _expert_factors(model_name(name), module, adapter).items():
+                experts.setdefault(key, []).extend(entries)
+            continue
+        out[f"{name}.weight{SUFFIX_A}"] = module.lora_A[adapter].weight
+        out[f"{name}.weight{SUFFIX_B}"] = module.lora_B[adapter].weight * module.scaling[adapter]
+    # An expert's projections one after another: the generator merges a module's weights together.
+    for key in sorted(experts):
+        for weight, a, b in sorted(experts[key], key=lambda entry: entry[0]):
+            out[f"{weight}{SUFFIX_A}"], out[f"{weight}{SUFFIX_B}"] = a, b
     return out
+
+
+def _expert_factors(prefix: str, module: Any, adapter: str) -> dict[tuple[str, int], list]:
+    """Per expert of a ParamWrapper's fused tensor ``<prefix>.<parameter_name>`` (E, rows, in) or
+    (E, in, rows): (checkpoint weight, A (r, in), s B (out, r)) for each weight the expert's slice
+    of it is in checkpoint naming (``expert_layout.expert_rows``), so that W_e = W0_e + (s B) A as
+    for a linear layer. peft's factors give ``delta = s lhs @ rhs`` in the tensor's own layout."""
+    from learners.training.expert_layout import expert_rows
+
+    lhs, rhs, scale = module.get_delta_factors(adapter)
+    if module._did_swap_in_out_features:  # stored (E, out, in): delta_e = s lhs_e rhs_e
+        b_all, a_all = lhs * scale, rhs
+    else:  # stored (E, in, out): the checkpoint's (out, in) is delta_e transposed
+        b_all, a_all = rhs.transpose(-2, -1) * scale, lhs.transpose(-2, -1)
+    out: dict[tuple[str, int], list] = {}
+    for e in range(b_all.shape[0]):
+        for weight, rows in expert_rows(prefix, module.parameter_name, e, b_all.shape[1]):
+            out.setdefault((prefix, e), []).append((weight, a_all[e], b_all[e][rows]))
+    return out
+
+
+def model_name(peft_name: str) -> str:
+    """A module or tensor of a peft model by its base model's name: every wrapper's
+    ``.base_layer`` segment dropped (ParamWrappers nest one per adapted tensor of a module)."""
+    return re.sub(r"(\.base_layer)+(?=\.|$)", "", peft_name)
 
 
 def is_adapter_sync(names: Iterable[str]) -> bool:

@@ -6,12 +6,13 @@ learner replays them (``train.routing_replay``, ``learners/training/routing.py``
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
 
 from learners.training.routing import routers
-from tests.helpers.factories import make_learner
+from tests.helpers.factories import make_learner, tiny_lm
 
 PROMPTS = ["What is 2 + 2?", "the answer is", "What is 13 * 7?", "sum plus", "calculate the total of 5 and 9"]
 
@@ -181,3 +182,59 @@ def test_multi_turn_rows_keep_the_routes_of_the_models_tokens_and_the_learner_ro
     have = recorded.reshape(-1)
     for layer, picked in enumerate(chosen):
         assert torch.equal(picked[have], flat[have, layer])
+
+
+EXPERT_LORA = {
+    "r": 4,
+    "alpha": 8.0,
+    "target_modules": ["q_proj", "v_proj"],
+    "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+}
+
+
+def test_lora_on_attention_and_experts_trains_and_its_adapter_sync_serves_the_learners_weights(
+    moe_generator, moe_path, sampled
+):
+    """peft's LoRA on the attention and on the fused expert tensors (one rank-r pair per expert):
+    a replaying GRPO step moves the experts' adapters; the adapter-only sync (per-expert factors
+    under checkpoint names) merged by the engine into its base weights serves the learner's
+    log-probs; the merged weights are in checkpoint naming, every name the base folder's."""
+    from safetensors import safe_open
+
+    from learners.training.expert_layout import checkpoint_layout
+    from learners.training.lora_sync import SUFFIX_A
+
+    ln = make_learner(
+        moe_path,
+        train={"routing_replay": "rollout", "lr": 5e-2},
+        ppo={"advantage_estimator": "grpo", "kl_coef": 0.0},
+        lora=EXPERT_LORA,
+    )
+    scores = torch.tensor([float(i % 3) for i in range(sampled.batch_size)])
+    ln.train_step(sampled.replace(scores=scores))
+    moved = [n for n, p in ln.model.lm.named_parameters() if "experts" in n and "lora_B" in n and p.abs().sum() > 0]
+    assert len(moved) == 4, moved  # gate/up and down of both layers
+    factors = ln.policy_state_dict(adapter=True)
+    adapted = {n[: -len(SUFFIX_A)] for n in factors if n.endswith(SUFFIX_A)}
+    assert "model.layers.1.mlp.experts.7.up_proj.weight" in adapted and len(adapted) == 2 * (2 + 8 * 3)
+    with safe_open(str(Path(moe_path) / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert adapted <= names and set(ln.policy_state_dict()) == names
+    probe = moe_generator.encode_prompt("What is 3 + 4? The answer is 7.")
+    base_lps = moe_generator.probe_logprobs(probe)
+    original = checkpoint_layout(tiny_lm(moe_path).state_dict())
+    moe_generator.lora_base, v0 = moe_path, moe_generator.version
+    try:
+        moe_generator.load_weights(factors.items(), v0 + 1)
+        served = moe_generator.probe_logprobs(probe)
+    finally:
+        moe_generator.load_weights(original.items(), v0)
+        moe_generator.lora_base = ""
+    assert served == pytest.approx(ln.probe_logprobs(probe), abs=1e-4)
+    assert max(abs(a - b) for a, b in zip(served, base_lps)) > 1e-3
+    assert moe_generator.probe_logprobs(probe) == pytest.approx(base_lps, abs=1e-5)
+
+
+def test_expert_lora_with_sharded_learners_is_refused_in_one_line(moe_path):
+    with pytest.raises(ValueError, match="lora.target_parameters .* is not built yet"):
+        make_learner(moe_path, train={"sharding": "fsdp"}, lora=EXPERT_LORA)
