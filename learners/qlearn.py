@@ -216,6 +216,10 @@ class QLearner(PolicyLearner):
             super().idle_passes(1, grad=grad)
 
     def _hidden(self, part: Experience) -> torch.Tensor:
+        """The last hidden states of the online or the target network (the one in place); a
+        mixture of experts routes by the record's routes (``train.routing_replay``)."""
+        if self.model.routing != "none":
+            return self.model.routed_hidden(part.input_ids, part.attention_mask, part.routes)
         return self.model.hidden(
             part.input_ids, part.attention_mask, part.response_mask, part.group_ids if self.tr.shared_prefix else None
         )
@@ -241,7 +245,12 @@ class QLearner(PolicyLearner):
         if not self.hp.uses_reference or batch.ref_logprobs is not None:
             return batch
         ref = self.base_logprobs(
-            batch.input_ids, batch.attention_mask, batch.response_mask, batch.group_ids, temperature=self.temperature
+            batch.input_ids,
+            batch.attention_mask,
+            batch.response_mask,
+            batch.group_ids,
+            temperature=self.temperature,
+            routes=batch.routes if self.model.routing == "rollout" else None,
         )
         return batch.replace(ref_logprobs=ref)
 
@@ -477,6 +486,7 @@ class QLearner(PolicyLearner):
                 "response/length_mean": float(resp.mean()),
                 "response/done_frac": float(done.float().mean()),
                 **uniform,
+                **self.router_metrics(),  # the online and the target network's passes (MoE)
             }
         )
         return metrics

@@ -1,8 +1,9 @@
 """A sharded mixture-of-experts learner (``train.sharding: fsdp``, the fused expert tensors
 sharded with the rest) replaying recorded routes takes the step one replicated learner takes on
 the same batch: GRPO with the frozen reference sharded beside the policy (its pass replays the
-routes too), LoRA on the attention projections (the reference: the adapter off), and SFT, DPO,
-Q-learning and the reward model, which train the MoE model with their own routing.
+routes too), LoRA on the attention projections (the reference: the adapter off), Q-learning
+replaying the routes in its online and target passes, and SFT, DPO, Q-learning and the reward
+model with their own routing.
 
 The ranks are real processes in a gloo group (``tests/helpers/ranks.py``); the batch's 5 and 2
 rows per rank make them run different numbers of passes (idle passes keep them aligned).
@@ -42,6 +43,13 @@ CASES = {
     "sft": (lambda p, t: make_sft_learner(p, train={"micro_batch_size": 1, **t}), "routed"),
     "dpo": (lambda p, t: make_dpo_learner(p, train={"micro_batch_size": 2, **t}, dpo={"beta": 0.5}), "pairs"),
     "qlearn": (lambda p, t: make_q_learner(p, train={"micro_batch_size": 2, **t}, qlearn={"n_step": 2}), "routed"),
+    # the target network's and the online network's passes replay the routes too
+    "qlearn_replay": (
+        lambda p, t: make_q_learner(
+            p, train={"micro_batch_size": 2, "routing_replay": "rollout", **t}, qlearn={"n_step": 2}
+        ),
+        "routed",
+    ),
     "reward_model": (lambda p, t: make_rm_learner(p, train={"micro_batch_size": 2, **t}), "pairs"),
 }
 
@@ -141,6 +149,9 @@ def test_the_replayed_step_is_not_the_models_own_routing(runs):
     assert not torch.allclose(g_replay, g_own, atol=1e-6)
     assert m_replay["router/route_mismatch"] > 0.5 and m_replay["router/fallback_tokens"] > 0
     assert m_own["router/replayed_tokens"] == m_replay["router/replayed_tokens"]
+    g_q, m_q, _ = replicated["qlearn_replay"]
+    assert not torch.allclose(g_q, replicated["qlearn"][0], atol=1e-6)
+    assert m_q["router/replayed_tokens"] > 0 and m_q["router/fallback_tokens"] > 0
 
 
 def test_the_fused_experts_are_sharded_across_the_ranks(runs):
