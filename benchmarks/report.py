@@ -387,6 +387,31 @@ def ex_precision(d: dict) -> list[Row]:
     return rows
 
 
+_MOE_MEASURES = (("gap_mean", "paired_gap_mean"), ("moved-token gap_mean", "paired_moved_gap_mean"))
+
+
+def ex_moe_routing(d: dict) -> list[Row]:
+    """Per model: the paired log-prob gap (learner's own routes vs the engine's replayed, same
+    batch), the KL and route mismatch of each run, and the cost of carrying routes."""
+    rows: list[Row] = []
+    for model, s in d.get("summary", {}).items():
+        for label, key in _MOE_MEASURES:
+            own, rep = s.get(key + "_own"), s.get(key + "_replay")
+            rows.append((f"{model} own routes", label, own, None))
+            ratio = rep / own if is_number(rep) and is_number(own) and own else None
+            rows.append((f"{model} replayed", label, rep, ratio))
+        for m in ("kl_k3", "route_mismatch"):
+            rows.append((f"{model} record run", m, s.get(m + "_record"), None))
+            rows.append((f"{model} replay run", m, s.get(m + "_rollout"), None))
+        rows.append((f"{model} replay run", "fallback_tokens", s.get("fallback_tokens_rollout"), None))
+        rows.append((f"{model} routes", "bytes_per_token", s.get("route_bytes_per_token"), None))
+        rows.append(
+            (f"{model} record with routes over without", "bytes", None, s.get("record_with_over_without_ratio"))
+        )
+        rows.append((f"{model} replay over none", "train_step_s", None, s.get("step_time_rollout_over_none_ratio")))
+    return rows
+
+
 # ---------------------------------------------------------------- descriptions
 
 Spec = tuple[str, str, str, Callable[[dict], list[Row]]]  # title, script, description, extractor
@@ -492,6 +517,18 @@ BENCHMARKS: dict[str, Spec] = {
         "sampling, and an OpenEnv environment over WebSocket against the same environment "
         "in-process.",
         ex_keys("episodes_per_s", "ratios"),
+    ),
+    "moe_routing": (
+        "Mixture of experts: rollout routing replay",
+        "moe_routing.py",
+        "A short GRPO run on a MoE model with routes recorded but not replayed "
+        "(`train.routing_replay: record`) and with them replayed (`rollout`), the engine in bf16 "
+        "and the learner in fp32 on the same weights: the tiny MoE test model and a random-weight "
+        "Qwen3-MoE with Qwen3-30B-A3B's routing (128 experts, top-8) at reduced width. Paired: "
+        "the same batch scored with the learner's own routes and with the engine's (ratio: "
+        "replayed over own; moved tokens: those whose experts replay changes). Cost: route bytes "
+        "per token through the object store, and the learner's step time with replay over without.",
+        ex_moe_routing,
     ),
     "async_overlap": (
         "Synchronous vs asynchronous steps",
