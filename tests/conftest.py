@@ -20,6 +20,7 @@ import pytest
 
 from actors.start_up import lighter_gc
 from serving.common import free_port
+from tests.helpers.timeouts import SCALE, scaled
 
 lighter_gc()  # this process imports torch, vLLM and transformers too (actors/start_up.py)
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,6 +40,12 @@ _SESSION_TMP = tempfile.mkdtemp(prefix="rrt-", dir="/tmp")
 (Path(_SESSION_TMP) / "auth_token").write_text(secrets.token_hex(32))
 os.environ["RAY_AUTH_MODE"] = "token"
 os.environ["RAY_AUTH_TOKEN_PATH"] = str(Path(_SESSION_TMP) / "auth_token")
+
+
+def pytest_unconfigure(config):
+    """The session folder goes with the session, whether or not a test started the cluster (made at
+    import, not in a fixture: the auth settings must be in place before anything imports ray)."""
+    shutil.rmtree(_SESSION_TMP, ignore_errors=True)
 
 
 # Ray's log monitor globs the session's log folder every 0.1 s while it holds fewer than this many
@@ -150,10 +157,10 @@ def ray_cluster(tiny_model_path):
         f"--temp-dir={temp}",
         "--disable-usage-stats",
     ]
-    subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=120)
     address = f"127.0.0.1:{port}"
     info = {"address": address, "dashboard": f"http://127.0.0.1:{dash}", "env": env}
-    try:
+    try:  # `ray start` inside: a start that times out half-way still leaves nothing running
+        subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=scaled(120))
         # The job's setup hook, as `rayrlhf train` sets it (cluster/run_context.py: job_runtime_env).
         ray.init(address=address, log_to_driver=True, runtime_env=job_runtime_env({}))
         yield info
@@ -197,14 +204,19 @@ def _stop_cluster(temp: str, port: int) -> None:
             pass
 
 
-def wait_for(predicate, timeout: float, interval: float = 0.5):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
+def wait_for(predicate, timeout: float, interval: float = 0.5, describe=None):
+    """Polls ``predicate`` until it returns something truthy, which it returns. ``timeout`` is a
+    guard against a hang, scaled by ``RAYRLHF_TEST_TIMEOUT_SCALE`` (tests/helpers/timeouts.py);
+    when it fires, ``describe()`` (if given) says what the system under test was doing."""
+    limit = scaled(timeout)
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
         time.sleep(interval)
-    raise TimeoutError("condition not met in time")
+    state = f"; {describe()}" if describe is not None else ""
+    raise TimeoutError(f"condition not met in {limit:.0f} s (RAYRLHF_TEST_TIMEOUT_SCALE={SCALE:g}){state}")
 
 
 @pytest.fixture(scope="module")

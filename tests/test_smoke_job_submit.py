@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.timeouts import scaled
+
 ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.smoke
@@ -57,7 +59,7 @@ class _Scraper(threading.Thread):
 def _wait_for_dashboard(address: str, timeout_s: float = 180.0) -> None:
     """Until the dashboard's HTTP server answers at all: on a loaded machine `ray start` may return
     (it waits at most 60 s for the dashboard) before the server listens."""
-    deadline = time.time() + timeout_s
+    deadline = time.time() + scaled(timeout_s)
     while True:
         try:
             urllib.request.urlopen(f"{address}/api/version", timeout=10)
@@ -98,33 +100,33 @@ def test_ray_job_submit_on_a_cluster_started_as_the_readme_says(tiny_model_path,
     env.pop("RAY_ADDRESS", None)
     port, dash, metrics_port, agent, client = (free_port() for _ in range(5))
     ray_bin = str(Path(sys.executable).parent / "ray")
-    # Ports: the README's command plus free ports where Ray's defaults would collide with the
-    # session's shared test cluster (the job agent's HTTP port 52365, the client server's 10001).
-    # Metrics are exported every second (README: "--system-config ... 1000"), not every 10 s: a
-    # 10-step tiny run can finish between two exports of Ray's default interval.
-    subprocess.run(
-        [
-            ray_bin,
-            "start",
-            "--head",
-            f"--port={port}",
-            "--dashboard-host=127.0.0.1",
-            f"--dashboard-port={dash}",
-            f"--metrics-export-port={metrics_port}",
-            f"--temp-dir={temp}",
-            f"--dashboard-agent-listen-port={agent}",
-            f"--ray-client-server-port={client}",
-            '--system-config={"metrics_report_interval_ms":1000}',
-            "--disable-usage-stats",
-        ],
-        check=True,
-        env=env,
-        capture_output=True,
-        timeout=300,
-    )
     address = f"http://127.0.0.1:{dash}"
     scraper = _Scraper(metrics_port)
-    try:
+    try:  # `ray start` inside: a start that fails half-way is stopped all the same
+        # Ports: the README's command plus free ports where Ray's defaults would collide with the
+        # session's shared test cluster (the job agent's HTTP port 52365, the client server's 10001).
+        # Metrics are exported every second (README: "--system-config ... 1000"), not every 10 s: a
+        # 10-step tiny run can finish between two exports of Ray's default interval.
+        subprocess.run(
+            [
+                ray_bin,
+                "start",
+                "--head",
+                f"--port={port}",
+                "--dashboard-host=127.0.0.1",
+                f"--dashboard-port={dash}",
+                f"--metrics-export-port={metrics_port}",
+                f"--temp-dir={temp}",
+                f"--dashboard-agent-listen-port={agent}",
+                f"--ray-client-server-port={client}",
+                '--system-config={"metrics_report_interval_ms":1000}',
+                "--disable-usage-stats",
+            ],
+            check=True,
+            env=env,
+            capture_output=True,
+            timeout=scaled(300),
+        )
         _wait_for_dashboard(address)
         # The dashboard answers only requests carrying the cluster's token.
         with pytest.raises(urllib.error.HTTPError, match="401"):
@@ -132,7 +134,7 @@ def test_ray_job_submit_on_a_cluster_started_as_the_readme_says(tiny_model_path,
         out_dir = tmp_path / "runs"
         # Right after `ray start` the dashboard may not have a job agent yet ("No available agent to
         # submit job, please try again later"): submit again until one takes it, as a user would.
-        submit_deadline = time.time() + 240
+        submit_deadline = time.time() + scaled(240)
         while True:
             submit = subprocess.run(
                 [
@@ -160,7 +162,7 @@ def test_ray_job_submit_on_a_cluster_started_as_the_readme_says(tiny_model_path,
                 env=env,
                 capture_output=True,
                 text=True,
-                timeout=300,
+                timeout=scaled(300),
                 cwd=ROOT,
             )
             if "No available agent" not in submit.stdout + submit.stderr or time.time() > submit_deadline:
@@ -170,7 +172,7 @@ def test_ray_job_submit_on_a_cluster_started_as_the_readme_says(tiny_model_path,
         job_id = re.search(r"Job '([^']+)' submitted successfully", submit.stdout + submit.stderr).group(1)
         scraper.start()
         status = ""
-        deadline = time.time() + 600
+        deadline = time.time() + scaled(600)
         while time.time() < deadline:
             try:
                 status = subprocess.run(
@@ -178,7 +180,7 @@ def test_ray_job_submit_on_a_cluster_started_as_the_readme_says(tiny_model_path,
                     env=env,
                     capture_output=True,
                     text=True,
-                    timeout=120,
+                    timeout=scaled(120),
                 ).stdout.lower()
             except subprocess.TimeoutExpired:  # a slowed host (once over 60 s): ask again until the deadline
                 status = ""
@@ -212,7 +214,7 @@ def test_ray_job_submit_on_a_cluster_started_as_the_readme_says(tiny_model_path,
             env=env,
             capture_output=True,
             text=True,
-            timeout=600,
+            timeout=scaled(600),
             cwd=ROOT,
         )
     finally:
@@ -297,7 +299,7 @@ def test_cli_reports_user_errors_in_one_line(tmp_path, override, words):
         ],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=scaled(120),
         cwd=ROOT,
     )
     assert proc.returncode == 2, proc.stderr[-2000:]

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from actors.agents.environments import Step
 from actors.rewards.functions import digit_density
+from tests.helpers.timeouts import scaled
 
 
 class DigitsAcrossTurns:
@@ -39,7 +40,7 @@ class DigitsAcrossTurns:
         if release.exists():
             return
         Path(self.hold + ".held").touch()
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + scaled(120)  # a guard: the test releases it
         while not release.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
 

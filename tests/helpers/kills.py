@@ -13,6 +13,7 @@ from typing import Any
 import psutil
 
 from tests.conftest import wait_for
+from tests.helpers.timeouts import scaled
 
 
 def steps_logged(run_dir: Path) -> int:
@@ -21,6 +22,13 @@ def steps_logged(run_dir: Path) -> int:
         return 0
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return max((r["step"] for r in rows), default=0)
+
+
+def run_state(run_dir: Path, lines: int = 15) -> str:
+    """What a run was doing, for a timeout's message: its steps logged and its log's last lines."""
+    log = run_dir / "train.log"
+    tail = log.read_text(errors="replace").splitlines()[-lines:] if log.is_file() else ["(no train.log yet)"]
+    return f"{steps_logged(run_dir)} steps logged in {run_dir}; train.log ends:\n" + "\n".join(tail)
 
 
 def run_actor_pid(proc: subprocess.Popen, class_name: str) -> int:
@@ -43,7 +51,7 @@ def run_actor_pid(proc: subprocess.Popen, class_name: str) -> int:
 
 def kill_inside(proc: subprocess.Popen, class_name: str, method: str | None) -> bool:
     """SIGKILLs the run's actor (waiting for it to exist), inside a call of ``method`` if one
-    starts within three minutes; ``method`` None: at once (True)."""
+    starts within three (scaled) minutes; ``method`` None: at once (True)."""
 
     def alive() -> int | None:
         assert proc.poll() is None, proc.communicate()[0][-3000:]
@@ -56,7 +64,7 @@ def kill_inside(proc: subprocess.Popen, class_name: str, method: str | None) -> 
     if method is None:
         actor.send_signal(signal.SIGKILL)
         return True
-    deadline = time.time() + 180
+    deadline = time.time() + scaled(180)
     while time.time() < deadline and f"{class_name}.{method}" not in " ".join(actor.cmdline()):
         time.sleep(0.002)
     inside = f"{class_name}.{method}" in " ".join(actor.cmdline())
@@ -74,7 +82,7 @@ def kill_during_run(
     landed = []
     try:
         for ready, class_name, method in kills:
-            wait_for(lambda: ready() or proc.poll() is not None, timeout=300)
+            wait_for(lambda: ready() or proc.poll() is not None, timeout=300, describe=lambda: run_state(run_dir))
             assert proc.poll() is None, proc.communicate()[0][-3000:]
             step = steps_logged(run_dir)
             landed.append((kill_inside(proc, class_name, method), step))
@@ -87,6 +95,6 @@ def kill_during_run(
 
 
 def finish(proc: subprocess.Popen, timeout: float = 420) -> str:
-    out, _ = proc.communicate(timeout=timeout)
+    out, _ = proc.communicate(timeout=scaled(timeout))
     assert proc.returncode == 0, out[-4000:]
     return out

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch.multiprocessing as mp
 
 from serving.common import free_port
+from tests.helpers.timeouts import scaled
 
 
 def _rank_main(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
@@ -39,6 +40,7 @@ def run_processes(world: int, fn: Callable[..., Any], *args: Any, timeout_s: flo
         ctx = mp.start_processes(
             _rank_main, args=(world, free_port(), out_dir, fn, args), nprocs=world, join=False, start_method="spawn"
         )
+        timeout_s = scaled(timeout_s)
         deadline = time.monotonic() + timeout_s
         while not ctx.join(timeout=1.0):
             if time.monotonic() > deadline:

@@ -9,6 +9,7 @@ trained rows are the tokens and log-probs their calls returned."""
 
 from __future__ import annotations
 
+import math
 import json
 import subprocess
 import sys
@@ -168,7 +169,7 @@ def test_dpo_pairs_the_best_and_worst_episode_of_a_prompt(ray_cluster, tmp_path)
     train(cfg, run_dir=run_dir)
     got = [r for r in rows(run_dir) if r["step"] > 0]
     assert got[0]["pairs/candidates"] == 128 and got[0]["pairs/pairs"] > 0
-    assert all(r["loss/total"] == r["loss/total"] for r in got)  # finite
+    assert all(math.isfinite(r["loss/total"]) for r in got), got  # NaN and inf both fail
     pairs = torch.load(run_dir / "data" / "pairs.pt", weights_only=True)
     resp, att = pairs["response_mask"], pairs["attention_mask"]
     first = resp.long().argmax(1)

@@ -20,7 +20,7 @@ from cluster.ops.console import is_own_line
 from cluster.ops.ledger import read_ledger, summarize, valid_records
 from learners.base import load_model_weights
 from tests.conftest import wait_for
-from tests.helpers.kills import finish, kill_during_run, steps_logged
+from tests.helpers.kills import finish, kill_during_run, run_state, steps_logged
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.ray
@@ -147,7 +147,11 @@ def test_a_stopped_job_resumes_and_each_prompt_is_trained_once(ray_cluster, tmp_
     run_dir = tmp_path / "stop-resume"
     proc = _launch(ray_cluster, run_dir)
     try:
-        wait_for(lambda: steps_logged(run_dir) >= 3 or proc.poll() is not None, timeout=300)
+        wait_for(
+            lambda: steps_logged(run_dir) >= 3 or proc.poll() is not None,
+            timeout=300,
+            describe=lambda: run_state(run_dir),
+        )
         assert proc.poll() is None
         proc.kill()  # the whole job: its driver, and with it every actor and learner it owns
         proc.wait(timeout=60)

@@ -1,0 +1,28 @@
+"""The suite's one clock setting. Every deadline a test sets on a call meant to succeed (a wait for
+an event, a subprocess, a server's start) is a guard against a hang, not a speed check, and passes
+through ``scaled``: ``RAYRLHF_TEST_TIMEOUT_SCALE`` (default 3, generous for a loaded 2-core host
+where steps run 3x slower than on a quiet one) multiplies them all. Deadlines that a test exercises
+on purpose (a tool or environment meant to hang) are the code's settings, not these."""
+
+from __future__ import annotations
+
+import os
+
+
+def _scale() -> float:
+    raw = os.environ.get("RAYRLHF_TEST_TIMEOUT_SCALE", "3")
+    try:
+        value = float(raw)
+    except ValueError:
+        raise SystemExit(f"RAYRLHF_TEST_TIMEOUT_SCALE must be a positive number, not {raw!r}") from None
+    if not value > 0:
+        raise SystemExit(f"RAYRLHF_TEST_TIMEOUT_SCALE must be a positive number, not {raw!r}")
+    return value
+
+
+SCALE = _scale()
+
+
+def scaled(seconds: float) -> float:
+    """``seconds`` times the suite's timeout scale."""
+    return seconds * SCALE
