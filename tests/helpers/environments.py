@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from pathlib import Path
@@ -16,11 +17,12 @@ class DigitsAcrossTurns:
     given after the second reply, is the digit density of the FIRST reply. Credit has to cross
     the observation to reach the tokens that earned it."""
 
-    def __init__(self, observation: str = "Again.", scored_turn: int = 1, hold: str = "") -> None:
+    def __init__(self, observation: str = "Again.", scored_turn: int = 1, hold: str = "", log: str = "") -> None:
         self.observation, self.first, self.scored_turn, self.hold = observation, "", scored_turn, hold
+        self.log, self.prompt = log, ""
 
     def reset(self, row: dict) -> str:
-        self.first = ""
+        self.first, self.prompt = "", row["prompt"]
         return row["prompt"]
 
     def step(self, action: str) -> Step:
@@ -28,7 +30,11 @@ class DigitsAcrossTurns:
             self.first = action or " "
             return Step(self.observation, 0.0, False, {})
         self._held()
-        return Step(None, digit_density([""], [self.first if self.scored_turn == 1 else action])[0], True, {})
+        reward = digit_density([""], [self.first if self.scored_turn == 1 else action])[0]
+        if self.log:  # the environment's own record of each episode's reward, for outcome checks
+            with open(self.log, "a") as f:  # one short line per write: appends do not interleave
+                f.write(json.dumps({"prompt": self.prompt, "first": self.first, "reward": reward}) + "\n")
+        return Step(None, reward, True, {})
 
     def _held(self) -> None:
         """With ``hold`` (a path prefix), once ``<hold>.arm`` exists: the second reply's step

@@ -148,15 +148,18 @@ def test_an_agent_program_with_the_openai_client_trains_through_the_rollout_endp
 
 def test_dpo_pairs_the_best_and_worst_episode_of_a_prompt(ray_cluster, tmp_path):
     """DPO on episodes (``dpo.pairs=scorer``): of a prompt's candidate episodes the best and the
-    worst by the environment's reward form a pair; the pair rows are the episode records as
-    sampled (the observation between the turns masked out), and DPO trains on them."""
+    worst by the environment's reward form a pair (checked against the rewards the environment
+    itself logged for every episode it played); the pair rows are the episode records as sampled
+    (the observation between the turns masked out), and DPO trains on them."""
+    import pyarrow.parquet as pq
     import torch
 
-    run_dir = tmp_path / "dpo"
+    run_dir, env_log = tmp_path / "dpo", tmp_path / "episodes.jsonl"
     cfg = load_config(
         ROOT / "configs" / "ppo_tiny.yaml",
         [
             *ENV,
+            f"env.args={{log: {env_log}}}",
             "run.algorithm=dpo",
             "dpo.pairs=scorer",
             "run.steps=2",
@@ -170,6 +173,17 @@ def test_dpo_pairs_the_best_and_worst_episode_of_a_prompt(ray_cluster, tmp_path)
     got = [r for r in rows(run_dir) if r["step"] > 0]
     assert got[0]["pairs/candidates"] == 128 and got[0]["pairs/pairs"] > 0
     assert all(math.isfinite(r["loss/total"]) for r in got), got  # NaN and inf both fail
+    played: dict[str, list[float]] = {}
+    for line in env_log.read_text().splitlines():
+        e = json.loads(line)
+        played.setdefault(e["prompt"], []).append(e["reward"])
+    table = pq.read_table(run_dir / "data" / "pairs.parquet").to_pylist()
+    assert len(table) == got[0]["pairs/pairs"] and sum(map(len, played.values())) == 128
+    for pair in table:
+        rewards = played[pair["prompt"]]
+        assert len(rewards) == 8, (pair["prompt"], rewards)
+        assert pair["score_chosen"] == pytest.approx(max(rewards)), (pair["prompt"], rewards)
+        assert pair["score_rejected"] == pytest.approx(min(rewards)), (pair["prompt"], rewards)
     pairs = torch.load(run_dir / "data" / "pairs.pt", weights_only=True)
     resp, att = pairs["response_mask"], pairs["attention_mask"]
     first = resp.long().argmax(1)
