@@ -55,3 +55,26 @@ def some_groups_informative(prompts, completions, **meta):
     import random
 
     return [random.random() if informative_prompt(p) else 0.5 for p in prompts]
+
+
+def held_digit_density(prompts, completions, hold: str = "", after_steps: int = 0, run_dir: str = "", **meta):
+    """digit_density, except that once the run in ``run_dir`` has logged ``after_steps`` steps
+    (its metrics rows: in a synchronous run, written before the next step samples), each call
+    touches ``<hold>.held`` and waits until ``<hold>.release`` exists. A test can then stop the
+    run at a known point (step ``after_steps + 1`` being scored, its checkpoint not yet written)
+    without racing the run's clock. Once released it never waits again."""
+    import json
+    import time
+    from pathlib import Path
+
+    from tests.helpers.timeouts import scaled
+
+    release, metrics = Path(hold + ".release"), Path(run_dir) / "metrics.jsonl"
+    if hold and not release.exists() and metrics.is_file():
+        steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines() if line.strip()]
+        if max(steps, default=0) >= after_steps:
+            Path(hold + ".held").touch()
+            deadline = time.monotonic() + scaled(300)  # a guard: the test kills or releases
+            while not release.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+    return digit_density(prompts, completions)

@@ -144,24 +144,29 @@ def test_killed_roles_and_learner_are_restarted_and_the_run_ends_as_the_uninterr
 
 
 def test_a_stopped_job_resumes_and_each_prompt_is_trained_once(ray_cluster, tmp_path):
-    run_dir = tmp_path / "stop-resume"
-    proc = _launch(ray_cluster, run_dir)
+    """The job is stopped while step 4 is being scored (held there by its reward function: steps
+    1-3 trained and logged, step 2's checkpoint the newest), then resumed."""
+    run_dir, hold = tmp_path / "stop-resume", tmp_path / "hold"
+    held = ["--set", "reward.function=tests.helpers.rewards:held_digit_density"]
+    held += ["--set", f"reward.kwargs={{hold: {hold}, after_steps: 3, run_dir: {run_dir}}}"]
+    proc = _launch(ray_cluster, run_dir, *held)
     try:
         wait_for(
-            lambda: steps_logged(run_dir) >= 3 or proc.poll() is not None,
+            lambda: Path(f"{hold}.held").exists() or proc.poll() is not None,
             timeout=300,
             describe=lambda: run_state(run_dir),
         )
-        assert proc.poll() is None
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
         proc.kill()  # the whole job: its driver, and with it every actor and learner it owns
         proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
+        Path(f"{hold}.release").touch()  # the resumed run scores without holding
     stopped_at = steps_logged(run_dir)
     first = read_ledger(run_dir)
     trained_before = [r for r in first if r["event"] == "trained"]
-    assert trained_before and max(r["step"] for r in trained_before) == stopped_at
+    assert stopped_at == 3 and max(r["step"] for r in trained_before) == stopped_at, trained_before[-1:]
     out = finish(_launch(ray_cluster, run_dir, resume=True))
     assert "resumed from" in out
     records = read_ledger(run_dir)
