@@ -15,6 +15,7 @@ from actors.agents.chat_tokens import ChatTokens
 from actors.agents.episodes import EpisodeRunner
 from actors.agents.tools import CALCULATOR
 from tests.helpers.environments import Unreliable
+from tests.helpers.timeouts import scaled
 
 
 class Scripted:
@@ -90,20 +91,26 @@ def test_trained_ids_are_the_sampled_ids_plus_the_observation_ids(generator, mon
 
 def test_failing_environments_are_dropped_and_counted_while_the_others_finish(generator):
     """Answers ending in 1-5 make the environment raise in reset, raise in step, hang, give a NaN
-    reward, return garbage; 6 behaves. The call returns while the hung step still sleeps."""
-    woke = threading.Event()
+    reward, return garbage; 6 behaves. The call returns while the hung step is still held (by an
+    event this test sets only afterwards). The step limit is the run's one setting, so the calls
+    around the hung one live under it too: scaled with the suite's timeouts, not sub-second."""
+    release, entered = threading.Event(), threading.Event()
 
     class Hangs(Unreliable):
         def step(self, action):
-            out = super().step(action)
             if self.mode == 3:
-                woke.set()
-            return out
+                entered.set()
+                release.wait()
+                return Step(None, 1.0, True, {})
+            return super().step(action)
 
     rows = [{"prompt": f"Task {d}.", "answer": str(d), "meta": {"answer": str(d)}} for d in (1, 2, 3, 4, 5, 6)]
-    limits = EpisodeLimits(max_turns=2, max_tokens=200, max_new_tokens=8, step_timeout_s=0.5)
-    exp, counts = generator.generate_episodes(rows, list(range(6)), lambda: Hangs(hang_s=20), limits)
-    assert not woke.is_set()
+    limits = EpisodeLimits(max_turns=2, max_tokens=200, max_new_tokens=8, step_timeout_s=scaled(1.0))
+    try:
+        exp, counts = generator.generate_episodes(rows, list(range(6)), lambda: Hangs(), limits)
+        assert entered.is_set() and not release.is_set()
+    finally:
+        release.set()
     assert exp.skipped["env_error"] == 3 and exp.skipped["env_timeout"] == 1
     assert [m["answer"] for m in exp.meta] == ["4", "6"]
     rewards = [m["episode"]["reward"] for m in exp.meta]
