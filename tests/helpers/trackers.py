@@ -33,15 +33,22 @@ def _wandb_records(path: Path) -> Iterator[Any]:
 
 
 def wandb_offline_run(run_dir: Path) -> dict[str, Any]:
-    """{"history": {step: {key: value}}, "summary": {...}, "config": {...}} of the W&B offline
-    runs under ``run_dir/wandb`` (a resumed run's files together)."""
-    out: dict[str, Any] = {"history": {}, "summary": {}, "config": {}}
+    """{"history": {step: {key: value}}, "summary": {...}, "config": {...}, "run_ids": [...],
+    "history_records": {step: n}} of the W&B offline runs under ``run_dir/wandb`` (a resumed
+    run's files together): ``run_ids`` each file's run id, ``history_records`` how many history
+    records each step got across the files (a merged history alone would hide a step sent twice
+    or a resume that opened a new W&B run)."""
+    out: dict[str, Any] = {"history": {}, "summary": {}, "config": {}, "run_ids": [], "history_records": {}}
     for f in sorted(Path(run_dir, "wandb").glob("offline-run-*/run-*.wandb")):
         for r in _wandb_records(f):
             kind = r.WhichOneof("record_type")
+            if kind == "run":
+                out["run_ids"].append(r.run.run_id)
             if kind == "history":
                 items = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in r.history.item}
-                out["history"].setdefault(int(items["_step"]), {}).update(items)
+                step = int(items["_step"])
+                out["history"].setdefault(step, {}).update(items)
+                out["history_records"][step] = out["history_records"].get(step, 0) + 1
             elif kind == "summary":
                 out["summary"].update(
                     {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in r.summary.update}

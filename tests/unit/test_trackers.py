@@ -54,6 +54,9 @@ def test_wandb_and_mlflow_receive_every_row_the_config_and_checkpoints(tmp_path,
     assert ml["tags"]["checkpoint"].endswith("step_000002")
     ids = json.loads((tmp_path / "trackers.json").read_text())
     assert {"wandb", "mlflow"} <= set(ids) and len(list((tmp_path / "mlruns").glob("*/*/meta.yaml"))) == 1
+    # Both starts wrote into the one W&B run, and each step reached it once.
+    assert len(wb["run_ids"]) == 2 and set(wb["run_ids"]) == {ids["wandb"]}, wb["run_ids"]
+    assert wb["history_records"] == {1: 1, 2: 1, 3: 1}, wb["history_records"]
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=(tmp_path / "mlruns").resolve().as_uri())
