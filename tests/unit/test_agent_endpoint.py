@@ -37,7 +37,9 @@ def _rows(prompts: list[str], answers: list[str] | None = None) -> list[dict]:
     return [{"prompt": p, "answer": a, "meta": {"answer": a}} for p, a in zip(prompts, answers or ["0"] * len(prompts))]
 
 
-def test_three_calls_are_one_trajectory_of_exactly_the_tokens_the_program_got(generator, endpoint, pool):
+def test_three_calls_are_one_trajectory_of_exactly_the_tokens_the_program_got(
+    generator, endpoint, pool, tiny_model_path
+):
     prompts = ["Tell me about seven.", "Count to three."]
     agents.SEEN.clear()
     exp, counts = generator.generate_agent_episodes(
@@ -65,6 +67,25 @@ def test_three_calls_are_one_trajectory_of_exactly_the_tokens_the_program_got(ge
         assert exp.response_mask[row, :n].tolist() == actions
         assert torch.allclose(exp.rollout_logprobs[row, :n], torch.tensor(logprobs), atol=1e-6)
         assert exp.meta[row]["episode"]["calls"] == 3
+        _check_against_the_model(generator.tokenizer, tiny_model_path, seen, expected, actions)
+
+
+def _check_against_the_model(tokenizer, model_path: str, seen: list[dict], ids: list[int], actions: list[bool]):
+    """Independent of what the endpoint returned: each reply's ids decode to its text, and its
+    log-probs are what a transformers forward pass of the whole trajectory gives at its tokens."""
+    from transformers import AutoModelForCausalLM
+
+    for call in seen:
+        assert tokenizer.decode(call["token_ids"], skip_special_tokens=True) == call["content"], call
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, :-1].float()
+    recomputed = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    at_actions = recomputed[torch.tensor(actions[1:])]
+    returned = torch.tensor([lp for call in seen for lp in call["logprobs"]])
+    assert at_actions.shape == returned.shape
+    # fp32 on both sides: equal to float rounding (the tiny model is peaked: log-probs near -0.01)
+    torch.testing.assert_close(at_actions, returned, atol=1e-5, rtol=1e-4)
 
 
 def test_a_call_that_does_not_extend_the_conversation_is_a_new_segment(generator, endpoint, pool):
