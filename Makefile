@@ -6,7 +6,7 @@ VENV ?= .venv
 STAMP := $(VENV)/.rayrlhf-installed
 EXTRA ?= cpu
 
-.PHONY: setup train test test-fast docs clean-cache trl-env trl-vllm-env bench-trl bench-trl-vllm bench-trl-dpo
+.PHONY: setup train test test-fast test-stress docs clean-cache trl-env trl-vllm-env bench-trl bench-trl-vllm bench-trl-dpo
 
 setup: $(STAMP)
 
@@ -33,6 +33,10 @@ docs: $(STAMP)
 
 test-fast: $(STAMP)
 	$(VENV)/bin/python -m pytest -q tests -m "not ray and not smoke" $(ARGS)
+
+# The Ray layer with a CPU hog on every core, then pinned to one core (tests/stress.sh).
+test-stress: $(STAMP)
+	tests/stress.sh both $(ARGS)
 
 # Benchmarks only: TRL in its own venv, so its dependencies never touch the project's.
 TRL_STAMP := .venv-trl/.installed
