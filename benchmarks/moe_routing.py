@@ -61,6 +61,8 @@ def _qwen3_shape(cache: Path, hidden: int, layers: int, tiny: Path) -> Path:
     import torch
     from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+    from cluster.assets import init_moe_weights
+
     folder = cache / f"bench-{QWEN_NAME}-h{hidden}-l{layers}"
     if (folder / "done.json").is_file():
         return folder
@@ -87,13 +89,7 @@ def _qwen3_shape(cache: Path, hidden: int, layers: int, tiny: Path) -> Path:
         mlp_only_layers=[],
         router_aux_loss_coef=0.001,
     )
-    model = Qwen3MoeForCausalLM(cfg).to(torch.float32)
-    with torch.no_grad():  # the tiny MoE's recipe (cluster/assets.py:build_tiny_moe)
-        model.model.embed_tokens.weight.normal_(0.0, 0.1)
-        for layer in model.model.layers:
-            layer.mlp.gate.weight.normal_(0.0, 0.5)
-            layer.mlp.experts.gate_up_proj.normal_(0.0, 0.06)
-            layer.mlp.experts.down_proj.normal_(0.0, 0.06)
+    model = init_moe_weights(Qwen3MoeForCausalLM(cfg).to(torch.float32))  # the tiny MoE's recipe
     model.save_pretrained(str(folder), safe_serialization=True)
     tok.save_pretrained(str(folder))
     params = sum(p.numel() for p in model.parameters())

@@ -266,18 +266,25 @@ def build_tiny_moe(cache: Path) -> Path:
             head_dim=64,
             router_aux_loss_coef=0.001,
         )
-        model = Qwen3MoeForCausalLM(cfg).to(torch.float32)
-        with torch.no_grad():
-            model.model.embed_tokens.weight.normal_(0.0, 0.1)
-            for layer in model.model.layers:
-                # A random router at std 0.02 routes every token almost uniformly (ties everywhere):
-                # a spread gate gives distinct, learnable routes, as a trained model has.
-                layer.mlp.gate.weight.normal_(0.0, 0.5)
-                # Experts at std 0.06 rather than 0.02: their outputs a real share of the residual
-                # stream, so that a token routed elsewhere has visibly other log-probs.
-                layer.mlp.experts.gate_up_proj.normal_(0.0, 0.06)
-                layer.mlp.experts.down_proj.normal_(0.0, 0.06)
+        model = init_moe_weights(Qwen3MoeForCausalLM(cfg).to(torch.float32))
         model.save_pretrained(str(tmp), safe_serialization=True)
         return {"parameters": sum(p.numel() for p in model.parameters())}
 
     return _build(cache, "tiny-moe", make)
+
+
+def init_moe_weights(model):
+    """The random-weight MoE recipe (Qwen3-MoE layout), in place; returns ``model``."""
+    import torch
+
+    with torch.no_grad():
+        model.model.embed_tokens.weight.normal_(0.0, 0.1)
+        for layer in model.model.layers:
+            # A random router at std 0.02 routes every token almost uniformly (ties everywhere):
+            # a spread gate gives distinct, learnable routes, as a trained model has.
+            layer.mlp.gate.weight.normal_(0.0, 0.5)
+            # Experts at std 0.06 rather than 0.02: their outputs a real share of the residual
+            # stream, so that a token routed elsewhere has visibly other log-probs.
+            layer.mlp.experts.gate_up_proj.normal_(0.0, 0.06)
+            layer.mlp.experts.down_proj.normal_(0.0, 0.06)
+    return model

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from actors.agents.environments import Step
 from actors.rewards.functions import digit_density
-from tests.helpers.timeouts import scaled
+from tests.helpers.timeouts import hold
 
 
 class DigitsAcrossTurns:
@@ -40,15 +40,8 @@ class DigitsAcrossTurns:
         """With ``hold`` (a path prefix), once ``<hold>.arm`` exists: the second reply's step
         waits, having touched ``<hold>.held``, until ``<hold>.release`` exists — a moment at which
         a test knows episodes are between their turns. Once released it never waits again."""
-        if not self.hold or not Path(self.hold + ".arm").exists():
-            return
-        release = Path(self.hold + ".release")
-        if release.exists():
-            return
-        Path(self.hold + ".held").touch()
-        deadline = time.monotonic() + scaled(120)  # a guard: the test releases it
-        while not release.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        if self.hold and Path(self.hold + ".arm").exists():
+            hold(self.hold, 120)
 
 
 class Unreliable:

@@ -64,17 +64,15 @@ def held_digit_density(prompts, completions, hold: str = "", after_steps: int = 
     run at a known point (step ``after_steps + 1`` being scored, its checkpoint not yet written)
     without racing the run's clock. Once released it never waits again."""
     import json
-    import time
     from pathlib import Path
 
-    from tests.helpers.timeouts import scaled
+    from tests.helpers.timeouts import hold as hold_here
 
-    release, metrics = Path(hold + ".release"), Path(run_dir) / "metrics.jsonl"
-    if hold and not release.exists() and metrics.is_file():
+    metrics = Path(run_dir) / "metrics.jsonl"
+    if hold and not Path(hold + ".release").exists() and metrics.is_file():
+        # kills.steps_logged's reading, not imported: that module imports tests.conftest, whose
+        # import sets up a test session, which a Ray worker must not do.
         steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines() if line.strip()]
         if max(steps, default=0) >= after_steps:
-            Path(hold + ".held").touch()
-            deadline = time.monotonic() + scaled(300)  # a guard: the test kills or releases
-            while not release.exists() and time.monotonic() < deadline:
-                time.sleep(0.05)
+            hold_here(hold, 300)
     return digit_density(prompts, completions)

@@ -26,3 +26,19 @@ SCALE = _scale()
 def scaled(seconds: float) -> float:
     """``seconds`` times the suite's timeout scale."""
     return seconds * SCALE
+
+
+def hold(prefix: str, guard_s: float) -> None:
+    """A point held open for a test: touches ``<prefix>.held``, then waits until
+    ``<prefix>.release`` exists (at once if it already does), for at most ``scaled(guard_s)``
+    (a guard: the test releases the hold or kills the process holding it)."""
+    import time
+    from pathlib import Path
+
+    release = Path(prefix + ".release")
+    if release.exists():
+        return
+    Path(prefix + ".held").touch()
+    deadline = time.monotonic() + scaled(guard_s)
+    while not release.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)

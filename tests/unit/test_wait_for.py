@@ -38,3 +38,22 @@ def test_the_scale_is_read_from_the_environment_and_a_bad_one_is_refused_in_a_li
         assert out.returncode == 0 and out.stdout.strip() == "5.0", out.stderr
     else:
         assert out.returncode == 1 and "RAYRLHF_TEST_TIMEOUT_SCALE must be a positive number" in out.stderr
+
+
+def test_a_hold_is_signalled_and_lasts_until_released(tmp_path):
+    import threading
+
+    from tests.helpers.timeouts import hold
+
+    prefix = str(tmp_path / "h")
+    done = threading.Event()
+    holder = threading.Thread(target=lambda: (hold(prefix, 600), done.set()), daemon=True)
+    holder.start()
+    wait_for(lambda: (tmp_path / "h.held").exists(), timeout=60, interval=0.01)
+    assert not done.is_set()  # held: nothing released it yet
+    (tmp_path / "h.release").touch()
+    holder.join(scaled(60))
+    assert done.is_set()
+    (tmp_path / "h.held").unlink()
+    hold(prefix, 600)  # once released it never holds again
+    assert not (tmp_path / "h.held").exists()
