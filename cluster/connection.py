@@ -59,6 +59,10 @@ class ClusterConnection:
         if address and address != "local":
             self.dashboard_url = ray.init(address=address, runtime_env=runtime_env, log_to_driver=True).dashboard_url
             return
+        # A head this run starts is the run's own: its workers (the roles) are the work, not
+        # background jobs, so they keep the driver's priority instead of Ray's default nice 15,
+        # which starves them beside any other process on the host.
+        os.environ.setdefault("RAY_worker_niceness", "0")
         kwargs: dict[str, Any] = dict(
             address="local",
             num_cpus=cluster.num_cpus or max(os.cpu_count() or 1, math.ceil(needed_cpus)),

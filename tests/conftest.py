@@ -32,6 +32,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # same poll finds a dead worker (tests/ray/test_failures.py) sooner; the learners' report pacing
 # follows the value (cluster/roles/learner_group.py: report_gap_s).
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+# Ray starts its workers at nice 15 (RAY_worker_niceness), below anything else on the host: beside
+# a busy process at nice 0 they got ~3% of a core each and a run's steps stretched tenfold
+# (tests/stress.sh hog). Every cluster the suite starts inherits this environment.
+os.environ.setdefault("RAY_worker_niceness", "0")
 
 # Token authentication with a token of our own, set before anything imports ray (it reads the
 # auth settings once): the default (~/.ray/auth_token, if some earlier cluster wrote one) would
