@@ -44,6 +44,9 @@ _SESSION_TMP = tempfile.mkdtemp(prefix="rrt-", dir="/tmp")
 (Path(_SESSION_TMP) / "auth_token").write_text(secrets.token_hex(32))
 os.environ["RAY_AUTH_MODE"] = "token"
 os.environ["RAY_AUTH_TOKEN_PATH"] = str(Path(_SESSION_TMP) / "auth_token")
+# The roles' fault points (cluster/roles/fault_points.py), off until a test arms one: every
+# cluster the suite starts inherits this (tests/helpers/kills.py aims its kills there).
+os.environ["RAYRLHF_FAULT_POINTS"] = str(Path(_SESSION_TMP) / "fault-points")
 
 
 def pytest_unconfigure(config):

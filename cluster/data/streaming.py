@@ -65,7 +65,6 @@ class StreamingPrompts:
         self.rows: dict[int, dict[str, Any]] = {}
         self.skipped: dict[str, int] = {}
         self.raw_rows: int | None = None  # counted on first use (Ray Data; Parquet from its metadata)
-        self.read = 0  # raw rows pulled from the stream by this process (a test sees it stream)
         self.counting = True  # off while a reopened stream skips rows it has counted before
 
     def __len__(self) -> int:
@@ -113,7 +112,6 @@ class StreamingPrompts:
             yield self._convert(raw)
 
     def _convert(self, raw: dict[str, Any]) -> dict[str, Any] | None:
-        self.read += 1
         if self.files[0].suffix == ".jsonl":
             try:
                 raw = json.loads(raw["text"])

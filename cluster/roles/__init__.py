@@ -11,7 +11,8 @@ The modules: ``rollout_group`` and ``rollout_pool`` (the generators, scorer and 
 group, and the work units they share), ``learner_group``, ``learner_spec`` and
 ``learner_worker`` (the Ray Train side), ``workers`` (the Ray actors around ``actors/``'s
 classes), ``placement`` and ``resources`` (where roles go, whether they fit), ``weight_sync``,
-``transports`` and ``collective`` (weights to the generators), ``realtime`` (CPU scheduling).
+``transports`` and ``collective`` (weights to the generators), ``realtime`` (CPU scheduling),
+``fault_points`` (where a role can be held open for a kill aimed inside a call).
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from actors.rewards.judge import JudgeConfig
 from actors.reference import ReferenceConfig
 from actors.rewards.scorer_factory import ScorerSpec
 from cluster.config.role_settings import _threads
+from cluster.roles.fault_points import fault_point
 from cluster.roles.weight_sync import PackedWeights, unpack
 from learners.experience import Experience
 
@@ -93,6 +94,7 @@ class GeneratorWorker:
         """A work unit's records and stats. ``journal`` (an ``EpisodeJournal`` actor) and
         ``unit_key``: multi-turn episodes report their turn boundaries there, and a unit issued
         again after its generator died goes on from the boundaries its first run reached."""
+        fault_point("GeneratorWorker.generate")
         g = self.gcfg
         t0 = time.perf_counter()
         sampling = {
@@ -168,6 +170,7 @@ class GeneratorWorker:
         holds a NaN score)."""
         from actors.rewards.judge import Judge
 
+        fault_point("GeneratorWorker.judge")
         t0 = time.perf_counter()
         prompts = [m.get("prompt") or m.get("question", "") for m in exp.meta]
         scores, counts, replies = self._on_engine(Judge(jcfg).judge, self.gen, prompts, exp.completions, seed=seed)
@@ -279,6 +282,7 @@ class ScorerWorker:
         self.scorer = build_scorer(spec)
 
     def score(self, exp: Experience) -> tuple[Experience, dict]:
+        fault_point("ScorerWorker.score")
         t0 = time.perf_counter()
         out = self.scorer.score(exp)
         return out, {
@@ -302,6 +306,7 @@ class ReferenceWorker:
         self.ref = Reference.from_config(rcfg)
 
     def annotate(self, exp: Experience) -> tuple[Experience, dict]:
+        fault_point("ReferenceWorker.annotate")
         out, dt = self.ref.annotate(exp)
         return out, {"seconds": dt, "peak_rss_gb": peak_rss_gb()}
 

@@ -1,19 +1,22 @@
 """Killing a run's processes from outside while it runs (SIGKILL by PID), for the failure tests:
-the run is a `rayrlhf train` subprocess on the shared test cluster."""
+the run is a `rayrlhf train` subprocess on the shared test cluster. A kill meant to land inside a
+call is aimed at a role held there (its fault point, ``cluster/roles/fault_points.py``), so it
+lands there however slow the host."""
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
-import psutil
-
+from cluster.roles.fault_points import ENV, arm, disarm, held_pid
 from tests.conftest import wait_for
 from tests.helpers.timeouts import scaled
+
+FAULT_POINTS = os.environ[ENV]  # set by tests/conftest.py for every cluster the suite starts
 
 
 def steps_logged(run_dir: Path) -> int:
@@ -49,43 +52,57 @@ def run_actor_pid(proc: subprocess.Popen, class_name: str) -> int:
     return int(actors[0]["Pid"])
 
 
-def kill_inside(proc: subprocess.Popen, class_name: str, method: str | None) -> bool:
-    """SIGKILLs the run's actor (waiting for it to exist), inside a call of ``method`` if one
-    starts within three (scaled) minutes; ``method`` None: at once (True)."""
+def _run_actor(proc: subprocess.Popen, class_name: str) -> int | None:
+    assert proc.poll() is None, proc.communicate()[0][-3000:]
+    try:
+        return run_actor_pid(proc, class_name)
+    except AssertionError:
+        return None
 
-    def alive() -> int | None:
-        assert proc.poll() is None, proc.communicate()[0][-3000:]
-        try:
-            return run_actor_pid(proc, class_name)
-        except AssertionError:
-            return None
 
-    actor = psutil.Process(wait_for(alive, timeout=300))
+def kill_role(proc: subprocess.Popen, class_name: str, method: str | None, run_dir: Path) -> int:
+    """SIGKILLs the run's actor of ``class_name`` and returns its pid: held inside ``method`` at
+    that method's fault point (``cluster/roles/fault_points.py``: armed here, the role holds there
+    until it is killed), or at once when ``method`` is None. Waits for events only (the actor's
+    entry in the GCS, the role's held file), each guarded by a scaled deadline."""
+    describe = lambda: run_state(run_dir)  # noqa: E731
     if method is None:
-        actor.send_signal(signal.SIGKILL)
-        return True
-    deadline = time.time() + scaled(180)
-    while time.time() < deadline and f"{class_name}.{method}" not in " ".join(actor.cmdline()):
-        time.sleep(0.002)
-    inside = f"{class_name}.{method}" in " ".join(actor.cmdline())
-    actor.send_signal(signal.SIGKILL)
-    return inside
+        pid = wait_for(lambda: _run_actor(proc, class_name), timeout=300, describe=describe)
+    else:
+        name = f"{class_name}.{method}"
+        held = arm(FAULT_POINTS, name)
+        try:
+            pid = wait_for(lambda: _ended(proc) or held_pid(held), timeout=300, describe=describe)
+            assert pid != -1, f"the run ended before a call reached {name}: " + proc.communicate()[0][-3000:]
+            # The role held there is this run's actor of that class (not a leftover of another run).
+            assert pid == run_actor_pid(proc, class_name), (pid, name)
+        except BaseException:
+            disarm(FAULT_POINTS, name)
+            raise
+    os.kill(pid, signal.SIGKILL)
+    if method is not None:
+        disarm(FAULT_POINTS, f"{class_name}.{method}")  # the held role is gone; no later call holds
+    return pid
+
+
+def _ended(proc: subprocess.Popen) -> int:
+    return -1 if proc.poll() is not None else 0
 
 
 def kill_during_run(
     proc: subprocess.Popen, run_dir: Path, kills: list, after_kill: Any = None
-) -> tuple[list[tuple[bool, int]], str]:
+) -> tuple[list[tuple[int, int]], str]:
     """For each (ready, class_name, method) in turn: waits for ``ready()`` with the run still going,
-    then SIGKILLs the run's actor inside a call of ``method`` (at once when None), then calls
-    ``after_kill()`` if given. Returns, for each kill, whether it landed inside such a call and the steps logged
-    then; and the finished run's output."""
+    then SIGKILLs the run's actor held inside ``method`` (at once when None: ``kill_role``), then
+    calls ``after_kill()`` if given. Returns, for each kill, the pid killed and the steps logged
+    when it was aimed; and the finished run's output."""
     landed = []
     try:
         for ready, class_name, method in kills:
             wait_for(lambda: ready() or proc.poll() is not None, timeout=300, describe=lambda: run_state(run_dir))
             assert proc.poll() is None, proc.communicate()[0][-3000:]
             step = steps_logged(run_dir)
-            landed.append((kill_inside(proc, class_name, method), step))
+            landed.append((kill_role(proc, class_name, method, run_dir), step))
             if after_kill is not None:
                 after_kill()
         return landed, finish(proc)

@@ -32,15 +32,6 @@ def reply_length(prompts, completions, **meta):
     return [len(c) / 100.0 for c in completions]
 
 
-def slow_digit_density(prompts, completions, **meta):
-    """digit_density after a pause (0.3 s a call): a scorer call lasts long enough for a test to
-    kill the scorer inside it."""
-    import time
-
-    time.sleep(0.3)
-    return digit_density(prompts, completions)
-
-
 def informative_prompt(prompt: str) -> bool:
     """A third of the prompts, by their text (so which ones is known before any sampling)."""
     import zlib

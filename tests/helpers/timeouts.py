@@ -29,16 +29,17 @@ def scaled(seconds: float) -> float:
 
 
 def hold(prefix: str, guard_s: float) -> None:
-    """A point held open for a test: touches ``<prefix>.held``, then waits until
+    """A point held open for a test: writes this process's pid to ``<prefix>.held``, then waits until
     ``<prefix>.release`` exists (at once if it already does), for at most ``scaled(guard_s)``
     (a guard: the test releases the hold or kills the process holding it)."""
+    import os
     import time
     from pathlib import Path
 
     release = Path(prefix + ".release")
     if release.exists():
         return
-    Path(prefix + ".held").touch()
+    Path(prefix + ".held").write_text(str(os.getpid()))  # the holder: a test may kill it there
     deadline = time.monotonic() + scaled(guard_s)
     while not release.exists() and time.monotonic() < deadline:
         time.sleep(0.05)

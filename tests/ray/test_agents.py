@@ -42,12 +42,13 @@ def _mean(xs: list[float]) -> float:
 def test_grpo_learns_across_turns_and_a_generator_killed_mid_episode_loses_nothing(ray_cluster, tmp_path):
     """The kill lands while the episodes of step 3 wait between their turns (the environment
     holds their second step until the test releases it, after the kill): the unit issued again
-    goes on from the turn boundaries its episodes had reached (``tests/unit/test_episodes.py``:
-    the same episodes as an uninterrupted run), and the ledger counts the turns taken over."""
+    goes on from the turn boundaries its episodes had reached (``tests/unit/test_episodes.py``),
+    the ledger counts the turns taken over, and the run ends as the same run uninterrupted."""
     run_dir, hold = tmp_path / "grpo", tmp_path / "hold"
     sets = [
         *ENV,
         f"run.steps={STEPS}",
+        "run.save_final=true",  # the final weights, compared with the uninterrupted run's
         "ppo.advantage_estimator=grpo",
         f"rollout.samples_per_prompt={SAMPLES}",
         f"rollout.prompts_per_step={PROMPTS}",
@@ -71,12 +72,15 @@ def test_grpo_learns_across_turns_and_a_generator_killed_mid_episode_loses_nothi
         return Path(f"{hold}.held").exists()
 
     try:
+        # The environment's hold is inside the generator's ``generate`` (its episodes' steps run
+        # on that process's threads): the kill lands there, at once.
         kills, out = kill_during_run(
-            proc, run_dir, [(held, "GeneratorWorker", "generate")], after_kill=lambda: Path(f"{hold}.release").touch()
+            proc, run_dir, [(held, "GeneratorWorker", None)], after_kill=lambda: Path(f"{hold}.release").touch()
         )
     finally:
         Path(f"{hold}.release").touch()
-    assert kills[0][0] and 2 <= kills[0][1] < STEPS, kills
+    assert kills[0][0] == int(Path(f"{hold}.held").read_text()), kills  # the process the hold was in
+    assert 2 <= kills[0][1] < STEPS, kills
     summary = summarize(read_ledger(run_dir))
     p = summary["prompts"]
     assert p["issued"] == p["scored"] == p["trained"] == STEPS * PROMPTS and p["lost"] == 0, p
@@ -97,6 +101,25 @@ def test_grpo_learns_across_turns_and_a_generator_killed_mid_episode_loses_nothi
     assert all("value/mean" not in r and r["reward/n"] == PROMPTS * SAMPLES for r in got)  # GRPO: no critic
     # The samples of a prompt share its forward pass in the learner (identical prefixes found).
     assert all(r["learner/prefix_shared_frac"] == 1.0 for r in got), [r["learner/prefix_shared_frac"] for r in got]
+    _ends_as_the_uninterrupted_run(run_dir, tmp_path / "uninterrupted", sets)
+
+
+def _ends_as_the_uninterrupted_run(run_dir: Path, reference: Path, sets: list[str]) -> None:
+    """The same run with nothing killed (its hold never armed), in this process: per-step rewards
+    and the final weights equal the interrupted run's (fp32 engine and learners), so the unit issued
+    again sampled the episodes the lost one would have, turn by turn."""
+    import torch
+
+    from learners.base import load_model_weights
+
+    train(load_config(ROOT / "configs" / "ppo_tiny.yaml", sets), run_dir=reference)
+    want = [r["reward/mean"] for r in rows(reference) if r["step"] > 0]
+    assert [r["reward/mean"] for r in rows(run_dir) if r["step"] > 0] == pytest.approx(want, abs=1e-6)
+    final = Path("checkpoints") / f"step_{STEPS:05d}"
+    got, ref = load_model_weights(run_dir / final), load_model_weights(reference / final)
+    assert got.keys() == ref.keys()
+    for k in got:
+        torch.testing.assert_close(got[k], ref[k], atol=1e-5, rtol=1e-4, msg=k)
 
 
 def test_ppo_with_its_critic_learns_across_turns(ray_cluster, tmp_path):

