@@ -33,13 +33,18 @@ def hold(prefix: str, guard_s: float) -> None:
     ``<prefix>.release`` exists (at once if it already does), for at most ``scaled(guard_s)``
     (a guard: the test releases the hold or kills the process holding it)."""
     import os
+    import threading
     import time
     from pathlib import Path
 
     release = Path(prefix + ".release")
     if release.exists():
         return
-    Path(prefix + ".held").write_text(str(os.getpid()))  # the holder: a test may kill it there
+    # The holder's pid, for a test that kills it there: written whole (a rename), since many of
+    # its threads may reach the hold at once and the test may kill it between any two writes.
+    tmp = Path(f"{prefix}.held.{os.getpid()}.{threading.get_ident()}")
+    tmp.write_text(str(os.getpid()))
+    os.replace(tmp, prefix + ".held")
     deadline = time.monotonic() + scaled(guard_s)
     while not release.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
