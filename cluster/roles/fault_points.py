@@ -17,6 +17,7 @@ them the same way to rehearse a role's death on a staging cluster.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -30,18 +31,23 @@ def fault_point(name: str) -> None:
     if not folder:
         return
     base = Path(folder) / name
-    claimed = base.with_name(f"{name}.claimed.{os.getpid()}")
+    mine = base.with_name(f"{name}.claimed.{os.getpid()}.{threading.get_ident()}")
     try:
-        os.rename(f"{base}.arm", claimed)  # atomic: of several roles passing at once, one holds
+        os.rename(f"{base}.arm", mine)  # atomic: of several roles passing at once, one holds
     except FileNotFoundError:
         return
-    tmp = base.with_name(f"{name}.held.tmp.{os.getpid()}")
-    tmp.write_text(str(os.getpid()))
-    os.replace(tmp, f"{base}.held")  # the pid appears whole or not at all
-    claimed.unlink(missing_ok=True)
+    publish_pid(Path(f"{base}.held"), via=mine)
     release = Path(f"{base}.release")
     while not release.exists():
         time.sleep(POLL_S)
+
+
+def publish_pid(path: Path, via: Path | None = None) -> None:
+    """Writes this process's pid to ``path`` whole: into ``via`` (a name of this thread's own),
+    then renamed, so a reader or a kill between two writes never sees a partial file."""
+    via = via or path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}")
+    via.write_text(str(os.getpid()))
+    os.replace(via, path)
 
 
 def arm(folder: str | Path, name: str) -> Path:

@@ -68,20 +68,18 @@ def kill_role(proc: subprocess.Popen, class_name: str, method: str | None, run_d
     describe = lambda: run_state(run_dir)  # noqa: E731
     if method is None:
         pid = wait_for(lambda: _run_actor(proc, class_name), timeout=300, describe=describe)
-    else:
-        name = f"{class_name}.{method}"
-        held = arm(FAULT_POINTS, name)
-        try:
-            pid = wait_for(lambda: _ended(proc) or held_pid(held), timeout=300, describe=describe)
-            assert pid != -1, f"the run ended before a call reached {name}: " + proc.communicate()[0][-3000:]
-            # The role held there is this run's actor of that class (not a leftover of another run).
-            assert pid == run_actor_pid(proc, class_name), (pid, name)
-        except BaseException:
-            disarm(FAULT_POINTS, name)
-            raise
-    os.kill(pid, signal.SIGKILL)
-    if method is not None:
-        disarm(FAULT_POINTS, f"{class_name}.{method}")  # the held role is gone; no later call holds
+        os.kill(pid, signal.SIGKILL)
+        return pid
+    name = f"{class_name}.{method}"
+    held = arm(FAULT_POINTS, name)
+    try:
+        pid = wait_for(lambda: _ended(proc) or held_pid(held), timeout=300, describe=describe)
+        assert pid != -1, f"the run ended before a call reached {name}: " + proc.communicate()[0][-3000:]
+        # The role held there is this run's actor of that class (not a leftover of another run).
+        assert pid == run_actor_pid(proc, class_name), (pid, name)
+        os.kill(pid, signal.SIGKILL)
+    finally:
+        disarm(FAULT_POINTS, name)  # whatever happened, no later call is held by this arm
     return pid
 
 

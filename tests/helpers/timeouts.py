@@ -32,19 +32,17 @@ def hold(prefix: str, guard_s: float) -> None:
     """A point held open for a test: writes this process's pid to ``<prefix>.held``, then waits until
     ``<prefix>.release`` exists (at once if it already does), for at most ``scaled(guard_s)``
     (a guard: the test releases the hold or kills the process holding it)."""
-    import os
-    import threading
     import time
     from pathlib import Path
+
+    from cluster.roles.fault_points import publish_pid
 
     release = Path(prefix + ".release")
     if release.exists():
         return
-    # The holder's pid, for a test that kills it there: written whole (a rename), since many of
-    # its threads may reach the hold at once and the test may kill it between any two writes.
-    tmp = Path(f"{prefix}.held.{os.getpid()}.{threading.get_ident()}")
-    tmp.write_text(str(os.getpid()))
-    os.replace(tmp, prefix + ".held")
+    # The holder's pid, for a test that kills it there: many of its threads may reach the hold
+    # at once, and the test may kill it between any two of their writes.
+    publish_pid(Path(prefix + ".held"))
     deadline = time.monotonic() + scaled(guard_s)
     while not release.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
