@@ -77,9 +77,12 @@ class GuardSettings:
 
     api_key: str = ""
     max_body_bytes: int = 1 << 20
+    # Where the key travels: "" for ``Authorization: Bearer <key>`` (OpenAI's clients), or a header
+    # that carries the key alone (the Tinker SDK's ``X-API-Key``).
+    key_header: str = ""
 
 
-def configure_guard(name: str, api_key: str, max_body_bytes: int) -> None:
+def configure_guard(name: str, api_key: str, max_body_bytes: int, key_header: str = "") -> None:
     """Fills in the ``GuardSettings`` named ``"module:attribute"`` in this process (called by a
     deployment's constructor in its replica; a by-value copy of the class would otherwise set a
     copy of the settings, not the ones ``Guard`` reads)."""
@@ -87,7 +90,7 @@ def configure_guard(name: str, api_key: str, max_body_bytes: int) -> None:
 
     module, attr = name.split(":")
     settings = getattr(importlib.import_module(module), attr)
-    settings.api_key, settings.max_body_bytes = api_key, max_body_bytes
+    settings.api_key, settings.max_body_bytes, settings.key_header = api_key, max_body_bytes, key_header.lower()
 
 
 class Guard:
@@ -115,14 +118,22 @@ class Guard:
     def max_body(self) -> int:
         return self.settings.max_body_bytes
 
+    def _authorized(self, headers: dict[str, str]) -> bool:
+        import hmac
+
+        header = self.settings.key_header
+        sent = headers.get(header, "") if header else headers.get("authorization", "")
+        return hmac.compare_digest(sent.encode(), (self.api_key if header else f"Bearer {self.api_key}").encode())
+
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope.get("path", "") in OPEN_PATHS:
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        if self.api_key and headers.get("authorization", "") != f"Bearer {self.api_key}":
-            return await reply_error(
-                send, 401, "missing or invalid API key (send 'Authorization: Bearer <key>')", "authentication_error"
+        if self.api_key and not self._authorized(headers):
+            how = (
+                f"'{self.settings.key_header}: <key>'" if self.settings.key_header else "'Authorization: Bearer <key>'"
             )
+            return await reply_error(send, 401, f"missing or invalid API key (send {how})", "authentication_error")
         try:
             declared = int(headers.get("content-length", "0") or 0)
         except ValueError:

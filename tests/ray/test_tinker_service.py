@@ -1,0 +1,164 @@
+"""The Tinker service (``rayrlhf serve trainer``) on a real local Ray cluster, driven by the real
+``tinker`` SDK as users drive it against Thinking Machines' own service: a LoRA training client
+on the tiny model learns a fixed batch, saves its weights for the sampler and samples from them
+(vLLM with the tenant's adapter); two tenants trained at once end as each trained alone; bad
+requests get the SDK's errors."""
+
+import json
+
+import numpy as np
+import pytest
+import requests
+import torch
+
+pytestmark = pytest.mark.ray
+KEY = "tml-rayrlhf-test-key"
+LR = 1e-2
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    mp = pytest.MonkeyPatch()
+    yield mp
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def trainer_url(serve_url, tiny_model_path, tmp_path_factory, monkeypatch_module):
+    from ray import serve
+
+    from serving.tinker.app import build_trainer_app
+
+    store = tmp_path_factory.mktemp("tinker-store")
+    monkeypatch_module.setenv("RAYRLHF_TINKER_TEST_KEY", KEY)
+    monkeypatch_module.setenv("TINKER_TELEMETRY", "0")
+    app = build_trainer_app(
+        {"models": {"tiny": tiny_model_path}, "store": str(store), "api_key_env": "RAYRLHF_TINKER_TEST_KEY",
+         "max_model_len": 256, "max_tokens": 64, "max_rank": 16}
+    )  # fmt: skip
+    try:
+        serve.run(app, name="trainer", route_prefix="/")
+        yield serve_url, store
+    finally:
+        serve.delete("trainer")
+
+
+def _batch(seed: int) -> list:
+    import tinker
+
+    g = torch.Generator().manual_seed(seed)
+    data = []
+    for n in (9, 6):
+        tokens = torch.randint(3, 500, (n + 1,), generator=g).tolist()
+        data.append(
+            tinker.Datum(
+                model_input=tinker.ModelInput.from_ints(tokens[:-1]),
+                loss_fn_inputs={"target_tokens": np.array(tokens[1:]), "weights": np.ones(n, dtype=np.float32)},
+            )
+        )
+    return data
+
+
+def _train(tc, data, steps: int) -> list[float]:
+    import tinker
+
+    losses = []
+    for _ in range(steps):
+        fb = tc.forward_backward(data, "cross_entropy")
+        step = tc.optim_step(tinker.AdamParams(learning_rate=LR))
+        losses.append(fb.result().metrics["loss:sum"])
+        step.result()
+    return losses
+
+
+def _adapter(store, path: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    model_id, kind, name = path[len("tinker://") :].split("/")
+    return load_file(str(store / model_id / kind / name / "adapter_model.safetensors"))
+
+
+def test_the_sdk_trains_an_adapter_and_samples_it_with_the_trainers_logprobs(trainer_url):
+    import tinker
+
+    url, store = trainer_url
+    service = tinker.ServiceClient(base_url=url, api_key=KEY)
+    tc = service.create_lora_training_client(base_model="tiny", rank=4, seed=0).result()
+    assert tc.get_info().model_data.model_name == "tiny"
+    losses = _train(tc, _batch(0), 4)
+    assert all(b < a for a, b in zip(losses, losses[1:])), losses
+
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    prompt = [5, 17, 42, 99]
+    params = tinker.SamplingParams(max_tokens=12, temperature=1.0, seed=3, stop=[])
+    result = sampler.sample(tinker.ModelInput.from_ints(prompt), num_samples=2, sampling_params=params).result()
+    assert len(result.sequences) == 2 and all(len(s.tokens) == 12 for s in result.sequences)
+    for seq in result.sequences:
+        # The trainer's own forward pass (transformers + peft) scores the engine's sample.
+        tokens = prompt + list(seq.tokens)
+        datum = tinker.Datum(
+            model_input=tinker.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={"target_tokens": np.array(tokens[1:])}
+        )
+        out = tc.forward([datum], "cross_entropy").result()
+        trained = out.loss_fn_outputs[0]["logprobs"].to_numpy()[len(prompt) - 1 :]
+        np.testing.assert_allclose(np.array(seq.logprobs), trained, atol=2e-3, rtol=0)
+
+    # A named sampler checkpoint is a peft adapter folder vLLM and transformers load as it is.
+    path = tc.save_weights_for_sampler("final").result().path
+    assert path == f"tinker://{tc.model_id}/sampler_weights/final"
+    config = json.loads((store / tc.model_id / "sampler_weights" / "final" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["peft_type"] == "LORA"
+
+
+def test_two_tenants_trained_at_once_end_as_each_trained_alone(trainer_url):
+    import tinker
+
+    url, store = trainer_url
+    service = tinker.ServiceClient(base_url=url, api_key=KEY)
+    alone = service.create_lora_training_client(base_model="tiny", rank=4, seed=7).result()
+    _train(alone, _batch(1), 3)
+    alone_path = alone.save_state("alone").result().path
+
+    a = service.create_lora_training_client(base_model="tiny", rank=4, seed=7).result()
+    b = service.create_lora_training_client(base_model="tiny", rank=8, seed=8, train_mlp=False).result()
+    for _ in range(3):  # interleaved on the same learner: a's and b's calls alternate
+        fa = a.forward_backward(_batch(1), "cross_entropy")
+        fb = b.forward_backward(_batch(2), "cross_entropy")
+        sb, sa = b.optim_step(tinker.AdamParams(learning_rate=LR)), a.optim_step(tinker.AdamParams(learning_rate=LR))
+        for f in (fa, fb, sa, sb):
+            f.result()
+    a_path, b_path = a.save_state("a").result().path, b.save_state("b").result().path
+    want, got = _adapter(store, alone_path), _adapter(store, a_path)
+    assert sorted(want) == sorted(got)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=0)
+    assert _adapter(store, b_path).keys() != want.keys()  # b's own targets (no MLP) and rank
+
+
+def test_bad_requests_get_the_sdks_errors(trainer_url):
+    import tinker
+
+    url, _ = trainer_url
+    with pytest.raises(tinker.AuthenticationError):
+        tinker.ServiceClient(base_url=url, api_key="tml-wrong").create_lora_training_client(
+            base_model="tiny", rank=4
+        ).result()
+    service = tinker.ServiceClient(base_url=url, api_key=KEY)
+    with pytest.raises(tinker.BadRequestError, match="unknown base_model"):
+        service.create_lora_training_client(base_model="no-such-model", rank=4).result()
+    tc = service.create_lora_training_client(base_model="tiny", rank=4, seed=1).result()
+    with pytest.raises(tinker.RequestFailedError, match="unknown loss_fn") as e:
+        tc.forward_backward(_batch(0), "no_such_loss").result()
+    assert e.value.category == "user"
+    short = tinker.Datum(
+        model_input=tinker.ModelInput.from_ints([5, 6, 7]), loss_fn_inputs={"target_tokens": np.array([1, 2])}
+    )
+    with pytest.raises(tinker.RequestFailedError, match="target_tokens has shape"):
+        tc.forward_backward([short], "cross_entropy").result()
+    # The tenant's state survived its bad requests: it still trains.
+    losses = _train(tc, _batch(0), 2)
+    assert losses[1] < losses[0]
+    r = requests.post(
+        url + "/api/v1/optim_step", json={"model_id": "nobody:train:0", "seq_id": 1}, headers={"X-API-Key": KEY}
+    )
+    assert r.status_code == 400 and "unknown model_id" in r.json()["error"]
