@@ -3,6 +3,7 @@ local one), bound to 127.0.0.1 unless ``--host`` says otherwise.
 
     rayrlhf serve policy MODEL_DIR [--best-of-n-scorer FUNCTION] [--replicas N] [--ingress auto|direct|proxy] ...
     rayrlhf serve scorer (--function F | --reward-model DIR | --judge DIR) ...
+    rayrlhf serve trainer [--model NAME=FOLDER ...] [--store DIR]   the Tinker API (docs/tinker.md)
     rayrlhf serve reload URL CHECKPOINT      a running policy server switches to CHECKPOINT
 
 A policy server with one replica on a cluster of its own is answered by that replica on
@@ -47,7 +48,8 @@ def add_parser(sub: Any) -> None:
     what.add_argument("--judge", metavar="DIR", help="an LLM judge (any causal-LM folder)")
     sc.add_argument("--replicas", type=int, default=1)
     sc.add_argument("--max-items", type=int, default=256, help="most samples per request")
-    for p in (po, sc):
+    tr = _add_trainer_parser(kinds)
+    for p in (po, sc, tr):
         p.add_argument("--host", default=DEFAULT_HOST, help="interface to bind (default loopback only)")
         p.add_argument("--port", type=int, default=DEFAULT_PORT)
         p.add_argument(
@@ -108,6 +110,48 @@ def _add_policy_parser(kinds: Any) -> Any:
         help="export the engine's metrics through Ray's metrics too (Ray Dashboard; costs throughput)",
     )
     return po
+
+
+def _add_trainer_parser(kinds: Any) -> Any:
+    """``rayrlhf serve trainer``'s own arguments: the Tinker API over LoRA tenants (serving/tinker)."""
+    tr = kinds.add_parser("trainer", help="the Tinker API: users' own loops train LoRA adapters (tinker SDK)")
+    tr.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        metavar="NAME=FOLDER",
+        help="a base model clients may name (repeat for more; FOLDER: a model folder or built-in asset; "
+        "default: smollm2-135m=smollm2-135m)",
+    )
+    tr.add_argument("--store", default="tinker-store", help="folder of the adapters and saved states")
+    tr.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    tr.add_argument("--max-adapters", type=int, default=8, help="most training clients per base model")
+    tr.add_argument("--max-rank", type=int, default=64, help="largest LoRA rank a client may ask for")
+    tr.add_argument("--max-tokens", type=int, default=512, help="most new tokens a sample may ask for")
+    tr.add_argument("--max-model-len", type=int, default=1024, help="longest prompt plus sample")
+    return tr
+
+
+def trainer_args(ns: argparse.Namespace) -> dict[str, Any]:
+    """``build_trainer_app``'s args from ``rayrlhf serve trainer``'s flags."""
+    from cluster.assets import resolve_model
+
+    models = {}
+    for item in ns.model or ["smollm2-135m=smollm2-135m"]:
+        name, sep, folder = item.partition("=")
+        if not sep or not name or not folder:
+            raise ValueError(f"--model {item!r} is not NAME=FOLDER")
+        models[name] = resolve_model(folder)
+    return {
+        "models": models,
+        "store": os.path.abspath(ns.store),
+        "dtype": ns.dtype,
+        "max_adapters": ns.max_adapters,
+        "max_rank": ns.max_rank,
+        "max_tokens": ns.max_tokens,
+        "max_model_len": ns.max_model_len,
+        "api_key_env": ns.api_key_env,
+    }
 
 
 def _scorer_args(ns: argparse.Namespace) -> dict[str, Any]:
@@ -190,6 +234,11 @@ def _app(ns: argparse.Namespace) -> tuple[Any, str]:
 
         args = policy_args(ns)
         return (lambda: build_policy_app(args)), "policy"
+    if ns.app == "trainer":
+        from serving.tinker.app import build_trainer_app
+
+        args = trainer_args(ns)
+        return (lambda: build_trainer_app(args)), "trainer"
     from serving.scorer import build_scorer_app
 
     args = {
@@ -222,7 +271,11 @@ def run(ns: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    make, name = _app(ns)
+    try:
+        make, name = _app(ns)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"rayrlhf: {e}", file=sys.stderr)
+        return 2
     ray.init(address=address, include_dashboard=False if address is None else None, log_to_driver=True)
     serve.start(http_options={"host": ns.host, "port": proxy_port}, logging_config={"enable_access_log": ns.access_log})
     try:
