@@ -134,6 +134,41 @@ def test_two_tenants_trained_at_once_end_as_each_trained_alone(trainer_url):
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=0)
     assert _adapter(store, b_path).keys() != want.keys()  # b's own targets (no MLP) and rank
 
+    # A client made from the saved state (optimizer included) continues as the one that saved it.
+    loaded = service.create_training_client_from_state_with_optimizer(alone_path).result()
+    _train(alone, _batch(3), 1)
+    _train(loaded, _batch(3), 1)
+    want, got = (
+        _adapter(store, alone.save_state("alone-4").result().path),
+        _adapter(store, loaded.save_state("l").result().path),
+    )
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=0)
+
+
+def test_forward_backward_custom_with_cross_entropys_loss_takes_cross_entropys_step(trainer_url):
+    import tinker
+
+    url, store = trainer_url
+    service = tinker.ServiceClient(base_url=url, api_key=KEY)
+    plain = service.create_lora_training_client(base_model="tiny", rank=4, seed=21).result()
+    custom = service.create_lora_training_client(base_model="tiny", rank=4, seed=21).result()
+
+    def nll(data, logprobs):  # the SDK runs this on the client, between its two server calls
+        loss = sum(-(lp * torch.tensor(d.loss_fn_inputs["weights"].to_numpy())).sum() for d, lp in zip(data, logprobs))
+        return loss, {"nll": float(loss)}
+
+    for _ in range(2):
+        want = plain.forward_backward(_batch(4), "cross_entropy").result().metrics["loss:sum"]
+        got = custom.forward_backward_custom(_batch(4), nll).result().metrics
+        assert got["loss:sum"] == pytest.approx(want, rel=1e-5)
+        plain.optim_step(tinker.AdamParams(learning_rate=LR)).result()
+        custom.optim_step(tinker.AdamParams(learning_rate=LR)).result()
+    want = _adapter(store, plain.save_state("plain").result().path)
+    got = _adapter(store, custom.save_state("custom").result().path)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
+
 
 def test_bad_requests_get_the_sdks_errors(trainer_url):
     import tinker
