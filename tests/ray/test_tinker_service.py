@@ -32,8 +32,11 @@ def trainer_url(serve_url, tiny_model_path, tmp_path_factory, monkeypatch_module
     store = tmp_path_factory.mktemp("tinker-store")
     monkeypatch_module.setenv("RAYRLHF_TINKER_TEST_KEY", KEY)
     monkeypatch_module.setenv("TINKER_TELEMETRY", "0")
+    from cluster.assets import resolve_model
+
+    models = {"tiny": tiny_model_path, "smollm2-135m": resolve_model("smollm2-135m")}
     app = build_trainer_app(
-        {"models": {"tiny": tiny_model_path}, "store": str(store), "api_key_env": "RAYRLHF_TINKER_TEST_KEY",
+        {"models": models, "store": str(store), "api_key_env": "RAYRLHF_TINKER_TEST_KEY",
          "max_model_len": 256, "max_tokens": 64, "max_rank": 16}
     )  # fmt: skip
     try:
@@ -108,6 +111,25 @@ def test_the_sdk_trains_an_adapter_and_samples_it_with_the_trainers_logprobs(tra
     assert path == f"tinker://{tc.model_id}/sampler_weights/final"
     config = json.loads((store / tc.model_id / "sampler_weights" / "final" / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["peft_type"] == "LORA"
+
+
+def test_the_docs_example_trains_smollm2_and_samples_what_it_learned(trainer_url, monkeypatch, capsys):
+    """docs/tinker.md's client example, run as written, against SmolLM2-135M-Instruct."""
+    import re
+    from pathlib import Path
+
+    url, _ = trainer_url
+    page = (Path(__file__).resolve().parents[2] / "docs" / "tinker.md").read_text()
+    example = re.search(r"```python\n(.*?)```", page, flags=re.S).group(1)
+    monkeypatch.setenv("TINKER_BASE_URL", url)
+    monkeypatch.setenv("TINKER_API_KEY", KEY)
+    namespace: dict = {}
+    exec(compile(example, "docs/tinker.md", "exec"), namespace)
+    losses = [float(line.split()[1]) for line in capsys.readouterr().out.splitlines() if re.match(r"^\d \S+$", line)]
+    assert len(losses) == 5 and losses[-1] < losses[0] / 2, losses
+    assert len(namespace["out"].sequences) == 2
+    # The adapter learned the sentence: the sample continues the prompt with it.
+    assert any(namespace["tok"].decode(s.tokens).startswith(" France is Paris") for s in namespace["out"].sequences)
 
 
 def test_two_tenants_trained_at_once_end_as_each_trained_alone(trainer_url):
