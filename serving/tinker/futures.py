@@ -20,10 +20,19 @@ class UserError(ValueError):
 
 
 class Futures:
-    def __init__(self, max_pending: int = 256) -> None:
+    """Request id to task. Finished results are kept for re-polls (the SDK polls again after a
+    dropped connection) up to ``max_kept``, oldest dropped first; a dropped id answers 'unknown'."""
+
+    def __init__(self, max_pending: int = 256, max_kept: int = 4096) -> None:
         self.tasks: dict[str, asyncio.Task] = {}
-        self.max_pending = max_pending
+        self.max_pending, self.max_kept = max_pending, max_kept
         self.kinds: dict[str, str] = {}
+
+    def _forget_oldest_done(self) -> None:
+        done = [rid for rid, t in self.tasks.items() if t.done()]  # dicts keep insertion order
+        for rid in done[: max(0, len(self.tasks) - self.max_kept)]:
+            del self.tasks[rid]
+            self.kinds.pop(rid, None)
 
     def pending(self) -> int:
         return sum(1 for t in self.tasks.values() if not t.done())
@@ -34,6 +43,7 @@ class Futures:
             if close:
                 close()
             raise UserError(f"{self.max_pending} requests are queued already; retry once some have completed")
+        self._forget_oldest_done()
         request_id = uuid.uuid4().hex
         self.tasks[request_id] = asyncio.ensure_future(work)
         self.kinds[request_id] = kind
