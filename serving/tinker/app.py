@@ -123,7 +123,7 @@ class TrainerServer:
 
     @app.post("/api/v1/sessions/{session_id}/finish")
     async def finish(self, session_id: str) -> dict[str, Any]:
-        return {}
+        return await self.service.finish(session_id)
 
     @app.post("/api/v1/create_model")
     async def create_model(self, request: Request) -> Response:

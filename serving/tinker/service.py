@@ -50,10 +50,20 @@ class Backend:
         self.target = target
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """The role's answer; its ``ValueError`` (a refused request) comes back as a ``UserError``
+        with the role's own one-line message, not Ray's wrapping of it."""
         fn = getattr(self.target, method)
-        if hasattr(fn, "remote"):
+        if not hasattr(fn, "remote"):
+            return await asyncio.to_thread(fn, *args, **kwargs)
+        from ray.exceptions import RayTaskError
+
+        try:
             return await fn.remote(*args, **kwargs)
-        return await asyncio.to_thread(fn, *args, **kwargs)
+        except RayTaskError as e:
+            cause = e.cause if isinstance(e.cause, BaseException) else None
+            if isinstance(cause, ValueError):
+                raise UserError(str(cause)) from None
+            raise RuntimeError(f"{method} failed in its role: {type(cause).__name__}: {cause}") from None
 
 
 def parse_tinker_path(path: str) -> tuple[str, str, str]:
@@ -95,6 +105,15 @@ class TinkerService:
     def heartbeat(self, body: dict[str, Any]) -> dict[str, Any]:
         self._session(body.get("session_id"))
         return {"type": "session_heartbeat"}
+
+    async def finish(self, session_id: str) -> dict[str, Any]:
+        """The session's training clients are freed (their saved states stay in the store)."""
+        session = self.sessions.pop(session_id, None)
+        for model_id in (session or {}).get("models", []):
+            m = self.models.pop(model_id, None)
+            if m is not None:
+                await m["queue"].run(None, lambda mid=model_id, b=m["base"]: self.trainers[b].call("remove", mid))
+        return {}
 
     def capabilities(self) -> dict[str, Any]:
         rows = [

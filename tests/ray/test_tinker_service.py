@@ -29,21 +29,22 @@ def trainer_url(serve_url, tiny_model_path, tmp_path_factory, monkeypatch_module
 
     from serving.tinker.app import build_trainer_app
 
+    from cluster.assets import resolve_model
+
     store = tmp_path_factory.mktemp("tinker-store")
     monkeypatch_module.setenv("RAYRLHF_TINKER_TEST_KEY", KEY)
     monkeypatch_module.setenv("TINKER_TELEMETRY", "0")
-    from cluster.assets import resolve_model
-
     models = {"tiny": tiny_model_path, "smollm2-135m": resolve_model("smollm2-135m")}
-    app = build_trainer_app(
-        {"models": models, "store": str(store), "api_key_env": "RAYRLHF_TINKER_TEST_KEY",
-         "max_model_len": 256, "max_tokens": 64, "max_rank": 16}
-    )  # fmt: skip
     try:
-        serve.run(app, name="trainer", route_prefix="/")
+        serve.run(build_trainer_app(_settings(models, store)), name="trainer", route_prefix="/")
         yield serve_url, store
     finally:
         serve.delete("trainer")
+
+
+def _settings(models: dict, store) -> dict:
+    limits = {"max_model_len": 256, "max_tokens": 64, "max_rank": 16, "max_adapters": 16}
+    return {"models": models, "store": str(store), "api_key_env": "RAYRLHF_TINKER_TEST_KEY", **limits}
 
 
 def _batch(seed: int) -> list:
@@ -206,7 +207,7 @@ def test_bad_requests_get_the_sdks_errors(trainer_url):
     tc = service.create_lora_training_client(base_model="tiny", rank=4, seed=1).result()
     with pytest.raises(tinker.RequestFailedError, match="unknown loss_fn") as e:
         tc.forward_backward(_batch(0), "no_such_loss").result()
-    assert e.value.category == "user"
+    assert e.value.category == "user" and "ray::" not in str(e.value)  # the role's own message, not Ray's wrapping
     short = tinker.Datum(
         model_input=tinker.ModelInput.from_ints([5, 6, 7]), loss_fn_inputs={"target_tokens": np.array([1, 2])}
     )
@@ -219,3 +220,40 @@ def test_bad_requests_get_the_sdks_errors(trainer_url):
         url + "/api/v1/optim_step", json={"model_id": "nobody:train:0", "seq_id": 1}, headers={"X-API-Key": KEY}
     )
     assert r.status_code == 400 and "unknown model_id" in r.json()["error"]
+
+
+def test_a_restarted_service_serves_the_saved_states_from_its_store(trainer_url, tiny_model_path):
+    """Runs last: it replaces the module's service with a new one on the same store."""
+    import tinker
+    from ray import serve
+
+    from serving.tinker.app import build_trainer_app
+
+    url, store = trainer_url
+    probe = _batch(6)
+    with tinker.ServiceClient(base_url=url, api_key=KEY) as first:  # leaving it finishes the session
+        tc = first.create_lora_training_client(base_model="tiny", rank=4, seed=31).result()
+        _train(tc, _batch(5), 2)
+        state, sampler_path = tc.save_state("kept").result().path, tc.save_weights_for_sampler("kept").result().path
+        before = [o["logprobs"].to_numpy() for o in tc.forward(probe, "cross_entropy").result().loss_fn_outputs]
+
+    serve.delete("trainer")  # the service's processes are gone; its store is not
+    serve.run(build_trainer_app(_settings({"tiny": tiny_model_path}, store)), name="trainer", route_prefix="/")
+    service = tinker.ServiceClient(base_url=url, api_key=KEY)
+    loaded = service.create_training_client_from_state_with_optimizer(state).result()
+    after = [o["logprobs"].to_numpy() for o in loaded.forward(probe, "cross_entropy").result().loss_fn_outputs]
+    for b, a in zip(before, after):
+        np.testing.assert_array_equal(a, b)
+    sampler = service.create_sampling_client(model_path=sampler_path).result()
+    prompt = [7, 8, 9]
+    seq = (
+        sampler.sample(tinker.ModelInput.from_ints(prompt), 1, tinker.SamplingParams(max_tokens=8, seed=4, stop=[]))
+        .result()
+        .sequences[0]
+    )
+    tokens = prompt + list(seq.tokens)
+    datum = tinker.Datum(
+        model_input=tinker.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={"target_tokens": np.array(tokens[1:])}
+    )
+    scored = loaded.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+    np.testing.assert_allclose(np.array(seq.logprobs), scored[len(prompt) - 1 :], atol=2e-3, rtol=0)
