@@ -53,7 +53,12 @@ async def _json(request: Request) -> dict[str, Any]:
 
 
 def _roles(settings: TrainerSettings) -> tuple[dict[str, Backend], dict[str, Backend]]:
-    """One trainer and one sampler actor per base model, started now (in parallel)."""
+    """One trainer and one sampler actor per base model, started now (in parallel). Each is named
+    ``tinker-<role>:<base>:<n>`` (an operator finds it in the Ray Dashboard); one that dies is
+    replaced by a fresh one (``Backend``)."""
+    import itertools
+    import uuid
+
     import ray
 
     from actors.lora_tenants import LoraTenants
@@ -61,9 +66,16 @@ def _roles(settings: TrainerSettings) -> tuple[dict[str, Backend], dict[str, Bac
 
     trainer_cls = ray.remote(num_cpus=0)(LoraTenants)
     sampler_cls = ray.remote(num_cpus=0)(AdapterSampler)
+    serial = itertools.count()
+    tag = uuid.uuid4().hex[:6]
+
+    def named(cls: Any, role: str, base: str, *args: Any) -> Any:
+        return lambda: cls.options(name=f"tinker-{role}:{base}:{tag}-{next(serial)}").remote(*args)
+
     trainers, samplers = {}, {}
     for name, folder in settings.models.items():
-        trainers[name] = Backend(trainer_cls.remote(folder, settings.dtype, settings.max_adapters, settings.max_rank))
+        make = named(trainer_cls, "trainer", name, folder, settings.dtype, settings.max_adapters, settings.max_rank)
+        trainers[name] = Backend(make(), make, f"trainer of {name!r}")
         cfg = SamplerConfig(
             base_path=folder,
             dtype=settings.dtype,
@@ -72,7 +84,8 @@ def _roles(settings: TrainerSettings) -> tuple[dict[str, Backend], dict[str, Bac
             max_tokens=settings.max_tokens,
             kv_cache_gib=settings.kv_cache_gib,
         )
-        samplers[name] = Backend(sampler_cls.remote(cfg))
+        make = named(sampler_cls, "sampler", name, cfg)
+        samplers[name] = Backend(make(), make, f"sampler of {name!r}")
     return trainers, samplers
 
 

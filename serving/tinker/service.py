@@ -43,11 +43,17 @@ class TrainerSettings:
     kv_cache_gib: float = 1.0
 
 
-class Backend:
-    """Calls into a role: a Ray actor handle (``remote``) or an object in this process."""
+class RoleLost(RuntimeError):
+    """The role's process died during a call; a fresh one takes the calls after it."""
 
-    def __init__(self, target: Any) -> None:
-        self.target = target
+
+class Backend:
+    """Calls into a role: a Ray actor handle (``remote``) or an object in this process. With
+    ``make`` (a maker of a fresh actor), a role that dies is replaced for the calls after the one it
+    died in, which raises ``RoleLost``."""
+
+    def __init__(self, target: Any, make: Any = None, role: str = "role") -> None:
+        self.target, self.make, self.role = target, make, role
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """The role's answer; its ``ValueError`` (a refused request) comes back as a ``UserError``
@@ -55,10 +61,14 @@ class Backend:
         fn = getattr(self.target, method)
         if not hasattr(fn, "remote"):
             return await asyncio.to_thread(fn, *args, **kwargs)
-        from ray.exceptions import RayTaskError
+        from ray.exceptions import RayActorError, RayTaskError
 
         try:
             return await fn.remote(*args, **kwargs)
+        except RayActorError:
+            if self.make is not None:
+                self.target = self.make()
+            raise RoleLost(f"the {self.role} died during {method}") from None
         except RayTaskError as e:
             cause = e.cause if isinstance(e.cause, BaseException) else None
             if isinstance(cause, ValueError):
@@ -90,6 +100,24 @@ class TinkerService:
         self.sessions: dict[str, dict[str, Any]] = {}
         self.models: dict[str, dict[str, Any]] = {}
         self.sampling: dict[str, dict[str, Any]] = {}
+        self.lost: dict[str, str] = {}  # model id -> why it is gone
+
+    async def _train(self, base: str, method: str, *args: Any) -> Any:
+        """A trainer call; if the trainer died, every client on it is lost (their adapters lived
+        there) and the call fails saying so. Saved states are in the store and load as usual."""
+        try:
+            return await self.trainers[base].call(method, *args)
+        except RoleLost as e:
+            gone = [mid for mid, m in self.models.items() if m["base"] == base]
+            why = f"{e}; the unsaved state of its training clients is lost: load a saved state"
+            for mid in gone:
+                self.lost[mid] = why
+                del self.models[mid]
+            raise RoleLost(
+                f"the trainer of base model {base!r} died during {method}; {len(gone)} training "
+                "client(s) lost their unsaved state: create one from a saved state "
+                "(create_training_client_from_state)"
+            ) from None
 
     # ---- sessions -------------------------------------------------------------------------
     def create_session(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -112,7 +140,7 @@ class TinkerService:
         for model_id in (session or {}).get("models", []):
             m = self.models.pop(model_id, None)
             if m is not None:
-                await m["queue"].run(None, lambda mid=model_id, b=m["base"]: self.trainers[b].call("remove", mid))
+                await m["queue"].run(None, lambda mid=model_id, b=m["base"]: self._train(b, "remove", mid))
         return {}
 
     def capabilities(self) -> dict[str, Any]:
@@ -134,6 +162,8 @@ class TinkerService:
         return name
 
     def _model(self, model_id: Any) -> dict[str, Any]:
+        if model_id in self.lost:
+            raise UserError(f"model {model_id!r} is gone: {self.lost[model_id]}")
         if model_id not in self.models:
             raise UserError(f"unknown model_id {model_id!r}")
         return self.models[model_id]
@@ -157,7 +187,7 @@ class TinkerService:
         entry = {"base": base, "rank": spec.rank, "queue": ModelQueue(), "session": body["session_id"]}
 
         async def create() -> dict[str, Any]:
-            await self.trainers[base].call("create", model_id, spec)
+            await self._train(base, "create", model_id, spec)
             self.models[model_id] = entry
             session["models"].append(model_id)
             return {"model_id": model_id, "type": "create_model"}
@@ -195,7 +225,8 @@ class TinkerService:
         m = self._model(request.model_id)
 
         async def run() -> bytes:
-            out = await self.trainers[m["base"]].call(
+            out = await self._train(
+                m["base"],
                 "forward_backward",
                 request.model_id,
                 request.data,
@@ -217,7 +248,7 @@ class TinkerService:
         adam = AdamStep(**{k: float(v) for k, v in given.items() if k in known and v is not None})
 
         async def run() -> dict[str, Any]:
-            metrics = await self.trainers[m["base"]].call("optim_step", body["model_id"], adam)
+            metrics = await self._train(m["base"], "optim_step", body["model_id"], adam)
             return {"metrics": metrics}
 
         return self._in_turn("OptimStep", body, run)
@@ -239,7 +270,7 @@ class TinkerService:
         path = f"tinker://{model_id}/{kind}/{name}"
 
         async def run() -> dict[str, Any]:
-            await self.trainers[m["base"]].call("save", model_id, str(folder), kind == "weights")
+            await self._train(m["base"], "save", model_id, str(folder), kind == "weights")
             _write_meta(folder, {"base_model": m["base"], "model_id": model_id, "lora_rank": m["rank"]})
             if kind == "weights" or not ephemeral:
                 return {"path": path, "type": "save_weights" if kind == "weights" else "save_weights_for_sampler"}
@@ -266,7 +297,7 @@ class TinkerService:
             raise UserError(f"model {target!r} exists already")
 
         async def run() -> dict[str, Any]:
-            info = await self.trainers[base].call("load", target, str(folder), with_optimizer)
+            info = await self._train(base, "load", target, str(folder), with_optimizer)
             self.models[target] = {
                 "base": base,
                 "rank": info["lora_rank"],
@@ -279,8 +310,8 @@ class TinkerService:
         return self._submit("LoadWeights", run(), model_id=target)
 
     async def _reload(self, model_id: str, base: str, folder: Path, with_optimizer: bool) -> dict[str, Any]:
-        await self.trainers[base].call("remove", model_id)
-        info = await self.trainers[base].call("load", model_id, str(folder), with_optimizer)
+        await self._train(base, "remove", model_id)
+        info = await self._train(base, "load", model_id, str(folder), with_optimizer)
         self.models[model_id]["rank"] = info["lora_rank"]
         return {"model_id": model_id, "type": "load_weights"}
 
@@ -326,7 +357,11 @@ class TinkerService:
         async def run() -> bytes:
             from serving.tinker.wire import sample_response
 
-            out = await self.samplers[s["base"]].call("sample", prompt, n, params, s["adapter"], want_prompt)
+            args = (prompt, n, params, s["adapter"], want_prompt)
+            try:
+                out = await self.samplers[s["base"]].call("sample", *args)
+            except RoleLost:  # a sample changes no state: the fresh engine takes it again
+                out = await self.samplers[s["base"]].call("sample", *args)
             return sample_response(out["sequences"], out["prompt_logprobs"])
 
         prefix = uuid.uuid4().hex[:12]

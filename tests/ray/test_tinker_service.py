@@ -222,6 +222,53 @@ def test_bad_requests_get_the_sdks_errors(trainer_url):
     assert r.status_code == 400 and "unknown model_id" in r.json()["error"]
 
 
+def _kill_role(role: str, base: str = "tiny") -> None:
+    """SIGKILLs the service's live ``tinker-<role>:<base>:...`` actor (named in serving/tinker/app.py)
+    and waits for the GCS to record its death."""
+    import os
+    import signal
+
+    from ray._private.state import state
+
+    from tests.conftest import wait_for
+
+    def alive() -> list[dict]:
+        prefix = f"tinker-{role}:{base}:"
+        return [a for a in state.actor_table(None).values() if a["Name"].startswith(prefix) and a["State"] == "ALIVE"]
+
+    actors = alive()
+    assert len(actors) == 1, actors
+    os.kill(int(actors[0]["Pid"]), signal.SIGKILL)
+    wait_for(lambda: not [a for a in alive() if a["ActorID"] == actors[0]["ActorID"]], 120, describe=alive)
+
+
+def test_a_dead_sampler_is_replaced_and_a_dead_trainer_fails_its_clients_with_a_clear_error(trainer_url):
+    import tinker
+
+    url, _ = trainer_url
+    service = tinker.ServiceClient(base_url=url, api_key=KEY)
+    tc = service.create_lora_training_client(base_model="tiny", rank=4, seed=41).result()
+    _train(tc, _batch(7), 1)
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    _kill_role("sampler")
+    # A sample changes nothing: the fresh engine takes it again, and the future completes.
+    params = tinker.SamplingParams(max_tokens=6, seed=1, stop=[])
+    out = sampler.sample(tinker.ModelInput.from_ints([3, 4, 5]), 2, params).result()
+    assert [len(s.tokens) for s in out.sequences] == [6, 6]
+
+    state = tc.save_state("before-the-kill").result().path
+    _kill_role("trainer")
+    with pytest.raises(tinker.RequestFailedError, match="trainer of base model 'tiny' died") as e:
+        tc.forward_backward(_batch(7), "cross_entropy").result()
+    assert e.value.category == "server"
+    with pytest.raises(tinker.BadRequestError, match="is gone: the trainer of 'tiny' died"):
+        tc.optim_step(tinker.AdamParams(learning_rate=LR)).result()
+    # The fresh trainer serves new clients, and the saved state comes back whole.
+    loaded = service.create_training_client_from_state_with_optimizer(state).result()
+    losses = _train(loaded, _batch(7), 2)
+    assert losses[1] < losses[0]
+
+
 def test_a_restarted_service_serves_the_saved_states_from_its_store(trainer_url, tiny_model_path):
     """Runs last: it replaces the module's service with a new one on the same store."""
     import tinker
