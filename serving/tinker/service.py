@@ -81,7 +81,7 @@ def parse_tinker_path(path: str) -> tuple[str, str, str]:
     if not isinstance(path, str) or not path.startswith("tinker://"):
         raise UserError(f"{path!r} is not a tinker:// path")
     parts = path[len("tinker://") :].split("/")
-    if len(parts) != 3 or not all(parts) or parts[1] not in KINDS:
+    if len(parts) != 3 or not all(parts) or parts[1] not in KINDS or parts[0][0] == "." or parts[2][0] == ".":
         raise UserError(f"{path!r} is not tinker://<model_id>/<weights|sampler_weights>/<name>")
     return parts[0], parts[1], parts[2]
 
