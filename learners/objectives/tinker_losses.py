@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from learners.objectives.losses import policy_loss_clipped
+from learners.objectives.losses import _LOG_RATIO_CLAMP, policy_loss_clipped
 from learners.objectives.policy_losses import policy_loss_cispo
 
 LossFn = Callable[[Tensor, dict[str, Tensor], dict[str, float]], Tensor]
@@ -77,7 +77,8 @@ def cross_entropy(logprobs: Tensor, inputs: dict[str, Tensor], config: dict[str,
 
 
 def importance_sampling(logprobs: Tensor, inputs: dict[str, Tensor], config: dict[str, float]) -> Tensor:
-    ratio = torch.exp((logprobs - inputs["logprobs"].to(logprobs.dtype)).clamp(-20.0, 20.0))
+    log_ratio = logprobs - inputs["logprobs"].to(logprobs.dtype)
+    ratio = torch.exp(log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
     return -(ratio * inputs["advantages"].to(logprobs.dtype)).sum()
 
 
@@ -88,24 +89,24 @@ def _bounds(config: dict[str, float]) -> tuple[float, float]:
     return low, high
 
 
-def ppo(logprobs: Tensor, inputs: dict[str, Tensor], config: dict[str, float]) -> Tensor:
-    low, high = _bounds(config)
-    ones = torch.ones_like(_row(logprobs))
-    loss, _ = policy_loss_clipped(
-        _row(logprobs), _row(inputs["logprobs"]), _row(inputs["advantages"]), ones, 1.0 - low, high - 1.0,
-        loss_agg="seq_mean_token_sum_norm", loss_agg_constant=1.0,
-    )  # fmt: skip
+def _clipped(policy_loss: Callable[..., tuple[Tensor, dict]]) -> LossFn:
+    """A ratio-bounded policy loss of ``losses`` / ``policy_losses`` on one datum, summed over its
+    tokens (one row, ``seq_mean_token_sum_norm`` with constant 1 is the row's sum)."""
+
+    def loss(logprobs: Tensor, inputs: dict[str, Tensor], config: dict[str, float]) -> Tensor:
+        low, high = _bounds(config)
+        rows = [_row(x) for x in (logprobs, inputs["logprobs"], inputs["advantages"])]
+        value, _ = policy_loss(
+            *rows, torch.ones_like(rows[0]), 1.0 - low, high - 1.0,
+            loss_agg="seq_mean_token_sum_norm", loss_agg_constant=1.0,
+        )  # fmt: skip
+        return value
+
     return loss
 
 
-def cispo(logprobs: Tensor, inputs: dict[str, Tensor], config: dict[str, float]) -> Tensor:
-    low, high = _bounds(config)
-    ones = torch.ones_like(_row(logprobs))
-    loss, _ = policy_loss_cispo(
-        _row(logprobs), _row(inputs["logprobs"]), _row(inputs["advantages"]), ones, 1.0 - low, high - 1.0,
-        loss_agg="seq_mean_token_sum_norm", loss_agg_constant=1.0,
-    )  # fmt: skip
-    return loss
+ppo = _clipped(policy_loss_clipped)
+cispo = _clipped(policy_loss_cispo)
 
 
 LOSSES: dict[str, LossFn] = {

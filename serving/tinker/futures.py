@@ -10,7 +10,6 @@ training client's next call only once the previous one has its id, so arrival or
 from __future__ import annotations
 
 import asyncio
-import itertools
 import uuid
 from typing import Any, Awaitable, Callable
 
@@ -26,18 +25,16 @@ class Futures:
     def __init__(self, max_pending: int = 256, max_kept: int = 4096) -> None:
         self.tasks: dict[str, asyncio.Task] = {}
         self.max_pending, self.max_kept = max_pending, max_kept
-        self.kinds: dict[str, str] = {}
 
     def _forget_oldest_done(self) -> None:
         done = [rid for rid, t in self.tasks.items() if t.done()]  # dicts keep insertion order
         for rid in done[: max(0, len(self.tasks) - self.max_kept)]:
             del self.tasks[rid]
-            self.kinds.pop(rid, None)
 
     def pending(self) -> int:
         return sum(1 for t in self.tasks.values() if not t.done())
 
-    def submit(self, kind: str, work: Awaitable[Any]) -> str:
+    def submit(self, work: Awaitable[Any]) -> str:
         if self.pending() >= self.max_pending:
             close = getattr(work, "close", None)
             if close:
@@ -46,7 +43,6 @@ class Futures:
         self._forget_oldest_done()
         request_id = uuid.uuid4().hex
         self.tasks[request_id] = asyncio.ensure_future(work)
-        self.kinds[request_id] = kind
         return request_id
 
     async def wait(self, request_id: str, poll_s: float) -> tuple[str, Any]:
@@ -70,7 +66,6 @@ class ModelQueue:
     def __init__(self) -> None:
         self.tail: asyncio.Future | None = None
         self.last_seq = -1
-        self.count = itertools.count()
 
     def run(self, seq_id: int | None, call: Callable[[], Awaitable[Any]]) -> Awaitable[Any]:
         if seq_id is not None:

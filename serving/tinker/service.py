@@ -1,7 +1,7 @@
 """The Tinker service's state and calls, without HTTP (``app.py`` routes the API to them).
 
 One ``Backend`` pair per base model: a ``LoraTenants`` trainer and an ``AdapterSampler``, each a
-Ray actor (or, in tests, an object in this process). Sessions, training clients (models),
+Ray actor. Sessions, training clients (models),
 sampling sessions and futures live here; adapters and their saved states live in the store:
 
     <store>/<model_id>/weights/<name>/            save_state: adapter + optimizer/
@@ -13,7 +13,6 @@ named to clients as ``tinker://<model_id>/<kind>/<name>``. Each folder is a peft
 
 from __future__ import annotations
 
-import asyncio
 import json
 import uuid
 from dataclasses import dataclass, field
@@ -48,8 +47,7 @@ class RoleLost(RuntimeError):
 
 
 class Backend:
-    """Calls into a role: a Ray actor handle (``remote``) or an object in this process. With
-    ``make`` (a maker of a fresh actor), a role that dies is replaced for the calls after the one it
+    """Calls into a role's Ray actor. With ``make`` (a maker of a fresh actor), a role that dies is replaced for the calls after the one it
     died in, which raises ``RoleLost``."""
 
     def __init__(self, target: Any, make: Any = None, role: str = "role") -> None:
@@ -58,13 +56,10 @@ class Backend:
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """The role's answer; its ``ValueError`` (a refused request) comes back as a ``UserError``
         with the role's own one-line message, not Ray's wrapping of it."""
-        fn = getattr(self.target, method)
-        if not hasattr(fn, "remote"):
-            return await asyncio.to_thread(fn, *args, **kwargs)
         from ray.exceptions import RayActorError, RayTaskError
 
         try:
-            return await fn.remote(*args, **kwargs)
+            return await getattr(self.target, method).remote(*args, **kwargs)
         except RayActorError:
             if self.make is not None:
                 self.target = self.make()
@@ -181,18 +176,25 @@ class TinkerService:
             train_mlp=bool(lora.get("train_mlp", True)),
             train_unembed=bool(lora.get("train_unembed", True)),
         )
-        model_id = f"{body['session_id']}:train:{int(body.get('model_seq_id', 0))}"
-        if model_id in self.models:
-            raise UserError(f"model {model_id!r} exists already")
-        entry = {"base": base, "rank": spec.rank, "queue": ModelQueue(), "session": body["session_id"]}
+        model_id = self._new_model_id(body)
 
         async def create() -> dict[str, Any]:
             await self._train(base, "create", model_id, spec)
-            self.models[model_id] = entry
-            session["models"].append(model_id)
+            self._register(session, model_id, base, spec.rank)
             return {"model_id": model_id, "type": "create_model"}
 
-        return self._submit("CreateModel", create())
+        return self._submit(create())
+
+    def _new_model_id(self, body: dict[str, Any]) -> str:
+        """The id the SDK derives itself (``service_client.py``): ``<session>:train:<model_seq_id>``."""
+        model_id = f"{body['session_id']}:train:{int(body.get('model_seq_id', 0))}"
+        if model_id in self.models:
+            raise UserError(f"model {model_id!r} exists already")
+        return model_id
+
+    def _register(self, session: dict[str, Any], model_id: str, base: str, rank: int) -> None:
+        self.models[model_id] = {"base": base, "rank": rank, "queue": ModelQueue()}
+        session["models"].append(model_id)
 
     def get_info(self, body: dict[str, Any]) -> dict[str, Any]:
         model_id = body.get("model_id")
@@ -207,16 +209,14 @@ class TinkerService:
             "type": "get_info",
         }
 
-    def _submit(self, kind: str, work: Any, **extra: Any) -> dict[str, Any]:
-        return {"request_id": self.futures.submit(kind, work), "model_id": extra.get("model_id"), **extra}
+    def _submit(self, work: Any, **extra: Any) -> dict[str, Any]:
+        return {"request_id": self.futures.submit(work), "model_id": extra.get("model_id"), **extra}
 
-    def _in_turn(self, kind: str, body: dict[str, Any], call: Any) -> dict[str, Any]:
+    def _in_turn(self, body: dict[str, Any], call: Any) -> dict[str, Any]:
         """``call()`` (a coroutine function) after the model's earlier calls, as a future."""
         m = self._model(body.get("model_id"))
         seq = body.get("seq_id")
-        return self._submit(
-            kind, m["queue"].run(int(seq) if seq is not None else None, call), model_id=body["model_id"]
-        )
+        return self._submit(m["queue"].run(int(seq) if seq is not None else None, call), model_id=body["model_id"])
 
     # ---- training -------------------------------------------------------------------------
     def forward_backward(self, request: Any) -> dict[str, Any]:
@@ -237,7 +237,7 @@ class TinkerService:
             return forward_backward_output(out["logprobs"], out["metrics"])
 
         body = {"model_id": request.model_id, "seq_id": request.seq_id}
-        return self._in_turn("Forward" if request.forward_only else "ForwardBackward", body, run)
+        return self._in_turn(body, run)
 
     def optim_step(self, body: dict[str, Any]) -> dict[str, Any]:
         from actors.lora_tenants import AdamStep
@@ -251,7 +251,7 @@ class TinkerService:
             metrics = await self._train(m["base"], "optim_step", body["model_id"], adam)
             return {"metrics": metrics}
 
-        return self._in_turn("OptimStep", body, run)
+        return self._in_turn(body, run)
 
     # ---- state ----------------------------------------------------------------------------
     def _folder(self, model_id: str, kind: str, name: str) -> Path:
@@ -277,7 +277,7 @@ class TinkerService:
             sid = self._new_sampler(m["base"], str(folder), path)
             return {"path": None, "sampling_session_id": sid, "type": "save_weights_for_sampler"}
 
-        return self._in_turn("SaveWeights" if kind == "weights" else "SaveWeightsForSampler", body, run)
+        return self._in_turn(body, run)
 
     def load_weights(self, body: dict[str, Any]) -> dict[str, Any]:
         model_id, kind, name = parse_tinker_path(body.get("path"))
@@ -290,24 +290,16 @@ class TinkerService:
         if "model_id" in body and body["model_id"]:  # the legacy load into an existing client
             target = body["model_id"]
             self._model(target)
-            return self._in_turn("LoadWeights", body, lambda: self._reload(target, base, folder, with_optimizer))
+            return self._in_turn(body, lambda: self._reload(target, base, folder, with_optimizer))
         session = self._session(body.get("session_id"))
-        target = f"{body['session_id']}:train:{int(body.get('model_seq_id', 0))}"
-        if target in self.models:
-            raise UserError(f"model {target!r} exists already")
+        target = self._new_model_id(body)
 
         async def run() -> dict[str, Any]:
             info = await self._train(base, "load", target, str(folder), with_optimizer)
-            self.models[target] = {
-                "base": base,
-                "rank": info["lora_rank"],
-                "queue": ModelQueue(),
-                "session": body["session_id"],
-            }
-            session["models"].append(target)
+            self._register(session, target, base, info["lora_rank"])
             return {"path": body["path"], "model_id": target, "type": "load_weights"}
 
-        return self._submit("LoadWeights", run(), model_id=target)
+        return self._submit(run(), model_id=target)
 
     async def _reload(self, model_id: str, base: str, folder: Path, with_optimizer: bool) -> dict[str, Any]:
         await self._train(base, "remove", model_id)
@@ -365,7 +357,7 @@ class TinkerService:
             return sample_response(out["sequences"], out["prompt_logprobs"])
 
         prefix = uuid.uuid4().hex[:12]
-        return self._submit("Sample", run(), sample_sequence_ids=[f"{prefix}-{i}" for i in range(n)])
+        return self._submit(run(), sample_sequence_ids=[f"{prefix}-{i}" for i in range(n)])
 
 
 def _prompt_tokens(prompt: dict[str, Any]) -> list[int]:

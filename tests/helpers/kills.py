@@ -43,13 +43,17 @@ def run_actor_pid(proc: subprocess.Popen, class_name: str) -> int:
 
     jobs = [j["JobID"] for j in state.job_table() if int(j["DriverPid"]) == proc.pid and not j["IsDead"]]
     assert len(jobs) == 1, jobs
-    actors = [
-        a
-        for a in state.actor_table(None).values()
-        if a["ActorClassName"] == class_name and a["State"] == "ALIVE" and a["JobID"] == jobs[0]
-    ]
+    actors = alive_actors(lambda a: a["ActorClassName"] == class_name and a["JobID"] == jobs[0])
     assert len(actors) == 1, actors
     return int(actors[0]["Pid"])
+
+
+def alive_actors(which) -> list[dict]:
+    """The live actors of this process's cluster that ``which(row)`` picks (rows of Ray's GCS actor
+    table: ``Name``, ``ActorClassName``, ``JobID``, ``Pid``, ``ActorID``)."""
+    from ray._private.state import state
+
+    return [a for a in state.actor_table(None).values() if a["State"] == "ALIVE" and which(a)]
 
 
 def _run_actor(proc: subprocess.Popen, class_name: str) -> int | None:

@@ -228,18 +228,15 @@ def _kill_role(role: str, base: str = "tiny") -> None:
     import os
     import signal
 
-    from ray._private.state import state
-
     from tests.conftest import wait_for
+    from tests.helpers.kills import alive_actors
 
-    def alive() -> list[dict]:
-        prefix = f"tinker-{role}:{base}:"
-        return [a for a in state.actor_table(None).values() if a["Name"].startswith(prefix) and a["State"] == "ALIVE"]
-
-    actors = alive()
+    prefix = f"tinker-{role}:{base}:"
+    actors = alive_actors(lambda a: a["Name"].startswith(prefix))
     assert len(actors) == 1, actors
     os.kill(int(actors[0]["Pid"]), signal.SIGKILL)
-    wait_for(lambda: not [a for a in alive() if a["ActorID"] == actors[0]["ActorID"]], 120, describe=alive)
+    gone = actors[0]["ActorID"]
+    wait_for(lambda: not alive_actors(lambda a: a["ActorID"] == gone), 120, describe=lambda: actors)
 
 
 def test_a_dead_sampler_is_replaced_and_a_dead_trainer_fails_its_clients_with_a_clear_error(trainer_url):

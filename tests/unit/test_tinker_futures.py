@@ -26,9 +26,9 @@ def test_a_models_calls_run_in_arrival_order_and_a_failure_stays_its_own():
             return run
 
         ids = [
-            futures.submit("Op", queue.run(1, call("first", wait=True))),
-            futures.submit("Op", queue.run(2, call("second", fail=True))),
-            futures.submit("Op", queue.run(3, call("third"))),
+            futures.submit(queue.run(1, call("first", wait=True))),
+            futures.submit(queue.run(2, call("second", fail=True))),
+            futures.submit(queue.run(3, call("third"))),
         ]
         assert await futures.wait(ids[2], 0.05) == ("pending", None)  # held behind the first
         assert log == []
@@ -50,7 +50,7 @@ def test_a_server_fault_is_named_and_an_unknown_id_is_the_users():
         async def broken():
             raise RuntimeError("the trainer died")
 
-        rid = futures.submit("Op", broken())
+        rid = futures.submit(broken())
         return await futures.wait(rid, 5), await futures.wait("nope", 5)
 
     fault, unknown = asyncio.run(scenario())
@@ -67,9 +67,9 @@ def test_queued_futures_are_bounded_and_finished_ones_kept_within_a_bound():
             await gate.wait()
             return "held"
 
-        first = [futures.submit("Op", held()), futures.submit("Op", held())]
+        first = [futures.submit(held()), futures.submit(held())]
         with pytest.raises(UserError, match="2 requests are queued"):
-            futures.submit("Op", held())
+            futures.submit(held())
         gate.set()
         await asyncio.sleep(0)
         await asyncio.gather(*futures.tasks.values())
@@ -79,7 +79,7 @@ def test_queued_futures_are_bounded_and_finished_ones_kept_within_a_bound():
 
         ids = []
         for v in range(4):
-            ids.append(futures.submit("Op", value(v)))
+            ids.append(futures.submit(value(v)))
             await futures.wait(ids[-1], 5)
         return futures, first, ids, await futures.wait(first[0], 5)
 
